@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: MIT
+//! CUDA runtime glue: check macros, RAII device guard / stream / event, and `Allocator<Cuda>`.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/tensor.hpp"
+#include "lockstep/runtime/replica_pool.hpp"
+
+namespace lockstep::cuda {
+namespace detail {
+
+[[noreturn]] inline void raise(const char* domain, int code, const std::string& code_name, const char* text,
+                               const char* expr, const char* file, int line) {
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+    throw DeviceError(std::string(domain) + " error " + std::to_string(code) + " (" + code_name + ": " + text +
+                          ") in `" + expr + "` at " + file + ":" + std::to_string(line),
+                      ReplicaPool::current_rank(), device);
+}
+
+inline const char* cublas_status_name(cublasStatus_t s) {
+    switch (s) {
+        case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+        case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+        case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+        case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+        case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+        case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+        default: return "CUBLAS_STATUS_OTHER";
+    }
+}
+
+}  // namespace detail
+}  // namespace lockstep::cuda
+
+//! Throws `lockstep::DeviceError` (with rank and device) when a CUDA runtime call fails.
+#define LOCKSTEP_CUDA_CHECK(expr)                                                                   \
+    do {                                                                                              \
+        const cudaError_t lockstep_err_ = (expr);                                                     \
+        if (lockstep_err_ != cudaSuccess) [[unlikely]]                                                \
+            ::lockstep::cuda::detail::raise("CUDA", static_cast<int>(lockstep_err_),                 \
+                                            cudaGetErrorName(lockstep_err_),                          \
+                                            cudaGetErrorString(lockstep_err_), #expr, __FILE__, __LINE__); \
+    } while (0)
+
+//! Throws `lockstep::DeviceError` when an NCCL call fails, with NCCL's own error string.
+#define LOCKSTEP_NCCL_CHECK(expr)                                                                   \
+    do {                                                                                              \
+        const ncclResult_t lockstep_res_ = (expr);                                                    \
+        if (lockstep_res_ != ncclSuccess) [[unlikely]]                                                \
+            ::lockstep::cuda::detail::raise("NCCL", static_cast<int>(lockstep_res_), "ncclResult_t",  \
+                                            ncclGetErrorString(lockstep_res_), #expr, __FILE__, __LINE__); \
+    } while (0)
+
+//! Throws `lockstep::DeviceError` when a cuBLAS call fails.
+#define LOCKSTEP_CUBLAS_CHECK(expr)                                                                 \
+    do {                                                                                              \
+        const cublasStatus_t lockstep_st_ = (expr);                                                   \
+        if (lockstep_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                       \
+            ::lockstep::cuda::detail::raise("cuBLAS", static_cast<int>(lockstep_st_),               \
+                                            ::lockstep::cuda::detail::cublas_status_name(lockstep_st_), \
+                                            cublasGetStatusString(lockstep_st_), #expr, __FILE__, __LINE__); \
+    } while (0)
+
+namespace lockstep::cuda {
+
+//! Number of usable CUDA devices. No driver, no device or a driver older than the runtime all
+//! mean "no GPU" (0), never an error: host-only machines run the host backend.
+inline int device_count() noexcept {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();  // clear the sticky error so later calls start clean
+        return 0;
+    }
+    return n;
+}
+
+//! Makes `device` current for the guard's lifetime and restores the previous one after.
+class DeviceGuard {
+public:
+    explicit DeviceGuard(int device) {
+        LOCKSTEP_CUDA_CHECK(cudaGetDevice(&previous_));
+        if (device != previous_) LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
+    }
+    DeviceGuard(const DeviceGuard&) = delete;
+    DeviceGuard& operator=(const DeviceGuard&) = delete;
+    ~DeviceGuard() { (void)cudaSetDevice(previous_); }
+
+private:
+    int previous_ = 0;
+};
+
+//! An owned, non-blocking CUDA stream on one device (move-only).
+class Stream {
+public:
+    Stream() = default;
+    explicit Stream(int device) : device_(device) {
+        DeviceGuard guard(device);
+        LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    }
+    Stream(Stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)), device_(o.device_) {}
+    Stream& operator=(Stream&& o) noexcept {
+        if (this != &o) {
+            destroy();
+            stream_ = std::exchange(o.stream_, nullptr);
+            device_ = o.device_;
+        }
+        return *this;
+    }
+    ~Stream() { destroy(); }
+
+    cudaStream_t get() const noexcept { return stream_; }
+    int device() const noexcept { return device_; }
+    void synchronize() const { LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+private:
+    void destroy() noexcept {
+        if (stream_ != nullptr) {
+            (void)cudaStreamSynchronize(stream_);
+            (void)cudaStreamDestroy(stream_);
+            stream_ = nullptr;
+        }
+    }
+    cudaStream_t stream_ = nullptr;
+    int device_ = -1;
+};
+
+//! An owned CUDA event without timing (move-only), to order work between streams.
+class Event {
+public:
+    Event() { LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+    Event(Event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+    Event& operator=(Event&& o) noexcept {
+        if (this != &o) {
+            if (event_ != nullptr) (void)cudaEventDestroy(event_);
+            event_ = std::exchange(o.event_, nullptr);
+        }
+        return *this;
+    }
+    ~Event() {
+        if (event_ != nullptr) (void)cudaEventDestroy(event_);
+    }
+    void record(cudaStream_t s) { LOCKSTEP_CUDA_CHECK(cudaEventRecord(event_, s)); }
+    void wait_on(cudaStream_t s) const { LOCKSTEP_CUDA_CHECK(cudaStreamWaitEvent(s, event_, 0)); }
+    void synchronize() const { LOCKSTEP_CUDA_CHECK(cudaEventSynchronize(event_)); }
+    cudaEvent_t get() const noexcept { return event_; }
+
+private:
+    cudaEvent_t event_ = nullptr;
+};
+
+//! The stream a replica thread allocates and launches on. Each replica thread sets it once
+//! (DataParallel does); threads that never set it use the legacy default stream.
+inline cudaStream_t& current_stream() noexcept {
+    thread_local cudaStream_t stream = nullptr;
+    return stream;
+}
+
+//! Makes `s` the calling thread's current stream for the guard's lifetime.
+class StreamGuard {
+public:
+    explicit StreamGuard(cudaStream_t s) noexcept : previous_(std::exchange(current_stream(), s)) {}
+    StreamGuard(const StreamGuard&) = delete;
+    StreamGuard& operator=(const StreamGuard&) = delete;
+    ~StreamGuard() { current_stream() = previous_; }
+
+private:
+    cudaStream_t previous_;
+};
+
+}  // namespace lockstep::cuda
+
+namespace lockstep::detail {
+
+//! Device memory through the stream-ordered allocator on the calling thread's current stream.
+template <>
+struct Allocator<Cuda> {
+    static void* allocate(std::size_t bytes, Device device) {
+        if (bytes == 0) return nullptr;
+        cuda::DeviceGuard guard(device.index);
+        void* p = nullptr;
+        LOCKSTEP_CUDA_CHECK(cudaMallocAsync(&p, bytes, cuda::current_stream()));
+        return p;
+    }
+    static void deallocate(void* p, std::size_t, Device device) noexcept {
+        int previous = 0;
+        if (cudaGetDevice(&previous) != cudaSuccess) return;
+        (void)cudaSetDevice(device.index);
+        (void)cudaFreeAsync(p, cuda::current_stream());
+        (void)cudaSetDevice(previous);
+    }
+    static void copy(void* dst, const void* src, std::size_t bytes, Device device) {
+        if (bytes == 0) return;
+        cuda::DeviceGuard guard(device.index);
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::current_stream()));
+    }
+    static void fill_zero(void* dst, std::size_t bytes, Device device) {
+        if (bytes == 0) return;
+        cuda::DeviceGuard guard(device.index);
+        LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::current_stream()));
+    }
+};
+
+}  // namespace lockstep::detail
+
+namespace lockstep::cuda {
+
+//! Copies a host tensor to `device` (on the current stream; synchronizes before returning).
+template <class T>
+Tensor<T, Cuda> to_device(const Tensor<T, Host>& host, int device) {
+    Tensor<T, Cuda> out(host.shape(), host.format(), Device::cuda(device));
+    DeviceGuard guard(device);
+    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(out.data(), host.data(), host.bytes(), cudaMemcpyHostToDevice, current_stream()));
+    LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+    return out;
+}
+
+//! Copies a device tensor back to the host (synchronizes the current stream).
+template <class T>
+Tensor<T, Host> to_host(const Tensor<T, Cuda>& dev) {
+    Tensor<T, Host> out(dev.shape(), dev.format());
+    DeviceGuard guard(dev.device().index);
+    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(out.data(), dev.data(), dev.bytes(), cudaMemcpyDeviceToHost, current_stream()));
+    LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+    return out;
+}
+
+}  // namespace lockstep::cuda

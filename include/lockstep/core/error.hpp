@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: MIT
+//! The lockstep exception hierarchy and the `LOCKSTEP_CHECK` macro that raises it with context.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace lockstep {
+
+//! Base of every exception lockstep throws. Carries the replica rank and device it happened on
+//! (-1 when not known, e.g. outside a parallel region).
+class Error : public std::runtime_error {
+public:
+    explicit Error(const std::string& what, int rank = -1, int device = -1)
+        : std::runtime_error(what), message_(what), rank_(rank), device_(device) {}
+
+    int rank() const noexcept { return rank_; }
+    int device() const noexcept { return device_; }
+
+    //! Records where the error happened; the replica pool fills it in for errors raised by a replica.
+    void set_origin(int rank, int device) noexcept {
+        if (rank_ < 0) rank_ = rank;
+        if (device_ < 0) device_ = device;
+    }
+
+    const char* what() const noexcept override {
+        if (rank_ < 0) return message_.c_str();
+        if (decorated_.empty()) {
+            try {
+                decorated_ = "[rank " + std::to_string(rank_) +
+                             (device_ >= 0 ? ", device " + std::to_string(device_) : std::string()) + "] " +
+                             message_;
+            } catch (...) {
+                return message_.c_str();
+            }
+        }
+        return decorated_.c_str();
+    }
+
+    //! The message without the rank/device prefix.
+    const std::string& message() const noexcept { return message_; }
+
+private:
+    std::string message_;
+    mutable std::string decorated_;
+    int rank_;
+    int device_;
+};
+
+//! An argument or input the caller can fix (shape, size, value out of range).
+class InvalidArgument : public Error { using Error::Error; };
+//! A tensor's shape or layout does not match what the operation needs.
+class ShapeError : public InvalidArgument { using InvalidArgument::InvalidArgument; };
+//! Replicas reached different collectives (different site, kind or element count).
+class CollectiveMismatch : public Error { using Error::Error; };
+//! A collective was abandoned because another replica failed or `abort()` was called.
+class CollectiveAborted : public Error { using Error::Error; };
+//! A wait exceeded its timeout; the message names the ranks that never arrived.
+class Timeout : public Error { using Error::Error; };
+//! A file could not be read or written, or its content is not what was expected.
+class IoError : public Error { using Error::Error; };
+//! A CUDA runtime, cuBLAS or NCCL call failed.
+class DeviceError : public Error { using Error::Error; };
+//! The library was used in a way it does not support (wrong order of calls, missing backend).
+class UsageError : public Error { using Error::Error; };
+
+namespace detail {
+
+template <class... Args>
+std::string concat(Args&&... args) {
+    std::ostringstream os;
+    (os << ... << std::forward<Args>(args));
+    return os.str();
+}
+
+template <class E, class... Args>
+[[noreturn]] void raise(const char* expr, const char* file, int line, Args&&... args) {
+    std::ostringstream os;
+    (os << ... << std::forward<Args>(args));
+    if (expr != nullptr) os << " (check `" << expr << "` failed at " << file << ':' << line << ')';
+    throw E(os.str());
+}
+
+}  // namespace detail
+}  // namespace lockstep
+
+//! Throws `ErrorType` with the streamed message, the failed expression, file and line when `cond` is false.
+#define LOCKSTEP_CHECK_AS(ErrorType, cond, ...)                                                    \
+    do {                                                                                             \
+        if (!(cond)) [[unlikely]]                                                                    \
+            ::lockstep::detail::raise<ErrorType>(#cond, __FILE__, __LINE__, __VA_ARGS__);            \
+    } while (0)
+
+//! Throws `lockstep::InvalidArgument` when `cond` is false.
+#define LOCKSTEP_CHECK(cond, ...) LOCKSTEP_CHECK_AS(::lockstep::InvalidArgument, cond, __VA_ARGS__)

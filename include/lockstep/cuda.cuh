@@ -1,0 +1,6 @@
+// SPDX-License-Identifier: MIT
+//! lockstep's umbrella header for the CUDA backend (needs nvcc, CUDA 13, NCCL, cuBLAS, CUB).
+#pragma once
+
+#include "lockstep/lockstep.hpp"
+#include "lockstep/core/cuda_runtime.cuh"
