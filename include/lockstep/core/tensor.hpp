@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <span>
 #include <type_traits>
@@ -17,23 +19,102 @@
 #include "lockstep/core/shape.hpp"
 
 namespace lockstep {
+
+//! Tag for a tensor whose elements are about to be overwritten: skips the zero fill.
+struct Uninitialized {
+    explicit Uninitialized() = default;
+};
+inline constexpr Uninitialized uninitialized{};
+
 namespace detail {
 
 //! Memory of one backend. `Allocator<Host>` is defined here; `Allocator<Cuda>` in `<lockstep/cuda.cuh>`.
 template <class B>
 struct Allocator;
 
-template <>
-struct Allocator<Host> {
-    static constexpr std::size_t alignment = 64;  // a cache line: vector loads never split one
-    static void* allocate(std::size_t bytes, Device) {
-        if (bytes == 0) return nullptr;
-        const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
-        void* p = std::aligned_alloc(alignment, rounded);
-        if (p == nullptr) throw std::bad_alloc();
+// Note [host allocation cache]
+// Large host blocks come from mmap and go back on free, so every new activation of a training
+// step would fault its pages in again (for a 12 MiB tensor that costs more than the layer's
+// arithmetic). Freed blocks are kept by size, up to a cap, and handed out again: a step's
+// tensors have the same sizes every step, so after the first step nothing is faulted in.
+
+//! Process-wide cache of freed host blocks, keyed by rounded size.
+class HostBlockCache {
+public:
+    static constexpr std::size_t alignment = 64;                  // a cache line: vector loads never split one
+    static constexpr std::size_t min_cached = std::size_t{1} << 16;  // small blocks: malloc is fast enough
+    static constexpr std::size_t cap = std::size_t{1} << 30;       // at most 1 GiB kept idle
+
+    static HostBlockCache& instance() {
+        static HostBlockCache cache;
+        return cache;
+    }
+
+    static std::size_t rounded(std::size_t bytes) {
+        const std::size_t page = bytes >= min_cached ? 4096 : alignment;
+        return (bytes + page - 1) / page * page;
+    }
+
+    void* allocate(std::size_t bytes) {
+        const std::size_t size = rounded(bytes);
+        if (size >= min_cached) {
+            std::lock_guard lock(mutex_);
+            auto it = free_.find(size);
+            if (it != free_.end()) {
+                void* p = it->second;
+                free_.erase(it);
+                idle_ -= size;
+                return p;
+            }
+        }
+        void* p = std::aligned_alloc(alignment, size);
+        if (p == nullptr) {
+            release_all();
+            p = std::aligned_alloc(alignment, size);
+            if (p == nullptr) throw std::bad_alloc();
+        }
         return p;
     }
-    static void deallocate(void* p, std::size_t, Device) noexcept { std::free(p); }
+
+    void deallocate(void* p, std::size_t bytes) noexcept {
+        const std::size_t size = rounded(bytes);
+        if (size >= min_cached) {
+            std::lock_guard lock(mutex_);
+            if (idle_ + size <= cap) {
+                try {
+                    free_.emplace(size, p);
+                    idle_ += size;
+                    return;
+                } catch (...) {  // no room to remember it: free it below
+                }
+            }
+        }
+        std::free(p);
+    }
+
+    //! Frees every idle block (also called when an allocation fails).
+    void release_all() noexcept {
+        std::lock_guard lock(mutex_);
+        for (auto& [size, p] : free_) std::free(p);
+        free_.clear();
+        idle_ = 0;
+    }
+
+    ~HostBlockCache() { release_all(); }
+
+private:
+    std::mutex mutex_;
+    std::multimap<std::size_t, void*> free_;
+    std::size_t idle_ = 0;
+};
+
+template <>
+struct Allocator<Host> {
+    static void* allocate(std::size_t bytes, Device) {
+        if (bytes == 0) return nullptr;
+        return HostBlockCache::instance().allocate(bytes);
+    }
+    static void deallocate(void* p, std::size_t bytes, Device) noexcept { HostBlockCache::instance().deallocate(p, bytes); }
     static void copy(void* dst, const void* src, std::size_t bytes, Device) {
         if (bytes != 0) std::memcpy(dst, src, bytes);
     }
@@ -61,16 +142,27 @@ public:
     //! Zero-filled tensor of `shape` on `device`.
     explicit Tensor(Shape shape, MemoryFormat format = MemoryFormat::nchw,
                     Device device = Device{device_kind_of<B>(), 0})
+        : Tensor(shape, format, device, uninitialized) {
+        alloc::fill_zero(data_, bytes(), device_);
+    }
+
+    //! Tensor of `shape` whose elements are left unset; for outputs that are written in full.
+    Tensor(Shape shape, MemoryFormat format, Device device, Uninitialized)
         : shape_(shape), format_(format), device_(device) {
         LOCKSTEP_CHECK(device.kind == device_kind_of<B>(), "a ", B::name, " tensor cannot live on device ", device);
         LOCKSTEP_CHECK(format == MemoryFormat::nchw || shape.rank() == 4,
                        "NHWC applies to 4-D tensors only; got shape ", shape);
         data_ = static_cast<T*>(alloc::allocate(bytes(), device_));
-        alloc::fill_zero(data_, bytes(), device_);
     }
 
-    Tensor(const Tensor& other) : shape_(other.shape_), format_(other.format_), device_(other.device_) {
-        data_ = static_cast<T*>(alloc::allocate(bytes(), device_));
+    //! An uninitialized tensor with `like`'s shape, format and device.
+    static Tensor empty_like(const Tensor& like) { return Tensor(like.shape(), like.format(), like.device(), uninitialized); }
+    template <class U>
+    static Tensor empty_like(const Tensor<U, B>& like) {
+        return Tensor(like.shape(), like.format(), like.device(), uninitialized);
+    }
+
+    Tensor(const Tensor& other) : Tensor(other.shape_, other.format_, other.device_, uninitialized) {
         alloc::copy(data_, other.data_, bytes(), device_);
     }
     Tensor(Tensor&& other) noexcept

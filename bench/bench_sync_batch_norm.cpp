@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: MIT
+//! SyncBatchNorm training forward + backward on host replicas. Effective bandwidth counts the
+//! minimum traffic (5 x tensor bytes: read x twice, write y, read dy, write dx is the classic
+//! figure) and `vs_memcpy` divides it by memcpy bandwidth measured in the same process.
+#include <benchmark/benchmark.h>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/nn/sync_batch_norm.hpp>
+
+#include <chrono>
+#include <random>
+#include <vector>
+
+#include "bench_util.hpp"
+
+namespace {
+
+using namespace lockstep;
+
+void BM_SyncBatchNorm(benchmark::State& state) {
+    const std::int64_t N = state.range(0), C = state.range(1), HW = state.range(2);
+    const auto format = state.range(3) == 0 ? MemoryFormat::nchw : MemoryFormat::nhwc;
+    const int world = static_cast<int>(state.range(4));
+    const std::int64_t per_replica = N / world;  // each replica holds N / world samples
+    auto comms = comm::HostCommunicator::create_group(world);
+    std::vector<comm::CollectivesOf<comm::HostCommunicator>> adapters(comms.begin(), comms.end());
+    ReplicaPool pool(world);
+    nn::SyncBatchNorm<> proto(C, {.format = format});
+    std::vector<nn::SyncBatchNorm<>> bns(static_cast<std::size_t>(world), proto);
+    std::vector<Tensor<float>> xs, dys;
+    std::mt19937 gen(1);
+    std::normal_distribution<float> dist;
+    for (int r = 0; r < world; ++r) {
+        xs.emplace_back(Shape{per_replica, C, HW, HW}, format);
+        dys.emplace_back(Shape{per_replica, C, HW, HW}, format);
+        for (auto& v : xs.back().span()) v = dist(gen);
+        for (auto& v : dys.back().span()) v = dist(gen);
+    }
+    const auto bytes = static_cast<std::size_t>(xs[0].bytes());
+    const double memcpy_bw = lockstep::bench::memcpy_bandwidth(bytes);
+    auto job = [&](int r) {
+        const auto ur = static_cast<std::size_t>(r);
+        nn::Context ctx;
+        ctx.rank = r;
+        ctx.world = world;
+        ctx.comm = &adapters[ur];
+        // The input is moved in, as a network hands over its activations; the output (normalized
+        // data again, since weight = 1 and bias = 0) is the next iteration's input.
+        auto y = bns[ur].forward(ctx, std::move(xs[ur]));
+        auto dx = bns[ur].backward(ctx, dys[ur]);
+        benchmark::DoNotOptimize(dx.data());
+        xs[ur] = std::move(y);
+    };
+    pool.run(job);
+    double seconds = 0;
+    for (auto _ : state) {
+        const auto t0 = std::chrono::steady_clock::now();
+        pool.run(job);
+        seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    // Per replica: 5 x its tensor bytes in the measured time.
+    const double per_replica_bw = 5.0 * static_cast<double>(bytes) * static_cast<double>(state.iterations()) / seconds;
+    state.SetBytesProcessed(static_cast<std::int64_t>(5 * bytes * static_cast<std::size_t>(world)) * state.iterations());
+    state.counters["replica_GBps"] = per_replica_bw / 1e9;
+    state.counters["vs_memcpy"] = per_replica_bw / memcpy_bw;
+}
+
+// (N, C, H=W, layout 0=NCHW 1=NHWC, replicas): the global batch is split over the replicas.
+BENCHMARK(BM_SyncBatchNorm)
+    ->ArgNames({"N", "C", "HW", "nhwc", "replicas"})
+    ->ArgsProduct({{64}, {64}, {28}, {0, 1}, {1, 2}})
+    ->ArgsProduct({{32}, {256}, {14}, {0, 1}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

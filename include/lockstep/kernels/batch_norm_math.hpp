@@ -1,0 +1,125 @@
+// SPDX-License-Identifier: MIT
+//! Batch-norm math written once for both backends (`__host__ __device__` under nvcc).
+#pragma once
+
+#include <math.h>
+#include <cstdint>
+
+#include "lockstep/core/config.hpp"
+
+namespace lockstep::kernels::bn {
+
+// Note [shifted statistics]
+// A replica sums d = x - k_r per channel, with k_r a local shift (its first value of the
+// channel): fp32 over short blocks, fp64 across blocks, so no large sum is ever formed in fp32.
+// It then re-centres its sums on the shift K that every replica shares (the running mean) and
+// contributes the additive payload [S_c = sum(x - K), Q_c = sum((x - K)^2), n] in fp64, which one
+// all-reduce adds up. mean = K + S/N and var = Q/N - (S/N)^2 keep the cancellation in fp64 and
+// small when K is near the mean: E[x^2] - E[x]^2 in fp32 loses everything when |mean| >> std.
+
+//! Offsets into the forward payload of `channels` channels: 2C+1 doubles.
+struct ForwardPayload {
+    std::int64_t channels;
+    LOCKSTEP_HD constexpr std::int64_t size() const { return 2 * channels + 1; }
+    LOCKSTEP_HD constexpr std::int64_t sum(std::int64_t c) const { return c; }
+    LOCKSTEP_HD constexpr std::int64_t sum_sq(std::int64_t c) const { return channels + c; }
+    LOCKSTEP_HD constexpr std::int64_t count() const { return 2 * channels; }
+};
+
+//! Offsets into the backward payload: [sum(dy) | sum(dy * (x - mean))], 2C doubles.
+struct BackwardPayload {
+    std::int64_t channels;
+    LOCKSTEP_HD constexpr std::int64_t size() const { return 2 * channels; }
+    LOCKSTEP_HD constexpr std::int64_t sum_dy(std::int64_t c) const { return c; }
+    LOCKSTEP_HD constexpr std::int64_t sum_dy_xmu(std::int64_t c) const { return channels + c; }
+};
+
+//! Local sums about a local shift k: n values, s = sum(x - k), q = sum((x - k)^2).
+struct ShiftedSums {
+    double n = 0, s = 0, q = 0;
+    double shift = 0;
+};
+
+//! Adds the sums of another part with the same shift (sums about a common shift are additive).
+LOCKSTEP_HD inline void merge_same_shift(ShiftedSums& a, const ShiftedSums& b) {
+    a.n += b.n;
+    a.s += b.s;
+    a.q += b.q;
+}
+
+//! The same sums re-centred on `shift`: sum(x - K) and sum((x - K)^2) from those about k.
+LOCKSTEP_HD inline ShiftedSums recentre(const ShiftedSums& a, double shift) {
+    const double delta = a.shift - shift;  // x - K = (x - k) + delta
+    ShiftedSums r;
+    r.n = a.n;
+    r.s = a.s + a.n * delta;
+    r.q = a.q + 2.0 * delta * a.s + a.n * delta * delta;
+    r.shift = shift;
+    return r;
+}
+
+//! Global statistics of one channel from the all-reduced payload.
+struct ChannelStats {
+    double mean;
+    double var;     // biased (divides by N), the one that normalizes
+    double invstd;  // 1 / sqrt(var + eps)
+};
+
+//! mean = K + S/N, var = Q/N - (S/N)^2 (a tiny negative from rounding becomes 0; NaN stays NaN).
+LOCKSTEP_HD inline ChannelStats finish(double n, double s, double q, double shift, double eps) {
+    const double m = s / n;
+    double var = q / n - m * m;
+    if (var < 0.0) var = 0.0;
+    return {shift + m, var, 1.0 / ::sqrt(var + eps)};
+}
+
+// Note [split mean]
+// The fp64 mean is kept as two floats, hi = fp32(mean) and lo = fp32(mean - hi). x - hi is exact
+// when x is near the mean (Sterbenz), so (x - hi) - lo is x - mean to fp32 precision even when
+// |mean| >> std, where fp32(x - fp32(mean)) would be off by the mean's rounding (at mean 1e4 that
+// is 5e-4, i.e. 5% of a std of 1e-2).
+
+//! The fp64 mean as hi + lo floats.
+struct SplitMean {
+    float hi, lo;
+};
+LOCKSTEP_HD inline SplitMean split_mean(double mean) {
+    const float hi = static_cast<float>(mean);
+    return {hi, static_cast<float>(mean - static_cast<double>(hi))};
+}
+
+//! x - mean to fp32 precision (see Note [split mean]).
+LOCKSTEP_HD inline float centre(float x, float mean_hi, float mean_lo) { return (x - mean_hi) - mean_lo; }
+
+//! y = (x - mean) * (invstd * gamma) + beta; `scale` = invstd * gamma, precomputed per channel.
+//! The difference comes first so a large mean cancels exactly before scaling.
+LOCKSTEP_HD inline float normalize(float x, float mean_hi, float mean_lo, float scale, float beta) {
+    return centre(x, mean_hi, mean_lo) * scale + beta;
+}
+
+//! dx = gamma * invstd * (dy - sum(dy)/N - xhat * sum(dy * xhat)/N), with per-channel constants
+//! k1 = gamma * invstd, mean_dy = sum(dy)/N and k2 = invstd^2 * sum(dy * (x - mean))/N.
+LOCKSTEP_HD inline float backward(float dy, float x, float mean_hi, float mean_lo, float k1, float mean_dy, float k2) {
+    return k1 * (dy - mean_dy - centre(x, mean_hi, mean_lo) * k2);
+}
+
+//! Per-channel constants of `backward` from the all-reduced sums.
+struct BackwardConstants {
+    float k1, mean_dy, k2;
+};
+LOCKSTEP_HD inline BackwardConstants backward_constants(double n, double sum_dy, double sum_dy_xmu, double invstd,
+                                                        double gamma) {
+    return {static_cast<float>(gamma * invstd), static_cast<float>(sum_dy / n),
+            static_cast<float>(invstd * invstd * sum_dy_xmu / n)};
+}
+
+//! PyTorch's running-statistics update with the global mean and the unbiased global variance:
+//! r_mean = (1 - m) r_mean + m mean, r_var = (1 - m) r_var + m var N / (N - 1).
+LOCKSTEP_HD inline void update_running(float& running_mean, float& running_var, const ChannelStats& st, double n,
+                                       double momentum) {
+    const double unbiased = st.var * n / (n - 1.0);
+    running_mean = static_cast<float>((1.0 - momentum) * running_mean + momentum * st.mean);
+    running_var = static_cast<float>((1.0 - momentum) * running_var + momentum * unbiased);
+}
+
+}  // namespace lockstep::kernels::bn

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: MIT
+//! The batch-norm math shared with the host, run inside a CUDA kernel and compared with the host's
+//! results of the same functions. Exits 77 (skipped) where no GPU is present.
+#include <lockstep/cuda.cuh>
+#include <lockstep/kernels/batch_norm_math.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+namespace bn = lockstep::kernels::bn;
+
+namespace {
+
+struct Row {
+    float x, dy;
+};
+struct Out {
+    float y, dx, running_mean, running_var;
+    double invstd;
+};
+
+__host__ __device__ Out apply(Row r, double n, double s, double q) {
+    const auto st = bn::finish(n, s, q, 0.5, 1e-5);
+    const auto m = bn::split_mean(st.mean);
+    const float scale = static_cast<float>(st.invstd) * 1.25f;
+    const auto k = bn::backward_constants(n, 3.0, -2.0, st.invstd, 1.25);
+    Out o{};
+    o.y = bn::normalize(r.x, m.hi, m.lo, scale, 0.25f);
+    o.dx = bn::backward(r.dy, r.x, m.hi, m.lo, k.k1, k.mean_dy, k.k2);
+    o.running_mean = 0.0f;
+    o.running_var = 1.0f;
+    bn::update_running(o.running_mean, o.running_var, st, n, 0.1);
+    o.invstd = st.invstd;
+    return o;
+}
+
+__global__ void apply_kernel(const Row* rows, Out* out, int count, double n, double s, double q) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) out[i] = apply(rows[i], n, s, q);
+}
+
+}  // namespace
+
+int main() {
+    if (lockstep::cuda::device_count() == 0) {
+        std::puts("no CUDA device: skipping (exit 77)");
+        return 77;
+    }
+    const int count = 1000;
+    std::vector<Row> rows(count);
+    for (int i = 0; i < count; ++i) rows[i] = {0.5f + 0.01f * static_cast<float>(i % 37), 0.1f * static_cast<float>(i % 11) - 0.5f};
+    const double n = 1000, s = 12.5, q = 40.0;
+    Row* d_rows = nullptr;
+    Out* d_out = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaMalloc(&d_rows, sizeof(Row) * count));
+    LOCKSTEP_CUDA_CHECK(cudaMalloc(&d_out, sizeof(Out) * count));
+    LOCKSTEP_CUDA_CHECK(cudaMemcpy(d_rows, rows.data(), sizeof(Row) * count, cudaMemcpyHostToDevice));
+    apply_kernel<<<(count + 255) / 256, 256>>>(d_rows, d_out, count, n, s, q);
+    LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+    std::vector<Out> got(count);
+    LOCKSTEP_CUDA_CHECK(cudaMemcpy(got.data(), d_out, sizeof(Out) * count, cudaMemcpyDeviceToHost));
+    LOCKSTEP_CUDA_CHECK(cudaFree(d_rows));
+    LOCKSTEP_CUDA_CHECK(cudaFree(d_out));
+    int bad = 0;
+    for (int i = 0; i < count; ++i) {
+        const Out want = apply(rows[i], n, s, q);
+        // Device fp32 may contract to FMA where the host does not: allow a few ulps.
+        bad += std::abs(got[i].y - want.y) > 1e-6f * (1 + std::abs(want.y));
+        bad += std::abs(got[i].dx - want.dx) > 1e-6f * (1 + std::abs(want.dx));
+        bad += std::abs(got[i].running_mean - want.running_mean) > 1e-6f * (1 + std::abs(want.running_mean));
+        bad += std::abs(got[i].running_var - want.running_var) > 1e-6f * (1 + std::abs(want.running_var));
+        bad += std::abs(got[i].invstd - want.invstd) > 1e-15 * want.invstd;
+    }
+    std::printf("%d mismatch(es) between device and host batch-norm math over %d rows\n", bad, count);
+    return bad == 0 ? 0 : 1;
+}

@@ -1,0 +1,386 @@
+// SPDX-License-Identifier: MIT
+//! SyncBatchNorm on host replicas against an fp64 batch norm of the whole (concatenated) batch.
+#include <catch2/catch.hpp>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/nn/sync_batch_norm.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+using namespace lockstep;
+using namespace std::chrono_literals;
+using nn::SyncBatchNorm;
+
+namespace {
+
+// fp64 batch norm of the global batch, PyTorch semantics.
+struct Reference {
+    std::vector<double> y, dx, dgamma, dbeta, mean, var;
+    double dx_terms = 0;  // largest |gamma * invstd * dy|: the size of the terms dx cancels from
+    double dgamma_terms = 0, dbeta_terms = 0;  // largest sum |dy * xhat|, sum |dy| over channels
+};
+
+Reference reference_bn(const std::vector<double>& x, const std::vector<double>& dy, const std::vector<double>& gamma,
+                       const std::vector<double>& beta, std::int64_t N, std::int64_t C, std::int64_t P, double eps) {
+    Reference r;
+    const auto idx = [&](std::int64_t n, std::int64_t c, std::int64_t p) { return static_cast<std::size_t>((n * C + c) * P + p); };
+    r.y.resize(x.size());
+    r.dx.resize(x.size());
+    r.dgamma.assign(static_cast<std::size_t>(C), 0.0);
+    r.dbeta.assign(static_cast<std::size_t>(C), 0.0);
+    r.mean.assign(static_cast<std::size_t>(C), 0.0);
+    r.var.assign(static_cast<std::size_t>(C), 0.0);
+    const double M = static_cast<double>(N * P);
+    for (std::int64_t c = 0; c < C; ++c) {
+        const auto uc = static_cast<std::size_t>(c);
+        double s = 0;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) s += x[idx(n, c, p)];
+        const double mean = s / M;
+        double v = 0;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) v += (x[idx(n, c, p)] - mean) * (x[idx(n, c, p)] - mean);
+        const double var = v / M, invstd = 1.0 / std::sqrt(var + eps);
+        r.mean[uc] = mean;
+        r.var[uc] = var;
+        double sdy = 0, sdyxh = 0;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                const double xh = (x[idx(n, c, p)] - mean) * invstd;
+                r.y[idx(n, c, p)] = xh * gamma[uc] + beta[uc];
+                r.dx_terms = std::max(r.dx_terms, std::abs(gamma[uc] * invstd * dy[idx(n, c, p)]));
+                sdy += dy[idx(n, c, p)];
+                sdyxh += dy[idx(n, c, p)] * xh;
+            }
+        r.dgamma[uc] = sdyxh;
+        r.dbeta[uc] = sdy;
+        double adyxh = 0, ady = 0;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                adyxh += std::abs(dy[idx(n, c, p)] * (x[idx(n, c, p)] - mean) * invstd);
+                ady += std::abs(dy[idx(n, c, p)]);
+            }
+        r.dgamma_terms = std::max(r.dgamma_terms, adyxh);
+        r.dbeta_terms = std::max(r.dbeta_terms, ady);
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                const double xh = (x[idx(n, c, p)] - mean) * invstd;
+                r.dx[idx(n, c, p)] = gamma[uc] * invstd * (dy[idx(n, c, p)] - sdy / M - xh * sdyxh / M);
+            }
+    }
+    return r;
+}
+
+// Host replicas of one SyncBatchNorm prototype, each with its own communicator, as DataParallel
+// will hold them.
+struct Replicas {
+    Replicas(int world, const SyncBatchNorm<>& proto)
+        : comms(comm::HostCommunicator::create_group(world, 30s)), pool(world) {
+        pool.attach(comms[0].group_ptr());
+        for (int r = 0; r < world; ++r) {
+            bns.push_back(proto);
+            adapters.emplace_back(comms[static_cast<std::size_t>(r)]);
+        }
+        for (int r = 0; r < world; ++r) {
+            nn::Context ctx;
+            ctx.rank = r;
+            ctx.world = world;
+            ctx.comm = &adapters[static_cast<std::size_t>(r)];
+            contexts.push_back(ctx);
+        }
+    }
+    std::vector<comm::HostCommunicator> comms;
+    ReplicaPool pool;
+    std::vector<SyncBatchNorm<>> bns;
+    std::vector<comm::CollectivesOf<comm::HostCommunicator>> adapters;
+    std::vector<nn::Context> contexts;
+};
+
+// Logical (N, C, P) values of a global batch -> one shard tensor per replica, in `format`.
+std::vector<Tensor<float>> scatter(const std::vector<double>& global, const std::vector<std::int64_t>& sizes, std::int64_t C,
+                                   std::int64_t H, std::int64_t W, bool four_d, MemoryFormat format) {
+    std::vector<Tensor<float>> shards;
+    std::int64_t row = 0;
+    const std::int64_t P = H * W;
+    for (auto n_r : sizes) {
+        Tensor<float> t(four_d ? Shape{n_r, C, H, W} : Shape{n_r, C}, four_d ? format : MemoryFormat::nchw);
+        for (std::int64_t n = 0; n < n_r; ++n)
+            for (std::int64_t c = 0; c < C; ++c)
+                for (std::int64_t p = 0; p < P; ++p)
+                    t[test::offset(n, c, p, C, P, t.format())] =
+                        static_cast<float>(global[static_cast<std::size_t>(((row + n) * C + c) * P + p)]);
+        row += n_r;
+        shards.push_back(std::move(t));
+    }
+    return shards;
+}
+
+// Gathers shard tensors back into logical NCHW order.
+std::vector<double> gather(const std::vector<Tensor<float>>& shards, std::int64_t C, std::int64_t P) {
+    std::vector<double> out;
+    for (const auto& t : shards)
+        for (std::int64_t n = 0; n < t.dim(0); ++n)
+            for (std::int64_t c = 0; c < C; ++c)
+                for (std::int64_t p = 0; p < P; ++p) out.push_back(t[test::offset(n, c, p, C, P, t.format())]);
+    return out;
+}
+
+std::vector<double> random_values(std::size_t n, std::mt19937_64& gen, double mean, double stddev) {
+    std::normal_distribution<double> dist(mean, stddev);
+    std::vector<double> v(n);
+    for (auto& x : v) x = static_cast<double>(static_cast<float>(dist(gen)));  // representable in fp32
+    return v;
+}
+
+}  // namespace
+
+TEST_CASE("SyncBatchNorm matches fp64 batch norm of the whole batch", "[syncbn]") {
+    const std::int64_t C = GENERATE(1, 3, 64, 129);
+    const auto hw = GENERATE(std::pair<std::int64_t, std::int64_t>{0, 0}, std::pair<std::int64_t, std::int64_t>{1, 1},
+                             std::pair<std::int64_t, std::int64_t>{7, 5}, std::pair<std::int64_t, std::int64_t>{28, 28});
+    const auto format = GENERATE(MemoryFormat::nchw, MemoryFormat::nhwc);
+    const bool four_d = hw.first > 0;
+    if (!four_d && format == MemoryFormat::nhwc) return;  // 2-D input has one layout
+    if (C == 129 && hw.first == 28) return;               // covered by C = 64 at 28x28; keeps the suite short
+    const std::int64_t H = four_d ? hw.first : 1, W = four_d ? hw.second : 1, P = H * W;
+    const auto seed = test::fresh_seed();
+    std::mt19937_64 gen(seed);
+    const double eps = 1e-5, momentum = 0.1;
+
+    for (int world = 1; world <= 4; ++world) {
+        for (const std::string split : {"even", "uneven", "empty"}) {
+            if (split == "empty" && world == 1) continue;
+            const auto sizes = test::shard_sizes(world, split);
+            const std::int64_t N = std::accumulate(sizes.begin(), sizes.end(), std::int64_t{0});
+            CAPTURE(seed, C, H, W, to_string(format), world, split);
+
+            SyncBatchNorm<> proto(C, {.eps = eps, .momentum = momentum, .format = format});
+            std::uniform_real_distribution<double> u(0.5, 1.5);
+            std::vector<double> gamma(static_cast<std::size_t>(C)), beta(static_cast<std::size_t>(C));
+            for (std::int64_t c = 0; c < C; ++c) {
+                proto.weight.value[c] = static_cast<float>(gamma[static_cast<std::size_t>(c)] = static_cast<float>(u(gen)));
+                proto.bias.value[c] = static_cast<float>(beta[static_cast<std::size_t>(c)] = static_cast<float>(u(gen) - 1.0));
+            }
+            Replicas reps(world, proto);
+            std::vector<double> rm(static_cast<std::size_t>(C), 0.0), rv(static_cast<std::size_t>(C), 1.0);
+
+            for (int step = 0; step < 5; ++step) {
+                const auto xg = random_values(static_cast<std::size_t>(N * C * P), gen, 2.0, 3.0);
+                const auto dyg = random_values(xg.size(), gen, 0.0, 1.0);
+                auto xs = scatter(xg, sizes, C, H, W, four_d, format);
+                auto dys = scatter(dyg, sizes, C, H, W, four_d, format);
+                std::vector<Tensor<float>> ys(static_cast<std::size_t>(world)), dxs(static_cast<std::size_t>(world));
+                std::vector<std::uint64_t> fwd_collectives(static_cast<std::size_t>(world)), bwd_collectives(static_cast<std::size_t>(world));
+                for (auto& bn : reps.bns) {
+                    bn.weight.grad.zero();
+                    bn.bias.grad.zero();
+                }
+                reps.pool.run([&](int r) {
+                    const auto ur = static_cast<std::size_t>(r);
+                    const auto c0 = reps.comms[ur].collective_count();
+                    ys[ur] = reps.bns[ur].forward(reps.contexts[ur], xs[ur]);
+                    const auto c1 = reps.comms[ur].collective_count();
+                    dxs[ur] = reps.bns[ur].backward(reps.contexts[ur], dys[ur]);
+                    fwd_collectives[ur] = c1 - c0;
+                    bwd_collectives[ur] = reps.comms[ur].collective_count() - c1;
+                });
+                const auto ref = reference_bn(xg, dyg, gamma, beta, N, C, P, eps);
+                CHECK(test::rel_error(gather(ys, C, P), ref.y) <= 1e-5);
+                CHECK(test::rel_error(gather(dxs, C, P), ref.dx, ref.dx_terms) <= 1e-5);
+                std::vector<double> dgamma(static_cast<std::size_t>(C), 0.0), dbeta(static_cast<std::size_t>(C), 0.0);
+                for (const auto& bn : reps.bns)
+                    for (std::int64_t c = 0; c < C; ++c) {
+                        dgamma[static_cast<std::size_t>(c)] += bn.weight.grad[c];
+                        dbeta[static_cast<std::size_t>(c)] += bn.bias.grad[c];
+                    }
+                // Sums of random-signed terms: relative to the size of their terms (fp32 summation bound).
+                CHECK(test::rel_error(dgamma, ref.dgamma, ref.dgamma_terms) <= 1e-5);
+                CHECK(test::rel_error(dbeta, ref.dbeta, ref.dbeta_terms) <= 1e-5);
+                for (int r = 0; r < world; ++r) {
+                    CHECK(fwd_collectives[static_cast<std::size_t>(r)] == 1u);
+                    CHECK(bwd_collectives[static_cast<std::size_t>(r)] == 1u);
+                }
+                const double M = static_cast<double>(N * P);
+                for (std::int64_t c = 0; c < C; ++c) {
+                    const auto uc = static_cast<std::size_t>(c);
+                    rm[uc] = (1 - momentum) * rm[uc] + momentum * ref.mean[uc];
+                    rv[uc] = (1 - momentum) * rv[uc] + momentum * ref.var[uc] * M / (M - 1);
+                }
+            }
+            std::vector<double> got_rm(reps.bns[0].running_mean.span().begin(), reps.bns[0].running_mean.span().end());
+            std::vector<double> got_rv(reps.bns[0].running_var.span().begin(), reps.bns[0].running_var.span().end());
+            CHECK(test::rel_error(got_rm, rm) <= 1e-5);
+            CHECK(test::rel_error(got_rv, rv) <= 1e-5);
+            CHECK(reps.bns[0].num_batches_tracked[0] == 5);
+            for (int r = 1; r < world; ++r) {  // bit-identical running statistics on every replica
+                const auto& other = reps.bns[static_cast<std::size_t>(r)];
+                CHECK(std::memcmp(other.running_mean.data(), reps.bns[0].running_mean.data(), other.running_mean.bytes()) == 0);
+                CHECK(std::memcmp(other.running_var.data(), reps.bns[0].running_var.data(), other.running_var.bytes()) == 0);
+            }
+        }
+    }
+}
+
+TEST_CASE("SyncBatchNorm gradient matches finite differences of the fp64 forward", "[syncbn]") {
+    // L = sum(w * y(x)); dL/dx from our backward with dy = w, against central differences of
+    // the fp64 reference forward (the function the layer is meant to compute).
+    const std::int64_t N = 6, C = 3, H = 2, W = 3, P = H * W;
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const auto x = random_values(static_cast<std::size_t>(N * C * P), gen, 0.5, 1.0);
+    const auto w = random_values(x.size(), gen, 0.0, 1.0);
+    std::vector<double> gamma{0.7, 1.3, -0.4}, beta{0.1, -0.2, 0.3};
+    SyncBatchNorm<> proto(C);
+    for (std::int64_t c = 0; c < C; ++c) {
+        proto.weight.value[c] = static_cast<float>(gamma[static_cast<std::size_t>(c)]);
+        proto.bias.value[c] = static_cast<float>(beta[static_cast<std::size_t>(c)]);
+    }
+    Replicas reps(2, proto);
+    const std::vector<std::int64_t> sizes{4, 2};
+    auto xs = scatter(x, sizes, C, H, W, true, MemoryFormat::nchw);
+    auto ws = scatter(w, sizes, C, H, W, true, MemoryFormat::nchw);
+    std::vector<Tensor<float>> dxs(2);
+    reps.pool.run([&](int r) {
+        const auto ur = static_cast<std::size_t>(r);
+        reps.bns[ur].forward(reps.contexts[ur], xs[ur]);
+        dxs[ur] = reps.bns[ur].backward(reps.contexts[ur], ws[ur]);
+    });
+    const auto analytic = gather(dxs, C, P);
+    const auto loss = [&](const std::vector<double>& xv) {
+        const auto r = reference_bn(xv, w, gamma, beta, N, C, P, 1e-5);
+        double l = 0;
+        for (std::size_t i = 0; i < xv.size(); ++i) l += w[i] * r.y[i];
+        return l;
+    };
+    std::vector<double> numeric(x.size());
+    const double h = 1e-6;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        auto xp = x, xm = x;
+        xp[i] += h;
+        xm[i] -= h;
+        numeric[i] = (loss(xp) - loss(xm)) / (2 * h);
+    }
+    CHECK(test::rel_error(analytic, numeric) <= 1e-4);
+}
+
+TEST_CASE("SyncBatchNorm keeps the variance when |mean| >> std", "[syncbn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const std::int64_t C = 4, H = 16, W = 16, P = H * W;
+    const std::vector<std::int64_t> sizes{5, 3};
+    const std::int64_t N = 8;
+    const auto x = random_values(static_cast<std::size_t>(N * C * P), gen, 1e4, 1e-2);
+    SyncBatchNorm<> proto(C, {.momentum = 1.0});  // running_var = the unbiased batch variance
+    Replicas reps(2, proto);
+    auto xs = scatter(x, sizes, C, H, W, true, MemoryFormat::nchw);
+    reps.pool.run([&](int r) { reps.bns[static_cast<std::size_t>(r)].forward(reps.contexts[static_cast<std::size_t>(r)], xs[static_cast<std::size_t>(r)]); });
+    const double M = static_cast<double>(N * P);
+    for (std::int64_t c = 0; c < C; ++c) {
+        double mean = 0, var = 0;  // exact two-pass variance of the same fp32 values
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) mean += x[static_cast<std::size_t>((n * C + c) * P + p)];
+        mean /= M;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                const double d = x[static_cast<std::size_t>((n * C + c) * P + p)] - mean;
+                var += d * d;
+            }
+        var /= M;
+        const double ours = reps.bns[0].running_var[c] * (M - 1) / M;
+        CHECK(std::abs(ours - var) / var <= 1e-3);
+
+        float s = 0, q = 0;  // the naive fp32 E[x^2] - E[x]^2 this case is built to break
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                const float v = static_cast<float>(x[static_cast<std::size_t>((n * C + c) * P + p)]);
+                s += v;
+                q += v * v;
+            }
+        const float naive = q / static_cast<float>(M) - (s / static_cast<float>(M)) * (s / static_cast<float>(M));
+        CHECK(std::abs(static_cast<double>(naive) - var) / var > 1e-3);
+    }
+}
+
+TEST_CASE("SyncBatchNorm in eval mode uses running statistics and no collective", "[syncbn]") {
+    SyncBatchNorm<> proto(3);
+    for (std::int64_t c = 0; c < 3; ++c) {
+        proto.running_mean[c] = 0.5f * static_cast<float>(c);
+        proto.running_var[c] = 2.0f + static_cast<float>(c);
+        proto.weight.value[c] = 1.5f;
+        proto.bias.value[c] = -0.25f;
+    }
+    Replicas reps(2, proto);
+    std::vector<Tensor<float>> xs{Tensor<float>(Shape{1, 3, 2, 2}), Tensor<float>(Shape{0, 3, 2, 2})};
+    std::iota(xs[0].span().begin(), xs[0].span().end(), 1.0f);
+    std::vector<Tensor<float>> ys(2);
+    std::vector<std::uint64_t> counts(2);
+    reps.pool.run([&](int r) {
+        const auto ur = static_cast<std::size_t>(r);
+        reps.contexts[ur].training = false;
+        const auto c0 = reps.comms[ur].collective_count();
+        ys[ur] = reps.bns[ur].forward(reps.contexts[ur], xs[ur]);
+        counts[ur] = reps.comms[ur].collective_count() - c0;
+    });
+    CHECK(counts == std::vector<std::uint64_t>{0, 0});
+    for (std::int64_t c = 0; c < 3; ++c)
+        for (std::int64_t p = 0; p < 4; ++p) {
+            const double x = xs[0][c * 4 + p];
+            const double expect = (x - 0.5 * c) / std::sqrt(2.0 + c + 1e-5) * 1.5 - 0.25;
+            CHECK(ys[0][c * 4 + p] == Approx(expect).epsilon(1e-6));
+        }
+    CHECK(reps.bns[0].num_batches_tracked[0] == 0);
+}
+
+TEST_CASE("SyncBatchNorm rejects bad input naming the layer and the shapes", "[syncbn]") {
+    SyncBatchNorm<> bn(4);
+    nn::Context ctx;
+    CHECK_THROWS_WITH(bn.forward(ctx, Tensor<float>(Shape{2, 3, 5, 5})),
+                      Catch::Contains("SyncBatchNorm(4): expected 4 channels") && Catch::Contains("(2, 3, 5, 5)"));
+    CHECK_THROWS_AS(bn.forward(ctx, Tensor<float>(Shape{2, 4, 5})), ShapeError);
+    CHECK_THROWS_WITH(bn.forward(ctx, Tensor<float>(Shape{2, 4, 5, 5}, MemoryFormat::nhwc)),
+                      Catch::Contains("built for NCHW input but got an NHWC tensor"));
+    CHECK_THROWS_AS(bn.backward(ctx, Tensor<float>(Shape{2, 4, 5, 5})), UsageError);
+    bn.forward(ctx, Tensor<float>(Shape{2, 4, 5, 5}));
+    CHECK_THROWS_WITH(bn.backward(ctx, Tensor<float>(Shape{2, 4, 5, 6})),
+                      Catch::Contains("dy has shape (2, 4, 5, 6)") && Catch::Contains("(2, 4, 5, 5)"));
+    CHECK_THROWS_WITH(bn.forward(ctx, Tensor<float>(Shape{1, 4})),
+                      Catch::Contains("expected more than 1 value per channel when training"));
+    CHECK_THROWS_AS(SyncBatchNorm<>(0), InvalidArgument);
+    CHECK_THROWS_AS(SyncBatchNorm<>(3, {.eps = 0}), InvalidArgument);
+}
+
+TEST_CASE("SyncBatchNorm: one value per channel over all replicas is an error on every replica", "[syncbn]") {
+    SyncBatchNorm<> proto(2);
+    Replicas reps(2, proto);
+    std::vector<Tensor<float>> xs{Tensor<float>(Shape{1, 2}), Tensor<float>(Shape{0, 2})};
+    std::atomic<int> failures{0};
+    CHECK_THROWS_WITH(reps.pool.run([&](int r) {
+        try {
+            reps.bns[static_cast<std::size_t>(r)].forward(reps.contexts[static_cast<std::size_t>(r)], xs[static_cast<std::size_t>(r)]);
+        } catch (const InvalidArgument&) {
+            ++failures;
+            throw;
+        }
+    }), Catch::Contains("expected more than 1 value per channel when training"));
+    CHECK(failures == 2);
+}
+
+TEST_CASE("SyncBatchNorm propagates NaN instead of hiding it", "[syncbn]") {
+    SyncBatchNorm<> bn(1);
+    nn::Context ctx;
+    auto x = Tensor<float>(Shape{4, 1});
+    x[2] = std::numeric_limits<float>::quiet_NaN();
+    const auto y = bn.forward(ctx, x);
+    for (std::int64_t i = 0; i < 4; ++i) CHECK(std::isnan(y[i]));
+    CHECK(std::isnan(bn.running_mean[0]));
+}
