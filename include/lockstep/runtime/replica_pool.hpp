@@ -87,6 +87,15 @@ public:
         std::rethrow_exception(error);
     }
 
+    //! Records `error` as replica `rank`'s failure now and aborts the attached groups, from
+    //! inside a job that must still clean up (wait for its own helpers) before it rethrows.
+    //! The job's later rethrow of the same failure is not recorded twice.
+    void report_failure(int rank, std::exception_ptr error) {
+        LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < size_ && current_rank() == rank,
+                          "report_failure must be called by replica ", rank, "'s own thread");
+        record_failure(rank, std::move(error));
+    }
+
     //! Rank of the calling replica thread, or -1 outside the pool's threads.
     static int current_rank() noexcept { return rank_slot(); }
 
@@ -121,6 +130,7 @@ private:
         std::vector<std::shared_ptr<Abortable>> groups;
         {
             std::lock_guard lock(mutex_);
+            if (errors_[static_cast<std::size_t>(rank)]) return;  // reported already (report_failure)
             errors_[static_cast<std::size_t>(rank)] = error;
             failure_order_.push_back(rank);
             groups = groups_;

@@ -1,0 +1,276 @@
+// SPDX-License-Identifier: MIT
+//! Checkpoints in the safetensors format, with PyTorch `state_dict` names, written atomically.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <bit>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/tensor.hpp"
+#include "lockstep/nn/module.hpp"
+
+namespace lockstep::nn {
+
+static_assert(std::endian::native == std::endian::little,
+              "lockstep checkpoints store little-endian data; add byte swapping for big-endian hosts");
+
+// Note [atomic checkpoint]
+// A checkpoint is written to a temporary file in the destination's directory, flushed to disk,
+// and renamed over the destination; the directory is then flushed too. A crash at any point
+// leaves either the previous file or the complete new one, never a torn file.
+
+//! Named tensors and string metadata, as one safetensors file holds them.
+class Checkpoint {
+public:
+    struct Entry {
+        std::string dtype;  // "F32" or "I64"
+        std::vector<std::int64_t> shape;
+        std::vector<unsigned char> data;
+    };
+
+    std::map<std::string, std::string> metadata;
+
+    void put(const std::string& name, const Tensor<float, Host>& t) { put_raw(name, "F32", t.shape(), t.data(), t.bytes()); }
+    void put(const std::string& name, const Tensor<std::int64_t, Host>& t) {
+        put_raw(name, "I64", t.shape(), t.data(), t.bytes());
+    }
+
+    bool contains(const std::string& name) const { return entries_.count(name) != 0; }
+    std::vector<std::string> names() const {
+        std::vector<std::string> n;
+        for (const auto& [k, v] : entries_) n.push_back(k);
+        return n;
+    }
+    const Entry& at(const std::string& name) const {
+        auto it = entries_.find(name);
+        if (it == entries_.end()) throw IoError("checkpoint has no tensor named '" + name + "'");
+        return it->second;
+    }
+
+    //! Copies tensor `name` into `t`, which must have the checkpoint's dtype and shape.
+    template <class T>
+    void get(const std::string& name, Tensor<T, Host>& t) const {
+        const Entry& e = at(name);
+        const char* want = std::is_same_v<T, float> ? "F32" : "I64";
+        if (e.dtype != want)
+            throw IoError("checkpoint tensor '" + name + "' has dtype " + e.dtype + " but the model expects " + want);
+        if (shape_of(e) != t.shape())
+            throw IoError("checkpoint tensor '" + name + "' has shape " + shape_of(e).str() + " but the model expects " +
+                          t.shape().str());
+        if (!e.data.empty()) std::memcpy(t.data(), e.data.data(), e.data.size());
+    }
+
+    //! Writes the file atomically (see Note [atomic checkpoint]).
+    void save(const std::string& path) const {
+        nlohmann::json header = nlohmann::json::object();
+        std::uint64_t offset = 0;
+        for (const auto& [name, e] : entries_) {
+            header[name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.data.size()}}};
+            offset += e.data.size();
+        }
+        if (!metadata.empty()) header["__metadata__"] = metadata;
+        std::string text = header.dump();
+        text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+        const std::uint64_t length = text.size();
+
+        const std::string dir = directory_of(path);
+        std::string tmp = path + ".tmp-XXXXXX";
+        const int fd = ::mkstemp(tmp.data());
+        if (fd < 0) throw IoError("cannot create a temporary file next to '" + path + "': " + std::strerror(errno));
+        const auto fail = [&](const std::string& what) {
+            const std::string err = std::strerror(errno);
+            ::close(fd);
+            ::unlink(tmp.c_str());
+            throw IoError("cannot write checkpoint '" + path + "': " + what + ": " + err);
+        };
+        if (!write_all(fd, &length, sizeof length) || !write_all(fd, text.data(), text.size())) fail("writing the header");
+        for (const auto& [name, e] : entries_)
+            if (!write_all(fd, e.data.data(), e.data.size())) fail("writing tensor '" + name + "'");
+        if (::fsync(fd) != 0) fail("flushing to disk");
+        if (::close(fd) != 0) {
+            ::unlink(tmp.c_str());
+            throw IoError("cannot write checkpoint '" + path + "': closing: " + std::strerror(errno));
+        }
+        if (::rename(tmp.c_str(), path.c_str()) != 0) {
+            const std::string err = std::strerror(errno);
+            ::unlink(tmp.c_str());
+            throw IoError("cannot write checkpoint '" + path + "': renaming into place: " + err);
+        }
+        const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+        if (dfd >= 0) {
+            (void)::fsync(dfd);
+            ::close(dfd);
+        }
+    }
+
+    //! Reads and validates a safetensors file (float32 and int64 tensors).
+    static Checkpoint load(const std::string& path) {
+        std::ifstream in(path, std::ios::binary);
+        if (!in) throw IoError("cannot open checkpoint '" + path + "': " + std::strerror(errno));
+        in.seekg(0, std::ios::end);
+        const auto file_size = static_cast<std::uint64_t>(in.tellg());
+        in.seekg(0);
+        const auto bad = [&](const std::string& what) { return IoError("'" + path + "' is not a valid checkpoint: " + what); };
+        std::uint64_t length = 0;
+        if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8)) throw bad("shorter than the 8-byte header length");
+        if (length > file_size - 8 || length > (std::uint64_t{100} << 20))
+            throw bad("header length " + std::to_string(length) + " does not fit a file of " + std::to_string(file_size) +
+                      " bytes (truncated?)");
+        std::string text(length, '\0');
+        if (!in.read(text.data(), static_cast<std::streamsize>(length))) throw bad("header truncated");
+        nlohmann::json header;
+        try {
+            header = nlohmann::json::parse(text);
+        } catch (const std::exception& e) {
+            throw bad(std::string("header is not JSON (") + e.what() + ")");
+        }
+        if (!header.is_object()) throw bad("header is not a JSON object");
+        const std::uint64_t data_size = file_size - 8 - length;
+        Checkpoint ck;
+        for (auto it = header.begin(); it != header.end(); ++it) {
+            if (it.key() == "__metadata__") {
+                if (!it->is_object()) throw bad("__metadata__ is not an object");
+                for (auto m = it->begin(); m != it->end(); ++m) {
+                    if (!m->is_string()) throw bad("metadata '" + m.key() + "' is not a string");
+                    ck.metadata[m.key()] = m->get<std::string>();
+                }
+                continue;
+            }
+            Entry e;
+            std::uint64_t begin = 0, end = 0;
+            try {
+                e.dtype = it->at("dtype").get<std::string>();
+                e.shape = it->at("shape").get<std::vector<std::int64_t>>();
+                const auto offs = it->at("data_offsets").get<std::vector<std::uint64_t>>();
+                if (offs.size() != 2) throw bad("tensor '" + it.key() + "' needs two data_offsets");
+                begin = offs[0];
+                end = offs[1];
+            } catch (const IoError&) {
+                throw;
+            } catch (const std::exception& ex) {
+                throw bad("tensor '" + it.key() + "' has a malformed entry (" + ex.what() + ")");
+            }
+            std::uint64_t elem = 0;
+            if (e.dtype == "F32") elem = 4;
+            else if (e.dtype == "I64") elem = 8;
+            else throw bad("tensor '" + it.key() + "' has dtype " + e.dtype + "; lockstep reads F32 and I64");
+            std::uint64_t count = 1;
+            for (auto d : e.shape) {
+                if (d < 0) throw bad("tensor '" + it.key() + "' has a negative extent");
+                count *= static_cast<std::uint64_t>(d);
+            }
+            if (end < begin || end > data_size || end - begin != count * elem)
+                throw bad("tensor '" + it.key() + "' has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                          ") that do not match its shape or the " + std::to_string(data_size) + " data bytes (truncated?)");
+            e.data.resize(end - begin);
+            in.seekg(static_cast<std::streamoff>(8 + length + begin));
+            if (!e.data.empty() && !in.read(reinterpret_cast<char*>(e.data.data()), static_cast<std::streamsize>(e.data.size())))
+                throw bad("tensor '" + it.key() + "' data truncated");
+            ck.entries_.emplace(it.key(), std::move(e));
+        }
+        return ck;
+    }
+
+private:
+    static Shape shape_of(const Entry& e) {
+        Shape s;
+        switch (e.shape.size()) {
+            case 0: s = Shape{}; break;
+            case 1: s = Shape{e.shape[0]}; break;
+            case 2: s = Shape{e.shape[0], e.shape[1]}; break;
+            case 3: s = Shape{e.shape[0], e.shape[1], e.shape[2]}; break;
+            case 4: s = Shape{e.shape[0], e.shape[1], e.shape[2], e.shape[3]}; break;
+            case 5: s = Shape{e.shape[0], e.shape[1], e.shape[2], e.shape[3], e.shape[4]}; break;
+            default: throw IoError("checkpoint tensor of rank " + std::to_string(e.shape.size()) + " is beyond lockstep's 5");
+        }
+        return s;
+    }
+
+    void put_raw(const std::string& name, const char* dtype, const Shape& shape, const void* data, std::size_t bytes) {
+        LOCKSTEP_CHECK(!name.empty() && name != "__metadata__", "invalid checkpoint tensor name '", name, "'");
+        Entry e;
+        e.dtype = dtype;
+        for (int i = 0; i < shape.rank(); ++i) e.shape.push_back(shape[i]);
+        e.data.resize(bytes);
+        if (bytes != 0) std::memcpy(e.data.data(), data, bytes);
+        entries_[name] = std::move(e);
+    }
+
+    static bool write_all(int fd, const void* p, std::size_t n) {
+        const auto* c = static_cast<const char*>(p);
+        while (n > 0) {
+            const ssize_t w = ::write(fd, c, n);
+            if (w < 0) {
+                if (errno == EINTR) continue;
+                return false;
+            }
+            c += w;
+            n -= static_cast<std::size_t>(w);
+        }
+        return true;
+    }
+
+    static std::string directory_of(const std::string& path) {
+        const auto slash = path.find_last_of('/');
+        return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+    }
+
+    std::map<std::string, Entry> entries_;
+};
+
+//! Adds every parameter value and buffer of `module`, PyTorch state_dict names under `prefix`.
+template <class M>
+void put_module(Checkpoint& ck, M& module, std::string_view prefix = {}) {
+    walk(
+        module, [&](const std::string& name, auto& p) { ck.put(name, p.value); },
+        [&](const std::string& name, auto& t) { ck.put(name, t); }, prefix);
+}
+
+//! Loads every parameter and buffer of `module` from `ck`. Every tensor must be present with the
+//! same dtype and shape; with `strict`, the checkpoint may hold nothing else under `prefix`
+//! (the first offending name is reported).
+template <class M>
+void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, bool strict = true) {
+    std::map<std::string, bool> used;
+    for (const auto& n : ck.names())
+        if (prefix.empty() || n.rfind(std::string(prefix) + ".", 0) == 0) used[n] = false;
+    const auto take = [&](const std::string& name, auto& t) {
+        if (!ck.contains(name)) throw IoError("checkpoint is missing tensor '" + name + "' that the model has");
+        ck.get(name, t);
+        used[name] = true;
+    };
+    walk(
+        module, [&](const std::string& name, auto& p) { take(name, p.value); },
+        [&](const std::string& name, auto& t) { take(name, t); }, prefix);
+    if (strict)
+        for (const auto& [name, seen] : used)
+            if (!seen) throw IoError("checkpoint has tensor '" + name + "' that the model does not have");
+}
+
+//! Saves `module`'s state_dict to `path` atomically.
+template <class M>
+void save(const std::string& path, M& module) {
+    Checkpoint ck;
+    put_module(ck, module);
+    ck.save(path);
+}
+
+//! Loads `module`'s state_dict from `path`, checking every name, dtype and shape.
+template <class M>
+void load(const std::string& path, M& module) {
+    get_module(Checkpoint::load(path), module);
+}
+
+}  // namespace lockstep::nn

@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: MIT
+//! `nn::Linear`: y = x W^T + b through GEMM.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/tensor.hpp"
+#include "lockstep/nn/blas.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/init.hpp"
+#include "lockstep/nn/parameter.hpp"
+
+namespace lockstep::nn {
+
+//! Fully connected layer on (N, in) input. `weight` is [out, in] and `bias` [out], as PyTorch;
+//! initialization is PyTorch's default.
+template <BackendTag B = Host>
+class Linear {
+    static_assert(std::same_as<B, Host>, "Linear<Cuda> lives in <lockstep/cuda.cuh>");
+
+public:
+    using backend = B;
+
+    Linear(std::int64_t in_features, std::int64_t out_features, bool with_bias = true, Generator& gen = default_generator())
+        : in_(in_features), out_(out_features), has_bias_(with_bias) {
+        LOCKSTEP_CHECK(in_features > 0 && out_features > 0, "Linear needs positive sizes, got (", in_features, ", ",
+                       out_features, ")");
+        weight = Parameter<B>(Shape{out_features, in_features});
+        fan_in_uniform(weight.value, in_features, gen);
+        if (with_bias) {
+            bias = Parameter<B>(Shape{out_features});
+            fan_in_uniform(bias.value, in_features, gen);
+        }
+    }
+
+    Parameter<B> weight;
+    Parameter<B> bias;
+
+    std::string describe() const { return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + ")"; }
+
+    template <class V>
+    void visit(V&& v) {
+        v.parameter("weight", weight);
+        if (has_bias_) v.parameter("bias", bias);
+    }
+
+    Tensor<float, B> forward(const Context& ctx, Tensor<float, B> x) {
+        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && x.dim(1) == in_, describe(), ": expected input (N, ", in_,
+                          "), got shape ", x.shape(), x.rank() == 4 ? "; put a Flatten before it" : "");
+        const std::int64_t N = x.dim(0);
+        Tensor<float, B> y(Shape{N, out_}, MemoryFormat::nchw, x.device(), uninitialized);
+        blas::gemm(false, true, N, out_, in_, 1.0f, x.data(), in_, weight.value.data(), in_, 0.0f, y.data(), out_);
+        if (has_bias_)
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t o = 0; o < out_; ++o) y[n * out_ + o] += bias.value[o];
+        if (ctx.training) saved_x_ = std::move(x);
+        return y;
+    }
+
+    Tensor<float, B> backward(const Context& ctx, const Tensor<float, B>& dy) {
+        LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 2, describe(),
+                          ": backward called without a training-mode forward before it");
+        const std::int64_t N = saved_x_.dim(0);
+        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == (Shape{N, out_}), describe(), ": dy has shape ", dy.shape(),
+                          " but the forward output had ", Shape{N, out_});
+        blas::gemm(true, false, out_, in_, N, 1.0f, dy.data(), out_, saved_x_.data(), in_, 1.0f, weight.grad.data(), in_);
+        if (has_bias_)
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t o = 0; o < out_; ++o) bias.grad[o] += dy[n * out_ + o];
+        ctx.mark_grad_ready(&weight);
+        if (has_bias_) ctx.mark_grad_ready(&bias);
+        Tensor<float, B> dx(Shape{N, in_}, MemoryFormat::nchw, dy.device(), uninitialized);
+        blas::gemm(false, false, N, in_, out_, 1.0f, dy.data(), out_, weight.value.data(), in_, 0.0f, dx.data(), in_);
+        saved_x_ = Tensor<float, B>();
+        return dx;
+    }
+
+private:
+    std::int64_t in_, out_;
+    bool has_bias_;
+    Tensor<float, B> saved_x_;
+};
+
+}  // namespace lockstep::nn

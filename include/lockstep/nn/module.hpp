@@ -1,0 +1,150 @@
+// SPDX-License-Identifier: MIT
+//! The `ModuleLike` concept and the walks over a module's named parameters and buffers.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "lockstep/core/tensor.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/parameter.hpp"
+
+namespace lockstep::nn {
+
+// Note [module protocol]
+// A module is a copyable value: copying it deep-copies its parameters and buffers (Tensor
+// copies deep), which is how DataParallel clones replicas; nothing shared is copied, because
+// the replica group a layer talks to comes in through the Context, not through the layer.
+// A module says which backend it runs on (`using backend = B;`), runs
+// `Tensor forward(const Context&, Tensor x)` and `Tensor backward(const Context&, const Tensor& dy)`,
+// and lists what it holds with `template <class V> void visit(V&& v)`, calling
+//   v.parameter("weight", weight_parameter);      // a Parameter<B>
+//   v.buffer("running_mean", running_mean);       // a Tensor<float, B> or Tensor<int64_t, B>
+//   v.module("conv1", conv1);                     // a child module (names compose: conv1.weight)
+// Training or evaluation mode travels in the Context, so modules need no train()/eval() of
+// their own; DataParallel::train()/eval() set it for every replica.
+
+namespace detail {
+
+// The visitor a concept check is made with: accepts every call of the protocol.
+struct ArchetypeVisitor {
+    template <class P>
+    void parameter(std::string_view, P&) {}
+    template <class T>
+    void buffer(std::string_view, T&) {}
+    template <class M>
+    void module(std::string_view, M&) {}
+};
+
+}  // namespace detail
+
+template <class M>
+concept HasBackend = requires { typename M::backend; } && BackendTag<typename M::backend>;
+
+template <class M>
+concept HasForward = HasBackend<M> && requires(M& m, const Context& ctx, Tensor<float, typename M::backend> x) {
+    { m.forward(ctx, std::move(x)) } -> std::same_as<Tensor<float, typename M::backend>>;
+};
+
+template <class M>
+concept HasBackward = HasBackend<M> && requires(M& m, const Context& ctx, const Tensor<float, typename M::backend>& dy) {
+    { m.backward(ctx, dy) } -> std::same_as<Tensor<float, typename M::backend>>;
+};
+
+template <class M>
+concept HasVisit = requires(M& m, detail::ArchetypeVisitor v) { m.visit(v); };
+
+//! What DataParallel needs of a user's model (see Note [module protocol]).
+template <class M>
+concept ModuleLike = std::copy_constructible<M> && HasBackend<M> && HasForward<M> && HasBackward<M> && HasVisit<M>;
+
+//! Fails compilation with a message naming the first missing piece of the module protocol.
+template <class M>
+constexpr bool check_module() {
+    static_assert(HasBackend<M>,
+                  "lockstep: a module must declare its backend: add `using backend = B;` (lockstep::Host or lockstep::Cuda)");
+    static_assert(HasForward<M>, "lockstep: a module needs `Tensor<float, backend> forward(const lockstep::nn::Context&, "
+                                 "Tensor<float, backend> x)`");
+    static_assert(HasBackward<M>, "lockstep: a module needs `Tensor<float, backend> backward(const lockstep::nn::Context&, "
+                                  "const Tensor<float, backend>& dy)`");
+    static_assert(HasVisit<M>, "lockstep: a module needs `template <class V> void visit(V&& v)` calling v.parameter(name, p), "
+                               "v.buffer(name, t) and v.module(name, child) for what it holds");
+    static_assert(std::copy_constructible<M>,
+                  "lockstep: a module must be copy-constructible (copies are the replicas); hold tensors by value");
+    return true;
+}
+
+namespace detail {
+
+inline std::string join(std::string_view prefix, std::string_view name) {
+    if (prefix.empty()) return std::string(name);
+    std::string s(prefix);
+    s += '.';
+    s += name;
+    return s;
+}
+
+// Walks a module tree calling on_param(name, Parameter&) and on_buffer(name, tensor&).
+template <class OnParam, class OnBuffer>
+struct Walker {
+    std::string prefix;
+    OnParam& on_param;
+    OnBuffer& on_buffer;
+
+    template <class P>
+    void parameter(std::string_view name, P& p) {
+        on_param(join(prefix, name), p);
+    }
+    template <class T>
+    void buffer(std::string_view name, T& t) {
+        on_buffer(join(prefix, name), t);
+    }
+    template <class M>
+    void module(std::string_view name, M& child) {
+        Walker sub{join(prefix, name), on_param, on_buffer};
+        child.visit(sub);
+    }
+};
+
+}  // namespace detail
+
+//! Calls `on_param(name, Parameter&)` for every parameter and `on_buffer(name, Tensor&)` for
+//! every buffer, depth first in the order the modules list them, with dotted PyTorch names.
+template <class M, class OnParam, class OnBuffer>
+void walk(M& module, OnParam&& on_param, OnBuffer&& on_buffer, std::string_view prefix = {}) {
+    detail::Walker<std::remove_reference_t<OnParam>, std::remove_reference_t<OnBuffer>> w{std::string(prefix), on_param,
+                                                                                          on_buffer};
+    module.visit(w);
+}
+
+//! Calls `f(name, Parameter&)` for every parameter.
+template <class M, class F>
+void for_each_parameter(M& module, F&& f) {
+    walk(module, f, [](const std::string&, auto&) {});
+}
+
+//! Calls `f(name, tensor&)` for every buffer (float or int64 tensors).
+template <class M, class F>
+void for_each_buffer(M& module, F&& f) {
+    walk(module, [](const std::string&, auto&) {}, f);
+}
+
+//! Sets every parameter's gradient to zero.
+template <class M>
+void zero_grad(M& module) {
+    for_each_parameter(module, [](const std::string&, auto& p) { p.grad.zero(); });
+}
+
+//! Number of trainable values.
+template <class M>
+std::int64_t parameter_count(M& module) {
+    std::int64_t n = 0;
+    for_each_parameter(module, [&](const std::string&, auto& p) { n += p.numel(); });
+    return n;
+}
+
+}  // namespace lockstep::nn

@@ -1,0 +1,255 @@
+// SPDX-License-Identifier: MIT
+//! DataParallel and the equivalence property: K steps on any number of replicas and any split
+//! equal K steps of one replica on the whole batch, and replicas stay bit-identical.
+#include <catch2/catch.hpp>
+
+#include <lockstep/nn.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "test_support.hpp"
+
+using namespace lockstep;
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+// Conv2d -> SyncBatchNorm -> ReLU -> MaxPool2d -> Flatten -> Linear, as the issue names it.
+using Net = nn::Sequential<nn::Conv2d<>, nn::SyncBatchNorm<>, nn::ReLU<>, nn::MaxPool2d<>, nn::Flatten<>, nn::Linear<>>;
+
+Net make_net(std::uint64_t seed) {
+    nn::Generator g(seed);
+    return Net(nn::Conv2d<>(2, 4, 3, {.padding = 1}, g), nn::SyncBatchNorm<>(4), nn::ReLU<>(), nn::MaxPool2d<>(2),
+               nn::Flatten<>(), nn::Linear<>(4 * 4 * 4, 5, true, g));
+}
+
+struct Batch {
+    Tensor<float> x;
+    std::vector<std::int64_t> labels;
+};
+
+std::vector<Batch> make_batches(int steps, std::int64_t n, std::mt19937_64& gen) {
+    std::normal_distribution<float> d(0.5f, 1.0f);
+    std::uniform_int_distribution<std::int64_t> l(0, 4);
+    std::vector<Batch> out;
+    for (int s = 0; s < steps; ++s) {
+        Batch b{Tensor<float>(Shape{n, 2, 8, 8}), {}};
+        for (auto& v : b.x.span()) v = d(gen);
+        for (std::int64_t i = 0; i < n; ++i) b.labels.push_back(l(gen));
+        out.push_back(std::move(b));
+    }
+    return out;
+}
+
+// Every parameter, buffer and momentum buffer of a module as one flat fp64 vector.
+std::vector<double> flatten_state(Net& net) {
+    std::vector<double> v;
+    nn::walk(
+        net, [&](const std::string&, auto& p) { v.insert(v.end(), p.value.span().begin(), p.value.span().end()); },
+        [&](const std::string&, auto& t) { v.insert(v.end(), t.span().begin(), t.span().end()); });
+    return v;
+}
+
+bool bit_identical(Net& a, Net& b) {
+    bool same = true;
+    auto ta = flatten_state(a), tb = flatten_state(b);
+    same &= ta.size() == tb.size() && std::memcmp(ta.data(), tb.data(), ta.size() * sizeof(double)) == 0;
+    return same;
+}
+
+struct Run {
+    std::vector<double> losses;
+    std::vector<double> state;
+    std::vector<double> momentum;
+};
+
+Run train(int replicas, const std::vector<Batch>& batches, std::uint64_t seed, DataParallelOptions opts, bool check_replicas) {
+    DataParallel<Net> dp(make_net(seed), replicas, opts);
+    nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
+    Run run;
+    for (const auto& b : batches) {
+        run.losses.push_back(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+        if (check_replicas)
+            for (int r = 1; r < replicas; ++r) CHECK(bit_identical(dp.replica(0), dp.replica(r)));
+    }
+    run.state = flatten_state(dp.module());
+    for (auto& m : sgd.momentum_buffers(0)) run.momentum.insert(run.momentum.end(), m.span().begin(), m.span().end());
+    if (check_replicas)
+        for (int r = 1; r < replicas; ++r) {
+            auto& mine = sgd.momentum_buffers(r);
+            auto& first = sgd.momentum_buffers(0);
+            for (std::size_t i = 0; i < first.size(); ++i) CHECK(std::memcmp(mine[i].data(), first[i].data(), first[i].bytes()) == 0);
+        }
+    return run;
+}
+
+}  // namespace
+
+TEST_CASE("DataParallel on any replica count and split equals one replica on the whole batch", "[parallel]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    for (const std::int64_t batch : {10, 12}) {  // 10 over 4 replicas is 3, 3, 2, 2
+        const auto batches = make_batches(5, batch, gen);
+        const auto reference = train(1, batches, seed, {}, false);
+        for (int replicas = 2; replicas <= 4; ++replicas) {
+            CAPTURE(batch, replicas);
+            const auto run = train(replicas, batches, seed, {}, true);
+            CHECK(test::rel_error(run.losses, reference.losses) <= 1e-5);
+            CHECK(test::rel_error(run.state, reference.state) <= 1e-5);
+            CHECK(test::rel_error(run.momentum, reference.momentum) <= 1e-5);
+        }
+    }
+}
+
+TEST_CASE("Bucketing and overlap change no bit of the result", "[parallel]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const auto batches = make_batches(3, 11, gen);
+    const auto one_bucket = train(3, batches, seed, {.bucket_bytes = std::size_t{1} << 30}, false);
+    const auto per_param = train(3, batches, seed, {.bucket_bytes = 1}, false);  // one bucket per parameter
+    const auto inline_reduce = train(3, batches, seed, {.bucket_bytes = 256, .overlap = false}, false);
+    CHECK(one_bucket.state == per_param.state);
+    CHECK(one_bucket.losses == per_param.losses);
+    CHECK(inline_reduce.state == per_param.state);
+    DataParallel<Net> dp(make_net(seed), 2, {.bucket_bytes = 1});
+    CHECK(dp.bucket_count() == 6);  // conv w, b; bn w, b; fc w, b
+}
+
+TEST_CASE("One training step makes one all-reduce per bucket, two per SyncBatchNorm, one commit barrier", "[parallel]") {
+    DataParallel<Net> dp(make_net(1), 2, {.bucket_bytes = 1});
+    nn::Sgd sgd({.lr = 0.1});
+    std::mt19937_64 gen(1);
+    const auto b = make_batches(1, 6, gen)[0];
+    const auto layer0 = dp.layer_collectives(0), grad0 = dp.gradient_collectives(0);
+    dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    CHECK(dp.layer_collectives(0) - layer0 == 2);  // SyncBatchNorm forward + backward
+    CHECK(dp.gradient_collectives(0) - grad0 == dp.bucket_count() + 1);  // + the commit barrier
+}
+
+TEST_CASE("DataParallel forward scatters and gathers in rank order", "[parallel]") {
+    const auto seed = test::fresh_seed();
+    std::mt19937_64 gen(seed);
+    auto x = make_batches(1, 7, gen)[0].x;
+    DataParallel<Net> dp(make_net(seed), 3);
+    dp.eval();
+    const auto y = dp.forward(x);
+    Net single = make_net(seed);
+    nn::Context ctx;
+    ctx.training = false;
+    const auto ref = single.forward(ctx, x);
+    REQUIRE(y.shape() == (Shape{7, 5}));
+    CHECK(test::rel_error(y.span(), ref.span()) <= 1e-6);
+    const auto shards = parallel::shard_ranges(10, 4);
+    CHECK(shards[0].count == 3);
+    CHECK(shards[1].count == 3);
+    CHECK(shards[2].count == 2);
+    CHECK(shards[3].begin == 8);
+}
+
+TEST_CASE("A checkpoint saved during training continues with identical losses", "[parallel][checkpoint]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const auto batches = make_batches(5, 9, gen);
+    const auto path = (std::filesystem::temp_directory_path() / ("lockstep-resume-" + std::to_string(seed) + ".safetensors")).string();
+    std::vector<double> uninterrupted, resumed;
+    {
+        DataParallel<Net> dp(make_net(seed), 3);
+        nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
+        for (int s = 0; s < 5; ++s) {
+            uninterrupted.push_back(dp.train_step(batches[static_cast<std::size_t>(s)].x, batches[static_cast<std::size_t>(s)].labels,
+                                                  nn::SoftmaxCrossEntropy{}, sgd).loss);
+            if (s == 1) {
+                nn::Checkpoint ck;
+                nn::put_module(ck, dp.module());
+                sgd.save_state(ck, dp.module());
+                ck.save(path);
+            }
+        }
+    }
+    {
+        DataParallel<Net> dp(make_net(seed + 1), 2);  // a different start and replica count
+        nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
+        const auto ck = nn::Checkpoint::load(path);
+        DataParallel<Net> loaded = [&]() -> DataParallel<Net> {
+            Net net = make_net(seed + 1);
+            nn::get_module(ck, net, {}, false);
+            return DataParallel<Net>(net, 2);
+        }();
+        sgd.load_state(ck, loaded.module(), loaded.size());
+        for (int s = 2; s < 5; ++s)
+            resumed.push_back(loaded.train_step(batches[static_cast<std::size_t>(s)].x, batches[static_cast<std::size_t>(s)].labels,
+                                                nn::SoftmaxCrossEntropy{}, sgd).loss);
+    }
+    CHECK(test::rel_error(resumed, std::vector<double>(uninterrupted.begin() + 2, uninterrupted.end())) <= 1e-5);
+    std::filesystem::remove(path);
+}
+
+namespace {
+// A model whose replica 1 throws on demand, inside forward (after SyncBatchNorm's collective on
+// the others has started) or inside backward (while gradient buckets are in flight).
+struct Faulty {
+    using backend = Host;
+    Net net;
+    std::shared_ptr<std::atomic<int>> fail = std::make_shared<std::atomic<int>>(0);  // 1: forward, 2: backward
+    Tensor<float> forward(const nn::Context& ctx, Tensor<float> x) {
+        if (ctx.rank == 1 && *fail == 1) throw std::runtime_error("replica 1 failed in forward");
+        return net.forward(ctx, std::move(x));
+    }
+    Tensor<float> backward(const nn::Context& ctx, const Tensor<float>& dy) {
+        auto dx = net.backward(ctx, dy);
+        if (ctx.rank == 1 && *fail == 2) throw std::runtime_error("replica 1 failed in backward");
+        return dx;
+    }
+    template <class V>
+    void visit(V&& v) {
+        v.module("net", net);
+    }
+};
+}  // namespace
+
+TEST_CASE("A replica that throws inside train_step fails the call quickly and leaves DataParallel usable", "[parallel]") {
+    Faulty proto{make_net(3)};
+    DataParallel<Faulty> dp(proto, 3, {.timeout = 60s});
+    nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
+    std::mt19937_64 gen(3);
+    const auto b = make_batches(1, 9, gen)[0];
+    for (int where : {1, 2}) {
+        *dp.replica(0).fail = where;  // the flag is shared by the replicas' copies
+        const auto t0 = clock_type::now();
+        CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("replica 1 failed"));
+        CHECK(clock_type::now() - t0 < 1s);
+        *dp.replica(0).fail = 0;
+        const auto ok = dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+        CHECK(std::isfinite(ok.loss));
+        for (int r = 1; r < 3; ++r) CHECK(bit_identical(dp.replica(0).net, dp.replica(r).net));
+    }
+}
+
+TEST_CASE("DataParallel rejects bad input with a message that says what to do", "[parallel]") {
+    DataParallel<Net> dp(make_net(5), 4);
+    nn::Sgd sgd({.lr = 0.1});
+    std::mt19937_64 gen(5);
+    const auto b = make_batches(1, 3, gen)[0];
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd),
+                      Catch::Contains("batch of 3 cannot be split over 4 replicas; use a batch of at least 4"));
+    const auto big = make_batches(1, 8, gen)[0];
+    CHECK_THROWS_WITH(dp.train_step(big.x, std::vector<std::int64_t>(7, 0), nn::SoftmaxCrossEntropy{}, sgd),
+                      Catch::Contains("7 labels for a batch of 8"));
+    auto bad_labels = big.labels;
+    bad_labels[5] = 9;
+    CHECK_THROWS_WITH(dp.train_step(big.x, bad_labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("label 9"));
+    CHECK_THROWS_WITH(dp.train_step(Tensor<float>(Shape{8, 3, 8, 8}), big.labels, nn::SoftmaxCrossEntropy{}, sgd),
+                      Catch::Contains("Conv2d(2, 4, kernel_size=3): expected input (N, 2, H, W)"));
+    CHECK(std::isfinite(dp.train_step(big.x, big.labels, nn::SoftmaxCrossEntropy{}, sgd).loss));  // still usable
+    CHECK_THROWS_AS(DataParallel<Net>(make_net(5), 0), InvalidArgument);
+    CHECK_THROWS_AS(DataParallel<Net>(make_net(5), std::vector<Device>{Device::cuda(0)}), InvalidArgument);
+}
