@@ -240,12 +240,15 @@ void put_module(Checkpoint& ck, M& module, std::string_view prefix = {}) {
 
 //! Loads every parameter and buffer of `module` from `ck`. Every tensor must be present with the
 //! same dtype and shape; with `strict`, the checkpoint may hold nothing else under `prefix`
-//! (the first offending name is reported).
+//! except names starting with `ignore` (e.g. "optimizer." state); the first offending name is
+//! reported.
 template <class M>
-void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, bool strict = true) {
+void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, bool strict = true,
+                std::string_view ignore = {}) {
     std::map<std::string, bool> used;
     for (const auto& n : ck.names())
-        if (prefix.empty() || n.rfind(std::string(prefix) + ".", 0) == 0) used[n] = false;
+        if ((prefix.empty() || n.rfind(std::string(prefix) + ".", 0) == 0) && (ignore.empty() || n.rfind(ignore, 0) != 0))
+            used[n] = false;
     const auto take = [&](const std::string& name, auto& t) {
         if (!ck.contains(name)) throw IoError("checkpoint is missing tensor '" + name + "' that the model has");
         ck.get(name, t);

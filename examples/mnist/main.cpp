@@ -1,0 +1,291 @@
+// SPDX-License-Identifier: MIT
+//! Trains the seed's MNIST conv-net data-parallel with SyncBatchNorm on real IDX data (by default
+//! Fashion-MNIST from Debian's dataset-fashion-mnist), evaluates it and saves checkpoints.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idx.hpp"
+#include "net.hpp"
+
+namespace {
+
+using lockstep::DataParallel;
+using lockstep::Shape;
+using lockstep::Tensor;
+using Clock = std::chrono::steady_clock;
+namespace nn = lockstep::nn;
+using Model = mnist::Net<lockstep::Host>;
+
+struct Options {
+    std::string backend = "auto";
+    int replicas = 0;
+    int epochs = 2;
+    std::int64_t batch = 64;
+    double lr = 0.01;
+    double momentum = 0.9;
+    std::uint64_t seed = 0;
+    bool no_shuffle = false;
+    std::int64_t steps = 0;
+    std::int64_t train_limit = 0;
+    std::string data = "/usr/share/datasets/fashion-mnist";
+    std::string init, save, resume, metrics;
+    double expect_accuracy = -1;
+    bool quiet = false;
+};
+
+// "name" or "name.gz" in dir, whichever exists.
+std::string find_file(const std::string& dir, const std::string& name) {
+    namespace fs = std::filesystem;
+    if (!fs::is_directory(dir)) throw mnist::DataError(dir + ": no such data directory (pass --data DIR with the IDX files)");
+    for (const auto& candidate : {fs::path(dir) / name, fs::path(dir) / (name + ".gz")})
+        if (fs::exists(candidate)) return candidate.string();
+    throw mnist::DataError((std::filesystem::path(dir) / name).string() + "[.gz]: missing in the data directory");
+}
+
+// Samples `order[begin, begin + n)` as a (n, 1, 28, 28) batch scaled to [0, 1], with labels.
+void make_batch(const mnist::Dataset& ds, const std::vector<std::int64_t>& order, std::int64_t begin, std::int64_t n,
+                Tensor<float>& x, std::vector<std::int64_t>& labels) {
+    x = Tensor<float>(Shape{n, 1, 28, 28}, lockstep::MemoryFormat::nchw, lockstep::Device::host(0), lockstep::uninitialized);
+    labels.resize(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t s = order[static_cast<std::size_t>(begin + i)];
+        const std::uint8_t* px = ds.pixels.data() + s * 784;
+        for (int p = 0; p < 784; ++p) x[i * 784 + p] = static_cast<float>(px[p]) / 255.0f;
+        labels[static_cast<std::size_t>(i)] = ds.labels[static_cast<std::size_t>(s)];
+    }
+}
+
+// Batch boundaries of an epoch: full batches, then the last partial one (folded into the one
+// before when it is smaller than the replica count, since every replica needs a sample).
+std::vector<std::int64_t> batch_starts(std::int64_t count, std::int64_t batch, int replicas) {
+    std::vector<std::int64_t> starts;
+    for (std::int64_t b = 0; b < count; b += batch) starts.push_back(b);
+    if (starts.size() > 1 && count - starts.back() < replicas) starts.pop_back();
+    starts.push_back(count);
+    return starts;
+}
+
+std::vector<std::int64_t> epoch_order(std::int64_t count, std::uint64_t seed, int epoch, bool shuffle) {
+    std::vector<std::int64_t> order(static_cast<std::size_t>(count));
+    std::iota(order.begin(), order.end(), 0);
+    if (shuffle) {
+        std::mt19937_64 gen(seed * 1000003u + static_cast<std::uint64_t>(epoch));
+        std::shuffle(order.begin(), order.end(), gen);
+    }
+    return order;
+}
+
+struct Eval {
+    double loss = 0, accuracy = 0;
+};
+
+Eval evaluate(DataParallel<Model>& dp, const mnist::Dataset& test) {
+    dp.eval();
+    const auto order = epoch_order(test.count, 0, 0, false);
+    double loss = 0;
+    std::int64_t correct = 0;
+    Tensor<float> x;
+    std::vector<std::int64_t> labels;
+    const std::int64_t chunk = 1000;
+    for (std::int64_t b = 0; b < test.count; b += chunk) {
+        const std::int64_t n = std::min(chunk, test.count - b);
+        make_batch(test, order, b, n, x, labels);
+        const auto logits = dp.forward(x);
+        const auto out = nn::SoftmaxCrossEntropy{}(nn::Context{}, logits, labels);
+        loss += out.sum;
+        correct += out.correct;
+    }
+    dp.train();
+    return {loss / static_cast<double>(test.count), static_cast<double>(correct) / static_cast<double>(test.count)};
+}
+
+std::string clock_text(double seconds) {
+    const auto s = static_cast<long>(seconds + 0.5);
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%ld:%02ld", s / 60, s % 60);
+    return buf;
+}
+
+int run(const Options& opt) {
+    if (opt.backend == "cuda")
+        throw lockstep::UsageError("--backend cuda: this build trains on the host backend only (the CUDA training path "
+                                   "is not built yet); use --backend host or auto");
+    const int replicas = opt.replicas > 0 ? opt.replicas : 2;
+    const auto train = mnist::load_idx(find_file(opt.data, "train-images-idx3-ubyte"),
+                                       find_file(opt.data, "train-labels-idx1-ubyte"), opt.train_limit);
+    const auto test = mnist::load_idx(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
+    if (train.count < replicas)
+        throw lockstep::InvalidArgument("only " + std::to_string(train.count) + " training images for " +
+                                        std::to_string(replicas) + " replicas");
+
+    nn::Generator gen(opt.seed);
+    Model prototype(gen);
+    nn::Sgd sgd({.lr = opt.lr, .momentum = opt.momentum});
+    std::int64_t step = 0, epoch_step = 0;
+    int start_epoch = 0;
+    std::optional<nn::Checkpoint> resume;
+    if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, true, "optimizer.");
+    if (!opt.resume.empty()) {
+        resume = nn::Checkpoint::load(opt.resume);
+        nn::get_module(*resume, prototype, {}, true, "optimizer.");
+        try {
+            step = std::stoll(resume->metadata.at("step"));
+            start_epoch = std::stoi(resume->metadata.at("epoch"));
+            epoch_step = std::stoll(resume->metadata.at("epoch_step"));
+        } catch (const std::exception&) {
+            throw lockstep::IoError("'" + opt.resume + "' has no step/epoch counters; it was not written by --save");
+        }
+    }
+    DataParallel<Model> dp(prototype, replicas);
+    if (resume) sgd.load_state(*resume, dp.module(), replicas);
+
+    std::ofstream metrics;
+    if (!opt.metrics.empty()) {
+        metrics.open(opt.metrics, resume ? std::ios::app : std::ios::trunc);
+        if (!metrics) throw lockstep::IoError(opt.metrics + ": cannot open the metrics file for writing");
+    }
+    const auto save = [&](int epoch, std::int64_t in_epoch) {
+        if (opt.save.empty()) return;
+        nn::Checkpoint ck;
+        nn::put_module(ck, dp.module());
+        sgd.save_state(ck, dp.module());
+        ck.metadata = {{"step", std::to_string(step)}, {"epoch", std::to_string(epoch)},
+                       {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)}, {"format", "pt"}};
+        ck.save(opt.save);
+    };
+
+    const bool tty = isatty(STDOUT_FILENO) != 0 && !opt.quiet;
+    const auto t_start = Clock::now();
+    std::int64_t images = 0;
+    bool stopped = false;
+    Eval last{};
+    bool evaluated = false;
+    for (int epoch = start_epoch; epoch < opt.epochs && !stopped; ++epoch) {
+        const auto order = epoch_order(train.count, opt.seed, epoch, !opt.no_shuffle);
+        const auto starts = batch_starts(train.count, opt.batch, replicas);
+        const auto total = static_cast<std::int64_t>(starts.size()) - 1;
+        const auto t_epoch = Clock::now();
+        auto t_print = t_epoch;
+        double loss_sum = 0;
+        std::int64_t loss_count = 0, epoch_images = 0;
+        Tensor<float> x;
+        std::vector<std::int64_t> labels;
+        std::int64_t b = epoch == start_epoch ? epoch_step : 0;
+        for (; b < total; ++b) {
+            if (opt.steps > 0 && step >= opt.steps) {
+                stopped = true;
+                break;
+            }
+            const std::int64_t n = starts[static_cast<std::size_t>(b + 1)] - starts[static_cast<std::size_t>(b)];
+            make_batch(train, order, starts[static_cast<std::size_t>(b)], n, x, labels);
+            const auto t0 = Clock::now();
+            const auto res = dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
+            const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+            ++step;
+            images += n;
+            epoch_images += n;
+            loss_sum += res.loss * static_cast<double>(n);
+            loss_count += n;
+            if (metrics)
+                metrics << nlohmann::json{{"kind", "step"}, {"step", step}, {"epoch", epoch}, {"loss", res.loss},
+                                          {"images_per_s", static_cast<double>(n) / secs}}.dump()
+                        << '\n' << std::flush;
+            const double elapsed = std::chrono::duration<double>(Clock::now() - t_epoch).count();
+            const double rate = static_cast<double>(epoch_images) / std::max(elapsed, 1e-9);
+            const double eta = static_cast<double>(train.count - starts[static_cast<std::size_t>(b + 1)]) / std::max(rate, 1e-9);
+            if (tty) {
+                const int width = 30, filled = static_cast<int>(width * (b + 1) / total);
+                std::printf("\repoch %d/%d [%s%s] %lld/%lld loss %.4f %6.0f img/s ETA %s   ", epoch + 1, opt.epochs,
+                            std::string(static_cast<std::size_t>(filled), '=').c_str(),
+                            std::string(static_cast<std::size_t>(width - filled), ' ').c_str(), static_cast<long long>(b + 1),
+                            static_cast<long long>(total), res.loss, rate, clock_text(eta).c_str());
+                std::fflush(stdout);
+            } else if (!opt.quiet && std::chrono::duration<double>(Clock::now() - t_print).count() >= 5.0) {
+                t_print = Clock::now();
+                std::printf("epoch %d/%d step %lld/%lld loss %.4f %.0f img/s ETA %s\n", epoch + 1, opt.epochs,
+                            static_cast<long long>(b + 1), static_cast<long long>(total), res.loss, rate,
+                            clock_text(eta).c_str());
+                std::fflush(stdout);
+            }
+        }
+        if (tty) std::printf("\n");
+        const bool complete = b == total;
+        save(complete ? epoch + 1 : epoch, complete ? 0 : b);
+        if (!complete) break;
+        last = evaluate(dp, test);
+        evaluated = true;
+        const double secs = std::chrono::duration<double>(Clock::now() - t_epoch).count();
+        const double train_loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0.0;
+        if (!opt.quiet)
+            std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.4f, %.1f s, %.0f img/s\n", epoch + 1,
+                        train_loss, last.loss, last.accuracy, secs, static_cast<double>(epoch_images) / secs);
+        if (metrics)
+            metrics << nlohmann::json{{"kind", "epoch"}, {"epoch", epoch}, {"train_loss", train_loss}, {"test_loss", last.loss},
+                                      {"test_accuracy", last.accuracy}, {"seconds", secs}}.dump()
+                    << '\n' << std::flush;
+    }
+    if (!evaluated) last = evaluate(dp, test);
+    const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+    std::printf("test accuracy %.4f | replicas %d | backend host | %lld steps | %.1f s total | %.0f img/s training\n",
+                last.accuracy, replicas, static_cast<long long>(step), total_s,
+                images > 0 ? static_cast<double>(images) / total_s : 0.0);
+    if (opt.expect_accuracy >= 0 && last.accuracy < opt.expect_accuracy) {
+        std::fprintf(stderr, "mnist: test accuracy %.4f is below the expected %.4f\n", last.accuracy, opt.expect_accuracy);
+        return 1;
+    }
+    return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    Options opt;
+    CLI::App app{"Train the MNIST conv-net data-parallel with lockstep (SyncBatchNorm, host or CUDA replicas)"};
+    app.add_option("--backend", opt.backend, "auto | host | cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
+    app.add_option("--replicas", opt.replicas, "replicas (default: all GPUs, or 2 host replicas)")->check(CLI::Range(1, 64));
+    app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::Range(1, 1000));
+    app.add_option("--batch", opt.batch, "global batch size")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+    app.add_option("--lr", opt.lr, "learning rate")->check(CLI::Range(0.0, 100.0));
+    app.add_option("--momentum", opt.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
+    app.add_option("--seed", opt.seed, "seed for initialization and shuffling");
+    app.add_flag("--no-shuffle", opt.no_shuffle, "take batches in file order");
+    app.add_option("--steps", opt.steps, "stop after this many steps in total")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+    app.add_option("--train-limit", opt.train_limit, "use only the first M training images")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+    app.add_option("--data", opt.data, "directory with the IDX files (gzipped or not)");
+    app.add_option("--init", opt.init, "start from this safetensors checkpoint's weights");
+    app.add_option("--save", opt.save, "write a checkpoint here after each epoch and at the end (atomic)");
+    app.add_option("--resume", opt.resume, "continue from a checkpoint written by --save");
+    app.add_option("--metrics", opt.metrics, "write JSON lines of step and epoch metrics here");
+    app.add_option("--expect-accuracy", opt.expect_accuracy, "exit with 1 if the final test accuracy is lower");
+    app.add_flag("--quiet", opt.quiet, "print only the final line");
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+        const int rc = app.exit(e);
+        return rc == 0 ? 0 : 2;
+    }
+    try {
+        return run(opt);
+    } catch (const mnist::DataError& e) {
+        std::fprintf(stderr, "mnist: %s\n", e.what());
+    } catch (const lockstep::Error& e) {
+        std::fprintf(stderr, "mnist: %s\n", e.what());
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "mnist: %s\n", e.what());
+    }
+    return 2;
+}
