@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "test_support.hpp"
@@ -132,6 +133,45 @@ TEST_CASE("One training step makes one all-reduce per bucket, two per SyncBatchN
     dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
     CHECK(dp.layer_collectives(0) - layer0 == 2);  // SyncBatchNorm forward + backward
     CHECK(dp.gradient_collectives(0) - grad0 == dp.bucket_count() + 1);  // + the commit barrier
+}
+
+namespace {
+// The network with a slow first layer: its backward (the last to run) takes 100 ms more, time in
+// which the buckets of the layers after it can be all-reduced.
+struct SlowStart {
+    using backend = Host;
+    Net net;
+    Tensor<float> forward(const nn::Context& ctx, Tensor<float> x) { return net.forward(ctx, std::move(x)); }
+    Tensor<float> backward(const nn::Context& ctx, const Tensor<float>& dy) {
+        auto& seq = net;
+        Tensor<float> g = dy;
+        g = seq.get<5>().backward(ctx, g);
+        g = seq.get<4>().backward(ctx, g);
+        g = seq.get<3>().backward(ctx, g);
+        g = seq.get<2>().backward(ctx, g);
+        g = seq.get<1>().backward(ctx, g);
+        std::this_thread::sleep_for(100ms);
+        return seq.get<0>().backward(ctx, g);
+    }
+    template <class V>
+    void visit(V&& v) {
+        v.module("net", net);
+    }
+};
+}  // namespace
+
+TEST_CASE("Gradient all-reduce overlaps backward", "[parallel]") {
+    std::mt19937_64 gen(9);
+    const auto b = make_batches(1, 8, gen)[0];
+    nn::Sgd sgd({.lr = 0.01});
+    DataParallel<SlowStart> overlapped(SlowStart{make_net(9)}, 2, {.bucket_bytes = 1, .overlap = true});
+    overlapped.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    // Linear and SyncBatchNorm buckets (4 of 6) were done while the first conv was still in backward.
+    CHECK(overlapped.overlapped_buckets(0) >= 4);
+    CHECK(overlapped.overlapped_buckets(1) >= 4);
+    DataParallel<SlowStart> serial(SlowStart{make_net(9)}, 2, {.bucket_bytes = 1, .overlap = false});
+    serial.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    CHECK(serial.overlapped_buckets(0) == 0);
 }
 
 TEST_CASE("DataParallel forward scatters and gathers in rank order", "[parallel]") {

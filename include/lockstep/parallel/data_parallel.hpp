@@ -3,6 +3,7 @@
 //! gradient all-reduce overlapped with backward, and one parallel region per training step.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -189,6 +190,12 @@ public:
         return result;
     }
 
+    //! Gradient buckets of the last training step that replica `rank` had finished all-reducing
+    //! before its backward pass ended: the all-reduce work that overlapped backward.
+    std::size_t overlapped_buckets(int rank) const {
+        return replicas_.at(static_cast<std::size_t>(rank))->reduced_during_backward;
+    }
+
     //! Collectives made so far by replica `rank` on the layer group and the gradient group.
     std::uint64_t layer_collectives(int rank) const { return comms_.at(static_cast<std::size_t>(rank)).collective_count(); }
     std::uint64_t gradient_collectives(int rank) const {
@@ -217,6 +224,8 @@ private:
         std::unordered_map<const void*, bool> ready;
         SerialWorker worker;
         bool overlap = true;
+        std::atomic<std::size_t> reduced{0};  // buckets all-reduced in this step so far
+        std::size_t reduced_during_backward = 0;
 
         void begin_step(bool overlap_now) {
             overlap = overlap_now;
@@ -225,6 +234,7 @@ private:
                 b.launched = false;
             }
             for (auto& [p, flag] : ready) flag = false;
+            reduced.store(0, std::memory_order_relaxed);
             ctx.grad_ready = [this](const void* p) { on_ready(p); };
         }
 
@@ -248,12 +258,14 @@ private:
                 grad_comm->all_reduce_sum(bb.flat.span(), 0x6772ull << 32 | index);  // "gr" + bucket index
                 for (std::size_t i = 0; i < bb.params.size(); ++i)
                     std::memcpy(bb.params[i]->grad.data(), bb.flat.data() + bb.offsets[i], bb.params[i]->grad.bytes());
+                reduced.fetch_add(1, std::memory_order_release);
             };
             if (overlap) worker.submit(job);
             else job();
         }
 
         void finish_backward() {
+            reduced_during_backward = reduced.load(std::memory_order_acquire);  // backward has just ended
             for (std::size_t i = 0; i < buckets.size(); ++i)
                 if (!buckets[i].launched) launch(i);
             worker.wait();
