@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-//! Runs two host replicas and all-reduces through an installed lockstep; exits non-zero on a wrong sum.
-#include <lockstep/lockstep.hpp>
+//! Runs two host replicas and all-reduces, and runs a layer, through an installed lockstep;
+//! exits non-zero on a wrong result.
+#include <lockstep/nn.hpp>
 
 #include <cstdio>
 #include <vector>
@@ -19,6 +20,13 @@ int main() {
                 std::fprintf(stderr, "consumer: expected 3, got %g\n", v);
                 return 1;
             }
-    std::puts("consumer: all-reduce through the installed lockstep package is correct");
+    lockstep::nn::Linear<> fc(3, 2);  // the nn component: CBLAS through the installed package
+    lockstep::nn::Context ctx;
+    const auto y = fc.forward(ctx, lockstep::Tensor<float>(lockstep::Shape{4, 3}));
+    if (y.shape() != lockstep::Shape{4, 2}) {
+        std::fprintf(stderr, "consumer: Linear gave shape %s\n", y.shape().str().c_str());
+        return 1;
+    }
+    std::puts("consumer: all-reduce and a Linear layer through the installed lockstep package work");
     return 0;
 }
