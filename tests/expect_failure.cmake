@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: MIT
-# Runs CMD (a ;-list) and checks that it exits with EXPECT_RC, that its stderr matches
-# EXPECT_STDERR, and (when NO_FILE is set) that the file NO_FILE was not created.
-if(NO_FILE)
-  file(REMOVE "${NO_FILE}")
-endif()
+# Runs CMD (a ;-list) and checks that it exits with EXPECT_RC, that its stderr is one line
+# matching EXPECT_STDERR, and that none of the files in NO_FILE (a ;-list) nor anything named
+# like them (a temporary) was created.
+foreach(f IN LISTS NO_FILE)
+  file(REMOVE "${f}")
+endforeach()
 execute_process(COMMAND ${CMD} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL EXPECT_RC)
   message(FATAL_ERROR "exit code ${rc}, expected ${EXPECT_RC}\nstdout: ${out}\nstderr: ${err}")
@@ -16,12 +17,12 @@ list(LENGTH lines line_count)
 if(line_count GREATER 1)
   message(FATAL_ERROR "expected a one-line error, got:\n${err}")
 endif()
-if(NO_FILE)
-  get_filename_component(dir "${NO_FILE}" DIRECTORY)
-  get_filename_component(name "${NO_FILE}" NAME)
+foreach(f IN LISTS NO_FILE)
+  get_filename_component(dir "${f}" DIRECTORY)
+  get_filename_component(name "${f}" NAME)
   file(GLOB leftovers "${dir}/${name}*")
   if(leftovers)
     message(FATAL_ERROR "the failed run left ${leftovers}")
   endif()
-endif()
+endforeach()
 message(STATUS "exit code ${rc} with: ${err}")

@@ -46,8 +46,10 @@ public:
     static constexpr std::size_t cap = std::size_t{1} << 30;       // at most 1 GiB kept idle
 
     static HostBlockCache& instance() {
-        static HostBlockCache cache;
-        return cache;
+        // Never destroyed: a tensor with static storage may be freed after any static object's
+        // destructor has run. Idle blocks go back to the OS with the process.
+        static HostBlockCache* cache = new HostBlockCache;
+        return *cache;
     }
 
     static std::size_t rounded(std::size_t bytes) {
@@ -99,8 +101,6 @@ public:
         free_.clear();
         idle_ = 0;
     }
-
-    ~HostBlockCache() { release_all(); }
 
 private:
     std::mutex mutex_;

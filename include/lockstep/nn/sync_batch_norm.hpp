@@ -103,7 +103,8 @@ public:
         std::vector<float> scale(static_cast<std::size_t>(C)), beta(static_cast<std::size_t>(C), 0.0f);
         if (batch_stats) {
             const kernels::bn::ForwardPayload layout{C};
-            std::vector<double> payload(static_cast<std::size_t>(layout.size()));  // (2C+1)
+            auto& payload = payload_;  // (2C+1)
+            payload.assign(static_cast<std::size_t>(layout.size()), 0.0);
             std::vector<float> shift(static_cast<std::size_t>(C), 0.0f);
             if (options_.track_running_stats) shift.assign(running_mean.data(), running_mean.data() + C);
             kernels::host::bn_local_stats(x.data(), g, shift.data(), payload.data());
@@ -162,7 +163,8 @@ public:
         const auto g = geometry(saved_x_);
         const std::int64_t C = channels_;
         const kernels::bn::BackwardPayload layout{C};
-        std::vector<double> payload(static_cast<std::size_t>(layout.size()));  // (2C)
+        auto& payload = payload_;  // (2C)
+        payload.assign(static_cast<std::size_t>(layout.size()), 0.0);
         kernels::host::bn_backward_sums(saved_x_.data(), dy.data(), g, mean_.data(), mean_lo_.data(), payload.data());
         if (options_.affine) {  // local sums: the gradient all-reduce adds them over replicas
             for (std::int64_t c = 0; c < C; ++c) {
@@ -216,6 +218,9 @@ private:
     Tensor<float, B> saved_x_;
     bool saved_batch_stats_ = false;
     std::vector<float> mean_, mean_lo_, invstd_;  // mean as hi + lo: see Note [split mean]
+    // The all-reduce buffer outlives each call: a peer that is still reading it when this replica
+    // leaves an aborted collective reads memory that is still ours.
+    std::vector<double> payload_;
     double count_ = 0;
 };
 
