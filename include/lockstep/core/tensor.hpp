@@ -61,8 +61,10 @@ public:
         const std::size_t size = rounded(bytes);
         if (size >= min_cached) {
             std::lock_guard lock(mutex_);
-            auto it = free_.find(size);
-            if (it != free_.end()) {
+            // The most recently freed block of this size (the last of its equal range): it is
+            // the likeliest to still be in cache.
+            auto it = free_.upper_bound(size);
+            if (it != free_.begin() && (--it)->first == size) {
                 void* p = it->second;
                 free_.erase(it);
                 idle_ -= size;
