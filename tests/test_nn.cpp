@@ -274,3 +274,13 @@ TEST_CASE("Loading a checkpoint that does not fit the model names the tensor", "
     CHECK_THROWS_AS(nn::save((dir / "no-such-dir" / "x.safetensors").string(), small), IoError);
     fs::remove_all(dir);
 }
+
+TEST_CASE("clone makes an independent deep copy for a device of the module's backend", "[nn]") {
+    nn::Sequential a(nn::Linear<>(3, 2), nn::SyncBatchNorm<>(2));
+    auto b = nn::clone(a, Device::host(1));
+    b.get<0>().weight.value[0] += 1.0f;
+    b.get<1>().running_mean[0] = 5.0f;
+    CHECK(a.get<0>().weight.value[0] != b.get<0>().weight.value[0]);
+    CHECK(a.get<1>().running_mean[0] == 0.0f);
+    CHECK_THROWS_WITH(nn::clone(a, Device::cuda(0)), Catch::Contains("cannot clone a host module onto device cuda:0"));
+}

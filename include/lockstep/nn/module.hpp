@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/parameter.hpp"
@@ -131,6 +132,17 @@ void for_each_parameter(M& module, F&& f) {
 template <class M, class F>
 void for_each_buffer(M& module, F&& f) {
     walk(module, [](const std::string&, auto&) {}, f);
+}
+
+//! A replica of `module` for `device`: a deep copy of every parameter and buffer (a module is a
+//! copyable value, see Note [module protocol]). Host replicas share the process's memory, so the
+//! copy is the whole job; the Cuda backend's clone also moves the copy's tensors to `device`.
+template <class M>
+M clone(const M& module, Device device) {
+    static_assert(check_module<M>());
+    LOCKSTEP_CHECK(device.kind == device_kind_of<typename M::backend>(), "cannot clone a ", M::backend::name,
+                   " module onto device ", device);
+    return M(module);
 }
 
 //! Sets every parameter's gradient to zero.

@@ -79,7 +79,8 @@ public:
         pool_.attach(comms_[0].group_ptr());
         pool_.attach(grad_comms_[0].group_ptr());
         for (int r = 0; r < world_; ++r) {
-            replicas_.push_back(std::make_unique<Replica>(prototype, comms_[static_cast<std::size_t>(r)],
+            replicas_.push_back(std::make_unique<Replica>(nn::clone(prototype, devices_[static_cast<std::size_t>(r)]),
+                                                          comms_[static_cast<std::size_t>(r)],
                                                           grad_comms_[static_cast<std::size_t>(r)]));
             auto& rep = *replicas_.back();
             rep.ctx.rank = r;
@@ -212,8 +213,8 @@ private:
     };
 
     struct Replica {
-        Replica(const Module& proto, Comm& layer_comm, Comm& grad_comm)
-            : module(proto), collectives(layer_comm), grad_comm(&grad_comm) {}
+        Replica(Module&& replica, Comm& layer_comm, Comm& grad_comm)
+            : module(std::move(replica)), collectives(layer_comm), grad_comm(&grad_comm) {}
 
         Module module;
         comm::CollectivesOf<Comm> collectives;
