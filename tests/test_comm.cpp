@@ -211,3 +211,13 @@ TEST_CASE("a replica that never reaches a collective times out naming it", "[com
     }), Catch::Contains("ranks that never arrived: 2"));
     CHECK(clock_type::now() - t0 < 1s);
 }
+
+TEST_CASE("collective tags describe themselves for error messages", "[comm]") {
+    using comm::CollectiveKind;
+    using comm::CollectiveTag;
+    using comm::DType;
+    CHECK(CollectiveTag{7, CollectiveKind::all_reduce_sum, DType::f64, 129, -1}.str() == "all_reduce_sum<double>[129] at site 7");
+    CHECK(CollectiveTag{3, CollectiveKind::broadcast, DType::f32, 10, 2}.str() == "broadcast<float>[10] from root 2 at site 3");
+    CHECK(CollectiveTag{3, CollectiveKind::phase, DType::f32, 10, 1}.str() == "phase<float>[10] step 1 at site 3");
+    CHECK(CollectiveTag{0, CollectiveKind::barrier, DType::none, 0, -1}.str() == "barrier at site 0");
+}

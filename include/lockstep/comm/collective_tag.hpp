@@ -30,7 +30,7 @@ struct CollectiveTag {
     CollectiveKind kind = CollectiveKind::barrier;
     DType dtype = DType::none;
     std::uint64_t count = 0;
-    std::int32_t root = -1;
+    std::int32_t root = -1;  // broadcast root; for a phase, which inner barrier of the collective
 
     friend bool operator==(const CollectiveTag&, const CollectiveTag&) = default;
 
@@ -40,7 +40,8 @@ struct CollectiveTag {
         std::string s = kinds[static_cast<int>(kind)];
         s += types[static_cast<int>(dtype)];
         if (kind != CollectiveKind::barrier) s += "[" + std::to_string(count) + "]";
-        if (root >= 0) s += " from root " + std::to_string(root);
+        if (kind == CollectiveKind::phase) s += " step " + std::to_string(root);  // a collective's inner barrier
+        else if (root >= 0) s += " from root " + std::to_string(root);
         return s + " at site " + std::to_string(site);
     }
 };
