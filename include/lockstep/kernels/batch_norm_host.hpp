@@ -99,7 +99,7 @@ inline void sum_grad_run(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP
 }
 
 // Channels-last: per-channel fp32 partials over blocks of rows, flushed into fp64 totals.
-// `second(c, row)` gives the second summand's factor; used for both directions.
+// `term(r, a, b)` adds row r into the partials a and b; used for both directions.
 template <class Term>
 void sum_rows(std::int64_t rows, std::int64_t channels, double* tot_a, double* tot_b, Term term) {
     std::vector<float> a(static_cast<std::size_t>(channels)), b(static_cast<std::size_t>(channels));
