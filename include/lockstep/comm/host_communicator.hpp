@@ -54,6 +54,9 @@ public:
     std::uint64_t collective_count() const noexcept { return group_->collectives(rank_); }
 
     //! Sums `data` over all ranks in place; `site` identifies the call site for the tag check.
+    //! Peers read `data` directly: if the collective is aborted midway, a peer may still be
+    //! reading it for a moment after this call has thrown, so keep the buffer alive (layers keep
+    //! theirs as members).
     template <Reducible T>
     void all_reduce_sum(std::span<T> data, std::uint64_t site = 0) {
         check_buffer(data, "all_reduce_sum");

@@ -23,10 +23,15 @@ public:
     Tensor<float, B> forward(const Context& ctx, Tensor<float, B> x) {
         float* p = x.data();
         const std::int64_t n = x.numel();
-        for (std::int64_t i = 0; i < n; ++i) p[i] = p[i] > 0.0f ? p[i] : (p[i] == p[i] ? 0.0f : p[i]);  // NaN stays NaN
-        if (ctx.training) {
-            mask_ = Tensor<std::uint8_t, B>::empty_like(x);
-            for (std::int64_t i = 0; i < n; ++i) mask_[i] = p[i] > 0.0f;
+        const auto relu = [](float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); };  // NaN stays NaN
+        if (!ctx.training) {
+            for (std::int64_t i = 0; i < n; ++i) p[i] = relu(p[i]);
+            return x;
+        }
+        mask_ = Tensor<std::uint8_t, B>::empty_like(x);
+        for (std::int64_t i = 0; i < n; ++i) {
+            mask_[i] = p[i] > 0.0f;
+            p[i] = relu(p[i]);
         }
         return x;
     }

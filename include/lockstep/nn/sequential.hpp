@@ -30,8 +30,8 @@ public:
     }
 
     Tensor<float, backend> backward(const Context& ctx, const Tensor<float, backend>& dy) {
-        Tensor<float, backend> g = dy;
-        backward_from<sizeof...(Rest)>(ctx, g);
+        auto g = std::get<sizeof...(Rest)>(layers_).backward(ctx, dy);  // the last layer reads dy in place
+        if constexpr (sizeof...(Rest) > 0) backward_from<sizeof...(Rest) - 1>(ctx, g);
         return g;
     }
 

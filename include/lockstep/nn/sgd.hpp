@@ -81,7 +81,7 @@ public:
         auto& bufs = momentum_buffers(rank);
         std::size_t i = 0;
         for_each_parameter(module, [&](const std::string& name, auto&) {
-            if (i < bufs.size() && bufs[i].numel() > 0) ck.put(prefix + "." + name + ".momentum_buffer", bufs[i]);
+            if (i < bufs.size() && bufs[i].numel() > 0) ck.put(state_key(prefix, name), bufs[i]);
             ++i;
         });
     }
@@ -94,7 +94,7 @@ public:
             auto& bufs = states_[static_cast<std::size_t>(r)].buffers;
             bufs.clear();
             for_each_parameter(module, [&](const std::string& name, auto& p) {
-                const std::string key = prefix + "." + name + ".momentum_buffer";
+                const std::string key = state_key(prefix, name);
                 bufs.emplace_back();
                 if (!ck.contains(key)) return;  // that parameter has not been stepped yet
                 bufs.back() = Tensor<float, Host>(p.value.shape());
@@ -104,6 +104,10 @@ public:
     }
 
 private:
+    static std::string state_key(const std::string& prefix, const std::string& parameter) {
+        return prefix + "." + parameter + ".momentum_buffer";
+    }
+
     struct State {
         std::vector<Tensor<float, Host>> buffers;
     };

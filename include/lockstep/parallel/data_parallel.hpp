@@ -221,8 +221,11 @@ private:
         Comm* grad_comm;
         nn::Context ctx;
         std::vector<Bucket> buckets;
-        std::unordered_map<const void*, std::size_t> bucket_of;
-        std::unordered_map<const void*, bool> ready;
+        struct Slot {
+            std::size_t bucket = 0;
+            bool ready = false;  // reported in this step
+        };
+        std::unordered_map<const void*, Slot> slots;  // every parameter of the replica
         SerialWorker worker;
         bool overlap = true;
         std::atomic<std::size_t> reduced{0};  // buckets all-reduced in this step so far
@@ -234,19 +237,17 @@ private:
                 b.pending = static_cast<int>(b.params.size());
                 b.launched = false;
             }
-            for (auto& [p, flag] : ready) flag = false;
+            for (auto& [p, slot] : slots) slot.ready = false;
             reduced.store(0, std::memory_order_relaxed);
             ctx.grad_ready = [this](const void* p) { on_ready(p); };
         }
 
         void on_ready(const void* p) {
-            auto it = bucket_of.find(p);
-            if (it == bucket_of.end()) return;  // not a parameter of this model (or already counted)
-            auto& flag = ready[p];
-            if (flag) return;
-            flag = true;
-            auto& b = buckets[it->second];
-            if (--b.pending == 0 && overlap) launch(it->second);
+            auto it = slots.find(p);
+            if (it == slots.end() || it->second.ready) return;  // not a parameter of this model, or counted
+            it->second.ready = true;
+            auto& b = buckets[it->second.bucket];
+            if (--b.pending == 0 && overlap) launch(it->second.bucket);
         }
 
         void launch(std::size_t index) {
@@ -306,7 +307,7 @@ private:
         const auto close = [&] {
             if (current.params.empty()) return;
             current.flat = Tensor<float, backend>(Shape{elems});
-            for (auto* p : current.params) rep.bucket_of[p] = rep.buckets.size();
+            for (auto* p : current.params) rep.slots[p] = {rep.buckets.size(), false};
             rep.buckets.push_back(std::move(current));
             current = Bucket{};
             elems = 0;
@@ -319,7 +320,6 @@ private:
             current.params.push_back(p);
             current.offsets.push_back(elems);
             elems += p->numel();
-            rep.ready[p] = false;
         }
         close();
     }
