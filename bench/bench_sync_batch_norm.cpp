@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 //! SyncBatchNorm training forward + backward on host replicas. Effective bandwidth counts the
 //! minimum traffic (5 x tensor bytes: read x twice, write y, read dy, write dx is the classic
-//! figure) and `vs_memcpy` divides it by memcpy bandwidth measured in the same process.
+//! figure) and `vs_memcpy` divides it by memcpy bandwidth measured in the same process. The label
+//! names the SIMD level of the host kernels (LOCKSTEP_SIMD=baseline|avx2|avx512 picks another).
 #include <benchmark/benchmark.h>
 
 #include <lockstep/lockstep.hpp>
@@ -9,6 +10,7 @@
 
 #include <chrono>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench_util.hpp"
@@ -63,6 +65,7 @@ void BM_SyncBatchNorm(benchmark::State& state) {
     state.SetBytesProcessed(static_cast<std::int64_t>(5 * bytes * static_cast<std::size_t>(world)) * state.iterations());
     state.counters["replica_GBps"] = per_replica_bw / 1e9;
     state.counters["vs_memcpy"] = per_replica_bw / memcpy_bw;
+    state.SetLabel(std::string(kernels::simd::to_string(kernels::simd::active())));
 }
 
 // (N, C, H=W, layout 0=NCHW 1=NHWC, replicas): the global batch is split over the replicas.

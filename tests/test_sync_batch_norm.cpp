@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -141,9 +142,28 @@ std::vector<double> random_values(std::size_t n, std::mt19937_64& gen, double me
     return v;
 }
 
+// Restores the SIMD level a test changed (see Note [simd levels]).
+struct SimdLevelScope {
+    kernels::simd::Level saved = kernels::simd::active();
+    ~SimdLevelScope() { kernels::simd::set_active(saved); }
+};
+
 }  // namespace
 
+// Runs the rest of the enclosing test once per SIMD level of the host kernels; a level this CPU
+// lacks is reported and not run.
+#define LOCKSTEP_EACH_SIMD_LEVEL()                                                                          \
+    const auto simd_level = GENERATE(kernels::simd::Level::baseline, kernels::simd::Level::avx2,            \
+                                     kernels::simd::Level::avx512);                                         \
+    SimdLevelScope simd_scope;                                                                              \
+    if (kernels::simd::set_active(simd_level) != simd_level) {                                              \
+        WARN("SIMD level " << kernels::simd::to_string(simd_level) << " is not supported here: not tested"); \
+        return;                                                                                             \
+    }                                                                                                       \
+    INFO("SIMD level " << kernels::simd::to_string(simd_level))
+
 TEST_CASE("SyncBatchNorm matches fp64 batch norm of the whole batch", "[syncbn]") {
+    LOCKSTEP_EACH_SIMD_LEVEL();
     const std::int64_t C = GENERATE(1, 3, 64, 129);
     const auto hw = GENERATE(std::pair<std::int64_t, std::int64_t>{0, 0}, std::pair<std::int64_t, std::int64_t>{1, 1},
                              std::pair<std::int64_t, std::int64_t>{7, 5}, std::pair<std::int64_t, std::int64_t>{28, 28});
@@ -277,17 +297,33 @@ TEST_CASE("SyncBatchNorm gradient matches finite differences of the fp64 forward
 }
 
 TEST_CASE("SyncBatchNorm keeps the variance when |mean| >> std", "[syncbn]") {
+    LOCKSTEP_EACH_SIMD_LEVEL();
     const auto seed = test::fresh_seed();
     CAPTURE(seed);
     std::mt19937_64 gen(seed);
     const std::int64_t C = 4, H = 16, W = 16, P = H * W;
     const std::vector<std::int64_t> sizes{5, 3};
     const std::int64_t N = 8;
+    const auto format = GENERATE(MemoryFormat::nchw, MemoryFormat::nhwc);
     const auto x = random_values(static_cast<std::size_t>(N * C * P), gen, 1e4, 1e-2);
-    SyncBatchNorm<> proto(C, {.momentum = 1.0});  // running_var = the unbiased batch variance
+    const auto dy = random_values(x.size(), gen, 0.0, 1.0);
+    SyncBatchNorm<> proto(C, {.momentum = 1.0, .format = format});  // running_var = the unbiased batch variance
     Replicas reps(2, proto);
-    auto xs = scatter(x, sizes, C, H, W, true, MemoryFormat::nchw);
-    reps.pool.run([&](int r) { reps.bns[static_cast<std::size_t>(r)].forward(reps.contexts[static_cast<std::size_t>(r)], xs[static_cast<std::size_t>(r)]); });
+    auto xs = scatter(x, sizes, C, H, W, true, format);
+    auto dys = scatter(dy, sizes, C, H, W, true, format);
+    std::vector<Tensor<float>> ys(2), dxs(2);
+    reps.pool.run([&](int r) {
+        const auto ur = static_cast<std::size_t>(r);
+        ys[ur] = reps.bns[ur].forward(reps.contexts[ur], xs[ur]);
+        dxs[ur] = reps.bns[ur].backward(reps.contexts[ur], dys[ur]);
+    });
+    // y and dx inherit the variance's error (the shared shift is the running mean, 0 at the first
+    // step, so Q/N - (S/N)^2 cancels ~12 digits in fp64), hence the same 1e-3 bound. x - mean is
+    // exact to fp32 precision (Note [split mean]); x - fp32(mean) would be off by up to 5% of a
+    // std (about 1e-2 normwise here: ten times this bound).
+    const auto ref = reference_bn(x, dy, std::vector<double>(C, 1.0), std::vector<double>(C, 0.0), N, C, P, 1e-5);
+    CHECK(test::rel_error(gather(ys, C, P), ref.y) <= 1e-3);
+    CHECK(test::rel_error(gather(dxs, C, P), ref.dx, ref.dx_terms) <= 1e-3);
     const double M = static_cast<double>(N * P);
     for (std::int64_t c = 0; c < C; ++c) {
         double mean = 0, var = 0;  // exact two-pass variance of the same fp32 values
@@ -380,6 +416,7 @@ TEST_CASE("SyncBatchNorm: one value per channel over all replicas is an error on
 }
 
 TEST_CASE("SyncBatchNorm propagates NaN instead of hiding it", "[syncbn]") {
+    LOCKSTEP_EACH_SIMD_LEVEL();
     SyncBatchNorm<> bn(1);
     nn::Context ctx;
     auto x = Tensor<float>(Shape{4, 1});
@@ -387,4 +424,23 @@ TEST_CASE("SyncBatchNorm propagates NaN instead of hiding it", "[syncbn]") {
     const auto y = bn.forward(ctx, x);
     for (std::int64_t i = 0; i < 4; ++i) CHECK(std::isnan(y[i]));
     CHECK(std::isnan(bn.running_mean[0]));
+}
+
+TEST_CASE("SIMD level: parsed by name, capped at what the CPU runs, chosen by LOCKSTEP_SIMD", "[syncbn]") {
+    namespace simd = kernels::simd;
+    CHECK(simd::parse("baseline") == simd::Level::baseline);
+    CHECK(simd::parse("avx2") == simd::Level::avx2);
+    CHECK(simd::parse("avx512") == simd::Level::avx512);
+    CHECK_FALSE(simd::parse("AVX2").has_value());
+    CHECK_FALSE(simd::parse("").has_value());
+    // Before any test changes it: the level LOCKSTEP_SIMD names (capped), else the widest there is.
+    const char* env = std::getenv("LOCKSTEP_SIMD");
+    const auto wanted = env != nullptr && *env != '\0' ? simd::parse(env).value() : simd::Level::avx512;
+    const auto expected = static_cast<int>(wanted) < static_cast<int>(simd::supported()) ? wanted : simd::supported();
+    CHECK(simd::active() == expected);
+    SimdLevelScope scope;
+    CHECK(simd::set_active(simd::Level::baseline) == simd::Level::baseline);
+    CHECK(simd::active() == simd::Level::baseline);
+    CHECK(simd::set_active(simd::Level::avx512) == simd::supported());
+    CHECK(simd::active() == simd::supported());
 }

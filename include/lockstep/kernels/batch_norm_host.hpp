@@ -7,8 +7,13 @@
 #include <vector>
 
 #include "lockstep/core/config.hpp"
-#include "lockstep/core/shape.hpp"
 #include "lockstep/kernels/batch_norm_math.hpp"
+#include "lockstep/kernels/simd.hpp"
+
+// Vectors wider than the baseline cross no function boundary (every helper is always-inline into a
+// wrapper compiled for their ISA), so GCC's note that such a call would change the ABI is moot.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace lockstep::kernels::host {
 
@@ -24,97 +29,300 @@ struct BnGeometry {
     std::int64_t per_channel() const { return batch * inner; }
 };
 
+// Note [host batch-norm kernels]
+// Every kernel is one template over the vector width W (floats), instantiated for the baseline
+// ISA and, on x86-64, inside wrappers compiled for AVX2+FMA and AVX-512 that `simd::active()`
+// picks at run time (see simd.hpp). The bodies are always-inline so the whole loop nest is
+// compiled for the wrapper's ISA.
+// - Channels-first (NCHW) sums run over each contiguous (n, c) plane with four independent vector
+//   accumulators per quantity, so the adds' latency overlaps; fp32 over at most `per_lane` values
+//   per lane, fp64 beyond: no long sum is ever formed in fp32.
+// - Channels-last (NHWC, 2-D) sums walk the rows in order into per-channel fp32 partials that are
+//   flushed into fp64 every `block_rows` rows.
+// - Element-wise passes read every tensor front to back and apply the per-channel constants of
+//   batch_norm_math.hpp: two or three arithmetic operations per element.
+// What the layouts cost (bench/bench_sync_batch_norm.cpp): with data in cache the four passes run
+// at about memcpy speed; a step whose tensors exceed the cache is bound by DRAM traffic (eight
+// tensor-sized streams: x read four times, dy twice, y and dx written).
+
 namespace detail {
 
-constexpr int lanes = 4;  // floats per vector: the SIMD width every x86-64 and AArch64 CPU has
-// A vector of `lanes` floats (GCC/Clang vector extension): keeps the partial sums in registers,
-// where a float array would round-trip through memory on every add.
-typedef float vfloat __attribute__((vector_size(lanes * sizeof(float))));
-inline vfloat splat(float v) { return vfloat{} + v; }
-inline vfloat load(const float* p) {
-    vfloat v;
-    __builtin_memcpy(&v, p, sizeof v);  // unaligned load
-    return v;
-}
-constexpr std::int64_t block = 256;  // fp32 partial sums never cover more than this many values
+#define LOCKSTEP_KERNEL_INLINE [[gnu::always_inline]] inline
 
-// Adds sum(a - k) and sum((a - k)^2) over a contiguous run into the fp64 totals.
-inline void sum_run(const float* LOCKSTEP_RESTRICT p, std::int64_t len, float k, double& s, double& q) {
-    for (std::int64_t i = 0; i < len;) {
-        const std::int64_t end = std::min(len, i + block);
-        vfloat ls{}, lq{}, ls2{}, lq2{};  // two chains each: the adds' latency overlaps
-        const vfloat kv = splat(k);
-        for (; i + 2 * lanes <= end; i += 2 * lanes) {
-            const vfloat d = load(p + i) - kv, d2 = load(p + i + lanes) - kv;
-            ls += d;
-            lq += d * d;
-            ls2 += d2;
-            lq2 += d2 * d2;
+template <int W>
+struct Vec {
+    typedef float type __attribute__((vector_size(W * sizeof(float))));
+    // The same vector at float alignment, for loads and stores anywhere in a tensor.
+    typedef float unaligned __attribute__((vector_size(W * sizeof(float)), aligned(alignof(float)), may_alias));
+};
+template <int W>
+using vec = typename Vec<W>::type;
+
+// Loads and stores are expressions, not calls: no function passes a wide vector by value, where
+// GCC would warn that the calling convention depends on the ISA (-Wpsabi).
+#define LOCKSTEP_VLOAD(p) (*reinterpret_cast<const typename Vec<W>::unaligned*>(p))
+#define LOCKSTEP_VSTORE(p, v) (*reinterpret_cast<typename Vec<W>::unaligned*>(p) = (v))
+
+// Sum of the lanes: halves added in fp32 down to one lane.
+template <int W>
+LOCKSTEP_KERNEL_INLINE float hsum(const vec<W>& v) {
+    if constexpr (W == 4) {
+        return (v[0] + v[2]) + (v[1] + v[3]);
+    } else {
+        vec<W / 2> lo, hi;
+        __builtin_memcpy(&lo, &v, sizeof lo);
+        __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+        const vec<W / 2> sum = lo + hi;
+        return hsum<W / 2>(sum);
+    }
+}
+
+constexpr int chains = 4;                // independent accumulators per quantity
+constexpr std::int64_t per_lane = 32;    // values an fp32 accumulator lane sums before an fp64 flush
+constexpr std::int64_t block_rows = 32;  // channels-last rows per fp64 flush
+
+// ---- channels-first: one contiguous run of one channel ----
+
+// s += sum(p - k), q += sum((p - k)^2) over p[0, len).
+template <int W>
+LOCKSTEP_KERNEL_INLINE void stats_run(const float* LOCKSTEP_RESTRICT p, std::int64_t len, float k, double& s,
+                                      double& q) {
+    using V = vec<W>;
+    constexpr std::int64_t step = chains * W;
+    const V kv = V{} + k;
+    std::int64_t i = 0;
+    while (i < len) {
+        const std::int64_t end = std::min(len, i + per_lane * step);
+        V s0{}, s1{}, s2{}, s3{}, q0{}, q1{}, q2{}, q3{};
+        for (; i + step <= end; i += step) {
+            const V d0 = LOCKSTEP_VLOAD(p + i) - kv, d1 = LOCKSTEP_VLOAD(p + i + W) - kv;
+            const V d2 = LOCKSTEP_VLOAD(p + i + 2 * W) - kv, d3 = LOCKSTEP_VLOAD(p + i + 3 * W) - kv;
+            s0 += d0, s1 += d1, s2 += d2, s3 += d3;
+            q0 += d0 * d0, q1 += d1 * d1, q2 += d2 * d2, q3 += d3 * d3;
         }
-        ls += ls2;
-        lq += lq2;
+        for (; i + W <= end; i += W) {
+            const V d = LOCKSTEP_VLOAD(p + i) - kv;
+            s0 += d;
+            q0 += d * d;
+        }
         double bs = 0, bq = 0;
         for (; i < end; ++i) {
-            const float d = p[i] - k;
+            const double d = static_cast<double>(p[i] - k);
             bs += d;
-            bq += static_cast<double>(d) * d;
+            bq += d * d;
         }
-        for (int j = 0; j < lanes; ++j) {
-            bs += ls[j];
-            bq += lq[j];
-        }
-        s += bs;
-        q += bq;
+        s += bs + static_cast<double>(hsum<W>((s0 + s1) + (s2 + s3)));
+        q += bq + static_cast<double>(hsum<W>((q0 + q1) + (q2 + q3)));
     }
 }
 
-// Adds sum(dy) and sum(dy * (x - m)) over a contiguous run into the fp64 totals.
-inline void sum_grad_run(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, std::int64_t len,
-                         float m, float m_lo, double& sdy, double& sdyx) {
-    const vfloat mv = splat(m), lov = splat(m_lo);
-    for (std::int64_t i = 0; i < len;) {
-        const std::int64_t end = std::min(len, i + block);
-        vfloat a{}, b{}, a2{}, b2{};  // two chains each: the adds' latency overlaps
-        for (; i + 2 * lanes <= end; i += 2 * lanes) {
-            const vfloat g = load(dy + i), g2 = load(dy + i + lanes);
-            a += g;
-            b += g * ((load(x + i) - mv) - lov);
-            a2 += g2;
-            b2 += g2 * ((load(x + i + lanes) - mv) - lov);
+// sdy += sum(dy), sdyx += sum(dy * (x - m)) over [0, len).
+template <int W>
+LOCKSTEP_KERNEL_INLINE void grad_run(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
+                                     std::int64_t len, float m, double& sdy, double& sdyx) {
+    using V = vec<W>;
+    constexpr std::int64_t step = chains * W;
+    const V mv = V{} + m;
+    std::int64_t i = 0;
+    while (i < len) {
+        const std::int64_t end = std::min(len, i + per_lane * step);
+        V a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+        for (; i + step <= end; i += step) {
+            const V g0 = LOCKSTEP_VLOAD(dy + i), g1 = LOCKSTEP_VLOAD(dy + i + W);
+            const V g2 = LOCKSTEP_VLOAD(dy + i + 2 * W), g3 = LOCKSTEP_VLOAD(dy + i + 3 * W);
+            a0 += g0, a1 += g1, a2 += g2, a3 += g3;
+            b0 += g0 * (LOCKSTEP_VLOAD(x + i) - mv);
+            b1 += g1 * (LOCKSTEP_VLOAD(x + i + W) - mv);
+            b2 += g2 * (LOCKSTEP_VLOAD(x + i + 2 * W) - mv);
+            b3 += g3 * (LOCKSTEP_VLOAD(x + i + 3 * W) - mv);
         }
-        a += a2;
-        b += b2;
+        for (; i + W <= end; i += W) {
+            const V g = LOCKSTEP_VLOAD(dy + i);
+            a0 += g;
+            b0 += g * (LOCKSTEP_VLOAD(x + i) - mv);
+        }
         double ba = 0, bb = 0;
         for (; i < end; ++i) {
-            ba += dy[i];
-            bb += static_cast<double>(dy[i] * bn::centre(x[i], m, m_lo));
+            ba += static_cast<double>(dy[i]);
+            bb += static_cast<double>(dy[i] * (x[i] - m));
         }
-        for (int j = 0; j < lanes; ++j) {
-            ba += a[j];
-            bb += b[j];
-        }
-        sdy += ba;
-        sdyx += bb;
+        sdy += ba + static_cast<double>(hsum<W>((a0 + a1) + (a2 + a3)));
+        sdyx += bb + static_cast<double>(hsum<W>((b0 + b1) + (b2 + b3)));
     }
 }
 
-// Channels-last: per-channel fp32 partials over blocks of rows, flushed into fp64 totals.
-// `term(r, a, b)` adds row r into the partials a and b; used for both directions.
-template <class Term>
-void sum_rows(std::int64_t rows, std::int64_t channels, double* tot_a, double* tot_b, Term term) {
-    std::vector<float> a(static_cast<std::size_t>(channels)), b(static_cast<std::size_t>(channels));
-    constexpr std::int64_t rows_per_block = 32;
-    for (std::int64_t r0 = 0; r0 < rows; r0 += rows_per_block) {
-        std::fill(a.begin(), a.end(), 0.0f);
-        std::fill(b.begin(), b.end(), 0.0f);
-        const std::int64_t r1 = std::min(rows, r0 + rows_per_block);
-        for (std::int64_t r = r0; r < r1; ++r) term(r, a.data(), b.data());
-        for (std::int64_t c = 0; c < channels; ++c) {
-            tot_a[c] += a[static_cast<std::size_t>(c)];
-            tot_b[c] += b[static_cast<std::size_t>(c)];
+// ---- channels-last: whole rows of C contiguous channels ----
+
+// Adds rows [r0, r1) into per-channel fp32 partials `a`, `b` (2C floats, in L1), row after row and
+// front to back: a tensor too big for the cache streams from memory at full speed only when read
+// in order (interleaving rows, even with software prefetch, measured slower from DRAM).
+//   Stats: a += sum(x - k), b += sum((x - k)^2).   Grad: a += sum(dy), b += sum(dy * (x - m)).
+template <int W>
+LOCKSTEP_KERNEL_INLINE void stats_rows(const float* LOCKSTEP_RESTRICT x, std::int64_t C, std::int64_t r0,
+                                       std::int64_t r1, const float* LOCKSTEP_RESTRICT k, float* LOCKSTEP_RESTRICT a,
+                                       float* LOCKSTEP_RESTRICT b) {
+    using V = vec<W>;
+    const std::int64_t cv = C - C % W;  // channels covered by whole vectors
+    for (std::int64_t r = r0; r < r1; ++r) {
+        const float* LOCKSTEP_RESTRICT xr = x + r * C;
+        for (std::int64_t c = 0; c < cv; c += W) {
+            const V d = LOCKSTEP_VLOAD(xr + c) - LOCKSTEP_VLOAD(k + c);
+            LOCKSTEP_VSTORE(a + c, LOCKSTEP_VLOAD(a + c) + d);
+            LOCKSTEP_VSTORE(b + c, LOCKSTEP_VLOAD(b + c) + d * d);
+        }
+        for (std::int64_t c = cv; c < C; ++c) {
+            const float d = xr[c] - k[c];
+            a[c] += d;
+            b[c] += d * d;
         }
     }
 }
+
+template <int W>
+LOCKSTEP_KERNEL_INLINE void grad_rows(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
+                                      std::int64_t C, std::int64_t r0, std::int64_t r1,
+                                      const float* LOCKSTEP_RESTRICT m, float* LOCKSTEP_RESTRICT a,
+                                      float* LOCKSTEP_RESTRICT b) {
+    using V = vec<W>;
+    const std::int64_t cv = C - C % W;
+    for (std::int64_t r = r0; r < r1; ++r) {
+        const float* LOCKSTEP_RESTRICT xr = x + r * C;
+        const float* LOCKSTEP_RESTRICT gr = dy + r * C;
+        for (std::int64_t c = 0; c < cv; c += W) {
+            const V g = LOCKSTEP_VLOAD(gr + c);
+            LOCKSTEP_VSTORE(a + c, LOCKSTEP_VLOAD(a + c) + g);
+            LOCKSTEP_VSTORE(b + c, LOCKSTEP_VLOAD(b + c) + g * (LOCKSTEP_VLOAD(xr + c) - LOCKSTEP_VLOAD(m + c)));
+        }
+        for (std::int64_t c = cv; c < C; ++c) {
+            a[c] += gr[c];
+            b[c] += gr[c] * (xr[c] - m[c]);
+        }
+    }
+}
+
+// ---- whole-tensor kernels, one template per ISA ----
+
+template <int W>
+LOCKSTEP_KERNEL_INLINE void local_sums(const float* LOCKSTEP_RESTRICT x, const BnGeometry& g,
+                                       const float* LOCKSTEP_RESTRICT k, double* S, double* Q, float* scratch) {
+    const std::int64_t C = g.channels;
+    if (!g.channels_last) {
+        for (std::int64_t n = 0; n < g.batch; ++n)
+            for (std::int64_t c = 0; c < C; ++c) stats_run<W>(x + (n * C + c) * g.inner, g.inner, k[c], S[c], Q[c]);
+        return;
+    }
+    // fp32 partials per block of rows (scratch: 2C floats), flushed into the fp64 totals.
+    float* a = scratch;
+    float* b = scratch + C;
+    for (std::int64_t r0 = 0; r0 < g.rows(); r0 += block_rows) {
+        std::fill(a, a + 2 * C, 0.0f);
+        stats_rows<W>(x, C, r0, std::min(g.rows(), r0 + block_rows), k, a, b);
+        for (std::int64_t c = 0; c < C; ++c) {
+            S[c] += static_cast<double>(a[c]);
+            Q[c] += static_cast<double>(b[c]);
+        }
+    }
+}
+
+template <int W>
+LOCKSTEP_KERNEL_INLINE void normalize_all(const float* LOCKSTEP_RESTRICT x, float* LOCKSTEP_RESTRICT y,
+                                          const BnGeometry& g, const float* LOCKSTEP_RESTRICT hi,
+                                          const float* LOCKSTEP_RESTRICT scale, const float* LOCKSTEP_RESTRICT shift) {
+    const std::int64_t C = g.channels;
+    if (g.channels_last) {
+        // Row after row, front to back; the constants are re-read from L1.
+        for (std::int64_t r = 0; r < g.rows(); ++r) {
+            const float* LOCKSTEP_RESTRICT xr = x + r * C;
+            float* LOCKSTEP_RESTRICT yr = y + r * C;
+            for (std::int64_t c = 0; c < C; ++c) yr[c] = bn::normalize(xr[c], hi[c], scale[c], shift[c]);
+        }
+        return;
+    }
+    for (std::int64_t n = 0; n < g.batch; ++n)
+        for (std::int64_t c = 0; c < C; ++c) {
+            const float h = hi[c], s = scale[c], t = shift[c];
+            const float* LOCKSTEP_RESTRICT xr = x + (n * C + c) * g.inner;
+            float* LOCKSTEP_RESTRICT yr = y + (n * C + c) * g.inner;
+            for (std::int64_t i = 0; i < g.inner; ++i) yr[i] = bn::normalize(xr[i], h, s, t);
+        }
+}
+
+template <int W>
+LOCKSTEP_KERNEL_INLINE void grad_sums(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
+                                      const BnGeometry& g, const float* LOCKSTEP_RESTRICT hi, double* A, double* B,
+                                      float* scratch) {
+    const std::int64_t C = g.channels;
+    if (!g.channels_last) {
+        for (std::int64_t n = 0; n < g.batch; ++n)
+            for (std::int64_t c = 0; c < C; ++c) {
+                const std::int64_t off = (n * C + c) * g.inner;
+                grad_run<W>(x + off, dy + off, g.inner, hi[c], A[c], B[c]);
+            }
+        return;
+    }
+    float* a = scratch;
+    float* b = scratch + C;
+    for (std::int64_t r0 = 0; r0 < g.rows(); r0 += block_rows) {
+        std::fill(a, a + 2 * C, 0.0f);
+        grad_rows<W>(x, dy, C, r0, std::min(g.rows(), r0 + block_rows), hi, a, b);
+        for (std::int64_t c = 0; c < C; ++c) {
+            A[c] += static_cast<double>(a[c]);
+            B[c] += static_cast<double>(b[c]);
+        }
+    }
+}
+
+template <int W>
+LOCKSTEP_KERNEL_INLINE void grad_input(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
+                                       float* LOCKSTEP_RESTRICT dx, const BnGeometry& g,
+                                       const float* LOCKSTEP_RESTRICT hi, const float* LOCKSTEP_RESTRICT a,
+                                       const float* LOCKSTEP_RESTRICT b, const float* LOCKSTEP_RESTRICT c3) {
+    const std::int64_t C = g.channels;
+    if (g.channels_last) {
+        for (std::int64_t r = 0; r < g.rows(); ++r) {
+            const std::int64_t off = r * C;
+            for (std::int64_t c = 0; c < C; ++c)
+                dx[off + c] = bn::backward(dy[off + c], x[off + c], hi[c], a[c], b[c], c3[c]);
+        }
+        return;
+    }
+    for (std::int64_t n = 0; n < g.batch; ++n)
+        for (std::int64_t c = 0; c < C; ++c) {
+            const std::int64_t off = (n * C + c) * g.inner;
+            const float h = hi[c], ka = a[c], kb = b[c], kc = c3[c];
+            for (std::int64_t i = 0; i < g.inner; ++i) dx[off + i] = bn::backward(dy[off + i], x[off + i], h, ka, kb, kc);
+        }
+}
+
+// One entry point per kernel and ISA: `LOCKSTEP_SIMD_VARIANTS(name)` defines name_avx2 and
+// name_avx512 (x86-64) around name<W>; `LOCKSTEP_SIMD_CALL(name, ...)` calls the one that
+// simd::active() names.
+#if LOCKSTEP_SIMD_X86
+#define LOCKSTEP_SIMD_VARIANTS(name)                                                         \
+    template <class... A>                                                                    \
+    [[gnu::target("avx2,fma")]] inline void name##_avx2(A... args) {                         \
+        name<8>(args...);                                                                    \
+    }                                                                                        \
+    template <class... A>                                                                    \
+    [[gnu::target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]] inline void name##_avx512( \
+        A... args) {                                                                         \
+        name<16>(args...);                                                                   \
+    }
+#define LOCKSTEP_SIMD_CALL(name, ...)                                     \
+    switch (simd::active()) {                                             \
+        case simd::Level::avx512: return detail::name##_avx512(__VA_ARGS__); \
+        case simd::Level::avx2: return detail::name##_avx2(__VA_ARGS__);     \
+        default: return detail::name<4>(__VA_ARGS__);                     \
+    }
+#else
+#define LOCKSTEP_SIMD_VARIANTS(name)
+#define LOCKSTEP_SIMD_CALL(name, ...) return detail::name<4>(__VA_ARGS__);
+#endif
+
+LOCKSTEP_SIMD_VARIANTS(local_sums)
+LOCKSTEP_SIMD_VARIANTS(normalize_all)
+LOCKSTEP_SIMD_VARIANTS(grad_sums)
+LOCKSTEP_SIMD_VARIANTS(grad_input)
 
 }  // namespace detail
 
@@ -122,106 +330,59 @@ void sum_rows(std::int64_t rows, std::int64_t channels, double* tot_a, double* t
 inline void bn_local_stats(const float* LOCKSTEP_RESTRICT x, const BnGeometry& g, const float* shift, double* payload) {
     const std::int64_t C = g.channels;
     const bn::ForwardPayload layout{C};
-    std::vector<double> s(static_cast<std::size_t>(C), 0.0), q(static_cast<std::size_t>(C), 0.0);
-    std::vector<float> k(static_cast<std::size_t>(C), 0.0f);  // local shift: this replica's first value
-    if (g.per_channel() > 0) {
+    double* S = payload + layout.sum(0);
+    double* Q = payload + layout.sum_sq(0);
+    std::fill(payload, payload + layout.size(), 0.0);
+    // Local shift k: this replica's first value of each channel (close to its values, so the fp32
+    // partial sums stay small).
+    std::vector<float> k(static_cast<std::size_t>(C), 0.0f);
+    if (g.per_channel() > 0)
         for (std::int64_t c = 0; c < C; ++c) k[static_cast<std::size_t>(c)] = g.channels_last ? x[c] : x[c * g.inner];
-    }
-    if (g.channels_last) {
-        const float* kk = k.data();
-        detail::sum_rows(g.rows(), C, s.data(), q.data(), [&](std::int64_t r, float* a, float* b) {
-            const float* LOCKSTEP_RESTRICT row = x + r * C;
-            for (std::int64_t c = 0; c < C; ++c) {
-                const float d = row[c] - kk[c];
-                a[c] += d;
-                b[c] += d * d;
-            }
-        });
-    } else {
-        for (std::int64_t n = 0; n < g.batch; ++n)
-            for (std::int64_t c = 0; c < C; ++c)
-                detail::sum_run(x + (n * C + c) * g.inner, g.inner, k[static_cast<std::size_t>(c)],
-                                s[static_cast<std::size_t>(c)], q[static_cast<std::size_t>(c)]);
-    }
+    std::vector<float> scratch(g.channels_last ? static_cast<std::size_t>(2 * C) : 0);
+    [&] { LOCKSTEP_SIMD_CALL(local_sums, x, g, k.data(), S, Q, scratch.data()) }();
     const double count = static_cast<double>(g.per_channel());
     for (std::int64_t c = 0; c < C; ++c) {
-        const auto uc = static_cast<std::size_t>(c);
-        const bn::ShiftedSums local{count, s[uc], q[uc], static_cast<double>(k[uc])};
+        const bn::ShiftedSums local{count, S[c], Q[c], static_cast<double>(k[static_cast<std::size_t>(c)])};
         const bn::ShiftedSums shared = bn::recentre(local, static_cast<double>(shift[c]));
-        payload[layout.sum(c)] = shared.s;
-        payload[layout.sum_sq(c)] = shared.q;
+        S[c] = shared.s;
+        Q[c] = shared.q;
     }
     payload[layout.count()] = count;
 }
 
-//! y = (x - mean_c) * scale_c + beta_c over the whole batch.
+//! y = (x - hi_c) * scale_c + shift_c over the whole batch (see `bn::normalize_constants`).
 inline void bn_normalize(const float* LOCKSTEP_RESTRICT x, float* LOCKSTEP_RESTRICT y, const BnGeometry& g,
-                         const float* LOCKSTEP_RESTRICT mean, const float* LOCKSTEP_RESTRICT mean_lo,
-                         const float* LOCKSTEP_RESTRICT scale, const float* LOCKSTEP_RESTRICT beta) {
-    const std::int64_t C = g.channels;
-    if (g.channels_last) {
-        for (std::int64_t r = 0; r < g.rows(); ++r) {
-            const float* LOCKSTEP_RESTRICT xr = x + r * C;
-            float* LOCKSTEP_RESTRICT yr = y + r * C;
-            for (std::int64_t c = 0; c < C; ++c) yr[c] = bn::normalize(xr[c], mean[c], mean_lo[c], scale[c], beta[c]);
-        }
-        return;
-    }
-    for (std::int64_t n = 0; n < g.batch; ++n)
-        for (std::int64_t c = 0; c < C; ++c) {
-            const float m = mean[c], lo = mean_lo[c], s = scale[c], b = beta[c];
-            const float* LOCKSTEP_RESTRICT xr = x + (n * C + c) * g.inner;
-            float* LOCKSTEP_RESTRICT yr = y + (n * C + c) * g.inner;
-            for (std::int64_t i = 0; i < g.inner; ++i) yr[i] = bn::normalize(xr[i], m, lo, s, b);
-        }
+                         const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT scale,
+                         const float* LOCKSTEP_RESTRICT shift) {
+    LOCKSTEP_SIMD_CALL(normalize_all, x, y, g, mean_hi, scale, shift)
 }
 
 //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C doubles) of the local batch.
 inline void bn_backward_sums(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, const BnGeometry& g,
-                             const float* LOCKSTEP_RESTRICT mean, const float* LOCKSTEP_RESTRICT mean_lo, double* payload) {
+                             const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT mean_lo,
+                             double* payload) {
     const std::int64_t C = g.channels;
     const bn::BackwardPayload layout{C};
-    double* sdy = payload + layout.sum_dy(0);
-    double* sdyx = payload + layout.sum_dy_xmu(0);
+    double* A = payload + layout.sum_dy(0);
+    double* B = payload + layout.sum_dy_xmu(0);
     std::fill(payload, payload + layout.size(), 0.0);
-    if (g.channels_last) {
-        detail::sum_rows(g.rows(), C, sdy, sdyx, [&](std::int64_t r, float* a, float* b) {
-            const float* LOCKSTEP_RESTRICT xr = x + r * C;
-            const float* LOCKSTEP_RESTRICT dr = dy + r * C;
-            for (std::int64_t c = 0; c < C; ++c) {
-                a[c] += dr[c];
-                b[c] += dr[c] * bn::centre(xr[c], mean[c], mean_lo[c]);
-            }
-        });
-        return;
-    }
-    for (std::int64_t n = 0; n < g.batch; ++n)
-        for (std::int64_t c = 0; c < C; ++c) {
-            const std::int64_t off = (n * C + c) * g.inner;
-            detail::sum_grad_run(x + off, dy + off, g.inner, mean[c], mean_lo[c], sdy[c], sdyx[c]);
-        }
+    std::vector<float> scratch(g.channels_last ? static_cast<std::size_t>(2 * C) : 0);
+    [&] { LOCKSTEP_SIMD_CALL(grad_sums, x, dy, g, mean_hi, A, B, scratch.data()) }();
+    for (std::int64_t c = 0; c < C; ++c) B[c] = bn::centred_sum(B[c], A[c], mean_lo[c]);
 }
 
-//! dx over the whole batch from per-channel constants (see `bn::backward`).
+//! dx = a_c * dy + b_c * (x - hi_c) + c_c over the whole batch (see `bn::backward_constants`).
 inline void bn_backward_dx(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, float* LOCKSTEP_RESTRICT dx,
-                           const BnGeometry& g, const float* LOCKSTEP_RESTRICT mean, const float* LOCKSTEP_RESTRICT mean_lo,
-                           const float* LOCKSTEP_RESTRICT k1,
-                           const float* LOCKSTEP_RESTRICT mean_dy, const float* LOCKSTEP_RESTRICT k2) {
-    const std::int64_t C = g.channels;
-    if (g.channels_last) {
-        for (std::int64_t r = 0; r < g.rows(); ++r) {
-            const std::int64_t off = r * C;
-            for (std::int64_t c = 0; c < C; ++c)
-                dx[off + c] = bn::backward(dy[off + c], x[off + c], mean[c], mean_lo[c], k1[c], mean_dy[c], k2[c]);
-        }
-        return;
-    }
-    for (std::int64_t n = 0; n < g.batch; ++n)
-        for (std::int64_t c = 0; c < C; ++c) {
-            const std::int64_t off = (n * C + c) * g.inner;
-            const float m = mean[c], lo = mean_lo[c], a = k1[c], b = mean_dy[c], d = k2[c];
-            for (std::int64_t i = 0; i < g.inner; ++i) dx[off + i] = bn::backward(dy[off + i], x[off + i], m, lo, a, b, d);
-        }
+                           const BnGeometry& g, const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT a,
+                           const float* LOCKSTEP_RESTRICT b, const float* LOCKSTEP_RESTRICT c) {
+    LOCKSTEP_SIMD_CALL(grad_input, x, dy, dx, g, mean_hi, a, b, c)
 }
 
 }  // namespace lockstep::kernels::host
+
+#undef LOCKSTEP_SIMD_CALL
+#undef LOCKSTEP_SIMD_VARIANTS
+#undef LOCKSTEP_KERNEL_INLINE
+#undef LOCKSTEP_VLOAD
+#undef LOCKSTEP_VSTORE
+#pragma GCC diagnostic pop

@@ -74,10 +74,12 @@ LOCKSTEP_HD inline ChannelStats finish(double n, double s, double q, double shif
 }
 
 // Note [split mean]
-// The fp64 mean is kept as two floats, hi = fp32(mean) and lo = fp32(mean - hi). x - hi is exact
-// when x is near the mean (Sterbenz), so (x - hi) - lo is x - mean to fp32 precision even when
-// |mean| >> std, where fp32(x - fp32(mean)) would be off by the mean's rounding (at mean 1e4 that
-// is 5e-4, i.e. 5% of a std of 1e-2).
+// The fp64 mean is kept as two floats, hi = fp32(mean) and lo = mean - hi. x - hi is exact when x
+// is near the mean (Sterbenz), so every per-element formula subtracts hi from x first and folds lo
+// into a per-channel constant computed in fp64: x - mean is then exact to fp32 precision even when
+// |mean| >> std, where fp32(x - fp32(mean)) alone would be off by the mean's rounding (at mean 1e4
+// that is 5e-4, i.e. 5% of a std of 1e-2). Folding lo away leaves each element two or three
+// arithmetic operations, which keeps the kernels at memory speed.
 
 //! The fp64 mean as hi + lo floats.
 struct SplitMean {
@@ -88,29 +90,47 @@ LOCKSTEP_HD inline SplitMean split_mean(double mean) {
     return {hi, static_cast<float>(mean - static_cast<double>(hi))};
 }
 
-//! x - mean to fp32 precision (see Note [split mean]).
-LOCKSTEP_HD inline float centre(float x, float mean_hi, float mean_lo) { return (x - mean_hi) - mean_lo; }
-
-//! y = (x - mean) * (invstd * gamma) + beta; `scale` = invstd * gamma, precomputed per channel.
-//! The difference comes first so a large mean cancels exactly before scaling.
-LOCKSTEP_HD inline float normalize(float x, float mean_hi, float mean_lo, float scale, float beta) {
-    return centre(x, mean_hi, mean_lo) * scale + beta;
-}
-
-//! dx = gamma * invstd * (dy - sum(dy)/N - xhat * sum(dy * xhat)/N), with per-channel constants
-//! k1 = gamma * invstd, mean_dy = sum(dy)/N and k2 = invstd^2 * sum(dy * (x - mean))/N.
-LOCKSTEP_HD inline float backward(float dy, float x, float mean_hi, float mean_lo, float k1, float mean_dy, float k2) {
-    return k1 * (dy - mean_dy - centre(x, mean_hi, mean_lo) * k2);
-}
-
-//! Per-channel constants of `backward` from the all-reduced sums.
-struct BackwardConstants {
-    float k1, mean_dy, k2;
+//! Per-channel constants of the normalize: y = (x - mean_hi) * scale + shift, where
+//! scale = invstd * gamma and shift = beta - (mean - mean_hi) * scale carries the mean's low part.
+struct NormalizeConstants {
+    float mean_hi, scale, shift;
 };
-LOCKSTEP_HD inline BackwardConstants backward_constants(double n, double sum_dy, double sum_dy_xmu, double invstd,
-                                                        double gamma) {
-    return {static_cast<float>(gamma * invstd), static_cast<float>(sum_dy / n),
-            static_cast<float>(invstd * invstd * sum_dy_xmu / n)};
+LOCKSTEP_HD inline NormalizeConstants normalize_constants(double mean, double invstd, double gamma, double beta) {
+    const float hi = static_cast<float>(mean);
+    const float scale = static_cast<float>(invstd * gamma);
+    return {hi, scale, static_cast<float>(beta - (mean - static_cast<double>(hi)) * static_cast<double>(scale))};
+}
+
+//! y of one element. The difference comes first so a large mean cancels exactly before scaling.
+LOCKSTEP_HD inline float normalize(float x, float mean_hi, float scale, float shift) {
+    return (x - mean_hi) * scale + shift;
+}
+
+//! sum(dy * (x - mean)) from sum(dy * (x - mean_hi)) and sum(dy), in fp64.
+LOCKSTEP_HD inline double centred_sum(double sum_dy_xhi, double sum_dy, float mean_lo) {
+    return sum_dy_xhi - static_cast<double>(mean_lo) * sum_dy;
+}
+
+//! Per-channel constants of `backward`: dx = a * dy + b * (x - mean_hi) + c.
+struct BackwardConstants {
+    float mean_hi, a, b, c;
+};
+
+//! dx = gamma * invstd * (dy - sum(dy)/N - (x - mean) * invstd^2 * sum(dy * (x - mean))/N),
+//! expanded about mean_hi: a = gamma * invstd, b = -a * k2, c = a * (k2 * mean_lo - sum(dy)/N)
+//! with k2 = invstd^2 * sum(dy * (x - mean))/N, all in fp64.
+LOCKSTEP_HD inline BackwardConstants backward_constants(double n, double sum_dy, double sum_dy_xmu, double mean,
+                                                        double invstd, double gamma) {
+    const float hi = static_cast<float>(mean);
+    const double lo = mean - static_cast<double>(hi);
+    const double a = gamma * invstd;
+    const double k2 = invstd * invstd * sum_dy_xmu / n;
+    return {hi, static_cast<float>(a), static_cast<float>(-a * k2), static_cast<float>(a * (k2 * lo - sum_dy / n))};
+}
+
+//! dx of one element (see `backward_constants`).
+LOCKSTEP_HD inline float backward(float dy, float x, float mean_hi, float a, float b, float c) {
+    return a * dy + ((x - mean_hi) * b + c);
 }
 
 //! PyTorch's running-statistics update with the global mean and the unbiased global variance:

@@ -97,10 +97,10 @@ public:
         const std::int64_t C = channels_;
         const bool batch_stats = ctx.training || !options_.track_running_stats;
         saved_x_ = Tensor<float, B>();
-        mean_.assign(static_cast<std::size_t>(C), 0.0f);
+        mean_hi_.assign(static_cast<std::size_t>(C), 0.0f);
         mean_lo_.assign(static_cast<std::size_t>(C), 0.0f);
-        invstd_.assign(static_cast<std::size_t>(C), 0.0f);
-        std::vector<float> scale(static_cast<std::size_t>(C)), beta(static_cast<std::size_t>(C), 0.0f);
+        mean_.assign(static_cast<std::size_t>(C), 0.0);
+        invstd_.assign(static_cast<std::size_t>(C), 0.0);
         if (batch_stats) {
             const kernels::bn::ForwardPayload layout{C};
             auto& payload = payload_;  // (2C+1)
@@ -124,27 +124,30 @@ public:
                 const auto st = kernels::bn::finish(n, payload[static_cast<std::size_t>(layout.sum(c))],
                                                     payload[static_cast<std::size_t>(layout.sum_sq(c))], shift[uc],
                                                     options_.eps);
-                const auto split = kernels::bn::split_mean(st.mean);
-                mean_[uc] = split.hi;
-                mean_lo_[uc] = split.lo;
-                invstd_[uc] = static_cast<float>(st.invstd);
+                mean_[uc] = st.mean;
+                invstd_[uc] = st.invstd;
                 if (update) kernels::bn::update_running(running_mean[c], running_var[c], st, n, factor);
             }
         } else {
             for (std::int64_t c = 0; c < C; ++c) {
                 const auto uc = static_cast<std::size_t>(c);
                 mean_[uc] = running_mean[c];
-                invstd_[uc] = static_cast<float>(1.0 / std::sqrt(static_cast<double>(running_var[c]) + options_.eps));
+                invstd_[uc] = 1.0 / std::sqrt(static_cast<double>(running_var[c]) + options_.eps);
             }
         }
+        std::vector<float> scale(static_cast<std::size_t>(C)), shift(static_cast<std::size_t>(C));
         for (std::int64_t c = 0; c < C; ++c) {
             const auto uc = static_cast<std::size_t>(c);
-            const float gamma = options_.affine ? weight.value[c] : 1.0f;
-            scale[uc] = invstd_[uc] * gamma;
-            if (options_.affine) beta[uc] = bias.value[c];
+            const auto split = kernels::bn::split_mean(mean_[uc]);
+            mean_hi_[uc] = split.hi;
+            mean_lo_[uc] = split.lo;
+            const auto k = kernels::bn::normalize_constants(mean_[uc], invstd_[uc], options_.affine ? weight.value[c] : 1.0,
+                                                            options_.affine ? bias.value[c] : 0.0);
+            scale[uc] = k.scale;
+            shift[uc] = k.shift;
         }
         auto y = Tensor<float, B>::empty_like(x);
-        kernels::host::bn_normalize(x.data(), y.data(), g, mean_.data(), mean_lo_.data(), scale.data(), beta.data());
+        kernels::host::bn_normalize(x.data(), y.data(), g, mean_hi_.data(), scale.data(), shift.data());
         if (ctx.training) {
             saved_x_ = std::move(x);
             saved_batch_stats_ = batch_stats;
@@ -165,7 +168,7 @@ public:
         const kernels::bn::BackwardPayload layout{C};
         auto& payload = payload_;  // (2C)
         payload.assign(static_cast<std::size_t>(layout.size()), 0.0);
-        kernels::host::bn_backward_sums(saved_x_.data(), dy.data(), g, mean_.data(), mean_lo_.data(), payload.data());
+        kernels::host::bn_backward_sums(saved_x_.data(), dy.data(), g, mean_hi_.data(), mean_lo_.data(), payload.data());
         if (options_.affine) {  // local sums: the gradient all-reduce adds them over replicas
             for (std::int64_t c = 0; c < C; ++c) {
                 weight.grad[c] += static_cast<float>(payload[static_cast<std::size_t>(layout.sum_dy_xmu(c))] *
@@ -176,19 +179,19 @@ public:
             ctx.mark_grad_ready(&bias);
         }
         if (ctx.comm != nullptr) ctx.comm->all_reduce_sum(std::span<double>(payload), site_ + 1);
-        std::vector<float> k1(static_cast<std::size_t>(C)), mdy(static_cast<std::size_t>(C)), k2(static_cast<std::size_t>(C));
+        std::vector<float> ka(static_cast<std::size_t>(C)), kb(static_cast<std::size_t>(C)), kc(static_cast<std::size_t>(C));
         for (std::int64_t c = 0; c < C; ++c) {
             const auto uc = static_cast<std::size_t>(c);
             const auto k = kernels::bn::backward_constants(count_, payload[static_cast<std::size_t>(layout.sum_dy(c))],
-                                                           payload[static_cast<std::size_t>(layout.sum_dy_xmu(c))],
-                                                           invstd_[uc], options_.affine ? weight.value[c] : 1.0f);
-            k1[uc] = k.k1;
-            mdy[uc] = k.mean_dy;
-            k2[uc] = k.k2;
+                                                           payload[static_cast<std::size_t>(layout.sum_dy_xmu(c))], mean_[uc],
+                                                           invstd_[uc], options_.affine ? weight.value[c] : 1.0);
+            ka[uc] = k.a;
+            kb[uc] = k.b;
+            kc[uc] = k.c;
         }
         auto dx = Tensor<float, B>::empty_like(dy);
-        kernels::host::bn_backward_dx(saved_x_.data(), dy.data(), dx.data(), g, mean_.data(), mean_lo_.data(), k1.data(),
-                                      mdy.data(), k2.data());
+        kernels::host::bn_backward_dx(saved_x_.data(), dy.data(), dx.data(), g, mean_hi_.data(), ka.data(), kb.data(),
+                                      kc.data());
         saved_x_ = Tensor<float, B>();
         return dx;
     }
@@ -217,7 +220,8 @@ private:
     // What backward needs from forward.
     Tensor<float, B> saved_x_;
     bool saved_batch_stats_ = false;
-    std::vector<float> mean_, mean_lo_, invstd_;  // mean as hi + lo: see Note [split mean]
+    std::vector<double> mean_, invstd_;
+    std::vector<float> mean_hi_, mean_lo_;  // the mean as hi + lo: see Note [split mean]
     // The all-reduce buffer outlives each call: a peer that is still reading it when this replica
     // leaves an aborted collective reads memory that is still ours.
     std::vector<double> payload_;
