@@ -272,25 +272,41 @@ LOCKSTEP_KERNEL_INLINE void grad_sums(const float* LOCKSTEP_RESTRICT x, const fl
     }
 }
 
+// `dx` may be `x` itself (the layer writes dx over the input it saved): every element is read
+// before it is written, at the same index, so x and dx are not restrict-qualified and the loops
+// use explicit vectors rather than rely on the compiler's alias checks.
 template <int W>
-LOCKSTEP_KERNEL_INLINE void grad_input(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
-                                       float* LOCKSTEP_RESTRICT dx, const BnGeometry& g,
-                                       const float* LOCKSTEP_RESTRICT hi, const float* LOCKSTEP_RESTRICT a,
-                                       const float* LOCKSTEP_RESTRICT b, const float* LOCKSTEP_RESTRICT c3) {
+LOCKSTEP_KERNEL_INLINE void grad_input(const float* x, const float* LOCKSTEP_RESTRICT dy, float* dx,
+                                       const BnGeometry& g, const float* LOCKSTEP_RESTRICT hi,
+                                       const float* LOCKSTEP_RESTRICT a, const float* LOCKSTEP_RESTRICT b,
+                                       const float* LOCKSTEP_RESTRICT c3) {
+    using V = vec<W>;
     const std::int64_t C = g.channels;
     if (g.channels_last) {
+        const std::int64_t cv = C - C % W;
         for (std::int64_t r = 0; r < g.rows(); ++r) {
             const std::int64_t off = r * C;
-            for (std::int64_t c = 0; c < C; ++c)
+            for (std::int64_t c = 0; c < cv; c += W) {
+                const V v = LOCKSTEP_VLOAD(a + c) * LOCKSTEP_VLOAD(dy + off + c) +
+                            ((LOCKSTEP_VLOAD(x + off + c) - LOCKSTEP_VLOAD(hi + c)) * LOCKSTEP_VLOAD(b + c) +
+                             LOCKSTEP_VLOAD(c3 + c));
+                LOCKSTEP_VSTORE(dx + off + c, v);
+            }
+            for (std::int64_t c = cv; c < C; ++c)
                 dx[off + c] = bn::backward(dy[off + c], x[off + c], hi[c], a[c], b[c], c3[c]);
         }
         return;
     }
+    const std::int64_t P = g.inner, pv = P - P % W;
     for (std::int64_t n = 0; n < g.batch; ++n)
         for (std::int64_t c = 0; c < C; ++c) {
-            const std::int64_t off = (n * C + c) * g.inner;
-            const float h = hi[c], ka = a[c], kb = b[c], kc = c3[c];
-            for (std::int64_t i = 0; i < g.inner; ++i) dx[off + i] = bn::backward(dy[off + i], x[off + i], h, ka, kb, kc);
+            const std::int64_t off = (n * C + c) * P;
+            const V h = V{} + hi[c], ka = V{} + a[c], kb = V{} + b[c], kc = V{} + c3[c];
+            for (std::int64_t i = 0; i < pv; i += W)
+                LOCKSTEP_VSTORE(dx + off + i,
+                                ka * LOCKSTEP_VLOAD(dy + off + i) + ((LOCKSTEP_VLOAD(x + off + i) - h) * kb + kc));
+            for (std::int64_t i = pv; i < P; ++i)
+                dx[off + i] = bn::backward(dy[off + i], x[off + i], hi[c], a[c], b[c], c3[c]);
         }
 }
 
@@ -372,7 +388,8 @@ inline void bn_backward_sums(const float* LOCKSTEP_RESTRICT x, const float* LOCK
 }
 
 //! dx = a_c * dy + b_c * (x - hi_c) + c_c over the whole batch (see `bn::backward_constants`).
-inline void bn_backward_dx(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, float* LOCKSTEP_RESTRICT dx,
+//! `dx` may be `x` (in place); otherwise the two must not overlap.
+inline void bn_backward_dx(const float* x, const float* LOCKSTEP_RESTRICT dy, float* dx,
                            const BnGeometry& g, const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT a,
                            const float* LOCKSTEP_RESTRICT b, const float* LOCKSTEP_RESTRICT c) {
     LOCKSTEP_SIMD_CALL(grad_input, x, dy, dx, g, mean_hi, a, b, c)

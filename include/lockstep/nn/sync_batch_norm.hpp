@@ -189,8 +189,10 @@ public:
             kb[uc] = k.b;
             kc[uc] = k.c;
         }
-        auto dx = Tensor<float, B>::empty_like(dy);
-        kernels::host::bn_backward_dx(saved_x_.data(), dy.data(), dx.data(), g, mean_hi_.data(), ka.data(), kb.data(),
+        // dx overwrites the saved input, which nothing needs after this: a step holds one tensor
+        // less, and dx is written to cache lines the same pass has just read.
+        auto dx = std::move(saved_x_);
+        kernels::host::bn_backward_dx(dx.data(), dy.data(), dx.data(), g, mean_hi_.data(), ka.data(), kb.data(),
                                       kc.data());
         saved_x_ = Tensor<float, B>();
         return dx;
