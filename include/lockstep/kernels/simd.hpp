@@ -25,8 +25,10 @@ namespace lockstep::kernels::simd {
 //   baseline  4 floats (SSE2 on x86-64, NEON on AArch64): what every build can run;
 //   avx2      8 floats with FMA;
 //   avx512   16 floats (AVX-512 F/VL/BW/DQ).
-// `active()` starts as the widest level the CPU supports, capped by the environment variable
-// LOCKSTEP_SIMD=baseline|avx2|avx512 (read once). Results differ between levels by float
+// `active()` starts as AVX2 where the CPU has it (else baseline), or as the level the environment
+// variable LOCKSTEP_SIMD=baseline|avx2|avx512 names (read once), capped at what the CPU runs.
+// AVX-512 is opt-in: the passes are bound by memory traffic, where it measured no faster than AVX2
+// (bench_sync_batch_norm), and some CPUs lower their clock while running it. Results differ between levels by float
 // rounding only (sums are grouped by width); all replicas of a process use the same level, so they
 // stay bit-identical. Tests pin each level in turn with `set_active`.
 
@@ -71,7 +73,7 @@ inline Level cap(Level wanted) noexcept {
 inline std::atomic<int>& active_slot() {
     static std::atomic<int> slot = [] {
         const char* env = std::getenv("LOCKSTEP_SIMD");
-        if (env == nullptr || *env == '\0') return static_cast<int>(supported());
+        if (env == nullptr || *env == '\0') return static_cast<int>(cap(Level::avx2));
         const auto level = parse(env);
         LOCKSTEP_CHECK(level.has_value(), "LOCKSTEP_SIMD=", env,
                        " names no SIMD level: set it to baseline, avx2 or avx512, or unset it");
