@@ -27,8 +27,8 @@ __host__ __device__ Out apply(Row r, double n, double s, double q) {
     const double sum_dy_xmu = bn::centred_sum(-2.0, 3.0, m.lo);
     const auto k = bn::backward_constants(n, 3.0, sum_dy_xmu, st.mean, st.invstd, 1.25);
     Out o{};
-    o.y = bn::normalize(r.x, f.mean_hi, f.scale, f.shift);
-    o.dx = bn::backward(r.dy, r.x, k.mean_hi, k.a, k.b, k.c);
+    o.y = bn::normalize(r.x, m.hi, f.scale, f.shift);
+    o.dx = bn::backward(r.dy, r.x, m.hi, k.a, k.b, k.c);
     o.running_mean = 0.0f;
     o.running_var = 1.0f;
     bn::update_running(o.running_mean, o.running_var, st, n, 0.1);

@@ -91,14 +91,15 @@ LOCKSTEP_HD inline SplitMean split_mean(double mean) {
 }
 
 //! Per-channel constants of the normalize: y = (x - mean_hi) * scale + shift, where
-//! scale = invstd * gamma and shift = beta - (mean - mean_hi) * scale carries the mean's low part.
+//! scale = invstd * gamma and shift = beta - (mean - mean_hi) * scale carries the mean's low part
+//! (mean_hi = split_mean(mean).hi).
 struct NormalizeConstants {
-    float mean_hi, scale, shift;
+    float scale, shift;
 };
 LOCKSTEP_HD inline NormalizeConstants normalize_constants(double mean, double invstd, double gamma, double beta) {
     const float hi = static_cast<float>(mean);
     const float scale = static_cast<float>(invstd * gamma);
-    return {hi, scale, static_cast<float>(beta - (mean - static_cast<double>(hi)) * static_cast<double>(scale))};
+    return {scale, static_cast<float>(beta - (mean - static_cast<double>(hi)) * static_cast<double>(scale))};
 }
 
 //! y of one element. The difference comes first so a large mean cancels exactly before scaling.
@@ -111,9 +112,10 @@ LOCKSTEP_HD inline double centred_sum(double sum_dy_xhi, double sum_dy, float me
     return sum_dy_xhi - static_cast<double>(mean_lo) * sum_dy;
 }
 
-//! Per-channel constants of `backward`: dx = a * dy + b * (x - mean_hi) + c.
+//! Per-channel constants of `backward`: dx = a * dy + b * (x - mean_hi) + c, where
+//! mean_hi = split_mean(mean).hi.
 struct BackwardConstants {
-    float mean_hi, a, b, c;
+    float a, b, c;
 };
 
 //! dx = gamma * invstd * (dy - sum(dy)/N - (x - mean) * invstd^2 * sum(dy * (x - mean))/N),
@@ -125,7 +127,7 @@ LOCKSTEP_HD inline BackwardConstants backward_constants(double n, double sum_dy,
     const double lo = mean - static_cast<double>(hi);
     const double a = gamma * invstd;
     const double k2 = invstd * invstd * sum_dy_xmu / n;
-    return {hi, static_cast<float>(a), static_cast<float>(-a * k2), static_cast<float>(a * (k2 * lo - sum_dy / n))};
+    return {static_cast<float>(a), static_cast<float>(-a * k2), static_cast<float>(a * (k2 * lo - sum_dy / n))};
 }
 
 //! dx of one element (see `backward_constants`).

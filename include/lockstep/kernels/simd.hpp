@@ -28,9 +28,9 @@ namespace lockstep::kernels::simd {
 // `active()` starts as AVX2 where the CPU has it (else baseline), or as the level the environment
 // variable LOCKSTEP_SIMD=baseline|avx2|avx512 names (read once), capped at what the CPU runs.
 // AVX-512 is opt-in: the passes are bound by memory traffic, where it measured no faster than AVX2
-// (bench_sync_batch_norm), and some CPUs lower their clock while running it. Results differ between levels by float
-// rounding only (sums are grouped by width); all replicas of a process use the same level, so they
-// stay bit-identical. Tests pin each level in turn with `set_active`.
+// (bench_sync_batch_norm), and some CPUs lower their clock while running it. Results differ
+// between levels by float rounding only (sums are grouped by width); all replicas of a process use
+// the same level, so they stay bit-identical. Tests pin each level in turn with `set_active`.
 
 enum class Level { baseline = 0, avx2 = 1, avx512 = 2 };
 

@@ -103,8 +103,8 @@ public:
         invstd_.assign(static_cast<std::size_t>(C), 0.0);
         if (batch_stats) {
             const kernels::bn::ForwardPayload layout{C};
-            auto& payload = payload_;  // (2C+1)
-            payload.assign(static_cast<std::size_t>(layout.size()), 0.0);
+            auto& payload = payload_;  // (2C+1), filled by bn_local_stats
+            payload.resize(static_cast<std::size_t>(layout.size()));
             std::vector<float> shift(static_cast<std::size_t>(C), 0.0f);
             if (options_.track_running_stats) shift.assign(running_mean.data(), running_mean.data() + C);
             kernels::host::bn_local_stats(x.data(), g, shift.data(), payload.data());
@@ -166,8 +166,8 @@ public:
         const auto g = geometry(saved_x_);
         const std::int64_t C = channels_;
         const kernels::bn::BackwardPayload layout{C};
-        auto& payload = payload_;  // (2C)
-        payload.assign(static_cast<std::size_t>(layout.size()), 0.0);
+        auto& payload = payload_;  // (2C), filled by bn_backward_sums
+        payload.resize(static_cast<std::size_t>(layout.size()));
         kernels::host::bn_backward_sums(saved_x_.data(), dy.data(), g, mean_hi_.data(), mean_lo_.data(), payload.data());
         if (options_.affine) {  // local sums: the gradient all-reduce adds them over replicas
             for (std::int64_t c = 0; c < C; ++c) {
