@@ -4,7 +4,13 @@
 
 #include <lockstep/lockstep.hpp>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
 #include <numeric>
+#include <sstream>
+#include <string>
 #include <vector>
 
 using namespace lockstep;
@@ -54,6 +60,56 @@ TEST_CASE("Tensor is zero-filled, deep-copies, moves and reshapes", "[core]") {
     CHECK(m[5] == 6.0f);
     CHECK_THROWS_AS(make_tensor<float>(Shape{4}, v), ShapeError);
 }
+
+#if defined(__linux__)
+namespace {
+// The VmFlags line of the /proc/self/smaps entry whose range holds `p` ("" when none does).
+std::string vm_flags_of(const void* p) {
+    std::ifstream smaps("/proc/self/smaps");
+    REQUIRE(smaps.is_open());
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    std::string line;
+    bool inside = false;
+    while (std::getline(smaps, line)) {
+        unsigned long lo = 0, hi = 0;
+        if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+            inside = a >= lo && a < hi;
+        } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+            return line;
+        }
+    }
+    return "";
+}
+bool advised_huge(const void* p) {
+    std::istringstream flags(vm_flags_of(p));
+    std::string f;
+    while (flags >> f)
+        if (f == "hg") return true;
+    return false;
+}
+}  // namespace
+
+TEST_CASE("Host blocks of 2 MiB or more sit on huge-page boundaries, advised MADV_HUGEPAGE", "[core]") {
+    auto& cache = detail::HostBlockCache::instance();
+    REQUIRE(cache.huge_pages());
+    // Sizes no other test allocates, so no cached block of another history is handed out.
+    Tensor<float> big(Shape{3, 262147});  // 3 MiB + 12 bytes
+    CHECK(reinterpret_cast<std::uintptr_t>(big.data()) % detail::HostBlockCache::huge_page == 0);
+    CHECK(advised_huge(big.data()));
+    CHECK(std::all_of(big.span().begin(), big.span().end(), [](float v) { return v == 0.0f; }));
+    std::iota(big.span().begin(), big.span().end(), 0.0f);
+    CHECK(big[big.numel() - 1] == static_cast<float>(big.numel() - 1));
+
+    cache.set_huge_pages(false);
+    Tensor<float> plain(Shape{5, 262147});
+    cache.set_huge_pages(true);
+    CHECK_FALSE(advised_huge(plain.data()));
+    CHECK(vm_flags_of(plain.data()) != "");  // the lookup itself works: the block is mapped
+
+    Tensor<float> small(Shape{1000});  // below 2 MiB: cache-line aligned, no advice asked
+    CHECK(reinterpret_cast<std::uintptr_t>(small.data()) % 64 == 0);
+}
+#endif
 
 TEST_CASE("Errors carry rank and device and say where a check failed", "[core]") {
     try {
