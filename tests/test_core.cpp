@@ -100,9 +100,9 @@ TEST_CASE("Host blocks of 2 MiB or more sit on huge-page boundaries, advised MAD
     std::iota(big.span().begin(), big.span().end(), 0.0f);
     CHECK(big[big.numel() - 1] == static_cast<float>(big.numel() - 1));
 
-    cache.set_huge_pages(false);
+    set_host_huge_pages(false);
     Tensor<float> plain(Shape{5, 262147});
-    cache.set_huge_pages(true);
+    set_host_huge_pages(true);
     CHECK_FALSE(advised_huge(plain.data()));
     CHECK(vm_flags_of(plain.data()) != "");  // the lookup itself works: the block is mapped
 

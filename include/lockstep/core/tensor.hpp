@@ -50,7 +50,7 @@ struct Allocator;
 // stream costs a TLB miss, which under a hypervisor is a two-level page walk. Measured on the
 // SyncBatchNorm passes (6.4 and 12.8 MB tensors): 8-16 % faster. The kernel grants huge pages
 // only where transparent huge pages are "always" or "madvise"; elsewhere nothing changes.
-// `set_huge_pages(false)` turns the advice off for blocks allocated afterwards.
+// `lockstep::set_host_huge_pages(false)` turns the advice off for blocks allocated afterwards.
 
 //! Process-wide cache of freed host blocks, keyed by rounded size.
 class HostBlockCache {
@@ -159,6 +159,10 @@ struct Allocator<Host> {
 };
 
 }  // namespace detail
+
+//! Whether host tensors of 2 MiB or more are advised onto transparent huge pages (default: yes,
+//! on Linux). Applies to blocks allocated afterwards; see Note [huge pages].
+inline void set_host_huge_pages(bool on) noexcept { detail::HostBlockCache::instance().set_huge_pages(on); }
 
 //! An owning, contiguous tensor. Copying deep-copies on the same device; moving transfers the
 //! storage. The shape is logical (N, C, H, W for images); `format()` says how a 4-D tensor is
