@@ -274,6 +274,23 @@ TEST_CASE("A replica that throws inside train_step fails the call quickly and le
     }
 }
 
+TEST_CASE("DataParallel binds its replica threads as DataParallelOptions::cpu_binding says", "[parallel]") {
+    DataParallel<Net> spread(make_net(5), 1, {.cpu_binding = CpuBinding::spread});
+#if defined(__linux__)
+    CHECK(spread.bound_cpus().size() == 1);
+#else
+    CHECK(spread.bound_cpus().empty());
+#endif
+    DataParallel<Net> unbound(make_net(5), 1, {.cpu_binding = CpuBinding::none});
+    CHECK(unbound.bound_cpus().empty());
+    // Bound or not, training gives the same bits.
+    nn::Sgd a({.lr = 0.1}), b({.lr = 0.1});
+    std::mt19937_64 gen(5);
+    const auto batch = make_batches(1, 8, gen)[0];
+    CHECK(spread.train_step(batch.x, batch.labels, nn::SoftmaxCrossEntropy{}, a).loss ==
+          unbound.train_step(batch.x, batch.labels, nn::SoftmaxCrossEntropy{}, b).loss);
+}
+
 TEST_CASE("DataParallel rejects bad input with a message that says what to do", "[parallel]") {
     DataParallel<Net> dp(make_net(5), 4);
     nn::Sgd sgd({.lr = 0.1});

@@ -4,12 +4,18 @@
 
 #include <lockstep/lockstep.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <set>
 #include <stdexcept>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 using namespace lockstep;
 using namespace std::chrono_literals;
@@ -68,6 +74,76 @@ TEST_CASE("ReplicaPool rolls back when a thread fails to initialise", "[runtime]
                       "cannot bind device 3");
     CHECK(inits == 4);  // every started thread ran and was joined (no detach, no leak under ASan)
 }
+
+#if defined(__linux__)
+namespace {
+std::vector<int> allowed_cpus() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    REQUIRE(::sched_getaffinity(0, sizeof set, &set) == 0);
+    std::vector<int> cpus;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    return cpus;
+}
+// The CPUs the calling thread may run on (none if the query fails). Called on replica threads:
+// no Catch assertion here, Catch is not thread-safe.
+std::vector<int> my_cpus() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::pthread_getaffinity_np(::pthread_self(), sizeof set, &set) != 0) return {};
+    std::vector<int> cpus;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    return cpus;
+}
+}  // namespace
+
+TEST_CASE("ReplicaPool binds each replica thread to a CPU of its own when asked or when CPUs match", "[runtime]") {
+    const auto allowed = allowed_cpus();
+    const int cpus = static_cast<int>(allowed.size());
+    REQUIRE(cpus >= 1);
+    auto masks_of = [](ReplicaPool& pool) {
+        std::vector<std::vector<int>> masks(static_cast<std::size_t>(pool.size()));
+        pool.run([&](int r) { masks[static_cast<std::size_t>(r)] = my_cpus(); });
+        return masks;
+    };
+
+    SECTION("spread: replica r alone on the r-th allowed CPU") {
+        const int n = std::min(cpus, 2);
+        ReplicaPool pool(n, {}, CpuBinding::spread);
+        REQUIRE(pool.bound_cpus().size() == static_cast<std::size_t>(n));
+        const auto masks = masks_of(pool);
+        for (int r = 0; r < n; ++r) {
+            CHECK(pool.bound_cpus()[static_cast<std::size_t>(r)] == allowed[static_cast<std::size_t>(r)]);
+            CHECK(masks[static_cast<std::size_t>(r)] == std::vector<int>{allowed[static_cast<std::size_t>(r)]});
+        }
+        CHECK(my_cpus() == allowed);  // the caller is not bound
+    }
+    SECTION("automatic binds when the process has exactly one CPU per replica") {
+        ReplicaPool pool(cpus);
+        REQUIRE(pool.bound_cpus() == allowed);
+        const auto masks = masks_of(pool);
+        for (int r = 0; r < cpus; ++r)
+            CHECK(masks[static_cast<std::size_t>(r)] == std::vector<int>{allowed[static_cast<std::size_t>(r)]});
+    }
+    SECTION("automatic leaves more replicas than CPUs, or fewer, to the OS") {
+        for (int n : {cpus + 1, cpus - 1}) {
+            if (n < 1) continue;
+            ReplicaPool pool(n);
+            CHECK(pool.bound_cpus().empty());
+            for (const auto& mask : masks_of(pool)) CHECK(mask == allowed);
+        }
+    }
+    SECTION("none never binds; spread with too few CPUs does not either") {
+        ReplicaPool unbound(std::min(cpus, 2), {}, CpuBinding::none);
+        CHECK(unbound.bound_cpus().empty());
+        for (const auto& mask : masks_of(unbound)) CHECK(mask == allowed);
+        ReplicaPool crowded(cpus + 1, {}, CpuBinding::spread);
+        CHECK(crowded.bound_cpus().empty());
+    }
+}
+#endif
 
 TEST_CASE("AbortableBarrier synchronises repeatedly", "[runtime]") {
     const int n = GENERATE(1, 2, 5);

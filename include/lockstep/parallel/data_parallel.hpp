@@ -33,6 +33,8 @@ struct DataParallelOptions {
     bool overlap = true;
     //! No collective waits longer than this for a peer.
     std::chrono::milliseconds timeout = AbortableBarrier::default_timeout;
+    //! Where the replica threads run (see Note [replica CPU binding]).
+    CpuBinding cpu_binding = CpuBinding::automatic;
 };
 
 //! What one training step reports (computed identically for any split of the batch).
@@ -74,7 +76,7 @@ public:
     DataParallel(const Module& prototype, std::vector<Device> devices, DataParallelOptions options = {})
         : options_(options), devices_(check_devices(devices)), world_(static_cast<int>(devices_.size())),
           comms_(Comm::create_group(world_, options.timeout)), grad_comms_(Comm::create_group(world_, options.timeout)),
-          pool_(world_) {
+          pool_(world_, {}, options.cpu_binding) {
         LOCKSTEP_CHECK(options.bucket_bytes > 0, "DataParallelOptions::bucket_bytes must be positive");
         pool_.attach(comms_[0].group_ptr());
         pool_.attach(grad_comms_[0].group_ptr());
@@ -101,6 +103,8 @@ public:
 
     int size() const noexcept { return world_; }
     const std::vector<Device>& devices() const noexcept { return devices_; }
+    //! The CPU each replica thread is bound to, by rank; empty when unbound (see `cpu_binding`).
+    const std::vector<int>& bound_cpus() const noexcept { return pool_.bound_cpus(); }
     Module& replica(int i) { return replicas_.at(static_cast<std::size_t>(i))->module; }
     //! The primary replica (rank 0): the one to save. All replicas hold the same values.
     Module& module() { return replica(0); }
