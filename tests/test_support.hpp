@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -14,6 +15,9 @@ namespace lockstep::test {
 
 //! A fresh seed per call, so every run draws new inputs; printed by CAPTURE where it matters.
 inline std::uint64_t fresh_seed() {
+    // LOCKSTEP_TEST_SEED=<the seed a failure printed> replays that run.
+    if (const char* fixed = std::getenv("LOCKSTEP_TEST_SEED"); fixed != nullptr && *fixed != '\0')
+        return std::strtoull(fixed, nullptr, 0);
     static std::random_device rd;
     return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
 }
