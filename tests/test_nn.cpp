@@ -214,7 +214,7 @@ TEST_CASE("Layers reject input that does not fit, naming the layer", "[nn]") {
 }
 
 TEST_CASE("Checkpoints round-trip exactly in safetensors format", "[nn][checkpoint]") {
-    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::fresh_seed()));
+    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::unique_number()));
     fs::create_directories(dir);
     const std::string path = (dir / "model.safetensors").string();
     nn::Generator g(11);
@@ -248,7 +248,7 @@ TEST_CASE("Checkpoints round-trip exactly in safetensors format", "[nn][checkpoi
 }
 
 TEST_CASE("Loading a checkpoint that does not fit the model names the tensor", "[nn][checkpoint]") {
-    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::fresh_seed()));
+    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::unique_number()));
     fs::create_directories(dir);
     const std::string path = (dir / "m.safetensors").string();
     nn::Sequential small(nn::Linear<>(4, 3), nn::ReLU<>());

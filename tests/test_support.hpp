@@ -13,13 +13,18 @@
 
 namespace lockstep::test {
 
+//! A number no other call returns (in practice): for unique temporary names, whatever the seed.
+inline std::uint64_t unique_number() {
+    static std::random_device rd;
+    return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+}
+
 //! A fresh seed per call, so every run draws new inputs; printed by CAPTURE where it matters.
 inline std::uint64_t fresh_seed() {
     // LOCKSTEP_TEST_SEED=<the seed a failure printed> replays that run.
     if (const char* fixed = std::getenv("LOCKSTEP_TEST_SEED"); fixed != nullptr && *fixed != '\0')
         return std::strtoull(fixed, nullptr, 0);
-    static std::random_device rd;
-    return (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+    return unique_number();
 }
 
 //! Memory offset of logical element (n, c, p) of an (N, C, P) batch in `format`.
