@@ -12,10 +12,6 @@
 #include <thread>
 #include <vector>
 
-#if defined(__linux__)
-#include <pthread.h>
-#include <sched.h>
-#endif
 
 using namespace lockstep;
 using namespace std::chrono_literals;
@@ -76,36 +72,14 @@ TEST_CASE("ReplicaPool rolls back when a thread fails to initialise", "[runtime]
 }
 
 #if defined(__linux__)
-namespace {
-std::vector<int> allowed_cpus() {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    REQUIRE(::sched_getaffinity(0, sizeof set, &set) == 0);
-    std::vector<int> cpus;
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, &set)) cpus.push_back(c);
-    return cpus;
-}
-// The CPUs the calling thread may run on (none if the query fails). Called on replica threads:
-// no Catch assertion here, Catch is not thread-safe.
-std::vector<int> my_cpus() {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    if (::pthread_getaffinity_np(::pthread_self(), sizeof set, &set) != 0) return {};
-    std::vector<int> cpus;
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, &set)) cpus.push_back(c);
-    return cpus;
-}
-}  // namespace
-
 TEST_CASE("ReplicaPool binds each replica thread to a CPU of its own when asked or when CPUs match", "[runtime]") {
-    const auto allowed = allowed_cpus();
+    const auto allowed = allowed_cpus();  // this thread's mask: the process's
     const int cpus = static_cast<int>(allowed.size());
     REQUIRE(cpus >= 1);
+    // Each replica thread's own mask (no Catch assertion on those threads: Catch is not thread-safe).
     auto masks_of = [](ReplicaPool& pool) {
         std::vector<std::vector<int>> masks(static_cast<std::size_t>(pool.size()));
-        pool.run([&](int r) { masks[static_cast<std::size_t>(r)] = my_cpus(); });
+        pool.run([&](int r) { masks[static_cast<std::size_t>(r)] = allowed_cpus(); });
         return masks;
     };
 
@@ -118,7 +92,7 @@ TEST_CASE("ReplicaPool binds each replica thread to a CPU of its own when asked 
             CHECK(pool.bound_cpus()[static_cast<std::size_t>(r)] == allowed[static_cast<std::size_t>(r)]);
             CHECK(masks[static_cast<std::size_t>(r)] == std::vector<int>{allowed[static_cast<std::size_t>(r)]});
         }
-        CHECK(my_cpus() == allowed);  // the caller is not bound
+        CHECK(allowed_cpus() == allowed);  // the caller is not bound
     }
     SECTION("automatic binds when the process has exactly one CPU per replica") {
         ReplicaPool pool(cpus);

@@ -41,6 +41,20 @@ enum class CpuBinding {
     none,       //!< wherever the OS schedules them
 };
 
+//! The CPUs the calling thread may run on, ascending: the process's, unless the thread was bound.
+//! Empty where the OS does not say (not Linux, or the query failed).
+inline std::vector<int> allowed_cpus() {
+    std::vector<int> cpus;
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) cpus.push_back(c);
+#endif
+    return cpus;
+}
+
 //! A fixed set of worker threads, one per replica, created once and joined in the destructor.
 //! A job runs on every replica; if one replica throws, the pool aborts every attached group (so
 //! peers blocked in a collective wake up), waits for all replicas, resets the groups and rethrows
@@ -170,24 +184,13 @@ private:
 
     // The CPUs to bind replica threads to, or none (see Note [replica CPU binding]).
     static std::vector<int> choose_cpus(int replicas, CpuBinding binding) {
-#if defined(__linux__)
         if (binding == CpuBinding::none) return {};
-        cpu_set_t allowed;
-        CPU_ZERO(&allowed);
-        if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
-        std::vector<int> cpus;
-        for (int c = 0; c < CPU_SETSIZE; ++c)
-            if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+        std::vector<int> cpus = allowed_cpus();
         const auto n = static_cast<std::size_t>(replicas);
         const bool bind = binding == CpuBinding::spread ? cpus.size() >= n : cpus.size() == n;
         if (!bind) return {};
         cpus.resize(n);
         return cpus;
-#else
-        (void)replicas;
-        (void)binding;
-        return {};
-#endif
     }
 
     // Binds the calling replica thread to its CPU; a refusal (a cpuset changed under the process)
