@@ -24,6 +24,12 @@ namespace {
 
 using namespace lockstep;
 
+// Fills `t` with standard normal values.
+void fill_normal(Tensor<float>& t, std::mt19937& gen) {
+    std::normal_distribution<float> dist;
+    for (auto& v : t.span()) v = dist(gen);
+}
+
 // One training step (forward + backward) of SyncBatchNorm on `world` host replicas, the global
 // batch (N, C, HW, HW) split evenly over them.
 class Step {
@@ -35,12 +41,9 @@ public:
         nn::SyncBatchNorm<> proto(C, {.format = format});
         bns_.assign(static_cast<std::size_t>(world), proto);
         std::mt19937 gen(1);
-        std::normal_distribution<float> dist;
         for (int r = 0; r < world; ++r) {
-            xs_.emplace_back(Shape{per_replica, C, HW, HW}, format);
-            dys_.emplace_back(Shape{per_replica, C, HW, HW}, format);
-            for (auto& v : xs_.back().span()) v = dist(gen);
-            for (auto& v : dys_.back().span()) v = dist(gen);
+            fill_normal(xs_.emplace_back(Shape{per_replica, C, HW, HW}, format), gen);
+            fill_normal(dys_.emplace_back(Shape{per_replica, C, HW, HW}, format), gen);
         }
         run();  // warm up: buffers allocated and faulted in
     }
@@ -82,21 +85,20 @@ private:
 // As in the layer, y becomes the next step's x (so x is not left in cache by the previous dx).
 class Passes {
 public:
-    Passes(std::int64_t N, std::int64_t C, std::int64_t HW, bool channels_last, int world)
-        : g_{N / world, C, HW * HW, channels_last}, pool_(world), zero_(static_cast<std::size_t>(C), 0.0f),
+    Passes(std::int64_t N, std::int64_t C, std::int64_t HW, MemoryFormat format, int world)
+        : g_{N / world, C, HW * HW, format == MemoryFormat::nhwc}, pool_(world), zero_(static_cast<std::size_t>(C), 0.0f),
           one_(static_cast<std::size_t>(C), 1.0f) {
         // Tensors, not vectors: the same allocator (and pages) as the layer's.
         const Shape shape{g_.batch * C * g_.inner};
         std::mt19937 gen(1);
-        std::normal_distribution<float> dist;
         replicas_.resize(static_cast<std::size_t>(world));
         for (auto& r : replicas_) {
             r.x = Tensor<float>(shape);
             r.dy = Tensor<float>(shape);
             r.y = Tensor<float>(shape);
             r.payload.resize(static_cast<std::size_t>(2 * C + 1));
-            for (auto& v : r.x.span()) v = dist(gen);
-            for (auto& v : r.dy.span()) v = dist(gen);
+            fill_normal(r.x, gen);
+            fill_normal(r.dy, gen);
         }
         run();
     }
@@ -136,7 +138,13 @@ private:
 // than one replica, vs_world1: per-replica bandwidth divided by that of one replica stepping the
 // whole batch, the two alternated step by step in this process so that both see the same machine.
 template <class Workload>
-void report_steps(benchmark::State& state, Workload& work, Workload* single, int world) {
+void run_steps(benchmark::State& state) {
+    const std::int64_t N = state.range(0), C = state.range(1), HW = state.range(2);
+    const auto format = state.range(3) == 0 ? MemoryFormat::nchw : MemoryFormat::nhwc;
+    const int world = static_cast<int>(state.range(4));
+    Workload work(N, C, HW, format, world);
+    std::optional<Workload> single;
+    if (world > 1) single.emplace(N, C, HW, format, 1);
     const auto bytes = work.replica_bytes();
     const double memcpy_bw = lockstep::bench::memcpy_bandwidth(bytes);
     double seconds = 0, single_seconds = 0;
@@ -144,39 +152,22 @@ void report_steps(benchmark::State& state, Workload& work, Workload* single, int
         const double s = work.run();
         state.SetIterationTime(s);
         seconds += s;
-        if (single != nullptr) single_seconds += single->run();
+        if (single) single_seconds += single->run();
     }
     const auto iterations = static_cast<double>(state.iterations());
     const double per_replica_bw = 5.0 * static_cast<double>(bytes) * iterations / seconds;
     state.SetBytesProcessed(static_cast<std::int64_t>(5 * bytes * static_cast<std::size_t>(world)) * state.iterations());
     state.counters["replica_GBps"] = per_replica_bw / 1e9;
     state.counters["vs_memcpy"] = per_replica_bw / memcpy_bw;
-    if (single != nullptr) {
+    if (single) {
         const double single_bw = 5.0 * static_cast<double>(single->replica_bytes()) * iterations / single_seconds;
         state.counters["vs_world1"] = per_replica_bw / single_bw;
     }
     state.SetLabel(std::string(kernels::simd::to_string(kernels::simd::active())));
 }
 
-void BM_SyncBatchNorm(benchmark::State& state) {
-    const std::int64_t N = state.range(0), C = state.range(1), HW = state.range(2);
-    const auto format = state.range(3) == 0 ? MemoryFormat::nchw : MemoryFormat::nhwc;
-    const int world = static_cast<int>(state.range(4));
-    Step step(N, C, HW, format, world);
-    std::optional<Step> single;
-    if (world > 1) single.emplace(N, C, HW, format, 1);
-    report_steps(state, step, single ? &*single : nullptr, world);
-}
-
-void BM_SyncBatchNormPasses(benchmark::State& state) {
-    const std::int64_t N = state.range(0), C = state.range(1), HW = state.range(2);
-    const bool channels_last = state.range(3) != 0;
-    const int world = static_cast<int>(state.range(4));
-    Passes passes(N, C, HW, channels_last, world);
-    std::optional<Passes> single;
-    if (world > 1) single.emplace(N, C, HW, channels_last, 1);
-    report_steps(state, passes, single ? &*single : nullptr, world);
-}
+void BM_SyncBatchNorm(benchmark::State& state) { run_steps<Step>(state); }
+void BM_SyncBatchNormPasses(benchmark::State& state) { run_steps<Passes>(state); }
 
 // (N, C, H=W, layout 0=NCHW 1=NHWC, replicas): the global batch is split over the replicas.
 BENCHMARK(BM_SyncBatchNorm)
