@@ -35,8 +35,7 @@ void fill_normal(Tensor<float>& t, std::mt19937& gen) {
 class Step {
 public:
     Step(std::int64_t N, std::int64_t C, std::int64_t HW, MemoryFormat format, int world)
-        : world_(world), comms_(comm::HostCommunicator::create_group(world)), adapters_(comms_.begin(), comms_.end()),
-          pool_(world) {
+        : world_(world), comms_(comm::HostCommunicator::create_group(world)), pool_(world) {
         const std::int64_t per_replica = N / world;
         nn::SyncBatchNorm<> proto(C, {.format = format});
         bns_.assign(static_cast<std::size_t>(world), proto);
@@ -56,10 +55,10 @@ public:
         const auto t0 = std::chrono::steady_clock::now();
         pool_.run([this](int r) {
             const auto ur = static_cast<std::size_t>(r);
-            nn::Context ctx;
+            nn::Context<> ctx;
             ctx.rank = r;
             ctx.world = world_;
-            ctx.comm = &adapters_[ur];
+            ctx.comm = &comms_[ur];
             // The input is moved in, as a network hands over its activations; the output
             // (normalized data again, since weight = 1 and bias = 0) is the next step's input.
             auto y = bns_[ur].forward(ctx, std::move(xs_[ur]));
@@ -73,7 +72,6 @@ public:
 private:
     int world_;
     std::vector<comm::HostCommunicator> comms_;
-    std::vector<comm::CollectivesOf<comm::HostCommunicator>> adapters_;
     ReplicaPool pool_;
     std::vector<nn::SyncBatchNorm<>> bns_;
     std::vector<Tensor<float>> xs_, dys_;
@@ -127,7 +125,7 @@ private:
         Tensor<float> x, dy, y;
         std::vector<double> payload;
     };
-    kernels::host::BnGeometry g_;
+    kernels::BnGeometry g_;
     ReplicaPool pool_;
     std::vector<float> zero_, one_;
     std::vector<Replica> replicas_;

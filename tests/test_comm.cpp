@@ -13,6 +13,7 @@
 #include <vector>
 
 using namespace lockstep;
+using comm::CollectiveSite;
 using comm::HostCommunicator;
 using namespace std::chrono_literals;
 using clock_type = std::chrono::steady_clock;
@@ -113,7 +114,7 @@ TEST_CASE("a replica that throws before, inside or after a collective never hang
             if (r == bad && where == 0) throw std::runtime_error("failed before");
             c.all_reduce_sum(buf);
             if (r == bad && where == 1) throw std::runtime_error("failed inside the step");
-            c.all_reduce_sum(buf, 1);
+            c.all_reduce_sum(buf, CollectiveSite::user(1));
             if (r == bad && where == 2) throw std::runtime_error("failed after");
         });
         FAIL("no throw");
@@ -167,7 +168,8 @@ TEST_CASE("mismatched collectives throw CollectiveMismatch on every replica", "[
     SECTION("different call sites") {
         CHECK_THROWS_AS(pool.run([&](int r) {
             try {
-                comms[static_cast<std::size_t>(r)].all_reduce_sum(std::span<double>(bufs[0].data(), 8), r == 0 ? 7 : 8);
+                comms[static_cast<std::size_t>(r)].all_reduce_sum(std::span<double>(bufs[0].data(), 8),
+                                                                   CollectiveSite::layer(7, r == 0 ? 0 : 1));
             } catch (const CollectiveMismatch&) {
                 ++mismatches;
                 throw;
@@ -216,8 +218,45 @@ TEST_CASE("collective tags describe themselves for error messages", "[comm]") {
     using comm::CollectiveKind;
     using comm::CollectiveTag;
     using comm::DType;
-    CHECK(CollectiveTag{7, CollectiveKind::all_reduce_sum, DType::f64, 129, -1}.str() == "all_reduce_sum<double>[129] at site 7");
-    CHECK(CollectiveTag{3, CollectiveKind::broadcast, DType::f32, 10, 2}.str() == "broadcast<float>[10] from root 2 at site 3");
-    CHECK(CollectiveTag{3, CollectiveKind::phase, DType::f32, 10, 1}.str() == "phase<float>[10] step 1 at site 3");
-    CHECK(CollectiveTag{0, CollectiveKind::barrier, DType::none, 0, -1}.str() == "barrier at site 0");
+    CHECK(CollectiveTag{CollectiveSite::layer(7, 0), CollectiveKind::all_reduce_sum, DType::f64, 129, -1}.str() ==
+          "all_reduce_sum<double>[129] at layer 7 (forward)");
+    CHECK(CollectiveTag{CollectiveSite::broadcast(3), CollectiveKind::broadcast, DType::f32, 10, 2}.str() ==
+          "broadcast<float>[10] from root 2 at broadcast of tensor 3");
+    CHECK(CollectiveTag{CollectiveSite::bucket(3), CollectiveKind::phase, DType::f32, 10, 1}.str() ==
+          "phase<float>[10] step 1 at gradient bucket 3");
+    CHECK(CollectiveTag{CollectiveSite::commit(), CollectiveKind::barrier, DType::none, 0, -1}.str() ==
+          "barrier at the commit barrier");
+    CHECK(CollectiveTag{CollectiveSite::user(), CollectiveKind::barrier, DType::none, 0, -1}.str() == "barrier at user site 0");
+    // Sites of different kinds never compare equal, whatever their numbers.
+    CHECK(CollectiveSite::bucket(1) != CollectiveSite::broadcast(1));
+    CHECK(CollectiveSite::layer(1, 0) != CollectiveSite::layer(1, 1));
+    CHECK(CollectiveSite::commit(0) != CollectiveSite::commit(1));
+}
+
+TEST_CASE("a replica group is reached through one interface, on device-tagged buffers", "[comm]") {
+    comm::HostGroup group({Device::host(0), Device::host(1), Device::host(2)}, 30s);
+    REQUIRE(group.size() == 3);
+    ReplicaPool pool(3);
+    pool.attach(group.abortable());
+    std::vector<Tensor<double>> t;
+    for (int r = 0; r < 3; ++r) t.push_back(make_tensor<double>(Shape{5}, std::vector<double>(5, r + 1.0)));
+    std::vector<Tensor<std::int64_t>> counters;
+    for (int r = 0; r < 3; ++r) counters.push_back(make_tensor<std::int64_t>(Shape{1}, std::vector<std::int64_t>{10 * r}));
+    pool.run([&](int r) {
+        comm::Collectives& c = group.communicator(r);  // what a layer holds: no communicator type in sight
+        c.all_reduce_sum(DeviceSpan(t[static_cast<std::size_t>(r)]), CollectiveSite::layer(1, 0));
+        c.broadcast(DeviceSpan(counters[static_cast<std::size_t>(r)]), 2, CollectiveSite::broadcast(0));
+        c.barrier(CollectiveSite::commit());
+    });
+    for (int r = 0; r < 3; ++r) {
+        for (std::int64_t i = 0; i < 5; ++i) CHECK(t[static_cast<std::size_t>(r)][i] == 6.0);
+        CHECK(counters[static_cast<std::size_t>(r)][0] == 20);
+        CHECK(group.communicator(r).collective_count() == 3);
+    }
+    // A buffer on a GPU is not host memory: refused before any rank waits.
+    std::vector<float> v(4);
+    CHECK_THROWS_AS(group.communicator(0).all_reduce_sum(DeviceSpan<float>(v.data(), v.size(), Device::cuda(0)),
+                                                         CollectiveSite::user()),
+                    DeviceMismatch);
+    CHECK_THROWS_WITH(comm::HostGroup({Device::host(0), Device::cuda(1)}), Catch::Contains("cannot hold device cuda:1"));
 }

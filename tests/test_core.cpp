@@ -11,6 +11,7 @@
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace lockstep;
@@ -126,4 +127,48 @@ TEST_CASE("Errors carry rank and device and say where a check failed", "[core]")
     CHECK(std::string(e.what()) == "[rank 3, device 1] boom");
     e.set_origin(5, 5);  // the first origin sticks
     CHECK(e.rank() == 3);
+}
+
+TEST_CASE("LOCKSTEP_CHECK without a message still names the failed expression", "[core]") {
+    const int replicas = 0;
+    CHECK_THROWS_WITH([&] { LOCKSTEP_CHECK(replicas > 0); }(), Catch::StartsWith("(check `replicas > 0` failed at"));
+    CHECK_THROWS_AS([&] { LOCKSTEP_CHECK_AS(ShapeError, replicas == 1); }(), ShapeError);
+}
+
+TEST_CASE("A tensor knows its device and copies between devices", "[core]") {
+    // A tensor made on a thread takes the thread's current host device (a replica thread's own).
+    CHECK(Tensor<float>(Shape{2}).device() == Device::host(0));
+    std::thread([] {
+        set_current_host_device(3);
+        CHECK(Tensor<float>(Shape{2}).device() == Device::host(3));
+    }).join();
+    CHECK(current_host_device() == Device::host(0));  // per thread
+
+    const std::vector<float> values{1, 2, 3, 4, 5, 6};
+    const auto a = make_tensor<float>(Shape{2, 3}, values);
+    const auto b = a.to(Device::host(2));
+    CHECK(b.device() == Device::host(2));
+    CHECK(b.shape() == a.shape());
+    CHECK(std::equal(b.span().begin(), b.span().end(), values.begin()));
+    CHECK(b.data() != a.data());
+    const auto h = b.to_host();
+    CHECK(h.device() == Device::host(2));
+    CHECK(h[5] == 6.0f);
+
+    Tensor<float> c(Shape{2, 3}, MemoryFormat::nchw, Device::host(1));
+    c.copy_from(a);
+    CHECK(c[4] == 5.0f);
+    CHECK(c.device() == Device::host(1));
+    Tensor<float> wrong(Shape{3, 2});
+    CHECK_THROWS_WITH(wrong.copy_from(a), Catch::Contains("cannot copy a (2, 3) NCHW tensor into a (3, 2) NCHW one"));
+    CHECK_THROWS_AS((Tensor<float>(Shape{2}, MemoryFormat::nchw, Device::cuda(0))), DeviceMismatch);
+
+    // Host replicas share one memory; GPUs and backends do not.
+    CHECK(same_memory(Device::host(0), Device::host(1)));
+    CHECK_FALSE(same_memory(Device::cuda(0), Device::cuda(1)));
+    CHECK_FALSE(same_memory(Device::host(0), Device::cuda(0)));
+    CHECK_NOTHROW(check_device(Device::host(0), Device::host(1), "x"));
+    CHECK_THROWS_WITH(check_device(Device::cuda(1), Device::cuda(0), "Conv2d(1, 2): the input"),
+                      Catch::Contains("Conv2d(1, 2): the input is on cuda:0 but runs on cuda:1"));
+    CHECK_THROWS_AS(check_device(Device::cuda(0), Device::host(0), "x"), DeviceMismatch);
 }

@@ -3,6 +3,7 @@
 //! equal K steps of one replica on the whole batch, and replicas stay bit-identical.
 #include <catch2/catch.hpp>
 
+#include <cblas.h>
 #include <lockstep/nn.hpp>
 
 #include <algorithm>
@@ -13,6 +14,8 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -53,7 +56,7 @@ std::vector<Batch> make_batches(int steps, std::int64_t n, std::mt19937_64& gen)
 }
 
 // Every parameter, buffer and momentum buffer of a module as one flat fp64 vector.
-std::vector<double> flatten_state(Net& net) {
+std::vector<double> flatten_state(const Net& net) {
     std::vector<double> v;
     nn::walk(
         net, [&](const std::string&, auto& p) { v.insert(v.end(), p.value.span().begin(), p.value.span().end()); },
@@ -61,11 +64,20 @@ std::vector<double> flatten_state(Net& net) {
     return v;
 }
 
-bool bit_identical(Net& a, Net& b) {
+bool bit_identical(const Net& a, const Net& b) {
     bool same = true;
     auto ta = flatten_state(a), tb = flatten_state(b);
     same &= ta.size() == tb.size() && std::memcmp(ta.data(), tb.data(), ta.size() * sizeof(double)) == 0;
     return same;
+}
+
+// Replica `rank`'s momentum buffers, in parameter order, as one flat vector.
+std::vector<double> momentum_of(nn::Sgd<>& sgd, const Net& net, int rank) {
+    std::vector<double> v;
+    sgd.visit_state(rank, net, [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) {
+        v.insert(v.end(), m.span().begin(), m.span().end());
+    });
+    return v;
 }
 
 struct Run {
@@ -84,13 +96,9 @@ Run train(int replicas, const std::vector<Batch>& batches, std::uint64_t seed, D
             for (int r = 1; r < replicas; ++r) CHECK(bit_identical(dp.replica(0), dp.replica(r)));
     }
     run.state = flatten_state(dp.module());
-    for (auto& m : sgd.momentum_buffers(0)) run.momentum.insert(run.momentum.end(), m.span().begin(), m.span().end());
+    run.momentum = momentum_of(sgd, dp.module(), 0);
     if (check_replicas)
-        for (int r = 1; r < replicas; ++r) {
-            auto& mine = sgd.momentum_buffers(r);
-            auto& first = sgd.momentum_buffers(0);
-            for (std::size_t i = 0; i < first.size(); ++i) CHECK(std::memcmp(mine[i].data(), first[i].data(), first[i].bytes()) == 0);
-        }
+        for (int r = 1; r < replicas; ++r) CHECK(momentum_of(sgd, dp.replica(r), r) == run.momentum);
     return run;
 }
 
@@ -99,7 +107,7 @@ Run train(int replicas, const std::vector<Batch>& batches, std::uint64_t seed, D
 // window (which one wins), with `net` as it stands, batch statistics as in a training step.
 double decision_margin(const Net& net, const Tensor<float>& x) {
     Net probe = net;  // a deep copy: the forward below changes no state of `net`
-    const nn::Context ctx;
+    const nn::Context<> ctx;
     const auto h = probe.get<1>().forward(ctx, probe.get<0>().forward(ctx, Tensor<float>(x)));
     double margin = std::numeric_limits<double>::infinity();
     for (const float v : h.span()) margin = std::min(margin, std::abs(static_cast<double>(v)));
@@ -189,8 +197,8 @@ namespace {
 struct SlowStart {
     using backend = Host;
     Net net;
-    Tensor<float> forward(const nn::Context& ctx, Tensor<float> x) { return net.forward(ctx, std::move(x)); }
-    Tensor<float> backward(const nn::Context& ctx, const Tensor<float>& dy) {
+    Tensor<float> forward(const nn::Context<>& ctx, Tensor<float> x) { return net.forward(ctx, std::move(x)); }
+    Tensor<float> backward(const nn::Context<>& ctx, const Tensor<float>& dy) {
         auto& seq = net;
         Tensor<float> g = dy;
         g = seq.get<5>().backward(ctx, g);
@@ -230,7 +238,7 @@ TEST_CASE("DataParallel forward scatters and gathers in rank order", "[parallel]
     dp.eval();
     const auto y = dp.forward(x);
     Net single = make_net(seed);
-    nn::Context ctx;
+    nn::Context<> ctx;
     ctx.training = false;
     const auto ref = single.forward(ctx, x);
     REQUIRE(y.shape() == (Shape{7, 5}));
@@ -247,35 +255,30 @@ TEST_CASE("A checkpoint saved during training continues with identical losses", 
     CAPTURE(seed);
     std::mt19937_64 gen(seed);
     const auto batches = make_batches(5, 9, gen);
-    const auto path = (std::filesystem::temp_directory_path() / ("lockstep-resume-" + std::to_string(seed) + ".safetensors")).string();
+    const auto path =
+        (std::filesystem::temp_directory_path() / ("lockstep-resume-" + std::to_string(test::unique_number()) + ".safetensors")).string();
     std::vector<double> uninterrupted, resumed;
     {
         DataParallel<Net> dp(make_net(seed), 3);
         nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
         for (int s = 0; s < 5; ++s) {
-            uninterrupted.push_back(dp.train_step(batches[static_cast<std::size_t>(s)].x, batches[static_cast<std::size_t>(s)].labels,
-                                                  nn::SoftmaxCrossEntropy{}, sgd).loss);
-            if (s == 1) {
-                nn::Checkpoint ck;
-                nn::put_module(ck, dp.module());
-                sgd.save_state(ck, dp.module());
-                ck.save(path);
-            }
+            const auto& b = batches[static_cast<std::size_t>(s)];
+            uninterrupted.push_back(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+            if (s == 1) dp.save(path, sgd);  // model and momentum buffers of replica 0
         }
     }
     {
         DataParallel<Net> dp(make_net(seed + 1), 2);  // a different start and replica count
-        nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
-        const auto ck = nn::Checkpoint::load(path);
-        DataParallel<Net> loaded = [&]() -> DataParallel<Net> {
-            Net net = make_net(seed + 1);
-            nn::get_module(ck, net, {}, false);
-            return DataParallel<Net>(net, 2);
-        }();
-        sgd.load_state(ck, loaded.module(), loaded.size());
-        for (int s = 2; s < 5; ++s)
-            resumed.push_back(loaded.train_step(batches[static_cast<std::size_t>(s)].x, batches[static_cast<std::size_t>(s)].labels,
-                                                nn::SoftmaxCrossEntropy{}, sgd).loss);
+        nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});   // told nothing about the replicas
+        dp.load(path, sgd);
+        for (int r = 1; r < 2; ++r) {
+            CHECK(bit_identical(dp.replica(r), dp.module()));
+            CHECK(momentum_of(sgd, dp.replica(r), r) == momentum_of(sgd, dp.module(), 0));
+        }
+        for (int s = 2; s < 5; ++s) {
+            const auto& b = batches[static_cast<std::size_t>(s)];
+            resumed.push_back(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+        }
     }
     CHECK(test::rel_error(resumed, std::vector<double>(uninterrupted.begin() + 2, uninterrupted.end())) <= 1e-5);
     std::filesystem::remove(path);
@@ -288,11 +291,11 @@ struct Faulty {
     using backend = Host;
     Net net;
     std::shared_ptr<std::atomic<int>> fail = std::make_shared<std::atomic<int>>(0);  // 1: forward, 2: backward
-    Tensor<float> forward(const nn::Context& ctx, Tensor<float> x) {
+    Tensor<float> forward(const nn::Context<>& ctx, Tensor<float> x) {
         if (ctx.rank == 1 && *fail == 1) throw std::runtime_error("replica 1 failed in forward");
         return net.forward(ctx, std::move(x));
     }
-    Tensor<float> backward(const nn::Context& ctx, const Tensor<float>& dy) {
+    Tensor<float> backward(const nn::Context<>& ctx, const Tensor<float>& dy) {
         auto dx = net.backward(ctx, dy);
         if (ctx.rank == 1 && *fail == 2) throw std::runtime_error("replica 1 failed in backward");
         return dx;
@@ -357,4 +360,425 @@ TEST_CASE("DataParallel rejects bad input with a message that says what to do", 
     CHECK(std::isfinite(dp.train_step(big.x, big.labels, nn::SoftmaxCrossEntropy{}, sgd).loss));  // still usable
     CHECK_THROWS_AS(DataParallel<Net>(make_net(5), 0), InvalidArgument);
     CHECK_THROWS_AS(DataParallel<Net>(make_net(5), std::vector<Device>{Device::cuda(0)}), InvalidArgument);
+}
+
+// ---- training loops beyond one classification step ----
+
+namespace {
+
+// Every parameter and buffer of a module by name, in fp64.
+template <class M>
+std::map<std::string, std::vector<double>> tensors_of(const M& m) {
+    std::map<std::string, std::vector<double>> out;
+    nn::walk(
+        m, [&](const std::string& name, const auto& p) { out[name].assign(p.value.span().begin(), p.value.span().end()); },
+        [&](const std::string& name, const auto& t) { out[name].assign(t.span().begin(), t.span().end()); });
+    return out;
+}
+
+// Largest ||a - b|| / ||b|| over the tensors, each measured against its own norm (a wrong bias
+// cannot hide under a large running_var); `worst` names the tensor.
+double per_tensor_error(const std::map<std::string, std::vector<double>>& a, const std::map<std::string, std::vector<double>>& b,
+                        std::string& worst) {
+    double e = 0;
+    for (const auto& [name, want] : b) {
+        const auto& got = a.at(name);
+        REQUIRE(got.size() == want.size());
+        double diff = 0, norm = 0;
+        for (std::size_t i = 0; i < want.size(); ++i) {
+            diff += (got[i] - want[i]) * (got[i] - want[i]);
+            norm += want[i] * want[i];
+        }
+        const double rel = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+        if (rel > e) {
+            e = rel;
+            worst = name;
+        }
+    }
+    return e;
+}
+
+using Plain = nn::Sequential<nn::Conv2d<>, nn::ReLU<>, nn::MaxPool2d<>, nn::Flatten<>, nn::Linear<>>;
+
+Plain make_plain(std::uint64_t seed) {
+    nn::Generator g(seed);
+    return Plain(nn::Conv2d<>(2, 4, 3, {.padding = 1}, g), nn::ReLU<>(), nn::MaxPool2d<>(2), nn::Flatten<>(),
+                 nn::Linear<>(4 * 4 * 4, 5, true, g));
+}
+
+Batch concat(const Batch& a, const Batch& b) {
+    Batch u{Tensor<float>(a.x.shape().with(0, a.x.dim(0) + b.x.dim(0))), a.labels};
+    std::copy(a.x.span().begin(), a.x.span().end(), u.x.span().begin());
+    std::copy(b.x.span().begin(), b.x.span().end(), u.x.span().begin() + a.x.numel());
+    u.labels.insert(u.labels.end(), b.labels.begin(), b.labels.end());
+    return u;
+}
+
+}  // namespace
+
+TEST_CASE("accumulate then train_step equals one step on the union, micro-batches weighted by their samples",
+          "[parallel]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    for (int replicas = 1; replicas <= 3; ++replicas)
+        for (const auto& [n1, n2] : {std::pair<std::int64_t, std::int64_t>{5, 8}, {9, 3}}) {
+            CAPTURE(replicas, n1, n2);
+            const auto b1 = make_batches(1, n1, gen)[0], b2 = make_batches(1, n2, gen)[0], next = make_batches(1, 7, gen)[0];
+            DataParallel<Plain> split(make_plain(seed), replicas), whole(make_plain(seed), replicas);
+            nn::Sgd sgd_split({.lr = 0.05, .momentum = 0.9}), sgd_whole({.lr = 0.05, .momentum = 0.9});
+            const auto grad0 = split.gradient_collectives(0), layer0 = split.layer_collectives(0);
+            split.accumulate(b1.x, b1.labels, nn::SoftmaxCrossEntropy{});
+            CHECK(split.gradient_collectives(0) == grad0);  // no gradient collective in accumulate
+            CHECK(split.layer_collectives(0) == layer0);
+            CHECK(split.accumulated_samples() == n1);
+            const auto a = split.train_step(b2.x, b2.labels, nn::SoftmaxCrossEntropy{}, sgd_split);
+            CHECK(split.accumulated_samples() == 0);
+            const auto u = concat(b1, b2);
+            const auto b = whole.train_step(u.x, u.labels, nn::SoftmaxCrossEntropy{}, sgd_whole);
+            CHECK(a.count == n1 + n2);
+            CHECK(a.correct == b.correct);
+            CHECK(a.loss == Approx(b.loss).epsilon(1e-5));
+            std::string worst;
+            CHECK(per_tensor_error(tensors_of(split.module()), tensors_of(whole.module()), worst) <= 1e-5);
+            CAPTURE(worst);
+            // The next step starts afresh on both.
+            CHECK(split.train_step(next.x, next.labels, nn::SoftmaxCrossEntropy{}, sgd_split).loss ==
+                  Approx(whole.train_step(next.x, next.labels, nn::SoftmaxCrossEntropy{}, sgd_whole).loss).epsilon(1e-5));
+            CHECK(per_tensor_error(tensors_of(split.module()), tensors_of(whole.module()), worst) <= 1e-5);
+        }
+}
+
+TEST_CASE("accumulate still runs the layers' collectives, and refuses eval mode", "[parallel]") {
+    DataParallel<Net> dp(make_net(2), 2);
+    std::mt19937_64 gen(2);
+    const auto b = make_batches(1, 6, gen)[0];
+    const auto layer0 = dp.layer_collectives(1), grad0 = dp.gradient_collectives(1);
+    dp.accumulate(b.x, b.labels, nn::SoftmaxCrossEntropy{});
+    CHECK(dp.layer_collectives(1) - layer0 == 2);  // SyncBatchNorm forward + backward
+    CHECK(dp.gradient_collectives(1) == grad0);
+    nn::Sgd sgd({.lr = 0.1});
+    const auto r = dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    CHECK(r.count == 12);
+    CHECK(dp.gradient_collectives(1) - grad0 == dp.bucket_count() + 1);  // once, for both micro-batches
+    dp.eval();
+    CHECK_THROWS_WITH(dp.accumulate(b.x, b.labels, nn::SoftmaxCrossEntropy{}), Catch::Contains("call train() first"));
+    CHECK_THROWS_AS(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), UsageError);
+}
+
+TEST_CASE("Regression with MseLoss: any replica count equals one replica, targets sharded with the batch", "[parallel]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    using Reg = nn::Sequential<nn::Linear<>, nn::ReLU<>, nn::Linear<>>;
+    const auto make_reg = [&] {
+        nn::Generator g(seed);
+        return Reg(nn::Linear<>(4, 16, true, g), nn::ReLU<>(), nn::Linear<>(16, 2, true, g));
+    };
+    std::normal_distribution<float> d;
+    std::vector<Tensor<float>> xs, ts;
+    for (int s = 0; s < 4; ++s) {
+        xs.emplace_back(Shape{11, 4});
+        ts.emplace_back(Shape{11, 2});
+        for (auto& v : xs.back().span()) v = d(gen);
+        for (std::int64_t n = 0; n < 11; ++n) {  // t = (x0 + x1, x2 * x3)
+            ts.back()[n * 2] = xs.back()[n * 4] + xs.back()[n * 4 + 1];
+            ts.back()[n * 2 + 1] = xs.back()[n * 4 + 2] * xs.back()[n * 4 + 3];
+        }
+    }
+    std::vector<double> one_losses;
+    std::map<std::string, std::vector<double>> one_state;
+    for (int replicas = 1; replicas <= 3; ++replicas) {
+        CAPTURE(replicas);
+        DataParallel dp(make_reg(), replicas);
+        nn::Sgd sgd({.lr = 0.05, .momentum = 0.5});
+        std::vector<double> losses;
+        for (int s = 0; s < 4; ++s) {
+            const auto r = dp.train_step(xs[static_cast<std::size_t>(s)], ts[static_cast<std::size_t>(s)], nn::MseLoss{}, sgd);
+            CHECK(r.count == 11);
+            CHECK(r.correct == 0);
+            losses.push_back(r.loss);
+        }
+        if (replicas == 1) {
+            // The first step's loss is torch.nn.MSELoss()(net(x), t), computed here in fp64.
+            Reg ref = make_reg();
+            nn::Context<> ctx;
+            const auto y = ref.forward(ctx, xs[0]);
+            double sq = 0;
+            for (std::int64_t i = 0; i < y.numel(); ++i) sq += std::pow(static_cast<double>(y[i]) - ts[0][i], 2);
+            CHECK(losses[0] == Approx(sq / static_cast<double>(y.numel())).epsilon(1e-6));
+            one_losses = losses;
+            one_state = tensors_of(dp.module());
+        } else {
+            CHECK(test::rel_error(losses, one_losses) <= 1e-5);
+            std::string worst;
+            CHECK(per_tensor_error(tensors_of(dp.module()), one_state, worst) <= 1e-5);
+            CAPTURE(worst);
+        }
+        CHECK_THROWS_WITH(dp.train_step(xs[0], Tensor<float>(Shape{10, 2}), nn::MseLoss{}, sgd),
+                          Catch::Contains("train_step: 10 target rows for a batch of 11"));
+        CHECK_THROWS_WITH(dp.train_step(xs[0], Tensor<float>(Shape{11, 3}), nn::MseLoss{}, sgd),
+                          Catch::Contains("MseLoss: targets of shape (") && Catch::Contains(", 3) NCHW for an output of shape ("));
+    }
+}
+
+TEST_CASE("clip_grad_norm scales the all-reduced gradients as torch.nn.utils.clip_grad_norm_", "[parallel]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const auto b = make_batches(1, 9, gen)[0];
+    // lr 0: the step leaves the parameters alone and the gradients in place to be read.
+    const auto grads_after_step = [&](std::optional<double> clip, int replicas) {
+        DataParallel<Net> dp(make_net(seed), replicas, {.clip_grad_norm = clip});
+        nn::Sgd sgd({.lr = 0.0});
+        dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+        std::vector<double> g;
+        for (int r = 0; r < replicas; ++r) {
+            std::vector<double> mine;
+            nn::for_each_parameter(dp.replica(r), [&](const std::string&, const nn::Parameter<>& p) {
+                mine.insert(mine.end(), p.grad.span().begin(), p.grad.span().end());
+            });
+            if (r == 0) g = mine;
+            else CHECK(mine == g);  // the same bits on every replica
+        }
+        return g;
+    };
+    const auto raw = grads_after_step(std::nullopt, 3);
+    double norm = 0;
+    for (const double v : raw) norm += v * v;
+    norm = std::sqrt(norm);
+    REQUIRE(norm > 0);
+    for (const double max_norm : {0.25 * norm, 0.9 * norm}) {
+        CAPTURE(max_norm);
+        const auto clipped = grads_after_step(max_norm, 3);
+        std::vector<double> expect(raw);
+        for (auto& v : expect) v *= max_norm / (norm + 1e-6);
+        CHECK(test::rel_error(clipped, expect) <= 1e-6);
+    }
+    CHECK(grads_after_step(2.0 * norm, 3) == raw);  // below the bound: untouched, bit for bit
+    CHECK_THROWS_WITH(DataParallel<Net>(make_net(seed), 2, {.clip_grad_norm = 0.0}),
+                      Catch::Contains("clip_grad_norm must be positive"));
+    CHECK_THROWS_AS(DataParallel<Net>(make_net(seed), 2, {.clip_grad_norm = -1.0}), InvalidArgument);
+}
+
+TEST_CASE("A step that fails in backward changes no replica's parameters or optimizer state", "[parallel]") {
+    Faulty proto{make_net(4)};
+    DataParallel<Faulty> dp(proto, 3, {.timeout = 60s});
+    nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
+    std::mt19937_64 gen(4);
+    const auto b = make_batches(1, 9, gen)[0];
+    dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);  // momentum buffers exist
+    const auto params_of = [&](int r) {
+        std::vector<double> v;
+        nn::for_each_parameter(dp.replica(r), [&](const std::string&, const nn::Parameter<>& p) {
+            v.insert(v.end(), p.value.span().begin(), p.value.span().end());
+        });
+        return v;
+    };
+    const auto momentum = [&](int r) {
+        std::vector<double> v;
+        sgd.visit_state(r, dp.replica(r), [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) {
+            v.insert(v.end(), m.span().begin(), m.span().end());
+        });
+        return v;
+    };
+    std::vector<std::vector<double>> before_params, before_momentum;
+    for (int r = 0; r < 3; ++r) {
+        before_params.push_back(params_of(r));
+        before_momentum.push_back(momentum(r));
+    }
+    *dp.replica(0).fail = 2;  // replica 1 throws in backward, with gradient buckets in flight
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("replica 1 failed"));
+    for (int r = 0; r < 3; ++r) {
+        CHECK(std::memcmp(params_of(r).data(), before_params[static_cast<std::size_t>(r)].data(),
+                          before_params[0].size() * sizeof(double)) == 0);
+        CHECK(momentum(r) == before_momentum[static_cast<std::size_t>(r)]);
+    }
+    // The forward collectives completed everywhere, so the running statistics moved alike.
+    std::map<std::string, std::vector<double>> buffers0;
+    nn::for_each_buffer(dp.replica(0), [&](const std::string& n, const auto& t) { buffers0[n].assign(t.span().begin(), t.span().end()); });
+    for (int r = 1; r < 3; ++r)
+        nn::for_each_buffer(dp.replica(r), [&](const std::string& n, const auto& t) {
+            CHECK(std::vector<double>(t.span().begin(), t.span().end()) == buffers0.at(n));
+        });
+    *dp.replica(0).fail = 0;
+}
+
+namespace {
+
+// fp64 batch norm of a whole batch followed by the MSE against `t`, PyTorch semantics; x and t in
+// logical (N, C, P) order.
+struct BnStep {
+    double loss = 0;
+    std::vector<double> y, mean, var, dgamma, dbeta;
+};
+
+BnStep bn_mse_reference(const std::vector<double>& x, const std::vector<double>& t, const std::vector<double>& gamma,
+                        const std::vector<double>& beta, std::int64_t N, std::int64_t C, std::int64_t P, double eps,
+                        const std::vector<double>* running_mean = nullptr, const std::vector<double>* running_var = nullptr) {
+    BnStep r;
+    const auto at = [&](std::int64_t n, std::int64_t c, std::int64_t p) { return static_cast<std::size_t>((n * C + c) * P + p); };
+    const double M = static_cast<double>(N * P), D = static_cast<double>(C * P);
+    r.y.resize(x.size());
+    r.mean.assign(static_cast<std::size_t>(C), 0);
+    r.var.assign(static_cast<std::size_t>(C), 0);
+    r.dgamma.assign(static_cast<std::size_t>(C), 0);
+    r.dbeta.assign(static_cast<std::size_t>(C), 0);
+    for (std::int64_t c = 0; c < C; ++c) {
+        const auto uc = static_cast<std::size_t>(c);
+        double mean = 0, var = 0;
+        if (running_mean != nullptr) {
+            mean = (*running_mean)[uc];
+            var = (*running_var)[uc];
+        } else {
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t p = 0; p < P; ++p) mean += x[at(n, c, p)] / M;
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t p = 0; p < P; ++p) var += (x[at(n, c, p)] - mean) * (x[at(n, c, p)] - mean) / M;
+        }
+        r.mean[uc] = mean;
+        r.var[uc] = var;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                const double xh = (x[at(n, c, p)] - mean) / std::sqrt(var + eps);
+                const double y = xh * gamma[uc] + beta[uc];
+                r.y[at(n, c, p)] = y;
+                const double diff = y - t[at(n, c, p)];
+                r.loss += diff * diff / D / static_cast<double>(N);
+                const double dy = 2.0 * diff / D / static_cast<double>(N);
+                r.dgamma[uc] += dy * xh;
+                r.dbeta[uc] += dy;
+            }
+    }
+    return r;
+}
+
+}  // namespace
+
+TEST_CASE("SyncBatchNorm options through DataParallel match an fp64 batch norm of the whole batch", "[parallel]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    struct Case {
+        const char* name;
+        nn::BatchNormOptions options;
+    };
+    const Case cases[] = {
+        {"NHWC", {.format = MemoryFormat::nhwc}},
+        {"affine = false", {.affine = false}},
+        {"track_running_stats = false", {.track_running_stats = false, .format = MemoryFormat::nhwc}},
+        {"momentum = nullopt (cumulative average)", {.momentum = std::nullopt}},
+    };
+    const std::int64_t N = 7, C = 3, H = 2, W = 3, P = H * W;
+    const double lr = 0.1;
+    for (const auto& c : cases) {
+        for (int replicas = 1; replicas <= 3; ++replicas) {
+            CAPTURE(c.name, replicas);
+            const auto& o = c.options;
+            using BnNet = nn::Sequential<nn::SyncBatchNorm<>>;
+            nn::SyncBatchNorm<> bn(C, o);
+            if (o.affine)
+                for (std::int64_t k = 0; k < C; ++k) {
+                    bn.weight.value[k] = 1.0f + 0.25f * static_cast<float>(k);
+                    bn.bias.value[k] = -0.5f + 0.5f * static_cast<float>(k);
+                }
+            DataParallel dp(BnNet(bn), replicas);
+            nn::Sgd sgd({.lr = lr});
+            std::vector<double> gamma(C, 1.0), beta(C, 0.0), rmean(C, 0.0), rvar(C, 1.0);
+            for (std::int64_t k = 0; k < C && o.affine; ++k) {
+                gamma[static_cast<std::size_t>(k)] = 1.0 + 0.25 * static_cast<double>(k);
+                beta[static_cast<std::size_t>(k)] = -0.5 + 0.5 * static_cast<double>(k);
+            }
+            std::vector<double> x, t;
+            for (int step = 1; step <= 2; ++step) {
+                std::normal_distribution<double> dx(3.0 * step, 2.0), dt(0.0, 1.0);
+                x.resize(static_cast<std::size_t>(N * C * P));
+                t.resize(x.size());
+                Tensor<float> xt(Shape{N, C, H, W}, o.format), tt(Shape{N, C, H, W}, o.format);
+                for (std::int64_t n = 0; n < N; ++n)
+                    for (std::int64_t k = 0; k < C; ++k)
+                        for (std::int64_t p = 0; p < P; ++p) {
+                            const auto i = static_cast<std::size_t>((n * C + k) * P + p);
+                            x[i] = static_cast<float>(dx(gen));
+                            t[i] = static_cast<float>(dt(gen));
+                            xt[test::offset(n, k, p, C, P, o.format)] = static_cast<float>(x[i]);
+                            tt[test::offset(n, k, p, C, P, o.format)] = static_cast<float>(t[i]);
+                        }
+                const auto ref = bn_mse_reference(x, t, gamma, beta, N, C, P, o.eps);
+                const auto result = dp.train_step(xt, tt, nn::MseLoss{}, sgd);
+                CHECK(result.loss == Approx(ref.loss).epsilon(1e-5));
+                for (std::size_t k = 0; k < static_cast<std::size_t>(C); ++k) {
+                    if (o.affine) {
+                        gamma[k] -= lr * ref.dgamma[k];
+                        beta[k] -= lr * ref.dbeta[k];
+                    }
+                    const double f = o.momentum ? *o.momentum : 1.0 / step;
+                    rmean[k] = (1 - f) * rmean[k] + f * ref.mean[k];
+                    rvar[k] = (1 - f) * rvar[k] + f * ref.var[k] * static_cast<double>(N * P) / static_cast<double>(N * P - 1);
+                }
+                for (int r = 0; r < replicas; ++r) {
+                    const auto& layer = dp.replica(r).get<0>();
+                    if (o.affine) {
+                        CHECK(test::rel_error(layer.weight.value.span(), gamma) <= 1e-5);
+                        CHECK(test::rel_error(layer.bias.value.span(), beta, 1.0) <= 1e-5);
+                    }
+                    if (o.track_running_stats) {
+                        CHECK(test::rel_error(layer.running_mean.span(), rmean) <= 1e-5);
+                        CHECK(test::rel_error(layer.running_var.span(), rvar) <= 1e-5);
+                        CHECK(layer.num_batches_tracked[0] == step);
+                    }
+                }
+            }
+            // Eval: running statistics where tracked, the batch's own otherwise.
+            dp.eval();
+            Tensor<float> xt(Shape{N, C, H, W}, o.format);
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t k = 0; k < C; ++k)
+                    for (std::int64_t p = 0; p < P; ++p)
+                        xt[test::offset(n, k, p, C, P, o.format)] = static_cast<float>(x[static_cast<std::size_t>((n * C + k) * P + p)]);
+            const auto y = dp.forward(xt);
+            const auto ref = o.track_running_stats ? bn_mse_reference(x, t, gamma, beta, N, C, P, o.eps, &rmean, &rvar)
+                                                   : bn_mse_reference(x, t, gamma, beta, N, C, P, o.eps);
+            std::vector<double> got(ref.y.size());
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t k = 0; k < C; ++k)
+                    for (std::int64_t p = 0; p < P; ++p)
+                        got[static_cast<std::size_t>((n * C + k) * P + p)] = y[test::offset(n, k, p, C, P, o.format)];
+            CHECK(test::rel_error(got, ref.y) <= 1e-5);
+        }
+    }
+}
+
+TEST_CASE("DataParallel loads only a checkpoint of its own model, and the failed load changes nothing", "[parallel][checkpoint]") {
+    const auto dir = std::filesystem::temp_directory_path() / ("lockstep-dp-" + std::to_string(test::unique_number()));
+    std::filesystem::create_directories(dir);
+    const std::string other = (dir / "other.safetensors").string();
+    DataParallel<Plain> plain(make_plain(1), 2);
+    nn::Sgd plain_sgd({.lr = 0.1, .momentum = 0.9});
+    plain.save(other, plain_sgd);
+    DataParallel<Net> dp(make_net(1), 2);
+    nn::Sgd sgd({.lr = 0.1, .momentum = 0.9});
+    const auto before = tensors_of(dp.module());
+    CHECK_THROWS_WITH(dp.load(other, sgd), Catch::Contains("checkpoint '" + other + "'") && Catch::Contains("tensor '1."));
+    CHECK(tensors_of(dp.module()) == before);
+    CHECK(tensors_of(dp.replica(1)) == before);
+    // Optimizer state of a parameter the model lacks is refused too.
+    auto ck = dp.checkpoint(sgd);
+    ck.put("optimizer.9.weight.momentum_buffer", Tensor<float>(Shape{2}));
+    CHECK_THROWS_WITH(dp.load(ck, sgd), Catch::Contains("optimizer state 'optimizer.9.weight.momentum_buffer'"));
+    std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("OpenBLAS runs one thread while a DataParallel exists and gets its setting back after", "[parallel]") {
+    const int before = openblas_get_num_threads();
+    {
+        DataParallel<Net> a(make_net(1), 2);
+        CHECK(openblas_get_num_threads() == 1);
+        {
+            DataParallel<Net> b(make_net(1), 1);
+            CHECK(openblas_get_num_threads() == 1);
+        }
+        CHECK(openblas_get_num_threads() == 1);  // `a` still exists
+    }
+    CHECK(openblas_get_num_threads() == before);
 }

@@ -5,8 +5,11 @@
 
 #include <lockstep/nn.hpp>
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -39,13 +42,13 @@ double dot(const Tensor<float>& a, const Tensor<float>& w) {
 // of the forward, evaluated in fp64 from the layer's fp32 outputs.
 template <class Layer>
 void check_gradients(Layer& layer, const Tensor<float>& x, std::mt19937_64& gen, double h, double tol) {
-    nn::Context ctx;
+    nn::Context<> ctx;
     auto y = layer.forward(ctx, x);
     const auto w = random_tensor(y.shape(), gen);
     nn::zero_grad(layer);
     const auto dx = layer.backward(ctx, w);
     const auto loss = [&](const Tensor<float>& input) {
-        nn::Context eval;
+        nn::Context<> eval;
         eval.training = false;
         return dot(layer.forward(eval, input), w);
     };
@@ -127,7 +130,7 @@ TEST_CASE("SoftmaxCrossEntropy: value and gradient of the mean over the global b
     std::mt19937_64 gen(seed);
     auto logits = random_tensor(Shape{4, 5}, gen, -3, 3);
     const std::vector<std::int64_t> labels{0, 4, 2, 2};
-    nn::Context ctx;
+    nn::Context<> ctx;
     ctx.global_batch = 10;  // this shard is 4 of a global batch of 10
     const nn::SoftmaxCrossEntropy ce;
     const auto out = ce(ctx, logits, labels);
@@ -137,13 +140,13 @@ TEST_CASE("SoftmaxCrossEntropy: value and gradient of the mean over the global b
         for (int k = 0; k < 5; ++k) denom += std::exp(static_cast<double>(logits[n * 5 + k]));
         ref += -std::log(std::exp(static_cast<double>(logits[n * 5 + labels[static_cast<std::size_t>(n)]])) / denom);
     }
-    CHECK(out.sum == Approx(ref).epsilon(1e-12));
+    CHECK(out.sum() == Approx(ref).epsilon(1e-12));
     std::vector<double> numeric;
     for (std::int64_t i = 0; i < logits.numel(); ++i) {
         auto p = logits, m = logits;
         p[i] += 1e-3f;
         m[i] -= 1e-3f;
-        numeric.push_back((ce(ctx, p, labels).sum - ce(ctx, m, labels).sum) / 10.0 / (static_cast<double>(p[i]) - m[i]));
+        numeric.push_back((ce(ctx, p, labels).sum() - ce(ctx, m, labels).sum()) / 10.0 / (static_cast<double>(p[i]) - m[i]));
     }
     CHECK(test::rel_error(out.grad.span(), numeric) <= 1e-4);
     CHECK_THROWS_WITH(ce(ctx, logits, std::vector<std::int64_t>{0, 1, 2}), Catch::Contains("3 labels for a batch of 4"));
@@ -161,7 +164,7 @@ TEST_CASE("Sgd follows torch.optim.SGD", "[nn]") {
     std::vector<double> p(fc.weight.value.span().begin(), fc.weight.value.span().end()), v(p.size(), 0.0);
     for (int step = 0; step < 3; ++step) {
         for (std::int64_t i = 0; i < fc.weight.numel(); ++i) fc.weight.grad[i] = 0.1f * static_cast<float>(i + step) - 0.2f;
-        sgd.step(0, fc);
+        sgd.step(nn::Context<>{}, fc);
         for (std::size_t i = 0; i < p.size(); ++i) {
             double g = 0.1 * static_cast<double>(i + static_cast<std::size_t>(step)) - 0.2;
             g = static_cast<float>(g) + opts.weight_decay * p[i];
@@ -201,7 +204,7 @@ TEST_CASE("Layers use PyTorch layouts, names and default initialization", "[nn]"
 }
 
 TEST_CASE("Layers reject input that does not fit, naming the layer", "[nn]") {
-    nn::Context ctx;
+    nn::Context<> ctx;
     nn::Conv2d<> conv(3, 4, 3);
     CHECK_THROWS_WITH(conv.forward(ctx, Tensor<float>(Shape{2, 1, 8, 8})),
                       Catch::Contains("Conv2d(3, 4, kernel_size=3): expected input (N, 3, H, W), got shape (2, 1, 8, 8)"));
@@ -254,7 +257,7 @@ TEST_CASE("Loading a checkpoint that does not fit the model names the tensor", "
     nn::Sequential small(nn::Linear<>(4, 3), nn::ReLU<>());
     nn::save(path, small);
     nn::Sequential wider(nn::Linear<>(5, 3), nn::ReLU<>());
-    CHECK_THROWS_WITH(nn::load(path, wider), Catch::Contains("'0.weight' has shape (3, 4) but the model expects (3, 5)"));
+    CHECK_THROWS_WITH(nn::load(path, wider), Catch::Contains("m.safetensors' has tensor '0.weight' of shape (3, 4) but the model's is (3, 5)"));
     nn::Sequential more(nn::Linear<>(4, 3), nn::ReLU<>(), nn::Linear<>(3, 2));
     CHECK_THROWS_WITH(nn::load(path, more), Catch::Contains("missing tensor '2.weight'"));
     nn::Sequential nobias(nn::Linear<>(4, 3, false), nn::ReLU<>());
@@ -278,9 +281,302 @@ TEST_CASE("Loading a checkpoint that does not fit the model names the tensor", "
 TEST_CASE("clone makes an independent deep copy for a device of the module's backend", "[nn]") {
     nn::Sequential a(nn::Linear<>(3, 2), nn::SyncBatchNorm<>(2));
     auto b = nn::clone(a, Device::host(1));
+    nn::walk(
+        b, [](const std::string&, const nn::Parameter<>& p) { CHECK((p.value.device() == Device::host(1) && p.grad.device() == Device::host(1))); },
+        [](const std::string&, const auto& t) { CHECK(t.device() == Device::host(1)); });
     b.get<0>().weight.value[0] += 1.0f;
     b.get<1>().running_mean[0] = 5.0f;
     CHECK(a.get<0>().weight.value[0] != b.get<0>().weight.value[0]);
     CHECK(a.get<1>().running_mean[0] == 0.0f);
     CHECK_THROWS_WITH(nn::clone(a, Device::cuda(0)), Catch::Contains("cannot clone a host module onto device cuda:0"));
+}
+
+// ---- independent references: direct fp64 loops written here, not the layers' own code ----
+
+namespace {
+
+std::vector<double> to_f64(const Tensor<float>& t) { return {t.span().begin(), t.span().end()}; }
+
+// y[n, o, oh, ow] = b[o] + sum_{c, i, j} w[o, c, i, j] * x[n, c, oh*s - p + i, ow*s - p + j] (zero outside).
+std::vector<double> conv_reference(const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b,
+                                   std::int64_t N, std::int64_t C, std::int64_t H, std::int64_t W, std::int64_t O,
+                                   std::int64_t k, std::int64_t s, std::int64_t p) {
+    const std::int64_t OH = (H + 2 * p - k) / s + 1, OW = (W + 2 * p - k) / s + 1;
+    std::vector<double> y(static_cast<std::size_t>(N * O * OH * OW));
+    for (std::int64_t n = 0; n < N; ++n)
+        for (std::int64_t o = 0; o < O; ++o)
+            for (std::int64_t oh = 0; oh < OH; ++oh)
+                for (std::int64_t ow = 0; ow < OW; ++ow) {
+                    double acc = b.empty() ? 0.0 : b[static_cast<std::size_t>(o)];
+                    for (std::int64_t c = 0; c < C; ++c)
+                        for (std::int64_t i = 0; i < k; ++i)
+                            for (std::int64_t j = 0; j < k; ++j) {
+                                const std::int64_t h = oh * s - p + i, v = ow * s - p + j;
+                                if (h < 0 || h >= H || v < 0 || v >= W) continue;
+                                acc += w[static_cast<std::size_t>(((o * C + c) * k + i) * k + j)] *
+                                       x[static_cast<std::size_t>(((n * C + c) * H + h) * W + v)];
+                            }
+                    y[static_cast<std::size_t>(((n * O + o) * OH + oh) * OW + ow)] = acc;
+                }
+    return y;
+}
+
+double dot64(const std::vector<double>& a, const std::vector<double>& b) {
+    double s = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+    return s;
+}
+
+// Central difference of f at v[i] with step h (exact for f linear in v[i], up to fp64 rounding).
+template <class F>
+double central_difference(std::vector<double>& v, std::size_t i, double h, F&& f) {
+    const double orig = v[i];
+    v[i] = orig + h;
+    const double up = f();
+    v[i] = orig - h;
+    const double down = f();
+    v[i] = orig;
+    return (up - down) / (2 * h);
+}
+
+// Up to `count` distinct indices in [0, n), drawn from `gen` (all of them when n is small).
+std::vector<std::size_t> sample_indices(std::size_t n, std::size_t count, std::mt19937_64& gen) {
+    std::vector<std::size_t> all(n);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), gen);
+    all.resize(std::min(n, count));
+    return all;
+}
+
+}  // namespace
+
+TEST_CASE("Conv2d forward and backward match direct fp64 loops and their finite differences", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    nn::Generator g(seed);
+    const std::int64_t N = 2, H = 7, W = 6;
+    for (const std::int64_t stride : {1, 2})
+        for (const std::int64_t pad : {0, 1, 2})
+            for (const std::int64_t k : {1, 3, 5})
+                for (const std::int64_t C : {1, 3, 8})
+                    for (const std::int64_t O : {1, 3, 8}) {
+                        CAPTURE(stride, pad, k, C, O);
+                        const bool bias = (C + O + k) % 2 == 0;  // both kinds over the sweep
+                        nn::Conv2d<> conv(C, O, k, {.stride = stride, .padding = pad, .bias = bias}, g);
+                        const auto x = random_tensor(Shape{N, C, H, W}, gen);
+                        auto xs = to_f64(x), ws = to_f64(conv.weight.value);
+                        auto bs = bias ? to_f64(conv.bias.value) : std::vector<double>{};
+                        nn::Context<> ctx;
+                        const auto y = conv.forward(ctx, x);
+                        const auto ref = conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad);
+                        REQUIRE(y.numel() == static_cast<std::int64_t>(ref.size()));
+                        CHECK(test::rel_error(y.span(), ref) <= 1e-5);
+
+                        const auto dy = random_tensor(y.shape(), gen);
+                        const auto dys = to_f64(dy);
+                        nn::zero_grad(conv);
+                        const auto dx = conv.backward(ctx, dy);
+                        // L = sum(dy * conv(x)) in fp64; its derivatives by central differences.
+                        const auto L = [&] { return dot64(dys, conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad)); };
+                        std::vector<double> got, want;
+                        for (auto i : sample_indices(xs.size(), 16, gen)) {
+                            want.push_back(central_difference(xs, i, 0.5, L));
+                            got.push_back(dx[static_cast<std::int64_t>(i)]);
+                        }
+                        CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
+                        got.clear(), want.clear();
+                        for (auto i : sample_indices(ws.size(), 16, gen)) {
+                            want.push_back(central_difference(ws, i, 0.5, L));
+                            got.push_back(conv.weight.grad[static_cast<std::int64_t>(i)]);
+                        }
+                        CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
+                        if (bias) {
+                            got.clear(), want.clear();
+                            for (std::size_t i = 0; i < bs.size(); ++i) {
+                                want.push_back(central_difference(bs, i, 0.5, L));
+                                got.push_back(conv.bias.grad[static_cast<std::int64_t>(i)]);
+                            }
+                            CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
+                        }
+                    }
+}
+
+TEST_CASE("Linear forward and backward match direct fp64 loops and their finite differences", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    nn::Generator g(seed);
+    for (const std::int64_t in : {1, 3, 8, 37})
+        for (const std::int64_t out : {1, 3, 8})
+            for (const bool bias : {true, false}) {
+                CAPTURE(in, out, bias);
+                const std::int64_t N = 5;
+                nn::Linear<> fc(in, out, bias, g);
+                const auto x = random_tensor(Shape{N, in}, gen);
+                auto xs = to_f64(x), ws = to_f64(fc.weight.value);
+                auto bs = bias ? to_f64(fc.bias.value) : std::vector<double>{};
+                const auto reference = [&] {
+                    std::vector<double> y(static_cast<std::size_t>(N * out));
+                    for (std::int64_t n = 0; n < N; ++n)
+                        for (std::int64_t o = 0; o < out; ++o) {
+                            double acc = bias ? bs[static_cast<std::size_t>(o)] : 0.0;
+                            for (std::int64_t i = 0; i < in; ++i)
+                                acc += ws[static_cast<std::size_t>(o * in + i)] * xs[static_cast<std::size_t>(n * in + i)];
+                            y[static_cast<std::size_t>(n * out + o)] = acc;
+                        }
+                    return y;
+                };
+                nn::Context<> ctx;
+                const auto y = fc.forward(ctx, x);
+                CHECK(test::rel_error(y.span(), reference()) <= 1e-6);
+                const auto dy = random_tensor(y.shape(), gen);
+                const auto dys = to_f64(dy);
+                nn::zero_grad(fc);
+                const auto dx = fc.backward(ctx, dy);
+                const auto L = [&] { return dot64(dys, reference()); };
+                std::vector<double> got, want;
+                for (std::size_t i = 0; i < xs.size(); ++i) {
+                    want.push_back(central_difference(xs, i, 0.5, L));
+                    got.push_back(dx[static_cast<std::int64_t>(i)]);
+                }
+                CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
+                got.clear(), want.clear();
+                for (std::size_t i = 0; i < ws.size(); ++i) {
+                    want.push_back(central_difference(ws, i, 0.5, L));
+                    got.push_back(fc.weight.grad[static_cast<std::int64_t>(i)]);
+                }
+                CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
+                if (bias) {
+                    got.clear(), want.clear();
+                    for (std::size_t i = 0; i < bs.size(); ++i) {
+                        want.push_back(central_difference(bs, i, 0.5, L));
+                        got.push_back(fc.bias.grad[static_cast<std::int64_t>(i)]);
+                    }
+                    CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
+                }
+            }
+}
+
+TEST_CASE("MaxPool2d forward and backward match direct fp64 loops and their finite differences", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const std::int64_t N = 2, C = 3, H = 7, W = 8;
+    // Distinct values at least 0.01 apart, so a step of 1e-3 never changes which value wins.
+    std::vector<double> xs(static_cast<std::size_t>(N * C * H * W));
+    std::vector<int> order(xs.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), gen);
+    for (std::size_t i = 0; i < xs.size(); ++i) xs[i] = static_cast<float>(0.01 * order[i] - 1.5);
+    for (const std::int64_t k : {2, 3})
+        for (const std::int64_t s : {1, 2, 3}) {
+            CAPTURE(k, s);
+            const std::int64_t OH = (H - k) / s + 1, OW = (W - k) / s + 1;
+            const auto reference = [&] {
+                std::vector<double> y(static_cast<std::size_t>(N * C * OH * OW));
+                for (std::int64_t nc = 0; nc < N * C; ++nc)
+                    for (std::int64_t oh = 0; oh < OH; ++oh)
+                        for (std::int64_t ow = 0; ow < OW; ++ow) {
+                            double m = -std::numeric_limits<double>::infinity();
+                            for (std::int64_t i = 0; i < k; ++i)
+                                for (std::int64_t j = 0; j < k; ++j)
+                                    m = std::max(m, xs[static_cast<std::size_t>((nc * H + oh * s + i) * W + ow * s + j)]);
+                            y[static_cast<std::size_t>((nc * OH + oh) * OW + ow)] = m;
+                        }
+                return y;
+            };
+            nn::MaxPool2d<> pool(k, s);
+            Tensor<float> x(Shape{N, C, H, W});
+            for (std::size_t i = 0; i < xs.size(); ++i) x[static_cast<std::int64_t>(i)] = static_cast<float>(xs[i]);
+            nn::Context<> ctx;
+            const auto y = pool.forward(ctx, x);
+            REQUIRE(y.shape() == (Shape{N, C, OH, OW}));
+            CHECK(test::rel_error(y.span(), reference()) == 0);
+            const auto dy = random_tensor(y.shape(), gen);
+            const auto dys = to_f64(dy);
+            const auto dx = pool.backward(ctx, dy);
+            const auto L = [&] { return dot64(dys, reference()); };
+            std::vector<double> got, want;
+            for (std::size_t i = 0; i < xs.size(); ++i) {
+                want.push_back(central_difference(xs, i, 1e-3, L));
+                got.push_back(dx[static_cast<std::int64_t>(i)]);
+            }
+            CHECK(test::rel_error(got, want) <= 1e-6);
+        }
+}
+
+TEST_CASE("MseLoss: the mean over the global batch of each sample's mean squared error, and its gradient", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const auto out = random_tensor(Shape{4, 3}, gen, -2, 2);
+    const auto target = random_tensor(Shape{4, 3}, gen, -2, 2);
+    nn::Context<> ctx;
+    ctx.global_batch = 10;  // this shard is 4 of a global batch of 10
+    const nn::MseLoss mse;
+    const auto res = mse(ctx, out, target);
+    double ref = 0;
+    for (std::int64_t i = 0; i < 12; ++i) ref += std::pow(static_cast<double>(out[i]) - target[i], 2) / 3.0;
+    CHECK(res.sum() == Approx(ref).epsilon(1e-12));
+    CHECK(res.count == 4);
+    CHECK(res.correct() == 0);
+    std::vector<double> numeric;
+    for (std::int64_t i = 0; i < out.numel(); ++i) {
+        auto p = out, m = out;
+        p[i] += 1e-3f;
+        m[i] -= 1e-3f;
+        numeric.push_back((mse(ctx, p, target).sum() - mse(ctx, m, target).sum()) / 10.0 / (static_cast<double>(p[i]) - m[i]));
+    }
+    CHECK(test::rel_error(res.grad.span(), numeric) <= 1e-4);
+    CHECK_THROWS_WITH(mse(ctx, out, Tensor<float>(Shape{4, 2})),
+                      Catch::Contains("MseLoss: targets of shape (4, 2) NCHW for an output of shape (4, 3) NCHW"));
+}
+
+TEST_CASE("Modules are walked read-only through a const reference", "[nn]") {
+    nn::Sequential net(nn::Linear<>(3, 2), nn::SyncBatchNorm<>(2));
+    const auto& view = net;
+    std::vector<std::string> names;
+    nn::for_each_parameter(view, [&](const std::string& name, const auto& p) {
+        static_assert(std::is_const_v<std::remove_reference_t<decltype(p)>>);
+        names.push_back(name);
+    });
+    nn::for_each_buffer(view, [&](const std::string& name, const auto& t) {
+        static_assert(std::is_const_v<std::remove_reference_t<decltype(t)>>);
+        names.push_back(name);
+    });
+    CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+                                            "1.num_batches_tracked"});
+    CHECK(nn::parameter_count(view) == 3 * 2 + 2 + 2 + 2);
+}
+
+TEST_CASE("Checkpoints get the mode of a new file and hold optimizer state", "[nn][checkpoint]") {
+    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::unique_number()));
+    fs::create_directories(dir);
+    const std::string path = (dir / "model.safetensors").string();
+    const mode_t old_mask = ::umask(027);
+    nn::Sequential net(nn::Linear<>(3, 2));
+    nn::save(path, net);
+    ::umask(old_mask);
+    struct stat st {};
+    REQUIRE(::stat(path.c_str(), &st) == 0);
+    CHECK((st.st_mode & 0777) == (0666 & ~027));  // not mkstemp's 0600
+
+    // Momentum buffers round-trip under PyTorch's names; a state never created stays absent.
+    nn::Sgd sgd({.lr = 0.1, .momentum = 0.9});
+    sgd.prepare(1);
+    for (std::int64_t i = 0; i < net.get<0>().weight.numel(); ++i) net.get<0>().weight.grad[i] = 0.5f * static_cast<float>(i);
+    sgd.step(nn::Context<>{}, net);
+    nn::Checkpoint ck;
+    nn::put_optimizer(ck, sgd, net);
+    CHECK(ck.contains("optimizer.0.weight.momentum_buffer"));
+    CHECK(ck.contains("optimizer.0.bias.momentum_buffer"));
+    nn::Sgd fresh({.lr = 0.1, .momentum = 0.9});
+    nn::get_optimizer(ck, fresh, net, 0);
+    std::vector<float> a, b;
+    sgd.visit_state(0, net, [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) { a.insert(a.end(), m.span().begin(), m.span().end()); });
+    fresh.visit_state(0, net, [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) { b.insert(b.end(), m.span().begin(), m.span().end()); });
+    CHECK(a == b);
+    CHECK(a.size() == 8);
+    fs::remove_all(dir);
 }

@@ -89,21 +89,17 @@ struct Replicas {
         pool.attach(comms[0].group_ptr());
         for (int r = 0; r < world; ++r) {
             bns.push_back(proto);
-            adapters.emplace_back(comms[static_cast<std::size_t>(r)]);
-        }
-        for (int r = 0; r < world; ++r) {
-            nn::Context ctx;
+            nn::Context<> ctx;
             ctx.rank = r;
             ctx.world = world;
-            ctx.comm = &adapters[static_cast<std::size_t>(r)];
+            ctx.comm = &comms[static_cast<std::size_t>(r)];
             contexts.push_back(ctx);
         }
     }
     std::vector<comm::HostCommunicator> comms;
     ReplicaPool pool;
     std::vector<SyncBatchNorm<>> bns;
-    std::vector<comm::CollectivesOf<comm::HostCommunicator>> adapters;
-    std::vector<nn::Context> contexts;
+    std::vector<nn::Context<>> contexts;
 };
 
 // Logical (N, C, P) values of a global batch -> one shard tensor per replica, in `format`.
@@ -388,7 +384,7 @@ TEST_CASE("SyncBatchNorm in eval mode uses running statistics and no collective"
 
 TEST_CASE("SyncBatchNorm rejects bad input naming the layer and the shapes", "[syncbn]") {
     SyncBatchNorm<> bn(4);
-    nn::Context ctx;
+    nn::Context<> ctx;
     CHECK_THROWS_WITH(bn.forward(ctx, Tensor<float>(Shape{2, 3, 5, 5})),
                       Catch::Contains("SyncBatchNorm(4): expected 4 channels") && Catch::Contains("(2, 3, 5, 5)"));
     CHECK_THROWS_AS(bn.forward(ctx, Tensor<float>(Shape{2, 4, 5})), ShapeError);
@@ -423,7 +419,7 @@ TEST_CASE("SyncBatchNorm: one value per channel over all replicas is an error on
 TEST_CASE("SyncBatchNorm propagates NaN instead of hiding it", "[syncbn]") {
     LOCKSTEP_EACH_SIMD_LEVEL();
     SyncBatchNorm<> bn(1);
-    nn::Context ctx;
+    nn::Context<> ctx;
     auto x = Tensor<float>(Shape{4, 1});
     x[2] = std::numeric_limits<float>::quiet_NaN();
     const auto y = bn.forward(ctx, x);
@@ -448,4 +444,14 @@ TEST_CASE("SIMD level: parsed by name, capped at what the CPU runs, chosen by LO
     CHECK(simd::active() == simd::Level::baseline);
     CHECK(simd::set_active(simd::Level::avx512) == simd::supported());
     CHECK(simd::active() == simd::supported());
+}
+
+TEST_CASE("SyncBatchNorm refuses a context of several replicas without their group", "[syncbn]") {
+    SyncBatchNorm<> bn(2);
+    nn::Context<> ctx;
+    ctx.world = 2;  // but no ctx.comm: local statistics would silently differ from the global ones
+    CHECK_THROWS_WITH(bn.forward(ctx, Tensor<float>(Shape{4, 2})),
+                      Catch::Contains("SyncBatchNorm(2): the context says world 2 but has no communicator"));
+    ctx.training = false;  // eval with running statistics needs no group
+    CHECK_NOTHROW(bn.forward(ctx, Tensor<float>(Shape{4, 2})));
 }

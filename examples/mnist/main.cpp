@@ -106,8 +106,8 @@ Eval evaluate(DataParallel<Model>& dp, const mnist::Dataset& test) {
         make_batch(test, order, b, n, x, labels);
         const auto logits = dp.forward(x);
         const auto out = nn::SoftmaxCrossEntropy{}(nn::Context{}, logits, labels);
-        loss += out.sum;
-        correct += out.correct;
+        loss += out.sum();
+        correct += out.correct();
     }
     dp.train();
     return {loss / static_cast<double>(test.count), static_cast<double>(correct) / static_cast<double>(test.count)};
@@ -141,7 +141,6 @@ int run(const Options& opt) {
     if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, true, "optimizer.");
     if (!opt.resume.empty()) {
         resume = nn::Checkpoint::load(opt.resume);
-        nn::get_module(*resume, prototype, {}, true, "optimizer.");
         try {
             step = std::stoll(resume->metadata.at("step"));
             start_epoch = std::stoi(resume->metadata.at("epoch"));
@@ -151,7 +150,7 @@ int run(const Options& opt) {
         }
     }
     DataParallel<Model> dp(prototype, replicas);
-    if (resume) sgd.load_state(*resume, dp.module(), replicas);
+    if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
 
     std::ofstream metrics;
     if (!opt.metrics.empty()) {
@@ -160,9 +159,7 @@ int run(const Options& opt) {
     }
     const auto save = [&](int epoch, std::int64_t in_epoch) {
         if (opt.save.empty()) return;
-        nn::Checkpoint ck;
-        nn::put_module(ck, dp.module());
-        sgd.save_state(ck, dp.module());
+        nn::Checkpoint ck = dp.checkpoint(sgd);
         ck.metadata = {{"step", std::to_string(step)}, {"epoch", std::to_string(epoch)},
                        {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)}, {"format", "pt"}};
         ck.save(opt.save);

@@ -37,14 +37,14 @@ struct Net {
     nn::ReLU<B> relu3;
     nn::Linear<B> fc2;
 
-    Tensor<float, B> forward(const nn::Context& ctx, Tensor<float, B> x) {
+    Tensor<float, B> forward(const nn::Context<B>& ctx, Tensor<float, B> x) {
         x = relu1.forward(ctx, bn1.forward(ctx, conv1.forward(ctx, std::move(x))));
         x = relu2.forward(ctx, bn2.forward(ctx, conv2.forward(ctx, std::move(x))));
         x = flatten.forward(ctx, pool.forward(ctx, std::move(x)));
         return fc2.forward(ctx, relu3.forward(ctx, fc1.forward(ctx, std::move(x))));
     }
 
-    Tensor<float, B> backward(const nn::Context& ctx, const Tensor<float, B>& dy) {
+    Tensor<float, B> backward(const nn::Context<B>& ctx, const Tensor<float, B>& dy) {
         auto g = fc1.backward(ctx, relu3.backward(ctx, fc2.backward(ctx, dy)));
         g = relu2.backward(ctx, pool.backward(ctx, flatten.backward(ctx, g)));
         g = bn2.backward(ctx, g);

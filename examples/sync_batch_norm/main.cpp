@@ -15,8 +15,7 @@ int main() {
     for (std::int64_t i = 0; i < batch.numel(); ++i) batch[i] = std::sin(0.37f * static_cast<float>(i)) * 4.0f + 10.0f;
 
     // --- the snippet shown in README.md ---
-    auto comms = comm::HostCommunicator::create_group(2);
-    std::vector<comm::CollectivesOf<comm::HostCommunicator>> groups(comms.begin(), comms.end());
+    auto comms = comm::HostCommunicator::create_group(2);  // one group of 2 replicas
     nn::SyncBatchNorm<> prototype(3);  // eps 1e-5, momentum 0.1, affine, NCHW
     std::vector<nn::SyncBatchNorm<>> bn(2, prototype);  // one copy per replica
     std::vector<Tensor<float>> shard{Tensor<float>(Shape{3, 3, 4, 4}), Tensor<float>(Shape{2, 3, 4, 4})};
@@ -26,16 +25,16 @@ int main() {
     ReplicaPool pool(2);
     pool.attach(comms[0].group_ptr());
     pool.run([&](int rank) {
-        nn::Context ctx;
+        nn::Context<> ctx;
         ctx.rank = rank;
         ctx.world = 2;
-        ctx.comm = &groups[rank];  // ONE all-reduce of 2C+1 values in forward, 2C in backward
+        ctx.comm = &comms[rank];  // ONE all-reduce of 2C+1 values in forward, 2C in backward
         y[rank] = bn[rank].forward(ctx, shard[rank]);
     });
     // --- end of snippet ---
 
     nn::SyncBatchNorm<> whole(3);
-    nn::Context alone;
+    nn::Context<> alone;
     const auto reference = whole.forward(alone, batch);
     double worst = 0;
     for (std::int64_t i = 0; i < y[0].numel(); ++i) worst = std::max(worst, std::abs(double(y[0][i]) - reference[i]));

@@ -4,3 +4,5 @@
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep/core/cuda_runtime.cuh"
+#include "lockstep/kernels/cuda_ops.cuh"
+#include "lockstep/comm/cuda_group.cuh"

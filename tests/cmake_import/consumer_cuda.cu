@@ -4,6 +4,8 @@
 
 #include <cstdio>
 
+static_assert(__cplusplus >= 202002L, "lockstep::cuda compiles CUDA sources as C++20");
+
 int main() {
     if (lockstep::cuda::device_count() == 0) {
         std::puts("consumer_cuda: no GPU here; the cuda component compiled and linked");

@@ -4,7 +4,7 @@
 
 struct NoBackward {
     using backend = lockstep::Host;
-    lockstep::Tensor<float> forward(const lockstep::nn::Context&, lockstep::Tensor<float> x) { return x; }
+    lockstep::Tensor<float> forward(const lockstep::nn::Context<>&, lockstep::Tensor<float> x) { return x; }
     template <class V>
     void visit(V&&) {}
 };

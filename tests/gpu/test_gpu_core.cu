@@ -34,21 +34,21 @@ int main() {
         std::vector<float> values(1000003);
         std::iota(values.begin(), values.end(), 0.0f);
         auto host = make_tensor<float>(Shape{1000003}, values);
-        auto dev = cuda::to_device(host, 0);
+        auto dev = host.to<Cuda>(Device::cuda(0));
         Tensor<float, Cuda> copy = dev;  // deep copy on the device
         scale<<<(1000003 + 255) / 256, 256, 0, stream.get()>>>(copy.data(), copy.numel(), 2.0f);
         LOCKSTEP_CUDA_CHECK(cudaGetLastError());
         cuda::Event done;
         done.record(stream.get());
         done.synchronize();
-        auto back = cuda::to_host(copy);
-        auto orig = cuda::to_host(dev);
+        auto back = copy.to_host();
+        auto orig = dev.to_host();
         bool ok = true;
         for (long i = 0; i < host.numel(); ++i) ok &= back[i] == 2.0f * values[i] && orig[i] == values[i];
         expect(ok, "device tensor copy, kernel on the replica stream, round trip");
 
         Tensor<float, Cuda> zeros(Shape{2, 3, 4, 5}, MemoryFormat::nhwc, Device::cuda(0));
-        auto z = cuda::to_host(zeros);
+        auto z = zeros.to_host();
         ok = z.format() == MemoryFormat::nhwc;
         for (long i = 0; i < z.numel(); ++i) ok &= z[i] == 0.0f;
         expect(ok, "new device tensors are zero-filled and keep their memory format");

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-//! `CollectiveTag`: what a replica says it is about to do at a rendezvous, so mismatches are caught.
+//! `CollectiveSite` (which call a collective is) and `CollectiveTag` (what a replica says it is
+//! about to do at a rendezvous), so replicas that reach different collectives are caught.
 #pragma once
 
 #include <cstdint>
@@ -19,14 +20,48 @@ constexpr DType dtype_of() {
     else return DType::none;
 }
 
-//! Element types the collectives reduce.
+//! Element types the collectives move.
 template <class T>
 concept Reducible = dtype_of<T>() != DType::none;
 
-//! Identifies one collective call: the call site (a layer's id, a bucket's index), the kind,
-//! the element type and count. Every replica must present the same tag at the same point.
+//! Which call a collective is. Every replica reaches the same sites in the same order; a
+//! different site at the same point is a `CollectiveMismatch`.
+struct CollectiveSite {
+    enum class Kind : std::uint8_t { user, layer, bucket, broadcast, commit };
+    Kind kind = Kind::user;
+    std::uint64_t id = 0;   // the user's number, a layer's id, a bucket's or a tensor's index
+    std::uint32_t part = 0;  // which collective of a layer (0: forward, 1: backward), which commit barrier
+
+    //! A collective of the user's own (e.g. a direct all-reduce between `ReplicaPool` jobs).
+    static constexpr CollectiveSite user(std::uint64_t id = 0) { return {Kind::user, id, 0}; }
+    //! Collective `part` of the layer whose id is `layer_id` (see `nn::detail::next_layer_id`).
+    static constexpr CollectiveSite layer(std::uint64_t layer_id, std::uint32_t part) {
+        return {Kind::layer, layer_id, part};
+    }
+    //! The all-reduce of gradient bucket `index`.
+    static constexpr CollectiveSite bucket(std::uint64_t index) { return {Kind::bucket, index, 0}; }
+    //! The broadcast of the `index`-th tensor of a module (initial values, a resync).
+    static constexpr CollectiveSite broadcast(std::uint64_t index) { return {Kind::broadcast, index, 0}; }
+    //! The barriers of a training step around the optimizer (0: before it, 1: after it).
+    static constexpr CollectiveSite commit(std::uint32_t which = 0) { return {Kind::commit, 0, which}; }
+
+    friend constexpr bool operator==(const CollectiveSite&, const CollectiveSite&) = default;
+
+    std::string str() const {
+        switch (kind) {
+            case Kind::layer: return "layer " + std::to_string(id) + (part == 0 ? " (forward)" : part == 1 ? " (backward)" : " (collective " + std::to_string(part) + ")");
+            case Kind::bucket: return "gradient bucket " + std::to_string(id);
+            case Kind::broadcast: return "broadcast of tensor " + std::to_string(id);
+            case Kind::commit: return part == 0 ? "the commit barrier" : "the barrier after the optimizer step";
+            default: return "user site " + std::to_string(id);
+        }
+    }
+};
+
+//! Identifies one collective call: the site, the kind, the element type and count. Every
+//! replica must present the same tag at the same point.
 struct CollectiveTag {
-    std::uint64_t site = 0;
+    CollectiveSite site{};
     CollectiveKind kind = CollectiveKind::barrier;
     DType dtype = DType::none;
     std::uint64_t count = 0;
@@ -42,7 +77,7 @@ struct CollectiveTag {
         if (kind != CollectiveKind::barrier) s += "[" + std::to_string(count) + "]";
         if (kind == CollectiveKind::phase) s += " step " + std::to_string(root);  // a collective's inner barrier
         else if (root >= 0) s += " from root " + std::to_string(root);
-        return s + " at site " + std::to_string(site);
+        return s + " at " + site.str();
     }
 };
 

@@ -1,54 +1,40 @@
 // SPDX-License-Identifier: MIT
-//! `Collectives`: the type-erased view of a communicator that layers use, so one layer serves
-//! every communicator (host threads, NCCL, MPI) without being templated on it.
+//! `Collectives`: a replica's handle on its group, the one interface through which layers and
+//! DataParallel reach every communicator (host threads, NCCL, MPI).
 #pragma once
 
 #include <cstdint>
-#include <span>
 
-#include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/core/device_span.hpp"
 
 namespace lockstep::comm {
 
-//! What a layer needs from its replica group. Buffers live on the replica's device.
+// Note [one way to a group]
+// Layers are not templated on the communicator: the execution context carries a `Collectives*`,
+// and every communicator derives from `Collectives`. Buffers are `DeviceSpan`s on the replica's
+// device (host memory for HostCommunicator, the replica's GPU for NCCL, whose communicator owns
+// the replica's stream), so nothing here changes between backends. Every collective names its
+// `CollectiveSite`; the group checks that all replicas reached the same one.
+
+//! A replica's handle on its replica group. Collectives are in place, reached by every rank in
+//! the same order, and leave every rank with bit-identical results.
 class Collectives {
 public:
     virtual ~Collectives() = default;
     virtual int rank() const = 0;
     virtual int size() const = 0;
-    virtual void all_reduce_sum(std::span<double> data, std::uint64_t site) = 0;
-    virtual void all_reduce_sum(std::span<float> data, std::uint64_t site) = 0;
-    virtual void broadcast(std::span<float> data, int root, std::uint64_t site) = 0;
-    virtual void broadcast(std::span<double> data, int root, std::uint64_t site) = 0;
-    virtual void barrier() = 0;
-};
-
-//! Adapts any `CommunicatorLike` (passing the call site on when the communicator takes one).
-template <CommunicatorLike C>
-class CollectivesOf final : public Collectives {
-public:
-    explicit CollectivesOf(C& comm) : comm_(&comm) {}
-    int rank() const override { return comm_->rank(); }
-    int size() const override { return comm_->size(); }
-    void all_reduce_sum(std::span<double> d, std::uint64_t site) override { reduce(d, site); }
-    void all_reduce_sum(std::span<float> d, std::uint64_t site) override { reduce(d, site); }
-    void broadcast(std::span<float> d, int root, std::uint64_t site) override { bcast(d, root, site); }
-    void broadcast(std::span<double> d, int root, std::uint64_t site) override { bcast(d, root, site); }
-    void barrier() override { comm_->barrier(); }
-    C& communicator() const noexcept { return *comm_; }
-
-private:
-    template <class T>
-    void reduce(std::span<T> d, std::uint64_t site) {
-        if constexpr (requires { comm_->all_reduce_sum(d, site); }) comm_->all_reduce_sum(d, site);
-        else comm_->all_reduce_sum(d);
-    }
-    template <class T>
-    void bcast(std::span<T> d, int root, std::uint64_t site) {
-        if constexpr (requires { comm_->broadcast(d, root, site); }) comm_->broadcast(d, root, site);
-        else comm_->broadcast(d, root);
-    }
-    C* comm_;
+    //! Sums `data` over all ranks in place.
+    virtual void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) = 0;
+    virtual void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) = 0;
+    //! Copies `root`'s `data` into every rank's `data`.
+    virtual void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) = 0;
+    virtual void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) = 0;
+    virtual void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) = 0;
+    //! Waits until every rank has reached the same barrier.
+    virtual void barrier(CollectiveSite site) = 0;
+    //! Collectives this rank has made so far (tests count what a layer or a step makes).
+    virtual std::uint64_t collective_count() const = 0;
 };
 
 }  // namespace lockstep::comm

@@ -1,10 +1,20 @@
 // SPDX-License-Identifier: MIT
-//! Backend tag types (`Host`, `Cuda`) and `Device`, the place a replica runs.
+//! Backend tag types (`Host`, `Cuda`), `Device` (the place a replica runs) and `Execution<B>`,
+//! the backend's part of a replica's execution context.
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <ostream>
+#include <string>
 #include <string_view>
+
+#include "lockstep/core/error.hpp"
+
+// Opaque CUDA handle types, named here so the CUDA execution part is typed without any CUDA
+// header being reachable from the host umbrella header.
+struct CUstream_st;
+struct cublasContext;
 
 namespace lockstep {
 
@@ -34,11 +44,60 @@ struct Device {
     friend std::ostream& operator<<(std::ostream& os, const Device& d) {
         return os << (d.kind == Kind::host ? "host:" : "cuda:") << d.index;
     }
+    std::string str() const { return (kind == Kind::host ? "host:" : "cuda:") + std::to_string(index); }
 };
 
 template <BackendTag B>
 constexpr Device::Kind device_kind_of() {
     return std::same_as<B, Host> ? Device::Kind::host : Device::Kind::cuda;
 }
+
+//! Whether memory on `a` can be used where `b` is expected: the same backend and, for CUDA, the
+//! same ordinal. Host replicas share one memory, so `host:0` and `host:1` are compatible.
+constexpr bool same_memory(const Device& a, const Device& b) {
+    return a.kind == b.kind && (a.kind == Device::Kind::host || a.index == b.index);
+}
+
+//! Throws `DeviceMismatch` naming both devices when a tensor on `got` is handed to work on `want`.
+inline void check_device(const Device& want, const Device& got, std::string_view what) {
+    if (!same_memory(want, got)) [[unlikely]]
+        throw DeviceMismatch(std::string(what) + " is on " + got.str() + " but runs on " + want.str() +
+                             "; move it with .to(" + want.str() + ") or build it on the replica's device");
+}
+
+// Note [execution context]
+// Each replica owns one execution context (nn::Context), handed to every forward and backward.
+// Its backend part, `Execution<B>`, is what the backend operations need besides their operands:
+// on the host nothing (a replica is its thread), on CUDA the replica's device, compute stream,
+// cuBLAS handle and workspace. Backend operations take it as their first argument, so a layer
+// written once runs on either backend.
+
+//! The backend's part of an execution context (see Note [execution context]).
+template <BackendTag B>
+struct Execution;
+
+template <>
+struct Execution<Host> {};
+
+template <>
+struct Execution<Cuda> {
+    int device = -1;                     // the replica's CUDA ordinal
+    CUstream_st* stream = nullptr;       // its compute stream (a cudaStream_t)
+    cublasContext* blas = nullptr;       // its cuBLAS handle (a cublasHandle_t), bound to `stream`
+    void* workspace = nullptr;           // cuBLAS workspace on `device`
+    std::size_t workspace_bytes = 0;
+};
+
+namespace detail {
+inline int& host_device_slot() noexcept {
+    thread_local int index = 0;
+    return index;
+}
+}  // namespace detail
+
+//! The host device new host tensors of this thread are made on: `host:0` unless the thread was
+//! given another (each DataParallel replica thread is given its replica's device).
+inline Device current_host_device() noexcept { return Device::host(detail::host_device_slot()); }
+inline void set_current_host_device(int index) noexcept { detail::host_device_slot() = index; }
 
 }  // namespace lockstep

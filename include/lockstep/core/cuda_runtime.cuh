@@ -1,18 +1,18 @@
 // SPDX-License-Identifier: MIT
-//! CUDA runtime glue: check macros, RAII device guard / stream / event, and `Allocator<Cuda>`.
+//! CUDA runtime glue: the CUDA check macro, RAII device guard / stream / event, `Allocator<Cuda>`
+//! and the copies between host and device memory. NCCL and cuBLAS belong to the layers that use
+//! them (comm/cuda_group.cuh, kernels/cuda_ops.cuh).
 #pragma once
 
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <cstddef>
 #include <string>
 #include <utility>
 
+#include "lockstep/core/backend.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/runtime/replica_pool.hpp"
 
 namespace lockstep::cuda {
 namespace detail {
@@ -23,19 +23,7 @@ namespace detail {
     if (cudaGetDevice(&device) != cudaSuccess) device = -1;
     throw DeviceError(std::string(domain) + " error " + std::to_string(code) + " (" + code_name + ": " + text +
                           ") in `" + expr + "` at " + file + ":" + std::to_string(line),
-                      ReplicaPool::current_rank(), device);
-}
-
-inline const char* cublas_status_name(cublasStatus_t s) {
-    switch (s) {
-        case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-        case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-        case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-        case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-        case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-        case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-        default: return "CUBLAS_STATUS_OTHER";
-    }
+                      ::lockstep::detail::replica_rank_slot(), device);
 }
 
 }  // namespace detail
@@ -49,25 +37,6 @@ inline const char* cublas_status_name(cublasStatus_t s) {
             ::lockstep::cuda::detail::raise("CUDA", static_cast<int>(lockstep_err_),                 \
                                             cudaGetErrorName(lockstep_err_),                          \
                                             cudaGetErrorString(lockstep_err_), #expr, __FILE__, __LINE__); \
-    } while (0)
-
-//! Throws `lockstep::DeviceError` when an NCCL call fails, with NCCL's own error string.
-#define LOCKSTEP_NCCL_CHECK(expr)                                                                   \
-    do {                                                                                              \
-        const ncclResult_t lockstep_res_ = (expr);                                                    \
-        if (lockstep_res_ != ncclSuccess) [[unlikely]]                                                \
-            ::lockstep::cuda::detail::raise("NCCL", static_cast<int>(lockstep_res_), "ncclResult_t",  \
-                                            ncclGetErrorString(lockstep_res_), #expr, __FILE__, __LINE__); \
-    } while (0)
-
-//! Throws `lockstep::DeviceError` when a cuBLAS call fails.
-#define LOCKSTEP_CUBLAS_CHECK(expr)                                                                 \
-    do {                                                                                              \
-        const cublasStatus_t lockstep_st_ = (expr);                                                   \
-        if (lockstep_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                       \
-            ::lockstep::cuda::detail::raise("cuBLAS", static_cast<int>(lockstep_st_),               \
-                                            ::lockstep::cuda::detail::cublas_status_name(lockstep_st_), \
-                                            cublasGetStatusString(lockstep_st_), #expr, __FILE__, __LINE__); \
     } while (0)
 
 namespace lockstep::cuda {
@@ -184,6 +153,12 @@ namespace lockstep::detail {
 //! Device memory through the stream-ordered allocator on the calling thread's current stream.
 template <>
 struct Allocator<Cuda> {
+    //! The calling thread's current CUDA device (a replica thread's is its replica's).
+    static Device current_device() {
+        int device = 0;
+        LOCKSTEP_CUDA_CHECK(cudaGetDevice(&device));
+        return Device::cuda(device);
+    }
     static void* allocate(std::size_t bytes, Device device) {
         if (bytes == 0) return nullptr;
         cuda::DeviceGuard guard(device.index);
@@ -212,26 +187,34 @@ struct Allocator<Cuda> {
 
 }  // namespace lockstep::detail
 
-namespace lockstep::cuda {
+namespace lockstep::detail {
 
-//! Copies a host tensor to `device` (on the current stream; synchronizes before returning).
-template <class T>
-Tensor<T, Cuda> to_device(const Tensor<T, Host>& host, int device) {
-    Tensor<T, Cuda> out(host.shape(), host.format(), Device::cuda(device));
-    DeviceGuard guard(device);
-    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(out.data(), host.data(), host.bytes(), cudaMemcpyHostToDevice, current_stream()));
-    LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
-    return out;
+// Copies between backends run on the calling thread's current stream and are complete on return.
+inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int device) {
+    if (bytes == 0) return;
+    cuda::DeviceGuard guard(device);
+    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, cuda::current_stream()));
+    LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream()));
 }
 
-//! Copies a device tensor back to the host (synchronizes the current stream).
-template <class T>
-Tensor<T, Host> to_host(const Tensor<T, Cuda>& dev) {
-    Tensor<T, Host> out(dev.shape(), dev.format());
-    DeviceGuard guard(dev.device().index);
-    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(out.data(), dev.data(), dev.bytes(), cudaMemcpyDeviceToHost, current_stream()));
-    LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
-    return out;
-}
+template <>
+struct Transfer<Host, Cuda> {
+    static void copy(void* dst, Device to, const void* src, Device, std::size_t bytes) {
+        transfer(dst, src, bytes, cudaMemcpyHostToDevice, to.index);
+    }
+};
+template <>
+struct Transfer<Cuda, Host> {
+    static void copy(void* dst, Device, const void* src, Device from, std::size_t bytes) {
+        transfer(dst, src, bytes, cudaMemcpyDeviceToHost, from.index);
+    }
+};
+template <>
+struct Transfer<Cuda, Cuda> {
+    // Unified addressing lets one copy cross devices; it runs on the destination's stream.
+    static void copy(void* dst, Device to, const void* src, Device, std::size_t bytes) {
+        transfer(dst, src, bytes, cudaMemcpyDefault, to.index);
+    }
+};
 
-}  // namespace lockstep::cuda
+}  // namespace lockstep::detail

@@ -65,8 +65,19 @@ class IoError : public Error { using Error::Error; };
 class DeviceError : public Error { using Error::Error; };
 //! The library was used in a way it does not support (wrong order of calls, missing backend).
 class UsageError : public Error { using Error::Error; };
+//! A tensor is on another device than the operation runs on (another GPU, or another backend).
+class DeviceMismatch : public InvalidArgument { using InvalidArgument::InvalidArgument; };
+//! An operation the chosen backend does not implement yet; the message names the issue that adds it.
+class NotImplemented : public UsageError { using UsageError::UsageError; };
 
 namespace detail {
+
+//! The replica rank of the calling thread (-1 outside a replica thread); set by `ReplicaPool`,
+//! read where an error is raised so it can say which replica failed.
+inline int& replica_rank_slot() noexcept {
+    thread_local int rank = -1;
+    return rank;
+}
 
 template <class... Args>
 std::string concat(Args&&... args) {
@@ -78,19 +89,20 @@ std::string concat(Args&&... args) {
 template <class E, class... Args>
 [[noreturn]] void raise(const char* expr, const char* file, int line, Args&&... args) {
     std::ostringstream os;
-    (os << ... << std::forward<Args>(args));
-    if (expr != nullptr) os << " (check `" << expr << "` failed at " << file << ':' << line << ')';
+    if constexpr (sizeof...(Args) > 0) (os << ... << std::forward<Args>(args));
+    if (expr != nullptr) os << (sizeof...(Args) > 0 ? " " : "") << "(check `" << expr << "` failed at " << file << ':' << line << ')';
     throw E(os.str());
 }
 
 }  // namespace detail
 }  // namespace lockstep
 
-//! Throws `ErrorType` with the streamed message, the failed expression, file and line when `cond` is false.
+//! Throws `ErrorType` with the streamed message (optional), the failed expression, file and line
+//! when `cond` is false.
 #define LOCKSTEP_CHECK_AS(ErrorType, cond, ...)                                                    \
     do {                                                                                             \
         if (!(cond)) [[unlikely]]                                                                    \
-            ::lockstep::detail::raise<ErrorType>(#cond, __FILE__, __LINE__, __VA_ARGS__);            \
+            ::lockstep::detail::raise<ErrorType>(#cond, __FILE__, __LINE__ __VA_OPT__(, ) __VA_ARGS__); \
     } while (0)
 
 //! Throws `lockstep::InvalidArgument` when `cond` is false.

@@ -31,6 +31,17 @@ struct Uninitialized {
 };
 inline constexpr Uninitialized uninitialized{};
 
+#if defined(__SANITIZE_ADDRESS__)
+#define LOCKSTEP_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOCKSTEP_ASAN 1
+#endif
+#endif
+#ifndef LOCKSTEP_ASAN
+#define LOCKSTEP_ASAN 0
+#endif
+
 namespace detail {
 
 //! Memory of one backend. `Allocator<Host>` is defined here; `Allocator<Cuda>` in `<lockstep/cuda.cuh>`.
@@ -42,6 +53,10 @@ struct Allocator;
 // step would fault its pages in again (for a 12 MiB tensor that costs more than the layer's
 // arithmetic). Freed blocks are kept by size, up to a cap, and handed out again: a step's
 // tensors have the same sizes every step, so after the first step nothing is faulted in.
+//
+// Under AddressSanitizer the cache is bypassed: every tensor's memory comes from and goes back
+// to the sanitizer's allocator, so a use after free or an overflow of a tensor is reported
+// instead of landing in a cached block that is still mapped.
 //
 // Note [huge pages]
 // On Linux, blocks of 2 MiB or more start on a 2 MiB boundary and their whole 2 MiB pages are
@@ -72,7 +87,15 @@ public:
         return (bytes + page - 1) / page * page;
     }
 
+    //! Whether freed blocks are kept for reuse (not under AddressSanitizer: see the Note).
+    static constexpr bool caching = !LOCKSTEP_ASAN;
+
     void* allocate(std::size_t bytes) {
+        if constexpr (!caching) {  // exactly `bytes`: an access one element past the end is reported
+            void* p = allocate_new(bytes);
+            if (p == nullptr) throw std::bad_alloc();
+            return p;
+        }
         const std::size_t size = rounded(bytes);
         if (size >= min_cached) {
             std::lock_guard lock(mutex_);
@@ -101,7 +124,7 @@ public:
 
     void deallocate(void* p, std::size_t bytes) noexcept {
         const std::size_t size = rounded(bytes);
-        if (size >= min_cached) {
+        if (caching && size >= min_cached) {
             std::lock_guard lock(mutex_);
             if (idle_ + size <= cap) {
                 try {
@@ -125,16 +148,16 @@ public:
 
 private:
     void* allocate_new(std::size_t size) const noexcept {
+        void* p = nullptr;
 #if defined(__linux__)
         if (size >= huge_page) {
-            void* p = nullptr;
             if (::posix_memalign(&p, huge_page, size) != 0) return nullptr;
             // Advice only: where the kernel declines, the block is as good with 4 KiB pages.
             if (huge_pages()) ::madvise(p, size / huge_page * huge_page, MADV_HUGEPAGE);
             return p;
         }
 #endif
-        return std::aligned_alloc(alignment, size);
+        return ::posix_memalign(&p, alignment, size) == 0 ? p : nullptr;
     }
 
     std::mutex mutex_;
@@ -145,6 +168,7 @@ private:
 
 template <>
 struct Allocator<Host> {
+    static Device current_device() noexcept { return current_host_device(); }
     static void* allocate(std::size_t bytes, Device) {
         if (bytes == 0) return nullptr;
         return HostBlockCache::instance().allocate(bytes);
@@ -158,15 +182,31 @@ struct Allocator<Host> {
     }
 };
 
+//! Copies between the memories of two backends. `Transfer<Host, Host>` is defined here; those
+//! that involve `Cuda` in `<lockstep/cuda.cuh>`.
+template <class From, class To>
+struct Transfer;
+
+template <>
+struct Transfer<Host, Host> {
+    static void copy(void* dst, Device, const void* src, Device, std::size_t bytes) {
+        if (bytes != 0) std::memcpy(dst, src, bytes);
+    }
+};
+
+template <class D>
+inline constexpr bool dependent_false = false;
+
 }  // namespace detail
 
 //! Whether host tensors of 2 MiB or more are advised onto transparent huge pages (default: yes,
 //! on Linux). Applies to blocks allocated afterwards; see Note [huge pages].
 inline void set_host_huge_pages(bool on) noexcept { detail::HostBlockCache::instance().set_huge_pages(on); }
 
-//! An owning, contiguous tensor. Copying deep-copies on the same device; moving transfers the
-//! storage. The shape is logical (N, C, H, W for images); `format()` says how a 4-D tensor is
-//! laid out in memory.
+//! An owning, contiguous tensor on one device. Copying deep-copies on the same device; moving
+//! transfers the storage. The shape is logical (N, C, H, W for images); `format()` says how a
+//! 4-D tensor is laid out in memory. Element access (`span()`, `operator[]`) exists for host
+//! tensors only; a CUDA tensor is read on the host through `to_host()`.
 template <class T, BackendTag B = Host>
 class Tensor {
     static_assert(std::is_trivially_copyable_v<T>, "Tensor elements must be trivially copyable");
@@ -178,24 +218,27 @@ public:
 
     Tensor() = default;
 
+    //! Zero-filled tensor of `shape` on the calling thread's current device of the backend (the
+    //! replica's device on a replica thread, see `current_host_device`).
+    explicit Tensor(Shape shape, MemoryFormat format = MemoryFormat::nchw)
+        : Tensor(shape, format, alloc::current_device()) {}
+
     //! Zero-filled tensor of `shape` on `device`.
-    explicit Tensor(Shape shape, MemoryFormat format = MemoryFormat::nchw,
-                    Device device = Device{device_kind_of<B>(), 0})
-        : Tensor(shape, format, device, uninitialized) {
+    Tensor(Shape shape, MemoryFormat format, Device device) : Tensor(shape, format, device, uninitialized) {
         alloc::fill_zero(data_, bytes(), device_);
     }
 
     //! Tensor of `shape` whose elements are left unset; for outputs that are written in full.
     Tensor(Shape shape, MemoryFormat format, Device device, Uninitialized)
         : shape_(shape), format_(format), device_(device) {
-        LOCKSTEP_CHECK(device.kind == device_kind_of<B>(), "a ", B::name, " tensor cannot live on device ", device);
+        LOCKSTEP_CHECK_AS(DeviceMismatch, device.kind == device_kind_of<B>(), "a ", B::name,
+                          " tensor cannot live on device ", device);
         LOCKSTEP_CHECK(format == MemoryFormat::nchw || shape.rank() == 4,
                        "NHWC applies to 4-D tensors only; got shape ", shape);
         data_ = static_cast<T*>(alloc::allocate(bytes(), device_));
     }
 
     //! An uninitialized tensor with `like`'s shape, format and device.
-    static Tensor empty_like(const Tensor& like) { return Tensor(like.shape(), like.format(), like.device(), uninitialized); }
     template <class U>
     static Tensor empty_like(const Tensor<U, B>& like) {
         return Tensor(like.shape(), like.format(), like.device(), uninitialized);
@@ -234,15 +277,52 @@ public:
     std::size_t bytes() const noexcept { return static_cast<std::size_t>(shape_.numel()) * sizeof(T); }
     bool empty() const noexcept { return numel() == 0; }
 
+    //! The storage on the tensor's device (a device pointer on CUDA, for kernels and libraries).
     T* data() noexcept { return data_; }
     const T* data() const noexcept { return data_; }
-    //! Whole storage as a span (host backend, or device pointers for kernels).
-    std::span<T> span() noexcept { return {data_, static_cast<std::size_t>(numel())}; }
-    std::span<const T> span() const noexcept { return {data_, static_cast<std::size_t>(numel())}; }
+
+    //! Whole storage as a span (host tensors).
+    std::span<T> span() noexcept requires std::same_as<B, Host> { return {data_, static_cast<std::size_t>(numel())}; }
+    std::span<const T> span() const noexcept requires std::same_as<B, Host> {
+        return {data_, static_cast<std::size_t>(numel())};
+    }
+    template <class D = void>
+    void span() const requires(!std::same_as<B, Host>) {
+        static_assert(detail::dependent_false<D>,
+                      "lockstep: a CUDA tensor's memory is not readable on the host; copy it with to_host() first");
+    }
 
     //! Element access for host tensors, in memory order.
     T& operator[](std::int64_t i) noexcept requires std::same_as<B, Host> { return data_[i]; }
     const T& operator[](std::int64_t i) const noexcept requires std::same_as<B, Host> { return data_[i]; }
+    template <class D = void>
+    void operator[](std::int64_t) const requires(!std::same_as<B, Host>) {
+        static_assert(detail::dependent_false<D>,
+                      "lockstep: a CUDA tensor's elements are not readable on the host; copy it with to_host() first");
+    }
+
+    //! A copy on `device`, of backend `To` (the same backend unless named): `x.to(Device::host(1))`,
+    //! `x.to<Cuda>(Device::cuda(0))`. Synchronous: the copy is complete when it returns.
+    template <BackendTag To = B>
+    Tensor<T, To> to(Device device) const {
+        Tensor<T, To> out(shape_, format_, device, uninitialized);
+        detail::Transfer<B, To>::copy(out.data(), device, data_, device_, bytes());
+        return out;
+    }
+
+    //! A host copy (of a host tensor too), for reading values on the host.
+    Tensor<T, Host> to_host() const {
+        return to<Host>(std::same_as<B, Host> ? device_ : current_host_device());
+    }
+
+    //! Overwrites this tensor's elements with `src`'s, which may live on any backend and device;
+    //! shapes and formats must match.
+    template <BackendTag From>
+    void copy_from(const Tensor<T, From>& src) {
+        LOCKSTEP_CHECK_AS(ShapeError, src.shape() == shape_ && src.format() == format_, "cannot copy a ", src.shape(), " ",
+                          to_string(src.format()), " tensor into a ", shape_, " ", to_string(format_), " one");
+        detail::Transfer<From, B>::copy(data_, device_, src.data(), src.device(), bytes());
+    }
 
     //! Same storage, new logical shape with the same element count (NCHW only).
     Tensor reshaped(Shape s) && {
@@ -266,7 +346,7 @@ private:
     T* data_ = nullptr;
     Shape shape_{0};  // a default tensor is empty, not a scalar
     MemoryFormat format_ = MemoryFormat::nchw;
-    Device device_{device_kind_of<B>(), 0};
+    Device device_{device_kind_of<B>(), 0};  // no storage: where it would live does not matter
 };
 
 //! Host tensor holding a copy of `values` with `shape`.

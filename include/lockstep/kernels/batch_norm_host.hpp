@@ -8,6 +8,7 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/kernels/batch_norm_math.hpp"
+#include "lockstep/kernels/ops.hpp"
 #include "lockstep/kernels/simd.hpp"
 
 // Vectors wider than the baseline cross no function boundary (every helper is always-inline into a
@@ -17,17 +18,7 @@
 
 namespace lockstep::kernels::host {
 
-//! Where element (n, c, p) of an (N, C, P) batch lives; P = H*W (1 for 2-D input). A batch is
-//! channels-last when it is NHWC, 2-D, or has P = 1: then every row of C channels is contiguous.
-struct BnGeometry {
-    std::int64_t batch = 0;     // N
-    std::int64_t channels = 0;  // C
-    std::int64_t inner = 1;     // P = H * W
-    bool channels_last = false;
-
-    std::int64_t rows() const { return batch * inner; }
-    std::int64_t per_channel() const { return batch * inner; }
-};
+using kernels::BnGeometry;
 
 // Note [host batch-norm kernels]
 // Every kernel is one template over the vector width W (floats), instantiated for the baseline

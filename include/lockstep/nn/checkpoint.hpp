@@ -3,6 +3,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -42,10 +44,20 @@ public:
 
     std::map<std::string, std::string> metadata;
 
-    void put(const std::string& name, const Tensor<float, Host>& t) { put_raw(name, "F32", t.shape(), t.data(), t.bytes()); }
-    void put(const std::string& name, const Tensor<std::int64_t, Host>& t) {
-        put_raw(name, "I64", t.shape(), t.data(), t.bytes());
+    //! Adds (or replaces) tensor `name` with a copy of `t`, which may live on any backend.
+    template <BackendTag B>
+    void put(const std::string& name, const Tensor<float, B>& t) {
+        put_host(name, "F32", t.to_host());
     }
+    template <BackendTag B>
+    void put(const std::string& name, const Tensor<std::int64_t, B>& t) {
+        put_host(name, "I64", t.to_host());
+    }
+
+    //! Where this checkpoint was read from ("" when built in memory), for error messages.
+    const std::string& source() const noexcept { return source_; }
+    //! "checkpoint 'path'" or "the checkpoint", the way errors name it.
+    std::string label() const { return source_.empty() ? std::string("the checkpoint") : "checkpoint '" + source_ + "'"; }
 
     bool contains(const std::string& name) const { return entries_.count(name) != 0; }
     std::vector<std::string> names() const {
@@ -55,21 +67,29 @@ public:
     }
     const Entry& at(const std::string& name) const {
         auto it = entries_.find(name);
-        if (it == entries_.end()) throw IoError("checkpoint has no tensor named '" + name + "'");
+        if (it == entries_.end()) throw IoError(label() + " has no tensor named '" + name + "'");
         return it->second;
     }
 
-    //! Copies tensor `name` into `t`, which must have the checkpoint's dtype and shape.
-    template <class T>
-    void get(const std::string& name, Tensor<T, Host>& t) const {
+    //! Throws `IoError` unless tensor `name` exists with the dtype and shape of `t`.
+    template <class T, BackendTag B>
+    void check_fits(const std::string& name, const Tensor<T, B>& t) const {
         const Entry& e = at(name);
         const char* want = std::is_same_v<T, float> ? "F32" : "I64";
         if (e.dtype != want)
-            throw IoError("checkpoint tensor '" + name + "' has dtype " + e.dtype + " but the model expects " + want);
+            throw IoError(label() + " has tensor '" + name + "' of dtype " + e.dtype + " but the model's is " + want);
         if (shape_of(e) != t.shape())
-            throw IoError("checkpoint tensor '" + name + "' has shape " + shape_of(e).str() + " but the model expects " +
+            throw IoError(label() + " has tensor '" + name + "' of shape " + shape_of(e).str() + " but the model's is " +
                           t.shape().str());
-        if (!e.data.empty()) std::memcpy(t.data(), e.data.data(), e.data.size());
+    }
+
+    //! Copies tensor `name` into `t` (any backend), which must have the checkpoint's dtype and shape.
+    template <class T, BackendTag B>
+    void get(const std::string& name, Tensor<T, B>& t) const {
+        check_fits(name, t);
+        const Entry& e = at(name);
+        const auto* values = reinterpret_cast<const T*>(e.data.data());  // vector storage is aligned for any T
+        t.copy_from(make_tensor<T>(t.shape(), std::span<const T>(values, static_cast<std::size_t>(t.numel())), t.format()));
     }
 
     //! Writes the file atomically (see Note [atomic checkpoint]).
@@ -89,6 +109,9 @@ public:
         std::string tmp = path + ".tmp-XXXXXX";
         const int fd = ::mkstemp(tmp.data());
         if (fd < 0) throw IoError("cannot create a temporary file next to '" + path + "': " + std::strerror(errno));
+        // mkstemp makes the file 0600; the checkpoint gets the mode any new file would (0666 less
+        // the umask), as an ordinary open-and-write would have given it.
+        (void)::fchmod(fd, 0666 & ~process_umask());
         const auto fail = [&](const std::string& what) {
             const std::string err = std::strerror(errno);
             ::close(fd);
@@ -139,6 +162,7 @@ public:
         if (!header.is_object()) throw bad("header is not a JSON object");
         const std::uint64_t data_size = file_size - 8 - length;
         Checkpoint ck;
+        ck.source_ = path;
         for (auto it = header.begin(); it != header.end(); ++it) {
             if (it.key() == "__metadata__") {
                 if (!it->is_object()) throw bad("__metadata__ is not an object");
@@ -198,14 +222,28 @@ private:
         return s;
     }
 
-    void put_raw(const std::string& name, const char* dtype, const Shape& shape, const void* data, std::size_t bytes) {
+    template <class T>
+    void put_host(const std::string& name, const char* dtype, const Tensor<T, Host>& t) {
         LOCKSTEP_CHECK(!name.empty() && name != "__metadata__", "invalid checkpoint tensor name '", name, "'");
         Entry e;
         e.dtype = dtype;
-        for (int i = 0; i < shape.rank(); ++i) e.shape.push_back(shape[i]);
-        e.data.resize(bytes);
-        if (bytes != 0) std::memcpy(e.data.data(), data, bytes);
+        for (int i = 0; i < t.rank(); ++i) e.shape.push_back(t.dim(i));
+        const auto* bytes = reinterpret_cast<const unsigned char*>(t.data());
+        e.data.assign(bytes, bytes + t.bytes());
         entries_[name] = std::move(e);
+    }
+
+    // The process's file-creation mask, read without changing it where /proc says it (Linux 4.7+).
+    static mode_t process_umask() {
+        std::ifstream status("/proc/self/status");
+        std::string line;
+        while (std::getline(status, line))
+            if (line.rfind("Umask:", 0) == 0) return static_cast<mode_t>(std::stoul(line.substr(6), nullptr, 8));
+        static std::mutex mutex;  // umask() both reads and sets: keep two readers from racing
+        std::lock_guard lock(mutex);
+        const mode_t m = ::umask(0);
+        ::umask(m);
+        return m;
     }
 
     static bool write_all(int fd, const void* p, std::size_t n) {
@@ -228,49 +266,81 @@ private:
     }
 
     std::map<std::string, Entry> entries_;
+    std::string source_;
 };
 
 //! Adds every parameter value and buffer of `module`, PyTorch state_dict names under `prefix`.
 template <class M>
-void put_module(Checkpoint& ck, M& module, std::string_view prefix = {}) {
-    walk(
-        module, [&](const std::string& name, auto& p) { ck.put(name, p.value); },
-        [&](const std::string& name, auto& t) { ck.put(name, t); }, prefix);
+void put_module(Checkpoint& ck, const M& module, std::string_view prefix = {}) {
+    const auto put_parameter = [&](const std::string& name, const auto& p) { ck.put(name, p.value); };
+    walk(module, put_parameter, [&](const std::string& name, const auto& t) { ck.put(name, t); }, prefix);
 }
 
-//! Loads every parameter and buffer of `module` from `ck`. Every tensor must be present with the
-//! same dtype and shape; with `strict`, the checkpoint may hold nothing else under `prefix`
-//! except names starting with `ignore` (e.g. "optimizer." state); the first offending name is
-//! reported.
+//! Throws `IoError` naming the checkpoint and the tensor unless `ck` holds every parameter and
+//! buffer of `module` with its dtype and shape, and (with `strict`) nothing else under `prefix`
+//! except names starting with `ignore` (e.g. "optimizer." state). Changes nothing.
 template <class M>
-void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, bool strict = true,
-                std::string_view ignore = {}) {
+void check_module_fits(const Checkpoint& ck, const M& module, std::string_view prefix = {}, bool strict = true,
+                       std::string_view ignore = {}) {
     std::map<std::string, bool> used;
     for (const auto& n : ck.names())
         if ((prefix.empty() || n.rfind(std::string(prefix) + ".", 0) == 0) && (ignore.empty() || n.rfind(ignore, 0) != 0))
             used[n] = false;
-    const auto take = [&](const std::string& name, auto& t) {
-        if (!ck.contains(name)) throw IoError("checkpoint is missing tensor '" + name + "' that the model has");
-        ck.get(name, t);
+    const auto fits = [&](const std::string& name, const auto& t) {
+        if (!ck.contains(name)) throw IoError(ck.label() + " is missing tensor '" + name + "' that the model has");
+        ck.check_fits(name, t);
         used[name] = true;
     };
-    walk(
-        module, [&](const std::string& name, auto& p) { take(name, p.value); },
-        [&](const std::string& name, auto& t) { take(name, t); }, prefix);
+    walk(module, [&](const std::string& name, const auto& p) { fits(name, p.value); }, fits, prefix);
     if (strict)
         for (const auto& [name, seen] : used)
-            if (!seen) throw IoError("checkpoint has tensor '" + name + "' that the model does not have");
+            if (!seen) throw IoError(ck.label() + " has tensor '" + name + "' that the model does not have");
+}
+
+//! Loads every parameter and buffer of `module` from `ck` after `check_module_fits` passed, so a
+//! checkpoint that does not fit leaves the module unchanged.
+template <class M>
+void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, bool strict = true,
+                std::string_view ignore = {}) {
+    check_module_fits(ck, module, prefix, strict, ignore);
+    const auto get_parameter = [&](const std::string& name, auto& p) { ck.get(name, p.value); };
+    walk(module, get_parameter, [&](const std::string& name, auto& t) { ck.get(name, t); }, prefix);
+}
+
+//! Adds replica `rank`'s optimizer state for `module` under `prefix` ("optimizer.<parameter>.momentum_buffer").
+template <class O, class M>
+void put_optimizer(Checkpoint& ck, O& optimizer, const M& module, int rank = 0, std::string_view prefix = "optimizer") {
+    optimizer.visit_state(rank, module, [&](const std::string& name, const auto& state, const auto&) {
+        if (state.numel() > 0) ck.put(std::string(prefix) + "." + name, state);
+    });
+}
+
+//! Sets replica `rank`'s optimizer state for `module` from `ck`: a state the checkpoint has is
+//! loaded on its parameter's device, one it lacks is reset (not created yet, as before a first step).
+template <class O, class M>
+void get_optimizer(const Checkpoint& ck, O& optimizer, const M& module, int rank = 0, std::string_view prefix = "optimizer") {
+    optimizer.visit_state(rank, module, [&](const std::string& name, auto& state, const auto& p) {
+        using S = std::remove_reference_t<decltype(state)>;
+        const std::string key = std::string(prefix) + "." + name;
+        if (!ck.contains(key)) {
+            state = S();
+            return;
+        }
+        S loaded(p.value.shape(), MemoryFormat::nchw, p.value.device(), uninitialized);
+        ck.get(key, loaded);
+        state = std::move(loaded);
+    });
 }
 
 //! Saves `module`'s state_dict to `path` atomically.
 template <class M>
-void save(const std::string& path, M& module) {
+void save(const std::string& path, const M& module) {
     Checkpoint ck;
     put_module(ck, module);
     ck.save(path);
 }
 
-//! Loads `module`'s state_dict from `path`, checking every name, dtype and shape.
+//! Loads `module`'s state_dict from `path`, checking every name, dtype and shape first.
 template <class M>
 void load(const std::string& path, M& module) {
     get_module(Checkpoint::load(path), module);

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-//! `nn::Context`: what a replica's layers know about the step they run in.
+//! `nn::Context<B>`: a replica's execution context, what its layers know about the step they run in.
 #pragma once
 
 #include <cstdint>
@@ -10,23 +10,25 @@
 
 namespace lockstep::nn {
 
-//! Per-replica, per-step state handed to every `forward` and `backward`. A default Context is
-//! one replica alone (no communication), in training mode.
+//! Per-replica state handed to every `forward` and `backward` (see Note [execution context]). A
+//! default Context is one replica alone (no communication), in training mode.
+template <BackendTag B = Host>
 struct Context {
+    using backend = B;
+
     int rank = 0;
     int world = 1;
-    Device device{};
     bool training = true;
-    //! The replica group; null means a group of one.
+    //! The replica's group; null means a replica alone. SyncBatchNorm with `world > 1` needs it.
     comm::Collectives* comm = nullptr;
-    //! Samples in the global batch of this step (all replicas); the loss divides by it.
-    //! -1: this replica's batch is the whole batch.
+    //! Samples of this forward over all replicas (the global batch); -1: this replica's input is
+    //! the whole batch. Losses average over it, SyncBatchNorm counts with it.
     std::int64_t global_batch = -1;
     //! Called by a layer when the gradient of one of its parameters is final (backward is done
     //! with it): DataParallel starts that bucket's all-reduce without waiting for the rest.
     std::function<void(const void* parameter)> grad_ready;
-    //! The replica's stream on the Cuda backend (a cudaStream_t); unused on the host.
-    void* stream = nullptr;
+    //! The backend's part: nothing on the host; device, stream, cuBLAS handle, workspace on CUDA.
+    [[no_unique_address]] Execution<B> exec{};
 
     void mark_grad_ready(const void* parameter) const {
         if (grad_ready) grad_ready(parameter);

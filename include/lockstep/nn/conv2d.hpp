@@ -1,15 +1,13 @@
 // SPDX-License-Identifier: MIT
-//! `nn::Conv2d`: 2-D convolution (NCHW) through im2col and GEMM.
+//! `nn::Conv2d`: 2-D convolution (NCHW) through the backend's convolution operations.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/nn/blas.hpp"
+#include "lockstep/kernels/host_ops.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/parameter.hpp"
@@ -26,7 +24,7 @@ struct Conv2dOptions {
 //! initialization is PyTorch's default.
 template <BackendTag B = Host>
 class Conv2d {
-    static_assert(std::same_as<B, Host>, "Conv2d<Cuda> lives in <lockstep/cuda.cuh>");
+    using K = kernels::Ops<B>;
 
 public:
     using backend = B;
@@ -41,7 +39,7 @@ public:
         weight = Parameter<B>(Shape{out_channels, in_channels, kernel, kernel});
         fan_in_uniform(weight.value, in_channels * kernel * kernel, gen);
         if (options.bias) {
-            bias = Parameter<B>(Shape{out_channels});
+            bias = Parameter<B>(Shape{out_channels}, weight.value.device());
             fan_in_uniform(bias.value, in_channels * kernel * kernel, gen);
         }
     }
@@ -62,49 +60,27 @@ public:
     //! Output extent of one spatial dimension of `extent`.
     std::int64_t out_extent(std::int64_t extent) const { return (extent + 2 * options_.padding - k_) / options_.stride + 1; }
 
-    Tensor<float, B> forward(const Context& ctx, Tensor<float, B> x) {
+    Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
         check_input(x);
-        const std::int64_t N = x.dim(0), H = x.dim(2), W = x.dim(3);
-        const std::int64_t OH = out_extent(H), OW = out_extent(W), P = OH * OW, K = in_ * k_ * k_;
-        Tensor<float, B> y(Shape{N, out_, OH, OW}, MemoryFormat::nchw, x.device(), uninitialized);
-        cols_.resize(static_cast<std::size_t>(K * P));
-        for (std::int64_t n = 0; n < N; ++n) {
-            im2col(x.data() + n * in_ * H * W, H, W, OH, OW);
-            float* yn = y.data() + n * out_ * P;
-            blas::gemm(false, false, out_, P, K, 1.0f, weight.value.data(), K, cols_.data(), P, 0.0f, yn, P);
-            if (options_.bias)
-                for (std::int64_t o = 0; o < out_; ++o) {
-                    const float b = bias.value[o];
-                    for (std::int64_t p = 0; p < P; ++p) yn[o * P + p] += b;
-                }
-        }
+        check_device(weight.value.device(), x.device(), describe() + ": the input");
+        const auto g = geometry(x.shape());
+        Tensor<float, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, MemoryFormat::nchw, x.device(), uninitialized);
+        K::conv2d_forward(ctx.exec, g, x, weight.value, options_.bias ? &bias.value : nullptr, y, scratch_);
         if (ctx.training) saved_x_ = std::move(x);
         return y;
     }
 
-    Tensor<float, B> backward(const Context& ctx, const Tensor<float, B>& dy) {
+    Tensor<float, B> backward(const Context<B>& ctx, const Tensor<float, B>& dy) {
         LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 4, describe(),
                           ": backward called without a training-mode forward before it");
-        const std::int64_t N = saved_x_.dim(0), H = saved_x_.dim(2), W = saved_x_.dim(3);
-        const std::int64_t OH = out_extent(H), OW = out_extent(W), P = OH * OW, K = in_ * k_ * k_;
-        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == (Shape{N, out_, OH, OW}), describe(), ": dy has shape ", dy.shape(),
-                          " but the forward output had ", Shape{N, out_, OH, OW});
-        auto dx = Tensor<float, B>(saved_x_.shape(), MemoryFormat::nchw, saved_x_.device());  // zeroed: col2im adds
-        cols_.resize(static_cast<std::size_t>(K * P));
-        dcols_.resize(static_cast<std::size_t>(K * P));
-        for (std::int64_t n = 0; n < N; ++n) {
-            const float* dyn = dy.data() + n * out_ * P;
-            im2col(saved_x_.data() + n * in_ * H * W, H, W, OH, OW);
-            blas::gemm(false, true, out_, K, P, 1.0f, dyn, P, cols_.data(), P, 1.0f, weight.grad.data(), K);
-            if (options_.bias)
-                for (std::int64_t o = 0; o < out_; ++o) {
-                    float s = 0;
-                    for (std::int64_t p = 0; p < P; ++p) s += dyn[o * P + p];
-                    bias.grad[o] += s;
-                }
-            blas::gemm(true, false, K, P, out_, 1.0f, weight.value.data(), K, dyn, P, 0.0f, dcols_.data(), P);
-            col2im(dx.data() + n * in_ * H * W, H, W, OH, OW);
-        }
+        const auto g = geometry(saved_x_.shape());
+        const Shape out{g.batch, out_, g.out_height(), g.out_width()};
+        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == out, describe(), ": dy has shape ", dy.shape(),
+                          " but the forward output had ", out);
+        check_device(saved_x_.device(), dy.device(), describe() + ": dy");
+        Tensor<float, B> dx(saved_x_.shape(), MemoryFormat::nchw, saved_x_.device(), uninitialized);
+        K::conv2d_backward(ctx.exec, g, saved_x_, dy, weight.value, weight.grad, options_.bias ? &bias.grad : nullptr, dx,
+                           scratch_);
         ctx.mark_grad_ready(&weight);
         if (options_.bias) ctx.mark_grad_ready(&bias);
         saved_x_ = Tensor<float, B>();
@@ -112,64 +88,32 @@ public:
     }
 
 private:
+    kernels::ConvGeometry geometry(const Shape& x) const {
+        kernels::ConvGeometry g;
+        g.batch = x[0];
+        g.in_channels = in_;
+        g.height = x[2];
+        g.width = x[3];
+        g.out_channels = out_;
+        g.kernel = k_;
+        g.stride = options_.stride;
+        g.padding = options_.padding;
+        return g;
+    }
+
     void check_input(const Tensor<float, B>& x) const {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 4 && x.dim(1) == in_, describe(), ": expected input (N, ", in_,
                           ", H, W), got shape ", x.shape());
         LOCKSTEP_CHECK_AS(ShapeError, x.format() == MemoryFormat::nchw, describe(),
-                          ": the host Conv2d takes NCHW input, got an NHWC tensor of shape ", x.shape());
+                          ": Conv2d takes NCHW input, got an NHWC tensor of shape ", x.shape());
         LOCKSTEP_CHECK_AS(ShapeError, x.dim(2) + 2 * options_.padding >= k_ && x.dim(3) + 2 * options_.padding >= k_,
                           describe(), ": input ", x.shape(), " is smaller than the kernel (", k_, ") plus padding");
-    }
-
-    // cols[(c, i, j), (oh, ow)] = x[c, oh*s - p + i, ow*s - p + j], zero outside the image.
-    void im2col(const float* x, std::int64_t H, std::int64_t W, std::int64_t OH, std::int64_t OW) {
-        const std::int64_t s = options_.stride, pad = options_.padding, P = OH * OW;
-        float* col = cols_.data();
-        for (std::int64_t c = 0; c < in_; ++c)
-            for (std::int64_t i = 0; i < k_; ++i)
-                for (std::int64_t j = 0; j < k_; ++j) {
-                    float* row = col + ((c * k_ + i) * k_ + j) * P;
-                    for (std::int64_t oh = 0; oh < OH; ++oh) {
-                        const std::int64_t h = oh * s - pad + i;
-                        float* out = row + oh * OW;
-                        if (h < 0 || h >= H) {
-                            std::fill(out, out + OW, 0.0f);
-                            continue;
-                        }
-                        const float* src = x + (c * H + h) * W;
-                        for (std::int64_t ow = 0; ow < OW; ++ow) {
-                            const std::int64_t w = ow * s - pad + j;
-                            out[ow] = (w >= 0 && w < W) ? src[w] : 0.0f;
-                        }
-                    }
-                }
-    }
-
-    // The adjoint of im2col: adds dcols back onto the image positions they were read from.
-    void col2im(float* dx, std::int64_t H, std::int64_t W, std::int64_t OH, std::int64_t OW) const {
-        const std::int64_t s = options_.stride, pad = options_.padding, P = OH * OW;
-        const float* col = dcols_.data();
-        for (std::int64_t c = 0; c < in_; ++c)
-            for (std::int64_t i = 0; i < k_; ++i)
-                for (std::int64_t j = 0; j < k_; ++j) {
-                    const float* row = col + ((c * k_ + i) * k_ + j) * P;
-                    for (std::int64_t oh = 0; oh < OH; ++oh) {
-                        const std::int64_t h = oh * s - pad + i;
-                        if (h < 0 || h >= H) continue;
-                        float* dst = dx + (c * H + h) * W;
-                        const float* in = row + oh * OW;
-                        for (std::int64_t ow = 0; ow < OW; ++ow) {
-                            const std::int64_t w = ow * s - pad + j;
-                            if (w >= 0 && w < W) dst[w] += in[ow];
-                        }
-                    }
-                }
     }
 
     std::int64_t in_, out_, k_;
     Conv2dOptions options_;
     Tensor<float, B> saved_x_;
-    std::vector<float> cols_, dcols_;  // scratch, reused across calls
+    typename kernels::Ops<B>::ConvScratch scratch_;  // the backend's per-layer buffers
 };
 
 }  // namespace lockstep::nn

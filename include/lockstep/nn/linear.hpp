@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-//! `nn::Linear`: y = x W^T + b through GEMM.
+//! `nn::Linear`: y = x W^T + b through the backend's GEMM.
 #pragma once
 
 #include <cstdint>
@@ -7,7 +7,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/nn/blas.hpp"
+#include "lockstep/kernels/host_ops.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/parameter.hpp"
@@ -18,7 +18,7 @@ namespace lockstep::nn {
 //! initialization is PyTorch's default.
 template <BackendTag B = Host>
 class Linear {
-    static_assert(std::same_as<B, Host>, "Linear<Cuda> lives in <lockstep/cuda.cuh>");
+    using K = kernels::Ops<B>;
 
 public:
     using backend = B;
@@ -30,7 +30,7 @@ public:
         weight = Parameter<B>(Shape{out_features, in_features});
         fan_in_uniform(weight.value, in_features, gen);
         if (with_bias) {
-            bias = Parameter<B>(Shape{out_features});
+            bias = Parameter<B>(Shape{out_features}, weight.value.device());
             fan_in_uniform(bias.value, in_features, gen);
         }
     }
@@ -46,33 +46,27 @@ public:
         if (has_bias_) v.parameter("bias", bias);
     }
 
-    Tensor<float, B> forward(const Context& ctx, Tensor<float, B> x) {
+    Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && x.dim(1) == in_, describe(), ": expected input (N, ", in_,
                           "), got shape ", x.shape(), x.rank() == 4 ? "; put a Flatten before it" : "");
-        const std::int64_t N = x.dim(0);
-        Tensor<float, B> y(Shape{N, out_}, MemoryFormat::nchw, x.device(), uninitialized);
-        blas::gemm(false, true, N, out_, in_, 1.0f, x.data(), in_, weight.value.data(), in_, 0.0f, y.data(), out_);
-        if (has_bias_)
-            for (std::int64_t n = 0; n < N; ++n)
-                for (std::int64_t o = 0; o < out_; ++o) y[n * out_ + o] += bias.value[o];
+        check_device(weight.value.device(), x.device(), describe() + ": the input");
+        Tensor<float, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
+        K::linear_forward(ctx.exec, x, weight.value, has_bias_ ? &bias.value : nullptr, y);
         if (ctx.training) saved_x_ = std::move(x);
         return y;
     }
 
-    Tensor<float, B> backward(const Context& ctx, const Tensor<float, B>& dy) {
+    Tensor<float, B> backward(const Context<B>& ctx, const Tensor<float, B>& dy) {
         LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 2, describe(),
                           ": backward called without a training-mode forward before it");
         const std::int64_t N = saved_x_.dim(0);
         LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == (Shape{N, out_}), describe(), ": dy has shape ", dy.shape(),
                           " but the forward output had ", Shape{N, out_});
-        blas::gemm(true, false, out_, in_, N, 1.0f, dy.data(), out_, saved_x_.data(), in_, 1.0f, weight.grad.data(), in_);
-        if (has_bias_)
-            for (std::int64_t n = 0; n < N; ++n)
-                for (std::int64_t o = 0; o < out_; ++o) bias.grad[o] += dy[n * out_ + o];
+        check_device(saved_x_.device(), dy.device(), describe() + ": dy");
+        Tensor<float, B> dx(Shape{N, in_}, MemoryFormat::nchw, dy.device(), uninitialized);
+        K::linear_backward(ctx.exec, saved_x_, dy, weight.value, weight.grad, has_bias_ ? &bias.grad : nullptr, dx);
         ctx.mark_grad_ready(&weight);
         if (has_bias_) ctx.mark_grad_ready(&bias);
-        Tensor<float, B> dx(Shape{N, in_}, MemoryFormat::nchw, dy.device(), uninitialized);
-        blas::gemm(false, false, N, in_, out_, 1.0f, dy.data(), out_, weight.value.data(), in_, 0.0f, dx.data(), in_);
         saved_x_ = Tensor<float, B>();
         return dx;
     }

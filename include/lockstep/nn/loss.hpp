@@ -1,25 +1,31 @@
 // SPDX-License-Identifier: MIT
-//! `nn::SoftmaxCrossEntropy`: mean cross-entropy over the global batch and its gradient.
+//! Losses over the global batch: `nn::SoftmaxCrossEntropy` (class labels) and `nn::MseLoss`
+//! (regression targets), and the `LossLike` concept DataParallel checks a loss against.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <span>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "lockstep/kernels/host_ops.hpp"
 #include "lockstep/nn/context.hpp"
 
 namespace lockstep::nn {
 
-//! What a loss gives back for one replica's shard.
+//! What a loss gives back for one replica's shard. `totals` stays on the shard's device until the
+//! step ends; `sum()` and `correct()` read it (a device read on CUDA: not inside a step).
 template <BackendTag B = Host>
 struct LossOutput {
-    double sum = 0;             // sum of per-sample losses over this shard (fp64)
-    std::int64_t correct = 0;   // samples whose arg-max logit is the label
-    std::int64_t count = 0;     // samples in this shard
-    Tensor<float, B> grad;      // d(global mean loss) / d(logits) for this shard
+    Tensor<double, B> totals;  // (2): [sum of per-sample losses over this shard, samples classified correctly]
+    std::int64_t count = 0;    // samples in this shard
+    Tensor<float, B> grad;     // d(global mean loss) / d(output) for this shard
+
+    //! Sum of the shard's per-sample losses (fp64).
+    double sum() const { return totals.empty() ? 0.0 : totals.to_host()[0]; }
+    //! Samples whose arg-max output is the label (classification losses; 0 for regression).
+    std::int64_t correct() const { return totals.empty() ? 0 : static_cast<std::int64_t>(totals.to_host()[1]); }
 };
 
 // Note [loss over the global batch]
@@ -28,40 +34,64 @@ struct LossOutput {
 // global mean for uneven shards too. The value is returned as this shard's sum in fp64;
 // DataParallel adds the sums in rank order and divides by N_global (a count-weighted mean).
 
-//! Softmax followed by negative log-likelihood of integer class labels.
+//! A loss DataParallel can train with on backend `B` and a replica's shard of targets `Targets`.
+template <class L, class B, class Targets>
+concept LossLike = BackendTag<B> && requires(const L& loss, const Context<B>& ctx, const Tensor<float, B>& out,
+                                             const Targets& targets) {
+    { loss(ctx, out, targets) } -> std::same_as<LossOutput<B>>;
+};
+
+namespace detail {
+inline double inverse_count(std::int64_t global, std::int64_t local) {
+    const std::int64_t n = global >= 0 ? global : local;
+    return n > 0 ? 1.0 / static_cast<double>(n) : 0.0;
+}
+}  // namespace detail
+
+//! Softmax followed by negative log-likelihood of integer class labels; `correct` counts the
+//! samples whose arg-max logit is the label.
 class SoftmaxCrossEntropy {
 public:
     template <BackendTag B>
-    LossOutput<B> operator()(const Context& ctx, const Tensor<float, B>& logits, std::span<const std::int64_t> labels) const {
+    LossOutput<B> operator()(const Context<B>& ctx, const Tensor<float, B>& logits, std::span<const std::int64_t> labels) const {
         LOCKSTEP_CHECK_AS(ShapeError, logits.rank() == 2, "SoftmaxCrossEntropy: expected logits (N, classes), got shape ",
                           logits.shape());
         const std::int64_t N = logits.dim(0), K = logits.dim(1);
         LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(labels.size()) == N, "SoftmaxCrossEntropy: ", labels.size(),
                           " labels for a batch of ", N, "; pass one label per sample");
-        const std::int64_t global = ctx.global_batch >= 0 ? ctx.global_batch : N;
-        LossOutput<B> out;
-        out.count = N;
-        out.grad = Tensor<float, B>(logits.shape(), MemoryFormat::nchw, logits.device(), uninitialized);
-        const double inv = global > 0 ? 1.0 / static_cast<double>(global) : 0.0;
-        for (std::int64_t n = 0; n < N; ++n) {
+        for (std::int64_t n = 0; n < N; ++n) {  // labels are host values, whatever the backend
             const std::int64_t label = labels[static_cast<std::size_t>(n)];
             LOCKSTEP_CHECK(label >= 0 && label < K, "SoftmaxCrossEntropy: label ", label, " of sample ", n,
                            " is out of range for ", K, " classes; labels must be in [0, ", K, ")");
-            const float* z = logits.data() + n * K;
-            float* g = out.grad.data() + n * K;
-            const std::int64_t best = std::max_element(z, z + K) - z;
-            const double zmax = z[best];
-            double denom = 0;
-            for (std::int64_t k = 0; k < K; ++k) denom += std::exp(static_cast<double>(z[k]) - zmax);
-            const double log_denom = std::log(denom);
-            out.sum += log_denom - (static_cast<double>(z[label]) - zmax);
-            out.correct += best == label;
-            for (std::int64_t k = 0; k < K; ++k) {
-                const double p = std::exp(static_cast<double>(z[k]) - zmax - log_denom);
-                g[k] = static_cast<float>((p - (k == label ? 1.0 : 0.0)) * inv);
-            }
         }
+        LossOutput<B> out;
+        out.count = N;
+        out.grad = Tensor<float, B>::empty_like(logits);
+        out.totals = Tensor<double, B>(Shape{2}, MemoryFormat::nchw, logits.device(), uninitialized);
+        kernels::Ops<B>::softmax_cross_entropy(ctx.exec, logits, labels, detail::inverse_count(ctx.global_batch, N), out.grad,
+                                               out.totals);
         return out;
+    }
+};
+
+//! Mean squared error, as torch.nn.MSELoss(reduction="mean") on the whole global batch: the
+//! mean over samples of each sample's mean squared difference. Targets are a tensor of the
+//! output's shape.
+class MseLoss {
+public:
+    template <BackendTag B>
+    LossOutput<B> operator()(const Context<B>& ctx, const Tensor<float, B>& out, const Tensor<float, B>& target) const {
+        LOCKSTEP_CHECK_AS(ShapeError, out.rank() >= 1, "MseLoss: expected a batched output (N, ...), got a scalar");
+        LOCKSTEP_CHECK_AS(ShapeError, target.shape() == out.shape() && target.format() == out.format(), "MseLoss: targets of shape ",
+                          target.shape(), " ", to_string(target.format()), " for an output of shape ", out.shape(), " ",
+                          to_string(out.format()), "; pass one target per output element");
+        check_device(out.device(), target.device(), "MseLoss: the targets");
+        LossOutput<B> res;
+        res.count = out.dim(0);
+        res.grad = Tensor<float, B>::empty_like(out);
+        res.totals = Tensor<double, B>(Shape{2}, MemoryFormat::nchw, out.device(), uninitialized);
+        kernels::Ops<B>::mse(ctx.exec, out, target, detail::inverse_count(ctx.global_batch, res.count), res.grad, res.totals);
+        return res;
     }
 };
 

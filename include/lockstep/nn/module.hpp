@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "lockstep/core/backend.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/nn/context.hpp"
@@ -21,7 +22,7 @@ namespace lockstep::nn {
 // copies deep), which is how DataParallel clones replicas; nothing shared is copied, because
 // the replica group a layer talks to comes in through the Context, not through the layer.
 // A module says which backend it runs on (`using backend = B;`), runs
-// `Tensor forward(const Context&, Tensor x)` and `Tensor backward(const Context&, const Tensor& dy)`,
+// `Tensor forward(const Context<B>&, Tensor x)` and `Tensor backward(const Context<B>&, const Tensor& dy)`,
 // and lists what it holds with `template <class V> void visit(V&& v)`, calling
 //   v.parameter("weight", weight_parameter);      // a Parameter<B>
 //   v.buffer("running_mean", running_mean);       // a Tensor<float, B> or Tensor<int64_t, B>
@@ -47,12 +48,14 @@ template <class M>
 concept HasBackend = requires { typename M::backend; } && BackendTag<typename M::backend>;
 
 template <class M>
-concept HasForward = HasBackend<M> && requires(M& m, const Context& ctx, Tensor<float, typename M::backend> x) {
+concept HasForward = HasBackend<M> && requires(M& m, const Context<typename M::backend>& ctx,
+                                               Tensor<float, typename M::backend> x) {
     { m.forward(ctx, std::move(x)) } -> std::same_as<Tensor<float, typename M::backend>>;
 };
 
 template <class M>
-concept HasBackward = HasBackend<M> && requires(M& m, const Context& ctx, const Tensor<float, typename M::backend>& dy) {
+concept HasBackward = HasBackend<M> && requires(M& m, const Context<typename M::backend>& ctx,
+                                                const Tensor<float, typename M::backend>& dy) {
     { m.backward(ctx, dy) } -> std::same_as<Tensor<float, typename M::backend>>;
 };
 
@@ -68,10 +71,10 @@ template <class M>
 constexpr bool check_module() {
     static_assert(HasBackend<M>,
                   "lockstep: a module must declare its backend: add `using backend = B;` (lockstep::Host or lockstep::Cuda)");
-    static_assert(HasForward<M>, "lockstep: a module needs `Tensor<float, backend> forward(const lockstep::nn::Context&, "
-                                 "Tensor<float, backend> x)`");
-    static_assert(HasBackward<M>, "lockstep: a module needs `Tensor<float, backend> backward(const lockstep::nn::Context&, "
-                                  "const Tensor<float, backend>& dy)`");
+    static_assert(HasForward<M>, "lockstep: a module needs `Tensor<float, backend> forward(const "
+                                 "lockstep::nn::Context<backend>&, Tensor<float, backend> x)`");
+    static_assert(HasBackward<M>, "lockstep: a module needs `Tensor<float, backend> backward(const "
+                                  "lockstep::nn::Context<backend>&, const Tensor<float, backend>& dy)`");
     static_assert(HasVisit<M>, "lockstep: a module needs `template <class V> void visit(V&& v)` calling v.parameter(name, p), "
                                "v.buffer(name, t) and v.module(name, child) for what it holds");
     static_assert(std::copy_constructible<M>,
@@ -89,20 +92,24 @@ inline std::string join(std::string_view prefix, std::string_view name) {
     return s;
 }
 
-// Walks a module tree calling on_param(name, Parameter&) and on_buffer(name, tensor&).
-template <class OnParam, class OnBuffer>
+// Walks a module tree calling on_param(name, Parameter&) and on_buffer(name, tensor&); with
+// `Const`, the callbacks get const references (a walk over a const module, for reading).
+template <bool Const, class OnParam, class OnBuffer>
 struct Walker {
     std::string prefix;
     OnParam& on_param;
     OnBuffer& on_buffer;
 
+    template <class T>
+    using ref = std::conditional_t<Const, const T&, T&>;
+
     template <class P>
     void parameter(std::string_view name, P& p) {
-        on_param(join(prefix, name), p);
+        on_param(join(prefix, name), static_cast<ref<P>>(p));
     }
     template <class T>
     void buffer(std::string_view name, T& t) {
-        on_buffer(join(prefix, name), t);
+        on_buffer(join(prefix, name), static_cast<ref<T>>(t));
     }
     template <class M>
     void module(std::string_view name, M& child) {
@@ -114,15 +121,18 @@ struct Walker {
 }  // namespace detail
 
 //! Calls `on_param(name, Parameter&)` for every parameter and `on_buffer(name, Tensor&)` for
-//! every buffer, depth first in the order the modules list them, with dotted PyTorch names.
+//! every buffer, depth first in the order the modules list them, with dotted PyTorch names. On a
+//! const module the callbacks get const references.
 template <class M, class OnParam, class OnBuffer>
 void walk(M& module, OnParam&& on_param, OnBuffer&& on_buffer, std::string_view prefix = {}) {
-    detail::Walker<std::remove_reference_t<OnParam>, std::remove_reference_t<OnBuffer>> w{std::string(prefix), on_param,
-                                                                                          on_buffer};
-    module.visit(w);
+    using Plain = std::remove_const_t<M>;
+    detail::Walker<std::is_const_v<M>, std::remove_reference_t<OnParam>, std::remove_reference_t<OnBuffer>> w{
+        std::string(prefix), on_param, on_buffer};
+    // `visit` only lists members; the walker hands them on as const when the module is const.
+    const_cast<Plain&>(module).visit(w);
 }
 
-//! Calls `f(name, Parameter&)` for every parameter.
+//! Calls `f(name, Parameter&)` for every parameter (const references on a const module).
 template <class M, class F>
 void for_each_parameter(M& module, F&& f) {
     walk(module, f, [](const std::string&, auto&) {});
@@ -134,15 +144,26 @@ void for_each_buffer(M& module, F&& f) {
     walk(module, [](const std::string&, auto&) {}, f);
 }
 
-//! A replica of `module` for `device`: a deep copy of every parameter and buffer (a module is a
-//! copyable value, see Note [module protocol]). Host replicas share the process's memory, so the
-//! copy is the whole job; the Cuda backend's clone also moves the copy's tensors to `device`.
+//! A replica of `module` on `device`: a deep copy (a module is a copyable value, see Note [module
+//! protocol]) whose every parameter, gradient and buffer is then placed on `device`.
 template <class M>
 M clone(const M& module, Device device) {
     static_assert(check_module<M>());
-    LOCKSTEP_CHECK(device.kind == device_kind_of<typename M::backend>(), "cannot clone a ", M::backend::name,
-                   " module onto device ", device);
-    return M(module);
+    using B = typename M::backend;
+    LOCKSTEP_CHECK_AS(DeviceMismatch, device.kind == device_kind_of<B>(), "cannot clone a ", B::name,
+                      " module onto device ", device);
+    M copy(module);
+    const auto place = [&](auto& t) {
+        if (t.device() != device) t = t.template to<B>(device);
+    };
+    walk(
+        copy,
+        [&](const std::string&, auto& p) {
+            place(p.value);
+            place(p.grad);
+        },
+        [&](const std::string&, auto& t) { place(t); });
+    return copy;
 }
 
 //! Sets every parameter's gradient to zero.
@@ -153,7 +174,7 @@ void zero_grad(M& module) {
 
 //! Number of trainable values.
 template <class M>
-std::int64_t parameter_count(M& module) {
+std::int64_t parameter_count(const M& module) {
     std::int64_t n = 0;
     for_each_parameter(module, [&](const std::string&, auto& p) { n += p.numel(); });
     return n;

@@ -13,8 +13,9 @@ struct Parameter {
     Tensor<float, B> grad;
 
     Parameter() = default;
-    explicit Parameter(Shape shape, Device device = Device{device_kind_of<B>(), 0})
-        : value(shape, MemoryFormat::nchw, device), grad(shape, MemoryFormat::nchw, device) {}
+    //! Zero value and gradient on the calling thread's current device of the backend.
+    explicit Parameter(Shape shape) : value(shape), grad(shape, MemoryFormat::nchw, value.device()) {}
+    Parameter(Shape shape, Device device) : value(shape, MemoryFormat::nchw, device), grad(shape, MemoryFormat::nchw, device) {}
 
     const Shape& shape() const noexcept { return value.shape(); }
     std::int64_t numel() const noexcept { return value.numel(); }

@@ -23,13 +23,17 @@ public:
     auto& get() noexcept {
         return std::get<I>(layers_);
     }
+    template <std::size_t I>
+    const auto& get() const noexcept {
+        return std::get<I>(layers_);
+    }
 
-    Tensor<float, backend> forward(const Context& ctx, Tensor<float, backend> x) {
+    Tensor<float, backend> forward(const Context<backend>& ctx, Tensor<float, backend> x) {
         std::apply([&](auto&... layer) { ((x = layer.forward(ctx, std::move(x))), ...); }, layers_);
         return x;
     }
 
-    Tensor<float, backend> backward(const Context& ctx, const Tensor<float, backend>& dy) {
+    Tensor<float, backend> backward(const Context<backend>& ctx, const Tensor<float, backend>& dy) {
         auto g = std::get<sizeof...(Rest)>(layers_).backward(ctx, dy);  // the last layer reads dy in place
         if constexpr (sizeof...(Rest) > 0) backward_from<sizeof...(Rest) - 1>(ctx, g);
         return g;
@@ -42,7 +46,7 @@ public:
 
 private:
     template <std::size_t I>
-    void backward_from(const Context& ctx, Tensor<float, backend>& g) {
+    void backward_from(const Context<backend>& ctx, Tensor<float, backend>& g) {
         g = std::get<I>(layers_).backward(ctx, g);
         if constexpr (I > 0) backward_from<I - 1>(ctx, g);
     }

@@ -1,17 +1,46 @@
 // SPDX-License-Identifier: MIT
-//! `nn::Sgd`: stochastic gradient descent with momentum, PyTorch semantics, one state per replica.
+//! `nn::Sgd`: stochastic gradient descent with momentum, PyTorch semantics, one state per replica;
+//! and the `OptimizerLike` concept DataParallel checks an optimizer against.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/nn/checkpoint.hpp"
+#include "lockstep/kernels/host_ops.hpp"
+#include "lockstep/nn/context.hpp"
 #include "lockstep/nn/module.hpp"
 
 namespace lockstep::nn {
+
+// Note [optimizer protocol]
+// An optimizer keeps one state per replica, so replicas never share a buffer:
+//   prepare(replicas)                  makes room for that many states (before a parallel region);
+//   step(ctx, module)                  updates `module` with replica ctx.rank's state;
+//   visit_state(rank, module, f)       calls f(name, Tensor<float, B>& state, const Parameter<B>& p)
+//                                      for every state tensor of replica `rank`, named as in
+//                                      PyTorch's optimizer state ("<parameter>.momentum_buffer");
+//                                      an empty tensor is a state not created yet (PyTorch's None).
+// DataParallel saves and loads optimizer state through visit_state, so a resume is exact.
+
+namespace detail {
+template <class B>
+struct ArchetypeStateVisitor {
+    void operator()(const std::string&, Tensor<float, B>&, const Parameter<B>&) const {}
+};
+}  // namespace detail
+
+//! What DataParallel needs of an optimizer for module `M` (see Note [optimizer protocol]).
+template <class O, class M>
+concept OptimizerLike = requires(O& o, M& module, int rank, const Context<typename M::backend>& ctx,
+                                 detail::ArchetypeStateVisitor<typename M::backend> v) {
+    o.prepare(rank);
+    o.step(ctx, module);
+    o.visit_state(rank, module, v);
+};
 
 struct SgdOptions {
     double lr = 0.01;
@@ -24,8 +53,13 @@ struct SgdOptions {
 //! SGD as torch.optim.SGD: g = grad + wd * p; v = mu * v + (1 - dampening) * g (v = g on the
 //! first step); g = nesterov ? g + mu * v : v; p -= lr * g. Every replica keeps its own momentum
 //! buffers and, fed identical gradients, computes identical bits.
+template <BackendTag B = Host>
 class Sgd {
+    using K = kernels::Ops<B>;
+
 public:
+    using backend = B;
+
     explicit Sgd(SgdOptions options = {}) : options_(options) {
         LOCKSTEP_CHECK(options.lr >= 0, "Sgd: learning rate must be >= 0, got ", options.lr);
         LOCKSTEP_CHECK(options.momentum >= 0, "Sgd: momentum must be >= 0, got ", options.momentum);
@@ -42,77 +76,45 @@ public:
         if (static_cast<int>(states_.size()) < replicas) states_.resize(static_cast<std::size_t>(replicas));
     }
 
-    //! One update of `module`'s parameters with the state of replica `rank`.
+    //! One update of `module`'s parameters with the state of replica `ctx.rank`.
     template <class M>
-    void step(int rank, M& module) {
+    void step(const Context<B>& ctx, M& module) {
+        const int rank = ctx.rank;
         LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < static_cast<int>(states_.size()), "Sgd::step for replica ", rank,
                           " without prepare(", rank + 1, ")");
-        auto& state = states_[static_cast<std::size_t>(rank)];
+        auto& buffers = states_[static_cast<std::size_t>(rank)].buffers;
+        const kernels::SgdUpdate u{options_.lr, options_.momentum, options_.dampening, options_.weight_decay, options_.nesterov};
         std::size_t i = 0;
-        const float lr = static_cast<float>(options_.lr), mu = static_cast<float>(options_.momentum),
-                    damp = static_cast<float>(1.0 - options_.dampening), wd = static_cast<float>(options_.weight_decay);
-        for_each_parameter(module, [&](const std::string&, auto& p) {
-            if (state.buffers.size() <= i) state.buffers.emplace_back();
-            auto& buf = state.buffers[i++];
-            float* w = p.value.data();
-            const float* grad = p.grad.data();
-            const std::int64_t n = p.numel();
-            if (mu == 0.0f) {
-                for (std::int64_t k = 0; k < n; ++k) w[k] -= lr * (grad[k] + wd * w[k]);
-                return;
-            }
-            const bool first = buf.numel() != n;
-            if (first) buf = Tensor<float, Host>(p.value.shape(), MemoryFormat::nchw, p.value.device(), uninitialized);
-            float* v = buf.data();
-            for (std::int64_t k = 0; k < n; ++k) {
-                const float g = grad[k] + wd * w[k];
-                v[k] = first ? g : mu * v[k] + damp * g;
-                w[k] -= lr * (options_.nesterov ? g + mu * v[k] : v[k]);
-            }
+        for_each_parameter(module, [&](const std::string&, Parameter<B>& p) {
+            if (buffers.size() <= i) buffers.emplace_back();
+            auto& buf = buffers[i++];
+            const bool first = options_.momentum != 0 && buf.numel() != p.numel();
+            if (first) buf = Tensor<float, B>::empty_like(p.value);
+            K::sgd_step(ctx.exec, p.value, p.grad, buf, first, u);
         });
     }
 
-    //! Replica `rank`'s momentum buffers in parameter order (empty before its first step).
-    std::vector<Tensor<float, Host>>& momentum_buffers(int rank) { return states_.at(static_cast<std::size_t>(rank)).buffers; }
-
-    //! Puts replica `rank`'s momentum buffers into `ck` as "<prefix>.<parameter>.momentum_buffer".
-    template <class M>
-    void save_state(Checkpoint& ck, M& module, int rank = 0, const std::string& prefix = "optimizer") {
-        auto& bufs = momentum_buffers(rank);
+    //! Calls `f(name, state, parameter)` for replica `rank`'s momentum buffer of every parameter
+    //! of `module`, named "<parameter>.momentum_buffer" (see Note [optimizer protocol]).
+    template <class M, class F>
+    void visit_state(int rank, M& module, F&& f) {
+        prepare(rank + 1);
+        auto& buffers = states_[static_cast<std::size_t>(rank)].buffers;
         std::size_t i = 0;
-        for_each_parameter(module, [&](const std::string& name, auto&) {
-            if (i < bufs.size() && bufs[i].numel() > 0) ck.put(state_key(prefix, name), bufs[i]);
-            ++i;
+        for_each_parameter(module, [&](const std::string& name, const Parameter<B>& p) {
+            if (buffers.size() <= i) buffers.emplace_back();
+            f(name + ".momentum_buffer", buffers[i++], p);
         });
-    }
-
-    //! Gives every one of `replicas` replicas the momentum buffers stored by `save_state`.
-    template <class M>
-    void load_state(const Checkpoint& ck, M& module, int replicas, const std::string& prefix = "optimizer") {
-        prepare(replicas);
-        for (int r = 0; r < replicas; ++r) {
-            auto& bufs = states_[static_cast<std::size_t>(r)].buffers;
-            bufs.clear();
-            for_each_parameter(module, [&](const std::string& name, auto& p) {
-                const std::string key = state_key(prefix, name);
-                bufs.emplace_back();
-                if (!ck.contains(key)) return;  // that parameter has not been stepped yet
-                bufs.back() = Tensor<float, Host>(p.value.shape());
-                ck.get(key, bufs.back());
-            });
-        }
     }
 
 private:
-    static std::string state_key(const std::string& prefix, const std::string& parameter) {
-        return prefix + "." + parameter + ".momentum_buffer";
-    }
-
     struct State {
-        std::vector<Tensor<float, Host>> buffers;
+        std::vector<Tensor<float, B>> buffers;  // parameter order; empty before the first step
     };
     SgdOptions options_;
     std::vector<State> states_;
 };
+
+Sgd(SgdOptions) -> Sgd<Host>;
 
 }  // namespace lockstep::nn

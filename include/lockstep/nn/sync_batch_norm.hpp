@@ -9,11 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/kernels/batch_norm_host.hpp"
 #include "lockstep/kernels/batch_norm_math.hpp"
+#include "lockstep/kernels/host_ops.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/init.hpp"
 #include "lockstep/nn/parameter.hpp"
 #include "lockstep/nn/site.hpp"
 
@@ -41,30 +44,31 @@ struct BatchNormOptions {
 
 //! Batch norm over (N, C) or (N, C, H, W) inputs with statistics of the whole global batch.
 //! Parameters and buffers as PyTorch's BatchNorm: `weight`, `bias`, `running_mean`,
-//! `running_var`, `num_batches_tracked`.
+//! `running_var`, `num_batches_tracked`. Statistics stay on the layer's device: the payloads and
+//! per-channel constants are tensors of backend B, made and read only by backend operations.
 template <BackendTag B = Host>
 class SyncBatchNorm {
-    static_assert(std::same_as<B, Host>, "SyncBatchNorm<Cuda> lives in <lockstep/cuda.cuh>");
+    using K = kernels::Ops<B>;
 
 public:
     using backend = B;
 
     explicit SyncBatchNorm(std::int64_t num_features, BatchNormOptions options = {})
-        : options_(options), channels_(num_features), site_(detail::next_site()) {
+        : options_(options), channels_(num_features), layer_id_(detail::next_layer_id()) {
         LOCKSTEP_CHECK(num_features > 0, "SyncBatchNorm needs num_features > 0, got ", num_features);
         LOCKSTEP_CHECK(options.eps > 0, "SyncBatchNorm eps must be positive, got ", options.eps);
         LOCKSTEP_CHECK(!options.momentum || (*options.momentum >= 0 && *options.momentum <= 1),
                        "SyncBatchNorm momentum must be in [0, 1], got ", options.momentum.value_or(0));
         if (options.affine) {
             weight = Parameter<B>(Shape{num_features});
-            bias = Parameter<B>(Shape{num_features});
-            for (auto& w : weight.value.span()) w = 1.0f;
+            bias = Parameter<B>(Shape{num_features}, weight.value.device());
+            fill_value(weight.value, 1.0f);
         }
         if (options.track_running_stats) {
             running_mean = Tensor<float, B>(Shape{num_features});
-            running_var = Tensor<float, B>(Shape{num_features});
-            num_batches_tracked = Tensor<std::int64_t, B>(Shape{});
-            for (auto& v : running_var.span()) v = 1.0f;
+            running_var = Tensor<float, B>(Shape{num_features}, MemoryFormat::nchw, running_mean.device());
+            num_batches_tracked = Tensor<std::int64_t, B>(Shape{}, MemoryFormat::nchw, running_mean.device());
+            fill_value(running_var, 1.0f);
         }
     }
 
@@ -92,62 +96,37 @@ public:
     }
 
     //! Takes `x` by value: it is kept for backward, so pass an rvalue to avoid a copy.
-    Tensor<float, B> forward(const Context& ctx, Tensor<float, B> x) {
+    Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
         const auto g = geometry(x);
-        const std::int64_t C = channels_;
         const bool batch_stats = ctx.training || !options_.track_running_stats;
+        LOCKSTEP_CHECK_AS(UsageError, !batch_stats || ctx.world <= 1 || ctx.comm != nullptr, describe(),
+                          ": the context says world ", ctx.world, " but has no communicator; give each replica's context "
+                          "its replica group (ctx.comm), or use world 1 for a replica alone");
+        if (options_.affine) check_device(weight.value.device(), x.device(), describe() + ": the input");
         saved_x_ = Tensor<float, B>();
-        mean_hi_.assign(static_cast<std::size_t>(C), 0.0f);
-        mean_lo_.assign(static_cast<std::size_t>(C), 0.0f);
-        mean_.assign(static_cast<std::size_t>(C), 0.0);
-        invstd_.assign(static_cast<std::size_t>(C), 0.0);
+        prepare(x.device());
         if (batch_stats) {
-            const kernels::bn::ForwardPayload layout{C};
-            auto& payload = payload_;  // (2C+1), filled by bn_local_stats
-            payload.resize(static_cast<std::size_t>(layout.size()));
-            std::vector<float> shift(static_cast<std::size_t>(C), 0.0f);
-            if (options_.track_running_stats) shift.assign(running_mean.data(), running_mean.data() + C);
-            kernels::host::bn_local_stats(x.data(), g, shift.data(), payload.data());
-            if (ctx.comm != nullptr) ctx.comm->all_reduce_sum(std::span<double>(payload), site_);
-            const double n = payload[static_cast<std::size_t>(layout.count())];
+            K::bn_local_stats(ctx.exec, x, g, options_.track_running_stats ? &running_mean : nullptr, forward_payload_);
+            if (ctx.comm != nullptr)
+                ctx.comm->all_reduce_sum(DeviceSpan(forward_payload_), comm::CollectiveSite::layer(layer_id_, 0));
+            // The global count: known on the host when the context gives the global batch, read
+            // from the all-reduced payload otherwise (a layer driven by hand).
+            const double n = ctx.global_batch >= 0 ? static_cast<double>(ctx.global_batch * g.inner)
+                                                   : K::read(ctx.exec, forward_payload_, kernels::bn::ForwardPayload{channels_}.count());
             LOCKSTEP_CHECK(!ctx.training || n > 1, describe(), ": expected more than 1 value per channel when training, got input size ",
                            x.shape(), " (", static_cast<std::int64_t>(n), " value(s) per channel over all replicas)");
             count_ = n;
-            const bool update = ctx.training && options_.track_running_stats;
-            double factor = options_.momentum.value_or(0.0);
-            if (update) {
-                num_batches_tracked[0] += 1;
-                if (!options_.momentum) factor = 1.0 / static_cast<double>(num_batches_tracked[0]);
-            }
-            for (std::int64_t c = 0; c < C; ++c) {
-                const auto uc = static_cast<std::size_t>(c);
-                const auto st = kernels::bn::finish(n, payload[static_cast<std::size_t>(layout.sum(c))],
-                                                    payload[static_cast<std::size_t>(layout.sum_sq(c))], shift[uc],
-                                                    options_.eps);
-                mean_[uc] = st.mean;
-                invstd_[uc] = st.invstd;
-                if (update) kernels::bn::update_running(running_mean[c], running_var[c], st, n, factor);
-            }
+            const kernels::BnFinishOptions finish{options_.eps, options_.momentum, ctx.training && options_.track_running_stats};
+            const bool track = options_.track_running_stats;
+            K::bn_forward_finish(ctx.exec, forward_payload_, n, finish, track ? &running_mean : nullptr,
+                                 track ? &running_var : nullptr, track ? &num_batches_tracked : nullptr, affine_weight(),
+                                 options_.affine ? &bias.value : nullptr, constants_);
         } else {
-            for (std::int64_t c = 0; c < C; ++c) {
-                const auto uc = static_cast<std::size_t>(c);
-                mean_[uc] = running_mean[c];
-                invstd_[uc] = 1.0 / std::sqrt(static_cast<double>(running_var[c]) + options_.eps);
-            }
-        }
-        std::vector<float> scale(static_cast<std::size_t>(C)), shift(static_cast<std::size_t>(C));
-        for (std::int64_t c = 0; c < C; ++c) {
-            const auto uc = static_cast<std::size_t>(c);
-            const auto split = kernels::bn::split_mean(mean_[uc]);
-            mean_hi_[uc] = split.hi;
-            mean_lo_[uc] = split.lo;
-            const auto k = kernels::bn::normalize_constants(mean_[uc], invstd_[uc], options_.affine ? weight.value[c] : 1.0,
-                                                            options_.affine ? bias.value[c] : 0.0);
-            scale[uc] = k.scale;
-            shift[uc] = k.shift;
+            K::bn_eval_constants(ctx.exec, running_mean, running_var, options_.eps, affine_weight(),
+                                 options_.affine ? &bias.value : nullptr, constants_);
         }
         auto y = Tensor<float, B>::empty_like(x);
-        kernels::host::bn_normalize(x.data(), y.data(), g, mean_hi_.data(), scale.data(), shift.data());
+        K::bn_normalize(ctx.exec, x, y, g, constants_);
         if (ctx.training) {
             saved_x_ = std::move(x);
             saved_batch_stats_ = batch_stats;
@@ -155,7 +134,7 @@ public:
         return y;
     }
 
-    Tensor<float, B> backward(const Context& ctx, const Tensor<float, B>& dy) {
+    Tensor<float, B> backward(const Context<B>& ctx, const Tensor<float, B>& dy) {
         LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() >= 2, describe(),
                           ": backward called without a training-mode forward before it");
         LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == saved_x_.shape() && dy.format() == saved_x_.format(), describe(),
@@ -163,43 +142,38 @@ public:
                           saved_x_.shape(), " ", to_string(saved_x_.format()));
         LOCKSTEP_CHECK_AS(UsageError, saved_batch_stats_, describe(),
                           ": backward through running statistics (eval mode) is not supported; call train() first");
+        check_device(saved_x_.device(), dy.device(), describe() + ": dy");
         const auto g = geometry(saved_x_);
-        const std::int64_t C = channels_;
-        const kernels::bn::BackwardPayload layout{C};
-        auto& payload = payload_;  // (2C), filled by bn_backward_sums
-        payload.resize(static_cast<std::size_t>(layout.size()));
-        kernels::host::bn_backward_sums(saved_x_.data(), dy.data(), g, mean_hi_.data(), mean_lo_.data(), payload.data());
+        K::bn_backward_sums(ctx.exec, saved_x_, dy, g, constants_, backward_payload_);
         if (options_.affine) {  // local sums: the gradient all-reduce adds them over replicas
-            for (std::int64_t c = 0; c < C; ++c) {
-                weight.grad[c] += static_cast<float>(payload[static_cast<std::size_t>(layout.sum_dy_xmu(c))] *
-                                                     invstd_[static_cast<std::size_t>(c)]);
-                bias.grad[c] += static_cast<float>(payload[static_cast<std::size_t>(layout.sum_dy(c))]);
-            }
+            K::bn_param_grads(ctx.exec, backward_payload_, constants_, weight.grad, bias.grad);
             ctx.mark_grad_ready(&weight);
             ctx.mark_grad_ready(&bias);
         }
-        if (ctx.comm != nullptr) ctx.comm->all_reduce_sum(std::span<double>(payload), site_ + 1);
-        std::vector<float> ka(static_cast<std::size_t>(C)), kb(static_cast<std::size_t>(C)), kc(static_cast<std::size_t>(C));
-        for (std::int64_t c = 0; c < C; ++c) {
-            const auto uc = static_cast<std::size_t>(c);
-            const auto k = kernels::bn::backward_constants(count_, payload[static_cast<std::size_t>(layout.sum_dy(c))],
-                                                           payload[static_cast<std::size_t>(layout.sum_dy_xmu(c))], mean_[uc],
-                                                           invstd_[uc], options_.affine ? weight.value[c] : 1.0);
-            ka[uc] = k.a;
-            kb[uc] = k.b;
-            kc[uc] = k.c;
-        }
+        if (ctx.comm != nullptr)
+            ctx.comm->all_reduce_sum(DeviceSpan(backward_payload_), comm::CollectiveSite::layer(layer_id_, 1));
         // dx overwrites the saved input, which nothing needs after this: a step holds one tensor
         // less, and dx is written to cache lines the same pass has just read.
         auto dx = std::move(saved_x_);
-        kernels::host::bn_backward_dx(dx.data(), dy.data(), dx.data(), g, mean_hi_.data(), ka.data(), kb.data(),
-                                      kc.data());
+        K::bn_backward_dx(ctx.exec, backward_payload_, count_, constants_, affine_weight(), dx, dy, g);
         saved_x_ = Tensor<float, B>();
         return dx;
     }
 
 private:
-    kernels::host::BnGeometry geometry(const Tensor<float, B>& x) const {
+    const Tensor<float, B>* affine_weight() const { return options_.affine ? &weight.value : nullptr; }
+
+    // Sizes the payloads and constants for the layer's channels on `device` (once; again only if
+    // the input moves to another device).
+    void prepare(const Device& device) {
+        if (forward_payload_.numel() == 2 * channels_ + 1 && forward_payload_.device() == device) return;
+        forward_payload_ = Tensor<double, B>(Shape{2 * channels_ + 1}, MemoryFormat::nchw, device);
+        backward_payload_ = Tensor<double, B>(Shape{2 * channels_}, MemoryFormat::nchw, device);
+        constants_.stats = Tensor<double, B>(Shape{2 * channels_}, MemoryFormat::nchw, device);
+        constants_.folded = Tensor<float, B>(Shape{4 * channels_}, MemoryFormat::nchw, device);
+    }
+
+    kernels::BnGeometry geometry(const Tensor<float, B>& x) const {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 || x.rank() == 4, describe(),
                           ": expected a 2-D (N, C) or 4-D (N, C, H, W) input, got shape ", x.shape());
         LOCKSTEP_CHECK_AS(ShapeError, x.dim(1) == channels_, describe(), ": expected ", channels_,
@@ -208,7 +182,7 @@ private:
             LOCKSTEP_CHECK_AS(ShapeError, x.format() == options_.format, describe(), " was built for ",
                               to_string(options_.format), " input but got an ", to_string(x.format()),
                               " tensor of shape ", x.shape(), "; set BatchNormOptions::format or convert the input");
-        kernels::host::BnGeometry g;
+        kernels::BnGeometry g;
         g.batch = x.dim(0);
         g.channels = channels_;
         g.inner = x.rank() == 4 ? x.dim(2) * x.dim(3) : 1;
@@ -218,16 +192,16 @@ private:
 
     BatchNormOptions options_;
     std::int64_t channels_;
-    std::uint64_t site_;
+    std::uint64_t layer_id_;
     // What backward needs from forward.
     Tensor<float, B> saved_x_;
     bool saved_batch_stats_ = false;
-    std::vector<double> mean_, invstd_;
-    std::vector<float> mean_hi_, mean_lo_;  // the mean as hi + lo: see Note [split mean]
-    // The all-reduce buffer outlives each call: a peer that is still reading it when this replica
-    // leaves an aborted collective reads memory that is still ours.
-    std::vector<double> payload_;
+    kernels::BnConstants<B> constants_;  // mean, invstd; mean as hi + lo, scale, shift: see Note [split mean]
     double count_ = 0;
+    // The all-reduce buffers outlive each call: a peer that is still reading one when this replica
+    // leaves an aborted collective reads memory that is still ours.
+    Tensor<double, B> forward_payload_;   // (2C+1)
+    Tensor<double, B> backward_payload_;  // (2C)
 };
 
 }  // namespace lockstep::nn

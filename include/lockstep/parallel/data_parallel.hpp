@@ -1,24 +1,35 @@
 // SPDX-License-Identifier: MIT
-//! `DataParallel<Module>`: persistent replicas on persistent threads, scatter/gather, bucketed
-//! gradient all-reduce overlapped with backward, and one parallel region per training step.
+//! `DataParallel<Module, Group>`: persistent replicas on persistent threads, scatter/gather,
+//! bucketed gradient all-reduce overlapped with backward, gradient accumulation and clipping,
+//! checkpoints of model and optimizer, and one parallel region per training step.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <concepts>
 #include <cstdint>
-#include <cstring>
+#include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
+#include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/collectives.hpp"
-#include "lockstep/comm/host_communicator.hpp"
+#include "lockstep/comm/group.hpp"
+#include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "lockstep/kernels/host_ops.hpp"
+#include "lockstep/nn/checkpoint.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/module.hpp"
+#include "lockstep/nn/sgd.hpp"
 #include "lockstep/parallel/scatter.hpp"
 #include "lockstep/runtime/replica_pool.hpp"
 #include "lockstep/runtime/serial_worker.hpp"
@@ -35,22 +46,32 @@ struct DataParallelOptions {
     std::chrono::milliseconds timeout = AbortableBarrier::default_timeout;
     //! Where the replica threads run (see Note [replica CPU binding]).
     CpuBinding cpu_binding = CpuBinding::automatic;
+    //! Clip the all-reduced gradients to this global L2 norm before the optimizer step, as
+    //! torch.nn.utils.clip_grad_norm_ (must be positive; unset: no clipping).
+    std::optional<double> clip_grad_norm = std::nullopt;
 };
 
-//! What one training step reports (computed identically for any split of the batch).
+//! What one training step reports, computed identically for any split of the batch. It covers
+//! every sample since the previous step: the step's own batch and those of `accumulate` calls.
 struct StepResult {
-    double loss = 0;             // mean loss over the global batch
-    std::int64_t correct = 0;    // samples classified correctly
-    std::int64_t count = 0;      // samples in the global batch
+    double loss = 0;           //!< mean loss over those samples
+    std::int64_t count = 0;    //!< samples
+    std::int64_t correct = 0;  //!< samples classified correctly (classification losses only; 0 otherwise)
 };
 
+// Note [step order]
+// After backward, in this order on every replica: gradient all-reduce (the buckets) -> clip by
+// the global norm (optional) -> commit barrier -> optimizer step. Every replica holds the same
+// all-reduced gradients, so clipping computes the same bits everywhere.
+//
 // Note [commit point]
 // A step that fails on any replica must not leave replicas different. Every replica passes one
-// barrier after its gradients are all-reduced and before its optimizer step; a replica that
-// fails earlier aborts the barrier, so either every replica steps or none does. What a failed
-// step may leave behind is the same on every replica: SyncBatchNorm running statistics are
-// updated by a completed forward collective, which completes on all replicas or on none.
-
+// barrier after its gradients are all-reduced and clipped, and before its optimizer step; a
+// replica that fails earlier aborts the barrier, so either every replica steps or none does.
+// What a failed step may leave behind is the same on every replica: SyncBatchNorm running
+// statistics are updated by a completed forward collective, which completes on all replicas or
+// on none.
+//
 // Note [gradient buckets]
 // Parameters are grouped, in reverse visit order (the order backward finishes them), into flat
 // buckets of about `bucket_bytes`. A layer reports each parameter whose gradient is final
@@ -61,61 +82,90 @@ struct StepResult {
 // replica launches the same buckets in the same order. Buckets never reported (a layer that does
 // not call mark_grad_ready) are launched after backward, in bucket order. Summation is per
 // element in rank order, so bucketing changes no bit of the result.
+//
+// Note [gradient accumulation]
+// `accumulate(x, ...)` runs forward and backward and keeps the gradients without any gradient
+// collective (layer collectives such as SyncBatchNorm's still run). Each micro-batch is weighted
+// by its share of the samples: before the backward of a micro-batch of N samples, with M samples
+// accumulated so far, the kept gradients are scaled by M/(M+N) and the loss gradient by
+// N/(M+N), so the gradients are always those of the mean loss over all M+N samples. The next
+// train_step all-reduces once and steps: accumulate(b1) then train_step(b2) equals
+// train_step(b1 + b2) for a model without batch norm, whatever the sizes.
 
 //! Data parallelism over persistent replicas of `Module` (see DESIGN.md, "Replicas and threads").
-template <class Module>
+template <class Module, class Group = comm::default_group_t<typename Module::backend>>
 class DataParallel {
     static_assert(nn::check_module<Module>());
 
 public:
     using backend = typename Module::backend;
-    static_assert(std::same_as<backend, Host>, "DataParallel<Cuda modules> lives in <lockstep/cuda.cuh>");
-    using Comm = comm::HostCommunicator;
+    using module_type = Module;
+    using group_type = Group;
 
+private:
+    static_assert(comm::GroupLike<Group>,
+                  "lockstep: DataParallel's Group needs `using backend`, a constructor from (std::vector<Device>, "
+                  "std::chrono::milliseconds), size(), communicator(rank) returning comm::Collectives& and abortable()");
+    static_assert(std::same_as<typename Group::backend, backend>,
+                  "lockstep: DataParallel's Group must be of the module's backend (comm::default_group_t<backend>)");
+    using K = kernels::Ops<backend>;
+    using Ctx = nn::Context<backend>;
+
+public:
     //! Clones `prototype` once per device and makes every replica hold replica 0's values.
     DataParallel(const Module& prototype, std::vector<Device> devices, DataParallelOptions options = {})
-        : options_(options), devices_(check_devices(devices)), world_(static_cast<int>(devices_.size())),
-          comms_(Comm::create_group(world_, options.timeout)), grad_comms_(Comm::create_group(world_, options.timeout)),
-          pool_(world_, {}, options.cpu_binding) {
-        LOCKSTEP_CHECK(options.bucket_bytes > 0, "DataParallelOptions::bucket_bytes must be positive");
-        pool_.attach(comms_[0].group_ptr());
-        pool_.attach(grad_comms_[0].group_ptr());
-        for (int r = 0; r < world_; ++r) {
-            replicas_.push_back(std::make_unique<Replica>(nn::clone(prototype, devices_[static_cast<std::size_t>(r)]),
-                                                          comms_[static_cast<std::size_t>(r)],
-                                                          grad_comms_[static_cast<std::size_t>(r)]));
-            auto& rep = *replicas_.back();
+        : options_(check_options(options)), devices_(check_devices(devices)), world_(static_cast<int>(devices_.size())),
+          layer_group_(std::make_unique<Group>(devices_, options.timeout)),
+          grad_group_(std::make_unique<Group>(devices_, options.timeout)),
+          pool_(world_, [this](int r) { K::enter_replica_thread(devices_[static_cast<std::size_t>(r)]); },
+                options.cpu_binding) {
+        pool_.attach(layer_group_->abortable());
+        pool_.attach(grad_group_->abortable());
+        replicas_.resize(static_cast<std::size_t>(world_));
+        // Each replica is cloned on its own thread, so its tensors are made on its device.
+        pool_.run([&](int r) {
+            const auto ur = static_cast<std::size_t>(r);
+            replicas_[ur] = std::make_unique<Replica>(nn::clone(prototype, devices_[ur]), devices_[ur],
+                                                      layer_group_->communicator(r), grad_group_->communicator(r));
+            auto& rep = *replicas_[ur];
             rep.ctx.rank = r;
             rep.ctx.world = world_;
-            rep.ctx.device = devices_[static_cast<std::size_t>(r)];
-            rep.ctx.comm = &rep.collectives;
-            build_buckets(rep);
-        }
+            rep.ctx.comm = rep.layer_comm;
+            rep.ctx.exec = rep.resources.execution();
+            rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, devices_[ur]);
+            rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, devices_[ur]);
+            build_buckets(rep, devices_[ur]);
+        });
         broadcast_from_first();
     }
 
-    //! `replicas` host replicas.
+    //! `replicas` replicas on the backend's default devices (host replicas 0, 1, ...).
     DataParallel(const Module& prototype, int replicas, DataParallelOptions options = {})
-        : DataParallel(prototype, host_devices(replicas), options) {}
+        : DataParallel(prototype, K::default_devices(replicas), options) {}
 
     DataParallel(const DataParallel&) = delete;
     DataParallel& operator=(const DataParallel&) = delete;
 
     int size() const noexcept { return world_; }
     const std::vector<Device>& devices() const noexcept { return devices_; }
+    const DataParallelOptions& options() const noexcept { return options_; }
     //! The CPU each replica thread is bound to, by rank; empty when unbound (see `cpu_binding`).
     const std::vector<int>& bound_cpus() const noexcept { return pool_.bound_cpus(); }
-    Module& replica(int i) { return replicas_.at(static_cast<std::size_t>(i))->module; }
-    //! The primary replica (rank 0): the one to save. All replicas hold the same values.
-    Module& module() { return replica(0); }
+    //! Replica `i`, for reading. Replicas change only through DataParallel, so they cannot drift apart.
+    const Module& replica(int i) const { return replicas_.at(static_cast<std::size_t>(i))->module; }
+    //! The primary replica (rank 0). All replicas hold the same values.
+    const Module& module() const { return replica(0); }
     std::size_t bucket_count() const noexcept { return replicas_[0]->buckets.size(); }
+    //! Samples accumulated by `accumulate` since the last training step.
+    std::int64_t accumulated_samples() const noexcept { return pending_; }
 
     void train() noexcept { training_ = true; }
     void eval() noexcept { training_ = false; }
     bool training() const noexcept { return training_; }
 
-    //! Runs `fn(Module& replica, nn::Context& ctx)` on every replica's thread (the seed's
-    //! `_parallel_apply`); rethrows the first failure after every replica has stopped.
+    //! Runs `fn(Module& replica, nn::Context<backend>& ctx)` on every replica's thread (the seed's
+    //! `_parallel_apply`); rethrows the first failure after every replica has stopped. Whatever
+    //! `fn` changes, it must change alike on every replica.
     template <class F>
     void parallel_apply(F&& fn) {
         pool_.run([&](int r) {
@@ -127,7 +177,7 @@ public:
         });
     }
 
-    //! Scatters `x` over the replicas, runs forward on each and concatenates the outputs.
+    //! Scatters `x` over the replicas, runs forward on each and concatenates the outputs (on `x`'s device).
     Tensor<float, backend> forward(const Tensor<float, backend>& x) {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() >= 1, "DataParallel::forward needs a batched input, got a scalar");
         const auto shards = parallel::shard_ranges(x.dim(0), world_);
@@ -138,61 +188,69 @@ public:
             rep.ctx.training = training_;
             rep.ctx.global_batch = x.dim(0);
             rep.ctx.grad_ready = nullptr;
-            outs[ur] = rep.module.forward(rep.ctx, parallel::take_rows(x, shards[ur]));
+            outs[ur] = rep.module.forward(rep.ctx, parallel::take_rows(rep.ctx.exec, x, shards[ur], devices_[ur]));
         });
-        return parallel::concat_rows(outs);
+        return parallel::concat_rows(replicas_[0]->ctx.exec, outs, x.device());
     }
 
     //! One training step as ONE parallel region: scatter, forward, loss, backward with the
-    //! bucketed gradient all-reduce, optimizer step. `loss(ctx, logits, labels)` returns an
-    //! `nn::LossOutput`; `optimizer` has `prepare(replicas)` and `step(rank, module)`.
-    template <class Loss, class Optimizer>
-    StepResult train_step(const Tensor<float, backend>& x, std::span<const std::int64_t> labels, const Loss& loss,
-                          Optimizer& optimizer) {
-        LOCKSTEP_CHECK_AS(ShapeError, x.rank() >= 1, "DataParallel::train_step needs a batched input, got a scalar");
-        LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(labels.size()) == x.dim(0), "train_step: ", labels.size(),
-                          " labels for a batch of ", x.dim(0), "; pass one label per sample");
-        const auto shards = parallel::shard_ranges(x.dim(0), world_);
+    //! bucketed gradient all-reduce, clipping, optimizer step (see Note [step order]). `targets`
+    //! are whatever `loss` takes for a shard: class labels (any contiguous container of
+    //! std::int64_t) for nn::SoftmaxCrossEntropy, a float tensor of the output's shape for
+    //! nn::MseLoss. Gradients of earlier `accumulate` calls join this step's.
+    template <class Targets, class Loss, class Optimizer>
+    StepResult train_step(const Tensor<float, backend>& x, const Targets& targets, const Loss& loss, Optimizer& optimizer) {
+        static_assert(nn::OptimizerLike<Optimizer, Module>,
+                      "lockstep: the optimizer needs prepare(int replicas), step(const nn::Context<backend>&, Module&) "
+                      "and visit_state(int rank, Module&, f): see Note [optimizer protocol] in nn/sgd.hpp");
+        LOCKSTEP_CHECK_AS(UsageError, training_, "DataParallel::train_step in eval mode; call train() first");
+        return run_step<true>(x, parallel::targets_view(targets), loss, &optimizer, "train_step");
+    }
+
+    //! Forward and backward of a micro-batch whose gradients are kept for the next train_step,
+    //! with no gradient collective (DDP's no_sync; layer collectives still run). Micro-batches are
+    //! weighted by their sample counts (see Note [gradient accumulation]).
+    template <class Targets, class Loss>
+    void accumulate(const Tensor<float, backend>& x, const Targets& targets, const Loss& loss) {
+        LOCKSTEP_CHECK_AS(UsageError, training_,
+                          "DataParallel::accumulate in eval mode keeps no gradients; call train() first");
+        run_step<false>(x, parallel::targets_view(targets), loss, static_cast<nn::Sgd<backend>*>(nullptr), "accumulate");
+    }
+
+    //! The model (replica 0) as a checkpoint, with `optimizer`'s state of replica 0 under
+    //! "optimizer." when one is given.
+    nn::Checkpoint checkpoint() const {
+        nn::Checkpoint ck;
+        nn::put_module(ck, module());
+        return ck;
+    }
+    template <class Optimizer>
+    nn::Checkpoint checkpoint(Optimizer& optimizer) const {
+        auto ck = checkpoint();
         optimizer.prepare(world_);
-        std::vector<double> sums(static_cast<std::size_t>(world_));
-        std::vector<std::int64_t> correct(static_cast<std::size_t>(world_));
-        pool_.run([&](int r) {
-            const auto ur = static_cast<std::size_t>(r);
-            auto& rep = *replicas_[ur];
-            rep.ctx.training = true;
-            rep.ctx.global_batch = x.dim(0);
-            nn::zero_grad(rep.module);
-            rep.begin_step(options_.overlap);
-            try {
-                auto out = rep.module.forward(rep.ctx, parallel::take_rows(x, shards[ur]));
-                auto lo = loss(rep.ctx, out, labels.subspan(static_cast<std::size_t>(shards[ur].begin),
-                                                            static_cast<std::size_t>(shards[ur].count)));
-                out = Tensor<float, backend>();
-                rep.module.backward(rep.ctx, lo.grad);
-                rep.finish_backward();
-                // Note [commit point]: no replica updates its parameters unless every replica
-                // got here; a failure anywhere before aborts this barrier on all of them.
-                rep.grad_comm->barrier(0x636f6d6dull);  // "comm(it)"
-                sums[ur] = lo.sum;
-                correct[ur] = lo.correct;
-            } catch (...) {
-                // Abort both groups first (peers and this replica's communication thread wake
-                // up), then wait for the communication thread, then leave.
-                pool_.report_failure(r, std::current_exception());
-                rep.unwind();
-                throw;
-            }
-            optimizer.step(r, rep.module);
-        });
-        StepResult result;
-        result.count = x.dim(0);
-        double total = 0;
-        for (int r = 0; r < world_; ++r) {  // rank order: the same bits for any run
-            total += sums[static_cast<std::size_t>(r)];
-            result.correct += correct[static_cast<std::size_t>(r)];
-        }
-        result.loss = total / static_cast<double>(result.count);
-        return result;
+        nn::put_optimizer(ck, optimizer, module(), 0);
+        return ck;
+    }
+
+    //! Writes the model (and the optimizer's state) to `path` atomically.
+    void save(const std::string& path) const { checkpoint().save(path); }
+    template <class Optimizer>
+    void save(const std::string& path, Optimizer& optimizer) const {
+        checkpoint(optimizer).save(path);
+    }
+
+    //! Loads a checkpoint into every replica (and the optimizer's state of every replica). Every
+    //! tensor is checked against the model first: a checkpoint of another model throws `IoError`
+    //! naming the checkpoint, the tensor and both shapes, and changes nothing.
+    void load(const nn::Checkpoint& ck) { load_impl(ck, static_cast<nn::Sgd<backend>*>(nullptr)); }
+    template <class Optimizer>
+    void load(const nn::Checkpoint& ck, Optimizer& optimizer) {
+        load_impl(ck, &optimizer);
+    }
+    void load(const std::string& path) { load(nn::Checkpoint::load(path)); }
+    template <class Optimizer>
+    void load(const std::string& path, Optimizer& optimizer) {
+        load(nn::Checkpoint::load(path), optimizer);
     }
 
     //! Gradient buckets of the last training step that replica `rank` had finished all-reducing
@@ -202,9 +260,9 @@ public:
     }
 
     //! Collectives made so far by replica `rank` on the layer group and the gradient group.
-    std::uint64_t layer_collectives(int rank) const { return comms_.at(static_cast<std::size_t>(rank)).collective_count(); }
+    std::uint64_t layer_collectives(int rank) const { return replicas_.at(static_cast<std::size_t>(rank))->layer_comm->collective_count(); }
     std::uint64_t gradient_collectives(int rank) const {
-        return grad_comms_.at(static_cast<std::size_t>(rank)).collective_count();
+        return replicas_.at(static_cast<std::size_t>(rank))->grad_comm->collective_count();
     }
 
 private:
@@ -217,13 +275,16 @@ private:
     };
 
     struct Replica {
-        Replica(Module&& replica, Comm& layer_comm, Comm& grad_comm)
-            : module(std::move(replica)), collectives(layer_comm), grad_comm(&grad_comm) {}
+        Replica(Module&& replica, const Device& device, comm::Collectives& layer, comm::Collectives& grad)
+            : resources(device), module(std::move(replica)), layer_comm(&layer), grad_comm(&grad) {}
 
+        typename K::ReplicaResources resources;  // the replica's stream, handles, ... (none on the host)
         Module module;
-        comm::CollectivesOf<Comm> collectives;
-        Comm* grad_comm;
-        nn::Context ctx;
+        comm::Collectives* layer_comm;  // layer collectives (SyncBatchNorm), on the replica thread
+        comm::Collectives* grad_comm;   // gradient buckets and commit barriers
+        Ctx ctx;
+        Tensor<double, backend> totals;   // (2): loss sum and correct count since the last step
+        Tensor<double, backend> norm_sq;  // (1): squared global gradient norm, when clipping
         std::vector<Bucket> buckets;
         struct Slot {
             std::size_t bucket = 0;
@@ -235,7 +296,7 @@ private:
         std::atomic<std::size_t> reduced{0};  // buckets all-reduced in this step so far
         std::size_t reduced_during_backward = 0;
 
-        void begin_step(bool overlap_now) {
+        void begin_buckets(bool overlap_now) {
             overlap = overlap_now;
             for (auto& b : buckets) {
                 b.pending = static_cast<int>(b.params.size());
@@ -258,19 +319,19 @@ private:
             auto& b = buckets[index];
             b.launched = true;
             for (std::size_t i = 0; i < b.params.size(); ++i)
-                std::memcpy(b.flat.data() + b.offsets[i], b.params[i]->grad.data(), b.params[i]->grad.bytes());
+                K::copy(ctx.exec, b.flat, b.offsets[i], b.params[i]->grad, 0, b.params[i]->numel());
             auto job = [this, index] {
                 auto& bb = buckets[index];
-                grad_comm->all_reduce_sum(bb.flat.span(), 0x6772ull << 32 | index);  // "gr" + bucket index
+                grad_comm->all_reduce_sum(DeviceSpan(bb.flat), comm::CollectiveSite::bucket(index));
                 for (std::size_t i = 0; i < bb.params.size(); ++i)
-                    std::memcpy(bb.params[i]->grad.data(), bb.flat.data() + bb.offsets[i], bb.params[i]->grad.bytes());
+                    K::copy(ctx.exec, bb.params[i]->grad, 0, bb.flat, bb.offsets[i], bb.params[i]->numel());
                 reduced.fetch_add(1, std::memory_order_release);
             };
             if (overlap) worker.submit(job);
             else job();
         }
 
-        void finish_backward() {
+        void finish_buckets() {
             reduced_during_backward = reduced.load(std::memory_order_acquire);  // backward has just ended
             for (std::size_t i = 0; i < buckets.size(); ++i)
                 if (!buckets[i].launched) launch(i);
@@ -287,30 +348,148 @@ private:
         }
     };
 
+    // One step or micro-batch on every replica (see Notes [step order] and [gradient accumulation]).
+    template <bool Step, class View, class Loss, class Optimizer>
+    StepResult run_step(const Tensor<float, backend>& x, const View& targets, const Loss& loss, Optimizer* optimizer,
+                        const char* what) {
+        using Shard = decltype(parallel::shard_targets(std::declval<const Execution<backend>&>(), targets,
+                                                       parallel::ShardRange{}, Device{}));
+        static_assert(nn::LossLike<Loss, backend, Shard>,
+                      "lockstep: this loss does not take these targets. A loss is called as loss(ctx, output, "
+                      "targets_of_the_shard) and returns nn::LossOutput<backend>: class labels (a std::vector or span "
+                      "of std::int64_t) go with nn::SoftmaxCrossEntropy, a float tensor of the output's shape with "
+                      "nn::MseLoss");
+        LOCKSTEP_CHECK_AS(ShapeError, x.rank() >= 1, "DataParallel::", what, " needs a batched input, got a scalar");
+        const std::int64_t rows = parallel::target_rows(targets);
+        LOCKSTEP_CHECK_AS(ShapeError, rows == x.dim(0), what, ": ", rows,
+                          std::is_same_v<View, std::span<const std::int64_t>> ? " labels" : " target rows", " for a batch of ",
+                          x.dim(0), "; pass one per sample");
+        const auto shards = parallel::shard_ranges(x.dim(0), world_);
+        const std::int64_t before = pending_, after = pending_ + x.dim(0);
+        if constexpr (Step) optimizer->prepare(world_);
+        try {
+            pool_.run([&](int r) {
+                const auto ur = static_cast<std::size_t>(r);
+                auto& rep = *replicas_[ur];
+                rep.ctx.training = true;
+                rep.ctx.global_batch = x.dim(0);
+                if (before == 0) {
+                    nn::zero_grad(rep.module);
+                    rep.totals.zero();
+                }
+                if constexpr (Step) rep.begin_buckets(options_.overlap);
+                else rep.ctx.grad_ready = nullptr;
+                try {
+                    auto out = rep.module.forward(rep.ctx, parallel::take_rows(rep.ctx.exec, x, shards[ur], devices_[ur]));
+                    auto lo = loss(rep.ctx, out, parallel::shard_targets(rep.ctx.exec, targets, shards[ur], devices_[ur]));
+                    out = Tensor<float, backend>();
+                    if (before > 0) {  // Note [gradient accumulation]
+                        const double kept = static_cast<double>(before) / static_cast<double>(after);
+                        nn::for_each_parameter(rep.module, [&](const std::string&, nn::Parameter<backend>& p) {
+                            K::scale(rep.ctx.exec, p.grad, kept);
+                        });
+                        K::scale(rep.ctx.exec, lo.grad, static_cast<double>(x.dim(0)) / static_cast<double>(after));
+                    }
+                    rep.module.backward(rep.ctx, lo.grad);
+                    K::add(rep.ctx.exec, rep.totals, lo.totals);
+                    if constexpr (Step) {
+                        rep.finish_buckets();
+                        if (options_.clip_grad_norm) clip(rep, *options_.clip_grad_norm);
+                        // Note [commit point]: no replica updates its parameters unless every
+                        // replica got here; a failure anywhere before aborts this barrier on all.
+                        rep.grad_comm->barrier(comm::CollectiveSite::commit(0));
+                    }
+                } catch (...) {
+                    // Abort both groups first (peers and this replica's communication thread wake
+                    // up), then wait for the communication thread, then leave.
+                    pool_.report_failure(r, std::current_exception());
+                    rep.unwind();
+                    throw;
+                }
+                if constexpr (Step) optimizer->step(rep.ctx, rep.module);
+            });
+        } catch (...) {
+            pending_ = 0;  // the kept gradients are incomplete: the next call starts afresh
+            throw;
+        }
+        if constexpr (!Step) {
+            pending_ = after;
+            return {};
+        } else {
+            pending_ = 0;
+            StepResult result;
+            result.count = after;
+            double total = 0, correct = 0;
+            for (const auto& rep : replicas_) {  // rank order: the same bits for any run
+                const auto t = rep->totals.to_host();
+                total += t[0];
+                correct += t[1];
+            }
+            result.loss = total / static_cast<double>(after);
+            result.correct = static_cast<std::int64_t>(correct);
+            return result;
+        }
+    }
+
+    // Scales every gradient by min(1, max_norm / (global norm + 1e-6)) (Note [step order]).
+    void clip(Replica& rep, double max_norm) {
+        rep.norm_sq.zero();
+        nn::for_each_parameter(rep.module, [&](const std::string&, const nn::Parameter<backend>& p) {
+            K::add_sum_squares(rep.ctx.exec, p.grad, rep.norm_sq);
+        });
+        nn::for_each_parameter(rep.module, [&](const std::string&, nn::Parameter<backend>& p) {
+            K::clip_to_norm(rep.ctx.exec, p.grad, rep.norm_sq, max_norm);
+        });
+    }
+
+    template <class Optimizer>
+    void load_impl(const nn::Checkpoint& ck, Optimizer* optimizer) {
+        // Check everything against replica 0 before any replica changes.
+        nn::check_module_fits(ck, module(), {}, true, "optimizer.");
+        if (optimizer != nullptr) {
+            optimizer->prepare(world_);
+            std::set<std::string> states;
+            optimizer->visit_state(0, replicas_[0]->module, [&](const std::string& name, const auto&, const auto& p) {
+                const std::string key = "optimizer." + name;
+                states.insert(key);
+                if (ck.contains(key)) ck.check_fits(key, p.value);
+            });
+            for (const auto& name : ck.names())
+                if (name.rfind("optimizer.", 0) == 0 && states.count(name) == 0)
+                    throw IoError(ck.label() + " has optimizer state '" + name + "' that this model's optimizer does not have");
+        }
+        pool_.run([&](int r) {
+            auto& rep = *replicas_[static_cast<std::size_t>(r)];
+            nn::get_module(ck, rep.module, {}, true, "optimizer.");
+            if (optimizer != nullptr) nn::get_optimizer(ck, *optimizer, rep.module, r);
+        });
+        pending_ = 0;
+    }
+
+    static DataParallelOptions check_options(const DataParallelOptions& o) {
+        LOCKSTEP_CHECK(o.bucket_bytes > 0, "DataParallelOptions::bucket_bytes must be positive");
+        LOCKSTEP_CHECK(!o.clip_grad_norm || *o.clip_grad_norm > 0, "DataParallelOptions::clip_grad_norm must be positive, got ",
+                       o.clip_grad_norm.value_or(0), "; leave it unset to not clip");
+        return o;
+    }
+
     static std::vector<Device> check_devices(const std::vector<Device>& devices) {
         LOCKSTEP_CHECK(!devices.empty(), "DataParallel needs at least one device, got none; pass e.g. "
                                          "lockstep::DataParallel(model, 2) for two host replicas");
         for (const auto& d : devices)
-            LOCKSTEP_CHECK(d.kind == device_kind_of<backend>(), "DataParallel of a ", backend::name,
-                           " module cannot use device ", d);
+            LOCKSTEP_CHECK_AS(DeviceMismatch, d.kind == device_kind_of<backend>(), "DataParallel of a ", backend::name,
+                              " module cannot use device ", d);
         return devices;
     }
 
-    static std::vector<Device> host_devices(int replicas) {
-        LOCKSTEP_CHECK(replicas > 0, "DataParallel needs at least one replica, got ", replicas);
-        std::vector<Device> d;
-        for (int r = 0; r < replicas; ++r) d.push_back(Device::host(r));
-        return d;
-    }
-
-    void build_buckets(Replica& rep) {
+    void build_buckets(Replica& rep, const Device& device) {
         std::vector<nn::Parameter<backend>*> params;
         nn::for_each_parameter(rep.module, [&](const std::string&, nn::Parameter<backend>& p) { params.push_back(&p); });
         Bucket current;
         std::int64_t elems = 0;
         const auto close = [&] {
             if (current.params.empty()) return;
-            current.flat = Tensor<float, backend>(Shape{elems});
+            current.flat = Tensor<float, backend>(Shape{elems}, MemoryFormat::nchw, device);
             for (auto* p : current.params) rep.slots[p] = {rep.buckets.size(), false};
             rep.buckets.push_back(std::move(current));
             current = Bucket{};
@@ -331,22 +510,30 @@ private:
     void broadcast_from_first() {
         pool_.run([&](int r) {
             auto& rep = *replicas_[static_cast<std::size_t>(r)];
-            auto& c = comms_[static_cast<std::size_t>(r)];
-            std::uint64_t site = 0x6263ull << 32;  // "bc"
+            std::uint64_t index = 0;
+            const auto bcast = [&](auto& t) { rep.layer_comm->broadcast(DeviceSpan(t), 0, comm::CollectiveSite::broadcast(index++)); };
             nn::walk(
-                rep.module, [&](const std::string&, auto& p) { c.broadcast(p.value.span(), 0, site++); },
-                [&](const std::string&, auto& t) { c.broadcast(t.span(), 0, site++); });
+                rep.module, [&](const std::string&, auto& p) { bcast(p.value); },
+                [&](const std::string&, auto& t) { bcast(t); });
         });
     }
 
     DataParallelOptions options_;
+    typename K::Runtime runtime_;  // the backend's process-wide settings while replicas exist
     std::vector<Device> devices_;
     int world_;
-    std::vector<Comm> comms_;       // layer collectives (SyncBatchNorm), on the replica threads
-    std::vector<Comm> grad_comms_;  // gradient buckets, on the communication threads
+    std::unique_ptr<Group> layer_group_;  // layer collectives (SyncBatchNorm), on the replica threads
+    std::unique_ptr<Group> grad_group_;   // gradient buckets, on the communication threads
     ReplicaPool pool_;
     std::vector<std::unique_ptr<Replica>> replicas_;
     bool training_ = true;
+    std::int64_t pending_ = 0;  // samples accumulated since the last step
 };
+
+//! `DataParallel dp(net, 3);` deduces the module type.
+template <class Module>
+DataParallel(const Module&, int, DataParallelOptions = {}) -> DataParallel<Module>;
+template <class Module>
+DataParallel(const Module&, std::vector<Device>, DataParallelOptions = {}) -> DataParallel<Module>;
 
 }  // namespace lockstep

@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: MIT
-//! Splitting a global batch into contiguous shards, and putting outputs back together.
+//! Splitting a global batch (and its targets) into contiguous shards, and putting outputs back
+//! together, through the backend operations.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
-#include <cstring>
+#include <span>
 #include <vector>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "lockstep/kernels/host_ops.hpp"
 
 namespace lockstep::parallel {
 
@@ -34,18 +37,18 @@ inline std::vector<ShardRange> shard_ranges(std::int64_t batch, int replicas) {
     return shards;
 }
 
-//! Copy of rows [begin, begin + count) of `x` (rows are contiguous in NCHW and NHWC alike).
-template <class T>
-Tensor<T, Host> take_rows(const Tensor<T, Host>& x, ShardRange range) {
-    Tensor<T, Host> shard(x.shape().with(0, range.count), x.format(), x.device(), uninitialized);
+//! A copy of rows [begin, begin + count) of `x` on `device` (rows are contiguous in NCHW and NHWC alike).
+template <class T, BackendTag B>
+Tensor<T, B> take_rows(const Execution<B>& ex, const Tensor<T, B>& x, ShardRange range, Device device) {
+    Tensor<T, B> shard(x.shape().with(0, range.count), x.format(), device, uninitialized);
     const std::int64_t row = x.shape().row_numel();
-    if (range.count > 0) std::memcpy(shard.data(), x.data() + range.begin * row, static_cast<std::size_t>(range.count * row) * sizeof(T));
+    kernels::Ops<B>::copy(ex, shard, 0, x, range.begin * row, range.count * row);
     return shard;
 }
 
-//! Concatenation of `parts` along dimension 0, in order (the gather of per-replica outputs).
-template <class T>
-Tensor<T, Host> concat_rows(const std::vector<Tensor<T, Host>>& parts) {
+//! Concatenation of `parts` along dimension 0, in order, on `device` (the gather of outputs).
+template <class T, BackendTag B>
+Tensor<T, B> concat_rows(const Execution<B>& ex, const std::vector<Tensor<T, B>>& parts, Device device) {
     LOCKSTEP_CHECK(!parts.empty(), "nothing to concatenate");
     std::int64_t rows = 0;
     for (const auto& p : parts) {
@@ -53,13 +56,42 @@ Tensor<T, Host> concat_rows(const std::vector<Tensor<T, Host>>& parts) {
                           "replica outputs disagree in shape: ", p.shape(), " vs ", parts[0].shape());
         rows += p.dim(0);
     }
-    Tensor<T, Host> out(parts[0].shape().with(0, rows), parts[0].format(), parts[0].device(), uninitialized);
+    Tensor<T, B> out(parts[0].shape().with(0, rows), parts[0].format(), device, uninitialized);
     std::int64_t at = 0;
     for (const auto& p : parts) {
-        if (p.numel() > 0) std::memcpy(out.data() + at, p.data(), p.bytes());
+        kernels::Ops<B>::copy(ex, out, at, p, 0, p.numel());
         at += p.numel();
     }
     return out;
+}
+
+// ---- targets: class labels (host values) or a tensor of per-sample rows ----
+
+//! Class labels are host values whatever the backend: a replica's share is a subspan.
+inline std::int64_t target_rows(std::span<const std::int64_t> labels) { return static_cast<std::int64_t>(labels.size()); }
+template <class T, BackendTag B>
+std::int64_t target_rows(const Tensor<T, B>& t) {
+    return t.rank() >= 1 ? t.dim(0) : 0;
+}
+
+template <BackendTag B>
+std::span<const std::int64_t> shard_targets(const Execution<B>&, std::span<const std::int64_t> labels, ShardRange range,
+                                            Device) {
+    return labels.subspan(static_cast<std::size_t>(range.begin), static_cast<std::size_t>(range.count));
+}
+template <class T, BackendTag B>
+Tensor<T, B> shard_targets(const Execution<B>& ex, const Tensor<T, B>& t, ShardRange range, Device device) {
+    return take_rows(ex, t, range, device);
+}
+
+//! How a train_step sees the targets it was given: labels in any contiguous container as a span,
+//! a tensor as itself.
+template <class Targets>
+decltype(auto) targets_view(const Targets& targets) {
+    if constexpr (std::convertible_to<const Targets&, std::span<const std::int64_t>>)
+        return std::span<const std::int64_t>(targets);
+    else
+        return (targets);
 }
 
 }  // namespace lockstep::parallel

@@ -144,10 +144,7 @@ public:
     static int current_rank() noexcept { return rank_slot(); }
 
 private:
-    static int& rank_slot() noexcept {
-        thread_local int rank = -1;
-        return rank;
-    }
+    static int& rank_slot() noexcept { return detail::replica_rank_slot(); }
     static const ReplicaPool*& pool_slot() noexcept {
         thread_local const ReplicaPool* pool = nullptr;
         return pool;

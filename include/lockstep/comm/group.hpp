@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: MIT
+//! The `GroupLike` concept (a replica group DataParallel can drive) and `default_group_t<B>`,
+//! the group each backend uses unless told otherwise.
+#pragma once
+
+#include <chrono>
+#include <concepts>
+#include <memory>
+#include <vector>
+
+#include "lockstep/comm/collectives.hpp"
+#include "lockstep/comm/host_communicator.hpp"
+#include "lockstep/core/backend.hpp"
+#include "lockstep/runtime/abortable_barrier.hpp"
+
+namespace lockstep::comm {
+
+//! The group of CUDA replicas: NCCL across devices, a device-local reduction where replicas share
+//! a GPU. Defined in `<lockstep/cuda.cuh>`.
+class CudaGroup;
+
+//! What DataParallel needs of a replica group: built from the replicas' devices and a timeout,
+//! one `Collectives` per rank, and something a failing replica can abort.
+template <class G>
+concept GroupLike = requires(G& g, const std::vector<Device>& devices, std::chrono::milliseconds timeout, int rank) {
+    typename G::backend;
+    requires BackendTag<typename G::backend>;
+    requires std::constructible_from<G, const std::vector<Device>&, std::chrono::milliseconds>;
+    { g.size() } -> std::convertible_to<int>;
+    { g.communicator(rank) } -> std::convertible_to<Collectives&>;
+    { g.abortable() } -> std::convertible_to<std::shared_ptr<Abortable>>;
+};
+
+template <class B>
+struct default_group;
+template <>
+struct default_group<Host> {
+    using type = HostGroup;
+};
+template <>
+struct default_group<Cuda> {
+    using type = CudaGroup;
+};
+
+//! The group DataParallel uses for modules of backend `B`: `HostGroup` or `CudaGroup`.
+template <class B>
+using default_group_t = typename default_group<B>::type;
+
+}  // namespace lockstep::comm

@@ -1,0 +1,438 @@
+// SPDX-License-Identifier: MIT
+//! `kernels::Ops<Host>`: the backend operations on the host (OpenBLAS and the host loops).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/tensor.hpp"
+#include "lockstep/kernels/batch_norm_host.hpp"
+#include "lockstep/kernels/batch_norm_math.hpp"
+#include "lockstep/kernels/host_blas.hpp"
+#include "lockstep/kernels/ops.hpp"
+
+namespace lockstep::kernels {
+
+//! The host backend's operations (see Note [backend operations]). Every operation runs on the
+//! calling replica thread; nothing here synchronizes with another thread.
+template <>
+struct Ops<Host> {
+    using Ex = Execution<Host>;
+    template <class T>
+    using T_ = Tensor<T, Host>;
+
+    // ---- replicas ----------------------------------------------------------------------------
+
+    //! Held by DataParallel for its lifetime: OpenBLAS single-threaded (Note [one BLAS thread per replica]).
+    using Runtime = blas::SingleThreadScope;
+
+    //! What a replica owns on the backend besides its tensors (nothing on the host).
+    struct ReplicaResources {
+        explicit ReplicaResources(const Device&) {}
+        Ex execution() const { return {}; }
+    };
+
+    //! Run once on each replica thread before any work: its new tensors go on its device.
+    static void enter_replica_thread(const Device& device) { set_current_host_device(device.index); }
+
+    //! The devices of `replicas` host replicas: host:0, host:1, ...
+    static std::vector<Device> default_devices(int replicas) {
+        LOCKSTEP_CHECK(replicas > 0, "DataParallel needs at least one replica, got ", replicas);
+        std::vector<Device> d;
+        for (int r = 0; r < replicas; ++r) d.push_back(Device::host(r));
+        return d;
+    }
+
+    // ---- generic ----------------------------------------------------------------------------
+
+    template <class T>
+    static void fill(const Ex&, T_<T>& t, T value) {
+        std::fill(t.data(), t.data() + t.numel(), value);
+    }
+
+    //! dst[dst_offset, +count) = src[src_offset, +count).
+    template <class T>
+    static void copy(const Ex&, T_<T>& dst, std::int64_t dst_offset, const T_<T>& src, std::int64_t src_offset,
+                     std::int64_t count) {
+        if (count > 0) std::memcpy(dst.data() + dst_offset, src.data() + src_offset, static_cast<std::size_t>(count) * sizeof(T));
+    }
+
+    //! t *= factor (in fp32).
+    static void scale(const Ex&, T_<float>& t, double factor) {
+        const auto f = static_cast<float>(factor);
+        for (float& v : t.span()) v *= f;
+    }
+
+    //! acc += x, element by element.
+    template <class T>
+    static void add(const Ex&, T_<T>& acc, const T_<T>& x) {
+        for (std::int64_t i = 0; i < acc.numel(); ++i) acc[i] += x[i];
+    }
+
+    //! Element `i` of `t`, on the host.
+    template <class T>
+    static T read(const Ex&, const T_<T>& t, std::int64_t i) {
+        return t[i];
+    }
+
+    //! acc[0] += sum(t^2) in fp64.
+    static void add_sum_squares(const Ex&, const T_<float>& t, T_<double>& acc) {
+        double s = 0;
+        for (const float v : t.span()) s += static_cast<double>(v) * v;
+        acc[0] += s;
+    }
+
+    //! t *= min(1, max_norm / (sqrt(sum_squares[0]) + 1e-6)): clipping by a global norm, as
+    //! torch.nn.utils.clip_grad_norm_.
+    static void clip_to_norm(const Ex& ex, T_<float>& t, const T_<double>& sum_squares, double max_norm) {
+        const double coef = max_norm / (std::sqrt(sum_squares[0]) + 1e-6);
+        if (coef < 1.0) scale(ex, t, coef);
+    }
+
+    // ---- convolution and linear layers --------------------------------------------------------
+
+    //! Buffers a convolution keeps between calls: one sample's im2col matrix and its gradient.
+    struct ConvScratch {
+        std::vector<float> cols, dcols;
+    };
+
+    //! y = conv(x, weight) + bias; `bias` may be null.
+    static void conv2d_forward(const Ex&, const ConvGeometry& g, const T_<float>& x, const T_<float>& weight,
+                               const T_<float>* bias, T_<float>& y, ConvScratch& s) {
+        const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
+        const std::int64_t in_sample = g.in_channels * g.height * g.width;
+        s.cols.resize(static_cast<std::size_t>(K * P));
+        for (std::int64_t n = 0; n < g.batch; ++n) {
+            im2col(g, x.data() + n * in_sample, s.cols.data());
+            float* yn = y.data() + n * O * P;
+            blas::gemm(false, false, O, P, K, 1.0f, weight.data(), K, s.cols.data(), P, 0.0f, yn, P);
+            if (bias != nullptr)
+                for (std::int64_t o = 0; o < O; ++o) {
+                    const float b = (*bias)[o];
+                    for (std::int64_t p = 0; p < P; ++p) yn[o * P + p] += b;
+                }
+        }
+    }
+
+    //! weight_grad += dL/dweight, bias_grad += dL/dbias (may be null), dx = dL/dx.
+    static void conv2d_backward(const Ex&, const ConvGeometry& g, const T_<float>& x, const T_<float>& dy,
+                                const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx,
+                                ConvScratch& s) {
+        const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
+        const std::int64_t in_sample = g.in_channels * g.height * g.width;
+        s.cols.resize(static_cast<std::size_t>(K * P));
+        s.dcols.resize(static_cast<std::size_t>(K * P));
+        dx.zero();  // col2im adds
+        for (std::int64_t n = 0; n < g.batch; ++n) {
+            const float* dyn = dy.data() + n * O * P;
+            im2col(g, x.data() + n * in_sample, s.cols.data());
+            blas::gemm(false, true, O, K, P, 1.0f, dyn, P, s.cols.data(), P, 1.0f, weight_grad.data(), K);
+            if (bias_grad != nullptr)
+                for (std::int64_t o = 0; o < O; ++o) {
+                    float sum = 0;
+                    for (std::int64_t p = 0; p < P; ++p) sum += dyn[o * P + p];
+                    (*bias_grad)[o] += sum;
+                }
+            blas::gemm(true, false, K, P, O, 1.0f, weight.data(), K, dyn, P, 0.0f, s.dcols.data(), P);
+            col2im(g, s.dcols.data(), dx.data() + n * in_sample);
+        }
+    }
+
+    //! y (N, out) = x (N, in) weight^T + bias; `bias` may be null.
+    static void linear_forward(const Ex&, const T_<float>& x, const T_<float>& weight, const T_<float>* bias, T_<float>& y) {
+        const std::int64_t N = x.dim(0), in = x.dim(1), out = weight.dim(0);
+        blas::gemm(false, true, N, out, in, 1.0f, x.data(), in, weight.data(), in, 0.0f, y.data(), out);
+        if (bias != nullptr)
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t o = 0; o < out; ++o) y[n * out + o] += (*bias)[o];
+    }
+
+    //! weight_grad += dy^T x, bias_grad += column sums of dy (may be null), dx = dy weight.
+    static void linear_backward(const Ex&, const T_<float>& x, const T_<float>& dy, const T_<float>& weight,
+                                T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx) {
+        const std::int64_t N = x.dim(0), in = x.dim(1), out = weight.dim(0);
+        blas::gemm(true, false, out, in, N, 1.0f, dy.data(), out, x.data(), in, 1.0f, weight_grad.data(), in);
+        if (bias_grad != nullptr)
+            for (std::int64_t n = 0; n < N; ++n)
+                for (std::int64_t o = 0; o < out; ++o) (*bias_grad)[o] += dy[n * out + o];
+        blas::gemm(false, false, N, in, out, 1.0f, dy.data(), out, weight.data(), in, 0.0f, dx.data(), in);
+    }
+
+    // ---- activations and pooling --------------------------------------------------------------
+
+    //! x = max(x, 0) in place (NaN stays NaN); `mask` (may be null) records where x > 0.
+    static void relu_forward(const Ex&, T_<float>& x, T_<std::uint8_t>* mask) {
+        float* p = x.data();
+        const std::int64_t n = x.numel();
+        const auto relu = [](float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); };
+        if (mask == nullptr) {
+            for (std::int64_t i = 0; i < n; ++i) p[i] = relu(p[i]);
+            return;
+        }
+        std::uint8_t* m = mask->data();
+        for (std::int64_t i = 0; i < n; ++i) {
+            m[i] = p[i] > 0.0f;
+            p[i] = relu(p[i]);
+        }
+    }
+
+    //! dx = mask ? dy : 0.
+    static void relu_backward(const Ex&, const T_<float>& dy, const T_<std::uint8_t>& mask, T_<float>& dx) {
+        for (std::int64_t i = 0; i < dy.numel(); ++i) dx[i] = mask[i] ? dy[i] : 0.0f;
+    }
+
+    //! y = the maximum of each window (NaN wins, as in PyTorch), argmax = its index in the plane.
+    static void maxpool_forward(const Ex&, const PoolGeometry& g, const T_<float>& x, T_<float>& y, T_<std::int32_t>& argmax) {
+        const std::int64_t H = g.height, W = g.width, OH = g.out_height(), OW = g.out_width(), k = g.kernel, s = g.stride;
+        for (std::int64_t nc = 0; nc < g.batch * g.channels; ++nc) {
+            const float* src = x.data() + nc * H * W;
+            for (std::int64_t oh = 0; oh < OH; ++oh)
+                for (std::int64_t ow = 0; ow < OW; ++ow) {
+                    std::int64_t best = (oh * s) * W + ow * s;
+                    for (std::int64_t i = 0; i < k; ++i)
+                        for (std::int64_t j = 0; j < k; ++j) {
+                            const std::int64_t at = (oh * s + i) * W + ow * s + j;
+                            if (src[at] > src[best] || src[at] != src[at]) best = at;
+                        }
+                    const std::int64_t o = (nc * OH + oh) * OW + ow;
+                    y[o] = src[best];
+                    argmax[o] = static_cast<std::int32_t>(best);
+                }
+        }
+    }
+
+    //! dx = dy scattered onto the window maxima (dx is zeroed first).
+    static void maxpool_backward(const Ex&, const PoolGeometry& g, const T_<float>& dy, const T_<std::int32_t>& argmax,
+                                 T_<float>& dx) {
+        dx.zero();
+        const std::int64_t HW = g.height * g.width, per = g.out_height() * g.out_width();
+        for (std::int64_t o = 0; o < dy.numel(); ++o) dx[(o / per) * HW + argmax[o]] += dy[o];
+    }
+
+    // ---- losses -------------------------------------------------------------------------------
+
+    //! Softmax cross-entropy of `logits` (N, K) against `labels` (checked by the caller):
+    //! totals = [sum of per-sample losses, samples whose arg-max is the label], grad =
+    //! (softmax - onehot) * inv_count.
+    static void softmax_cross_entropy(const Ex&, const T_<float>& logits, std::span<const std::int64_t> labels,
+                                      double inv_count, T_<float>& grad, T_<double>& totals) {
+        const std::int64_t N = logits.dim(0), K = logits.dim(1);
+        double sum = 0;
+        std::int64_t correct = 0;
+        for (std::int64_t n = 0; n < N; ++n) {
+            const std::int64_t label = labels[static_cast<std::size_t>(n)];
+            const float* z = logits.data() + n * K;
+            float* gr = grad.data() + n * K;
+            const std::int64_t best = std::max_element(z, z + K) - z;
+            const double zmax = z[best];
+            double denom = 0;
+            for (std::int64_t k = 0; k < K; ++k) denom += std::exp(static_cast<double>(z[k]) - zmax);
+            const double log_denom = std::log(denom);
+            sum += log_denom - (static_cast<double>(z[label]) - zmax);
+            correct += best == label;
+            for (std::int64_t k = 0; k < K; ++k) {
+                const double p = std::exp(static_cast<double>(z[k]) - zmax - log_denom);
+                gr[k] = static_cast<float>((p - (k == label ? 1.0 : 0.0)) * inv_count);
+            }
+        }
+        totals[0] = sum;
+        totals[1] = static_cast<double>(correct);
+    }
+
+    //! Mean squared error per sample (mean over a sample's D elements): totals = [sum over samples
+    //! of mean((out - target)^2), 0], grad = 2 (out - target) / D * inv_count.
+    static void mse(const Ex&, const T_<float>& out, const T_<float>& target, double inv_count, T_<float>& grad,
+                    T_<double>& totals) {
+        const std::int64_t N = out.rank() > 0 ? out.dim(0) : 0;
+        const std::int64_t D = N > 0 ? out.numel() / N : 0;
+        double sum = 0;
+        for (std::int64_t n = 0; n < N; ++n) {
+            double s = 0;
+            for (std::int64_t d = 0; d < D; ++d) {
+                const std::int64_t i = n * D + d;
+                const double diff = static_cast<double>(out[i]) - static_cast<double>(target[i]);
+                s += diff * diff;
+                grad[i] = static_cast<float>(2.0 * diff / static_cast<double>(D) * inv_count);
+            }
+            sum += s / static_cast<double>(D);
+        }
+        totals[0] = sum;
+        totals[1] = 0;
+    }
+
+    // ---- optimizer ----------------------------------------------------------------------------
+
+    //! One torch.optim.SGD update of `value` from `grad`; `momentum_buffer` is ignored without
+    //! momentum and initialized from the gradient when `first`.
+    static void sgd_step(const Ex&, T_<float>& value, const T_<float>& grad, T_<float>& momentum_buffer, bool first,
+                         const SgdUpdate& u) {
+        const float lr = static_cast<float>(u.lr), mu = static_cast<float>(u.momentum),
+                    damp = static_cast<float>(1.0 - u.dampening), wd = static_cast<float>(u.weight_decay);
+        float* w = value.data();
+        const float* gr = grad.data();
+        const std::int64_t n = value.numel();
+        if (mu == 0.0f) {
+            for (std::int64_t k = 0; k < n; ++k) w[k] -= lr * (gr[k] + wd * w[k]);
+            return;
+        }
+        float* v = momentum_buffer.data();
+        for (std::int64_t k = 0; k < n; ++k) {
+            const float g = gr[k] + wd * w[k];
+            v[k] = first ? g : mu * v[k] + damp * g;
+            w[k] -= lr * (u.nesterov ? g + mu * v[k] : v[k]);
+        }
+    }
+
+    // ---- batch norm (see batch_norm_math.hpp for the formulas) ---------------------------------
+
+    //! Forward payload [S | Q | n] (2C+1) of the local batch about `shift` (null: zero).
+    static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, const T_<float>* shift, T_<double>& payload) {
+        std::vector<float> zeros;
+        const float* k = shift != nullptr ? shift->data() : (zeros.assign(static_cast<std::size_t>(g.channels), 0.0f), zeros.data());
+        host::bn_local_stats(x.data(), g, k, payload.data());
+    }
+
+    //! Statistics from the all-reduced payload of `count` values per channel: fills `k`, and
+    //! updates the running statistics once when `o.update_running` (null pointers: not tracked;
+    //! `weight`/`bias` null: not affine).
+    static void bn_forward_finish(const Ex&, const T_<double>& payload, double count, const BnFinishOptions& o,
+                                  T_<float>* running_mean, T_<float>* running_var, T_<std::int64_t>* num_batches_tracked,
+                                  const T_<float>* weight, const T_<float>* bias, BnConstants<Host>& k) {
+        const std::int64_t C = k.stats.numel() / 2;
+        const bn::ForwardPayload layout{C};
+        double factor = o.momentum.value_or(0.0);
+        if (o.update_running) {
+            (*num_batches_tracked)[0] += 1;
+            if (!o.momentum) factor = 1.0 / static_cast<double>((*num_batches_tracked)[0]);
+        }
+        for (std::int64_t c = 0; c < C; ++c) {
+            const double shift = running_mean != nullptr ? (*running_mean)[c] : 0.0;
+            const auto st = bn::finish(count, payload[layout.sum(c)], payload[layout.sum_sq(c)], shift, o.eps);
+            k.stats[c] = st.mean;
+            k.stats[C + c] = st.invstd;
+            if (o.update_running) bn::update_running((*running_mean)[c], (*running_var)[c], st, count, factor);
+        }
+        fold(k, weight, bias);
+    }
+
+    //! Evaluation: the statistics are the running ones.
+    static void bn_eval_constants(const Ex&, const T_<float>& running_mean, const T_<float>& running_var, double eps,
+                                  const T_<float>* weight, const T_<float>* bias, BnConstants<Host>& k) {
+        const std::int64_t C = k.stats.numel() / 2;
+        for (std::int64_t c = 0; c < C; ++c) {
+            k.stats[c] = running_mean[c];
+            k.stats[C + c] = 1.0 / std::sqrt(static_cast<double>(running_var[c]) + eps);
+        }
+        fold(k, weight, bias);
+    }
+
+    static void bn_normalize(const Ex&, const T_<float>& x, T_<float>& y, const BnGeometry& g, const BnConstants<Host>& k) {
+        const std::int64_t C = g.channels;
+        const float* f = k.folded.data();
+        host::bn_normalize(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C);
+    }
+
+    //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch.
+    static void bn_backward_sums(const Ex&, const T_<float>& x, const T_<float>& dy, const BnGeometry& g,
+                                 const BnConstants<Host>& k, T_<double>& payload) {
+        const std::int64_t C = g.channels;
+        const float* f = k.folded.data();
+        host::bn_backward_sums(x.data(), dy.data(), g, f, f + C, payload.data());
+    }
+
+    //! weight_grad += sum(dy * xhat), bias_grad += sum(dy) from the local backward payload.
+    static void bn_param_grads(const Ex&, const T_<double>& payload, const BnConstants<Host>& k, T_<float>& weight_grad,
+                               T_<float>& bias_grad) {
+        const std::int64_t C = weight_grad.numel();
+        const bn::BackwardPayload layout{C};
+        for (std::int64_t c = 0; c < C; ++c) {
+            weight_grad[c] += static_cast<float>(payload[layout.sum_dy_xmu(c)] * k.stats[C + c]);
+            bias_grad[c] += static_cast<float>(payload[layout.sum_dy(c)]);
+        }
+    }
+
+    //! dx from the all-reduced backward payload of `count` values per channel, written over `x`.
+    static void bn_backward_dx(const Ex&, const T_<double>& payload, double count, const BnConstants<Host>& k,
+                               const T_<float>* weight, T_<float>& x_to_dx, const T_<float>& dy, const BnGeometry& g) {
+        const std::int64_t C = g.channels;
+        const bn::BackwardPayload layout{C};
+        std::vector<float> abc(static_cast<std::size_t>(3 * C));
+        for (std::int64_t c = 0; c < C; ++c) {
+            const auto q = bn::backward_constants(count, payload[layout.sum_dy(c)], payload[layout.sum_dy_xmu(c)], k.stats[c],
+                                                  k.stats[C + c], weight != nullptr ? (*weight)[c] : 1.0);
+            abc[static_cast<std::size_t>(c)] = q.a;
+            abc[static_cast<std::size_t>(C + c)] = q.b;
+            abc[static_cast<std::size_t>(2 * C + c)] = q.c;
+        }
+        host::bn_backward_dx(x_to_dx.data(), dy.data(), x_to_dx.data(), g, k.folded.data(), abc.data(), abc.data() + C,
+                             abc.data() + 2 * C);
+    }
+
+private:
+    // Splits each mean into hi + lo and folds the affine parameters into scale and shift.
+    static void fold(BnConstants<Host>& k, const T_<float>* weight, const T_<float>* bias) {
+        const std::int64_t C = k.stats.numel() / 2;
+        for (std::int64_t c = 0; c < C; ++c) {
+            const double mean = k.stats[c], invstd = k.stats[C + c];
+            const auto split = bn::split_mean(mean);
+            const auto q = bn::normalize_constants(mean, invstd, weight != nullptr ? (*weight)[c] : 1.0,
+                                                   bias != nullptr ? (*bias)[c] : 0.0);
+            k.folded[c] = split.hi;
+            k.folded[C + c] = split.lo;
+            k.folded[2 * C + c] = q.scale;
+            k.folded[3 * C + c] = q.shift;
+        }
+    }
+
+    // cols[(c, i, j), (oh, ow)] = x[c, oh*s - p + i, ow*s - p + j], zero outside the image.
+    static void im2col(const ConvGeometry& g, const float* x, float* col) {
+        const std::int64_t s = g.stride, pad = g.padding, k = g.kernel, H = g.height, W = g.width;
+        const std::int64_t OH = g.out_height(), OW = g.out_width(), P = OH * OW;
+        for (std::int64_t c = 0; c < g.in_channels; ++c)
+            for (std::int64_t i = 0; i < k; ++i)
+                for (std::int64_t j = 0; j < k; ++j) {
+                    float* row = col + ((c * k + i) * k + j) * P;
+                    for (std::int64_t oh = 0; oh < OH; ++oh) {
+                        const std::int64_t h = oh * s - pad + i;
+                        float* out = row + oh * OW;
+                        if (h < 0 || h >= H) {
+                            std::fill(out, out + OW, 0.0f);
+                            continue;
+                        }
+                        const float* src = x + (c * H + h) * W;
+                        for (std::int64_t ow = 0; ow < OW; ++ow) {
+                            const std::int64_t w = ow * s - pad + j;
+                            out[ow] = (w >= 0 && w < W) ? src[w] : 0.0f;
+                        }
+                    }
+                }
+    }
+
+    // The adjoint of im2col: adds dcols back onto the image positions they were read from.
+    static void col2im(const ConvGeometry& g, const float* col, float* dx) {
+        const std::int64_t s = g.stride, pad = g.padding, k = g.kernel, H = g.height, W = g.width;
+        const std::int64_t OH = g.out_height(), OW = g.out_width(), P = OH * OW;
+        for (std::int64_t c = 0; c < g.in_channels; ++c)
+            for (std::int64_t i = 0; i < k; ++i)
+                for (std::int64_t j = 0; j < k; ++j) {
+                    const float* row = col + ((c * k + i) * k + j) * P;
+                    for (std::int64_t oh = 0; oh < OH; ++oh) {
+                        const std::int64_t h = oh * s - pad + i;
+                        if (h < 0 || h >= H) continue;
+                        float* dst = dx + (c * H + h) * W;
+                        const float* in = row + oh * OW;
+                        for (std::int64_t ow = 0; ow < OW; ++ow) {
+                            const std::int64_t w = ow * s - pad + j;
+                            if (w >= 0 && w < W) dst[w] += in[ow];
+                        }
+                    }
+                }
+    }
+};
+
+}  // namespace lockstep::kernels

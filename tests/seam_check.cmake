@@ -1,0 +1,23 @@
+# SPDX-License-Identifier: MIT
+# Note [backend operations]: layers, losses, the optimizer and DataParallel reach tensor memory
+# only through kernels::Ops<B>. This check fails on a file under include/lockstep/nn or
+# include/lockstep/parallel that calls BLAS, a host SIMD kernel or memcpy itself. (span() and
+# operator[] on tensor data are caught by compiling that code for Cuda: tests/cuda/.)
+# Usage: cmake -DROOT=<source dir> -P seam_check.cmake
+file(GLOB_RECURSE files "${ROOT}/include/lockstep/nn/*" "${ROOT}/include/lockstep/parallel/*")
+set(found "")
+foreach(f IN LISTS files)
+  file(STRINGS "${f}" lines REGEX "cblas_|blas::|memcpy|memset|kernels::host::|kernels::simd|host_blas\\.hpp|batch_norm_host\\.hpp")
+  foreach(line IN LISTS lines)
+    file(RELATIVE_PATH rel "${ROOT}" "${f}")
+    string(APPEND found "\n  ${rel}: ${line}")
+  endforeach()
+endforeach()
+list(LENGTH files count)
+if(count LESS 10)
+  message(FATAL_ERROR "found only ${count} files under nn/ and parallel/: is ROOT right?")
+endif()
+if(found)
+  message(FATAL_ERROR "generic code touches tensor memory itself; call kernels::Ops<B> instead:${found}")
+endif()
+message(STATUS "${count} files under nn/ and parallel/ reach tensor memory only through kernels::Ops<B>")
