@@ -782,3 +782,60 @@ TEST_CASE("OpenBLAS runs one thread while a DataParallel exists and gets its set
     }
     CHECK(openblas_get_num_threads() == before);
 }
+
+// ---- a reference produced by PyTorch: tests/golden/make_golden.py ----
+
+TEST_CASE("Three SGD steps on 1 and 2 replicas match PyTorch's losses, parameters and momentum", "[parallel][golden]") {
+    const auto golden = nn::Checkpoint::load(LOCKSTEP_GOLDEN_DIR "/tiny_net.safetensors");
+    const auto want_losses = nlohmann::json::parse(golden.metadata.at("losses")).get<std::vector<double>>();
+    REQUIRE(want_losses.size() == 3);
+    using Tiny = nn::Sequential<nn::Conv2d<>, nn::SyncBatchNorm<>, nn::ReLU<>, nn::MaxPool2d<>, nn::Flatten<>, nn::Linear<>>;
+    for (int replicas = 1; replicas <= 2; ++replicas) {  // 7 samples: shards of 4 and 3
+        CAPTURE(replicas);
+        nn::Generator g(0);
+        Tiny net(nn::Conv2d<>(2, 3, 3, {.padding = 1}, g), nn::SyncBatchNorm<>(3), nn::ReLU<>(), nn::MaxPool2d<>(2),
+                 nn::Flatten<>(), nn::Linear<>(12, 4, true, g));
+        nn::get_module(golden, net, "init");  // PyTorch's initial values, stored as "init.<name>"
+        DataParallel dp(net, replicas);
+        nn::Sgd sgd({.lr = 0.1, .momentum = 0.9});
+        for (int k = 0; k < 3; ++k) {
+            Tensor<float> x(Shape{7, 2, 4, 4});
+            Tensor<std::int64_t> labels(Shape{7});
+            golden.get("data.x." + std::to_string(k), x);
+            golden.get("data.labels." + std::to_string(k), labels);
+            const auto r = dp.train_step(x, labels.span(), nn::SoftmaxCrossEntropy{}, sgd);
+            CHECK(r.loss == Approx(want_losses[static_cast<std::size_t>(k)]).epsilon(1e-4));
+        }
+        const auto ours = dp.checkpoint(sgd);
+        int compared = 0;
+        for (const auto& name : ours.names()) {
+            CAPTURE(name);
+            const auto& mine = ours.at(name);
+            const auto& theirs = golden.at("final." + name);
+            REQUIRE(mine.dtype == theirs.dtype);
+            REQUIRE(mine.data.size() == theirs.data.size());
+            double diff = 0, norm = 0;
+            for (std::size_t i = 0; i < mine.data.size(); i += mine.dtype == "F32" ? 4 : 8) {
+                double a = 0, b = 0;
+                if (mine.dtype == "F32") {
+                    float fa = 0, fb = 0;
+                    std::memcpy(&fa, mine.data.data() + i, 4);
+                    std::memcpy(&fb, theirs.data.data() + i, 4);
+                    a = fa, b = fb;
+                } else {
+                    std::int64_t ia = 0, ib = 0;
+                    std::memcpy(&ia, mine.data.data() + i, 8);
+                    std::memcpy(&ib, theirs.data.data() + i, 8);
+                    a = static_cast<double>(ia), b = static_cast<double>(ib);
+                }
+                diff += (a - b) * (a - b);
+                norm += b * b;
+            }
+            // The absolute 1e-6 is for tensors that are zero in exact arithmetic: the conv bias's
+            // gradient (and momentum) cancels in the batch norm after it, to rounding noise.
+            CHECK(std::sqrt(diff) <= 1e-4 * std::sqrt(norm) + 1e-6);
+            ++compared;
+        }
+        CHECK(compared == 9 + 6);  // 9 state_dict entries, 6 momentum buffers
+    }
+}
