@@ -32,9 +32,8 @@ using kernels::BnGeometry;
 //   flushed into fp64 every `block_rows` rows.
 // - Element-wise passes read every tensor front to back and apply the per-channel constants of
 //   batch_norm_math.hpp: two or three arithmetic operations per element.
-// What the layouts cost (bench/bench_sync_batch_norm.cpp): with data in cache the four passes run
-// at about memcpy speed; a step whose tensors exceed the cache is bound by DRAM traffic (eight
-// tensor-sized streams: x read four times, dy twice, y and dx written).
+// A step whose tensors exceed the cache is bound by memory traffic: eight tensor-sized streams
+// (x read four times, dy twice, y and dx written).
 
 namespace detail {
 
@@ -146,7 +145,7 @@ LOCKSTEP_KERNEL_INLINE void grad_run(const float* LOCKSTEP_RESTRICT x, const flo
 
 // Adds rows [r0, r1) into per-channel fp32 partials `a`, `b` (2C floats, in L1), row after row and
 // front to back: a tensor too big for the cache streams from memory at full speed only when read
-// in order (interleaving rows, even with software prefetch, measured slower from DRAM).
+// in order.
 //   Stats: a += sum(x - k), b += sum((x - k)^2).   Grad: a += sum(dy), b += sum(dy * (x - m)).
 template <int W>
 LOCKSTEP_KERNEL_INLINE void stats_rows(const float* LOCKSTEP_RESTRICT x, std::int64_t C, std::int64_t r0,

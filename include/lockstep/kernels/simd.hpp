@@ -27,8 +27,8 @@ namespace lockstep::kernels::simd {
 //   avx512   16 floats (AVX-512 F/VL/BW/DQ).
 // `active()` starts as AVX2 where the CPU has it (else baseline), or as the level the environment
 // variable LOCKSTEP_SIMD=baseline|avx2|avx512 names (read once), capped at what the CPU runs.
-// AVX-512 is opt-in: the passes are bound by memory traffic, where it measured no faster than AVX2
-// (bench_sync_batch_norm), and some CPUs lower their clock while running it. Results differ
+// AVX-512 is opt-in: the passes are bound by memory traffic, where wider vectors buy nothing, and
+// some CPUs lower their clock while running it. Results differ
 // between levels by float rounding only (sums are grouped by width); all replicas of a process use
 // the same level, so they stay bit-identical. Tests pin each level in turn with `set_active`.
 

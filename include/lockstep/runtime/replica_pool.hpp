@@ -24,11 +24,9 @@ namespace lockstep {
 
 // Note [replica CPU binding]
 // Replicas meet at every collective, so a step runs at the pace of the slowest one; two replica
-// threads that the OS puts on the same CPU halve the step's speed until it moves one of them.
-// Measured on a 2-core machine, SyncBatchNorm at 2 replicas: runs where the threads shared a
-// CPU for most of the step (the wake-up that ends a collective tends to place the woken thread
-// beside its waker) took twice as long as pinned runs. Binding each replica thread to a CPU of
-// its own removes that. It is the default only where it cannot crowd other work: when the
+// threads that the OS puts on the same CPU halve the step's speed until it moves one of them (the
+// wake-up that ends a collective tends to place the woken thread beside its waker). Binding each
+// replica thread to a CPU of its own removes that (README, Benchmarks). It is the default only where it cannot crowd other work: when the
 // process may run on exactly as many CPUs as there are replicas (a 2-core machine, or a job
 // restricted with taskset/cpusets to one CPU per replica). `spread` asks for it whenever there
 // are enough CPUs (replica r on the r-th allowed CPU; several such processes on one machine
