@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "test_support.hpp"
+
 using namespace lockstep;
 using comm::CollectiveSite;
 using comm::HostCommunicator;
@@ -45,8 +47,9 @@ std::vector<std::vector<T>> all_reduce_on_pool(const std::vector<std::vector<T>>
 TEMPLATE_TEST_CASE("all_reduce_sum matches a reference sum and is bit-identical", "[comm]", float, double) {
     const int world = GENERATE(1, 2, 3, 4, 5, 6, 7, 8);
     const std::size_t count = GENERATE(std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{(1u << 20) + 3});
-    CAPTURE(world, count);
-    const auto inputs = random_buffers<TestType>(world, count, std::random_device{}());
+    const auto seed = test::fresh_seed();
+    CAPTURE(world, count, seed);
+    const auto inputs = random_buffers<TestType>(world, count, seed);
     const auto out = all_reduce_on_pool(inputs);
     const double tol = std::is_same_v<TestType, float> ? 1e-6 : 1e-14;
     std::size_t bad = 0;

@@ -232,6 +232,7 @@ TEST_CASE("Gradient all-reduce overlaps backward", "[parallel]") {
 
 TEST_CASE("DataParallel forward scatters and gathers in rank order", "[parallel]") {
     const auto seed = test::fresh_seed();
+    CAPTURE(seed);
     std::mt19937_64 gen(seed);
     auto x = make_batches(1, 7, gen)[0].x;
     DataParallel<Net> dp(make_net(seed), 3);
@@ -837,5 +838,58 @@ TEST_CASE("Three SGD steps on 1 and 2 replicas match PyTorch's losses, parameter
             ++compared;
         }
         CHECK(compared == 9 + 6);  // 9 state_dict entries, 6 momentum buffers
+    }
+}
+
+namespace {
+// Batch norm over every time step of a sequence: (N, T*C) is seen by SyncBatchNorm as (N*T, C),
+// so the layer's rows are not the samples DataParallel counts.
+struct PerStep {
+    using backend = Host;
+    static constexpr std::int64_t T = 4, C = 3;
+    nn::SyncBatchNorm<> bn{C};
+    Tensor<float> forward(const nn::Context<>& ctx, Tensor<float> x) {
+        const std::int64_t n = x.dim(0);
+        return bn.forward(ctx, std::move(x).reshaped(Shape{n * T, C})).reshaped(Shape{n, T * C});
+    }
+    Tensor<float> backward(const nn::Context<>& ctx, const Tensor<float>& dy) {
+        const std::int64_t n = dy.dim(0);
+        return bn.backward(ctx, Tensor<float>(dy).reshaped(Shape{n * T, C})).reshaped(Shape{n, T * C});
+    }
+    template <class V>
+    void visit(V&& v) {
+        v.module("bn", bn);
+    }
+};
+}  // namespace
+
+TEST_CASE("SyncBatchNorm counts the values it normalizes, not the samples of the batch", "[parallel]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    const std::int64_t N = 5, T = PerStep::T, C = PerStep::C;
+    std::normal_distribution<double> d(2.0, 1.5);
+    std::vector<double> x(static_cast<std::size_t>(N * T * C)), t(x.size());
+    Tensor<float> xt(Shape{N, T * C}), tt(Shape{N, T * C});
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        x[i] = static_cast<float>(d(gen));
+        t[i] = static_cast<float>(d(gen));
+        xt[static_cast<std::int64_t>(i)] = static_cast<float>(x[i]);
+        tt[static_cast<std::int64_t>(i)] = static_cast<float>(t[i]);
+    }
+    // (N, T*C) in memory is (N*T, C) with one value per row and channel: P = 1.
+    const auto ref = bn_mse_reference(x, t, std::vector<double>(C, 1.0), std::vector<double>(C, 0.0), N * T, C, 1, 1e-5);
+    for (int replicas = 1; replicas <= 2; ++replicas) {
+        CAPTURE(replicas);
+        DataParallel dp(PerStep{}, replicas);
+        nn::Sgd sgd({.lr = 0.0});
+        CHECK(dp.train_step(xt, tt, nn::MseLoss{}, sgd).loss == Approx(ref.loss).epsilon(1e-6));
+        const double M = static_cast<double>(N * T);
+        for (std::size_t c = 0; c < static_cast<std::size_t>(C); ++c) {
+            CHECK(dp.module().bn.running_mean[static_cast<std::int64_t>(c)] == Approx(0.1 * ref.mean[c]).epsilon(1e-6));
+            CHECK(dp.module().bn.running_var[static_cast<std::int64_t>(c)] ==
+                  Approx(0.9 + 0.1 * ref.var[c] * M / (M - 1)).epsilon(1e-6));
+            CHECK(dp.module().bn.weight.grad[static_cast<std::int64_t>(c)] == Approx(ref.dgamma[c]).margin(1e-6));
+        }
     }
 }

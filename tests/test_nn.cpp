@@ -339,6 +339,28 @@ double central_difference(std::vector<double>& v, std::size_t i, double h, F&& f
     return (up - down) / (2 * h);
 }
 
+std::vector<double> abs_of(std::vector<double> v) {
+    for (auto& x : v) x = std::abs(x);
+    return v;
+}
+
+// Checks the layer's fp32 derivatives `got(i)` of L at the sampled indices of `v` against central
+// differences of the fp64 reference L. The error is measured against the sum of the absolute
+// values of the terms each derivative adds up (the same central difference of `loss_abs`, L over
+// the absolute values, at the same index of `av`): that is the size of an fp32 sum's rounding,
+// however much the terms cancel.
+template <class Loss, class LossAbs, class Got>
+double derivative_error(std::vector<double>& v, std::vector<double>& av, const std::vector<std::size_t>& indices, Loss&& loss,
+                        LossAbs&& loss_abs, Got&& got) {
+    double worst = 0;
+    for (const auto i : indices) {
+        const double want = central_difference(v, i, 0.5, loss);
+        const double scale = central_difference(av, i, 0.5, loss_abs);
+        worst = std::max(worst, std::abs(got(i) - want) / std::max(scale, 1e-30));
+    }
+    return worst;
+}
+
 // Up to `count` distinct indices in [0, n), drawn from `gen` (all of them when n is small).
 std::vector<std::size_t> sample_indices(std::size_t n, std::size_t count, std::mt19937_64& gen) {
     std::vector<std::size_t> all(n);
@@ -367,38 +389,32 @@ TEST_CASE("Conv2d forward and backward match direct fp64 loops and their finite 
                         const auto x = random_tensor(Shape{N, C, H, W}, gen);
                         auto xs = to_f64(x), ws = to_f64(conv.weight.value);
                         auto bs = bias ? to_f64(conv.bias.value) : std::vector<double>{};
+                        auto axs = abs_of(xs), aws = abs_of(ws), abs_ = abs_of(bs);
                         nn::Context<> ctx;
                         const auto y = conv.forward(ctx, x);
                         const auto ref = conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad);
+                        const auto terms = conv_reference(axs, aws, abs_, N, C, H, W, O, k, stride, pad);
                         REQUIRE(y.numel() == static_cast<std::int64_t>(ref.size()));
-                        CHECK(test::rel_error(y.span(), ref) <= 1e-5);
+                        double forward_error = 0;
+                        for (std::size_t i = 0; i < ref.size(); ++i)
+                            forward_error = std::max(forward_error, std::abs(y[static_cast<std::int64_t>(i)] - ref[i]) /
+                                                                        std::max(terms[i], 1e-30));
+                        CHECK(forward_error <= 1e-5);
 
                         const auto dy = random_tensor(y.shape(), gen);
-                        const auto dys = to_f64(dy);
+                        const auto dys = to_f64(dy), adys = abs_of(dys);
                         nn::zero_grad(conv);
                         const auto dx = conv.backward(ctx, dy);
                         // L = sum(dy * conv(x)) in fp64; its derivatives by central differences.
                         const auto L = [&] { return dot64(dys, conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad)); };
-                        std::vector<double> got, want;
-                        for (auto i : sample_indices(xs.size(), 16, gen)) {
-                            want.push_back(central_difference(xs, i, 0.5, L));
-                            got.push_back(dx[static_cast<std::int64_t>(i)]);
-                        }
-                        CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
-                        got.clear(), want.clear();
-                        for (auto i : sample_indices(ws.size(), 16, gen)) {
-                            want.push_back(central_difference(ws, i, 0.5, L));
-                            got.push_back(conv.weight.grad[static_cast<std::int64_t>(i)]);
-                        }
-                        CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
-                        if (bias) {
-                            got.clear(), want.clear();
-                            for (std::size_t i = 0; i < bs.size(); ++i) {
-                                want.push_back(central_difference(bs, i, 0.5, L));
-                                got.push_back(conv.bias.grad[static_cast<std::int64_t>(i)]);
-                            }
-                            CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
-                        }
+                        const auto La = [&] { return dot64(adys, conv_reference(axs, aws, abs_, N, C, H, W, O, k, stride, pad)); };
+                        CHECK(derivative_error(xs, axs, sample_indices(xs.size(), 16, gen), L, La,
+                                               [&](std::size_t i) { return dx[static_cast<std::int64_t>(i)]; }) <= 1e-5);
+                        CHECK(derivative_error(ws, aws, sample_indices(ws.size(), 16, gen), L, La,
+                                               [&](std::size_t i) { return conv.weight.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
+                        if (bias)
+                            CHECK(derivative_error(bs, abs_, sample_indices(bs.size(), bs.size(), gen), L, La,
+                                                   [&](std::size_t i) { return conv.bias.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
                     }
 }
 
@@ -427,34 +443,37 @@ TEST_CASE("Linear forward and backward match direct fp64 loops and their finite 
                         }
                     return y;
                 };
+                auto axs = abs_of(xs), aws = abs_of(ws), abs_ = abs_of(bs);
+                const auto terms = [&] {  // the reference over absolute values: each output's sum of |terms|
+                    std::swap(xs, axs), std::swap(ws, aws), std::swap(bs, abs_);
+                    auto t = reference();
+                    std::swap(xs, axs), std::swap(ws, aws), std::swap(bs, abs_);
+                    return t;
+                };
                 nn::Context<> ctx;
                 const auto y = fc.forward(ctx, x);
-                CHECK(test::rel_error(y.span(), reference()) <= 1e-6);
+                const auto ref = reference(), scale = terms();
+                double forward_error = 0;
+                for (std::size_t i = 0; i < ref.size(); ++i)
+                    forward_error = std::max(forward_error, std::abs(y[static_cast<std::int64_t>(i)] - ref[i]) / std::max(scale[i], 1e-30));
+                CHECK(forward_error <= 1e-5);
                 const auto dy = random_tensor(y.shape(), gen);
-                const auto dys = to_f64(dy);
+                const auto dys = to_f64(dy), adys = abs_of(dys);
                 nn::zero_grad(fc);
                 const auto dx = fc.backward(ctx, dy);
                 const auto L = [&] { return dot64(dys, reference()); };
-                std::vector<double> got, want;
-                for (std::size_t i = 0; i < xs.size(); ++i) {
-                    want.push_back(central_difference(xs, i, 0.5, L));
-                    got.push_back(dx[static_cast<std::int64_t>(i)]);
-                }
-                CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
-                got.clear(), want.clear();
-                for (std::size_t i = 0; i < ws.size(); ++i) {
-                    want.push_back(central_difference(ws, i, 0.5, L));
-                    got.push_back(fc.weight.grad[static_cast<std::int64_t>(i)]);
-                }
-                CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
-                if (bias) {
-                    got.clear(), want.clear();
-                    for (std::size_t i = 0; i < bs.size(); ++i) {
-                        want.push_back(central_difference(bs, i, 0.5, L));
-                        got.push_back(fc.bias.grad[static_cast<std::int64_t>(i)]);
-                    }
-                    CHECK(test::rel_error(got, want, 1e-3) <= 1e-5);
-                }
+                const auto La = [&] { return dot64(adys, terms()); };
+                const auto all = [](std::size_t n) {
+                    std::vector<std::size_t> v(n);
+                    std::iota(v.begin(), v.end(), 0);
+                    return v;
+                };
+                CHECK(derivative_error(xs, axs, all(xs.size()), L, La, [&](std::size_t i) { return dx[static_cast<std::int64_t>(i)]; }) <= 1e-5);
+                CHECK(derivative_error(ws, aws, all(ws.size()), L, La,
+                                       [&](std::size_t i) { return fc.weight.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
+                if (bias)
+                    CHECK(derivative_error(bs, abs_, all(bs.size()), L, La,
+                                           [&](std::size_t i) { return fc.bias.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
             }
 }
 

@@ -48,12 +48,15 @@ struct CollectiveSite {
     friend constexpr bool operator==(const CollectiveSite&, const CollectiveSite&) = default;
 
     std::string str() const {
+        const std::string n = std::to_string(id);
         switch (kind) {
-            case Kind::layer: return "layer " + std::to_string(id) + (part == 0 ? " (forward)" : part == 1 ? " (backward)" : " (collective " + std::to_string(part) + ")");
-            case Kind::bucket: return "gradient bucket " + std::to_string(id);
-            case Kind::broadcast: return "broadcast of tensor " + std::to_string(id);
+            case Kind::layer:
+                return part == 0 ? "layer " + n + " (forward)"
+                                 : part == 1 ? "layer " + n + " (backward)" : "layer " + n + " (collective " + std::to_string(part) + ")";
+            case Kind::bucket: return "gradient bucket " + n;
+            case Kind::broadcast: return "broadcast of tensor " + n;
             case Kind::commit: return part == 0 ? "the commit barrier" : "the barrier after the optimizer step";
-            default: return "user site " + std::to_string(id);
+            default: return "user site " + n;
         }
     }
 };
@@ -74,10 +77,17 @@ struct CollectiveTag {
         static constexpr const char* types[] = {"", "<float>", "<double>", "<int64>"};
         std::string s = kinds[static_cast<int>(kind)];
         s += types[static_cast<int>(dtype)];
-        if (kind != CollectiveKind::barrier) s += "[" + std::to_string(count) + "]";
-        if (kind == CollectiveKind::phase) s += " step " + std::to_string(root);  // a collective's inner barrier
-        else if (root >= 0) s += " from root " + std::to_string(root);
-        return s + " at " + site.str();
+        if (kind != CollectiveKind::barrier) {
+            s += '[';
+            s += std::to_string(count);
+            s += ']';
+        }
+        if (kind == CollectiveKind::phase) s += " step ";  // a collective's inner barrier
+        else if (root >= 0) s += " from root ";
+        if (kind == CollectiveKind::phase || root >= 0) s += std::to_string(root);
+        s += " at ";
+        s += site.str();
+        return s;
     }
 };
 

@@ -64,17 +64,16 @@ struct Ops<Cuda> {
     //! Nothing process-wide to hold on CUDA.
     struct Runtime {};
 
-    //! A replica's stream, cuBLAS handle and workspace (created with issue 13's DataParallel on CUDA).
+    //! A replica's stream, cuBLAS handle and workspace (created with issue 13's DataParallel on
+    //! CUDA); `enter()` makes its device and stream current on a thread working for the replica.
     struct ReplicaResources {
         explicit ReplicaResources(const Device& device) : device(device.index) {
             cuda::detail::not_implemented_yet("ReplicaResources (DataParallel on CUDA comes with issue 13)");
         }
         Ex execution() const { return Ex{device, nullptr, nullptr, nullptr, 0}; }
+        void enter() const { LOCKSTEP_CUDA_CHECK(cudaSetDevice(device)); }
         int device;
     };
-
-    //! Makes the replica's device current on its thread, once.
-    static void enter_replica_thread(const Device& device) { LOCKSTEP_CUDA_CHECK(cudaSetDevice(device.index)); }
 
     //! `replicas` replicas over the visible GPUs, round-robin.
     static std::vector<Device> default_devices(int replicas) {
@@ -169,7 +168,7 @@ struct Ops<Cuda> {
     static void bn_local_stats(const Ex&, const T_<float>&, const BnGeometry&, const T_<float>*, T_<double>&) {
         cuda::detail::not_implemented_yet("bn_local_stats");
     }
-    static void bn_forward_finish(const Ex&, const T_<double>&, double, const BnFinishOptions&, T_<float>*, T_<float>*,
+    static void bn_forward_finish(const Ex&, const T_<double>&, const BnFinishOptions&, T_<float>*, T_<float>*,
                                   T_<std::int64_t>*, const T_<float>*, const T_<float>*, BnConstants<Cuda>&) {
         cuda::detail::not_implemented_yet("bn_forward_finish");
     }
@@ -187,7 +186,7 @@ struct Ops<Cuda> {
     static void bn_param_grads(const Ex&, const T_<double>&, const BnConstants<Cuda>&, T_<float>&, T_<float>&) {
         cuda::detail::not_implemented_yet("bn_param_grads");
     }
-    static void bn_backward_dx(const Ex&, const T_<double>&, double, const BnConstants<Cuda>&, const T_<float>*, T_<float>&,
+    static void bn_backward_dx(const Ex&, const T_<double>&, const BnConstants<Cuda>&, const T_<float>*, T_<float>&,
                                const T_<float>&, const BnGeometry&) {
         cuda::detail::not_implemented_yet("bn_backward_dx");
     }

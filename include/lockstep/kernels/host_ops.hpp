@@ -31,14 +31,15 @@ struct Ops<Host> {
     //! Held by DataParallel for its lifetime: OpenBLAS single-threaded (Note [one BLAS thread per replica]).
     using Runtime = blas::SingleThreadScope;
 
-    //! What a replica owns on the backend besides its tensors (nothing on the host).
+    //! What a replica owns on the backend besides its tensors (on the host: which replica it is).
+    //! Made on the replica's thread; `enter()` runs on every thread that works for the replica.
     struct ReplicaResources {
-        explicit ReplicaResources(const Device&) {}
+        explicit ReplicaResources(const Device& device) : index(device.index) {}
         Ex execution() const { return {}; }
+        //! New tensors of the calling thread go on the replica's device.
+        void enter() const { set_current_host_device(index); }
+        int index;
     };
-
-    //! Run once on each replica thread before any work: its new tensors go on its device.
-    static void enter_replica_thread(const Device& device) { set_current_host_device(device.index); }
 
     //! The devices of `replicas` host replicas: host:0, host:1, ...
     static std::vector<Device> default_devices(int replicas) {
@@ -297,14 +298,15 @@ struct Ops<Host> {
         host::bn_local_stats(x.data(), g, k, payload.data());
     }
 
-    //! Statistics from the all-reduced payload of `count` values per channel: fills `k`, and
+    //! Statistics from the all-reduced payload (its count is the global count): fills `k`, and
     //! updates the running statistics once when `o.update_running` (null pointers: not tracked;
     //! `weight`/`bias` null: not affine).
-    static void bn_forward_finish(const Ex&, const T_<double>& payload, double count, const BnFinishOptions& o,
-                                  T_<float>* running_mean, T_<float>* running_var, T_<std::int64_t>* num_batches_tracked,
-                                  const T_<float>* weight, const T_<float>* bias, BnConstants<Host>& k) {
-        const std::int64_t C = k.stats.numel() / 2;
+    static void bn_forward_finish(const Ex&, const T_<double>& payload, const BnFinishOptions& o, T_<float>* running_mean,
+                                  T_<float>* running_var, T_<std::int64_t>* num_batches_tracked, const T_<float>* weight,
+                                  const T_<float>* bias, BnConstants<Host>& k) {
+        const std::int64_t C = channels_of(k);
         const bn::ForwardPayload layout{C};
+        const double count = payload[layout.count()];
         double factor = o.momentum.value_or(0.0);
         if (o.update_running) {
             (*num_batches_tracked)[0] += 1;
@@ -317,17 +319,19 @@ struct Ops<Host> {
             k.stats[C + c] = st.invstd;
             if (o.update_running) bn::update_running((*running_mean)[c], (*running_var)[c], st, count, factor);
         }
+        k.stats[2 * C] = count;
         fold(k, weight, bias);
     }
 
     //! Evaluation: the statistics are the running ones.
     static void bn_eval_constants(const Ex&, const T_<float>& running_mean, const T_<float>& running_var, double eps,
                                   const T_<float>* weight, const T_<float>* bias, BnConstants<Host>& k) {
-        const std::int64_t C = k.stats.numel() / 2;
+        const std::int64_t C = channels_of(k);
         for (std::int64_t c = 0; c < C; ++c) {
             k.stats[c] = running_mean[c];
             k.stats[C + c] = 1.0 / std::sqrt(static_cast<double>(running_var[c]) + eps);
         }
+        k.stats[2 * C] = 0;  // no batch was counted
         fold(k, weight, bias);
     }
 
@@ -356,11 +360,12 @@ struct Ops<Host> {
         }
     }
 
-    //! dx from the all-reduced backward payload of `count` values per channel, written over `x`.
-    static void bn_backward_dx(const Ex&, const T_<double>& payload, double count, const BnConstants<Host>& k,
-                               const T_<float>* weight, T_<float>& x_to_dx, const T_<float>& dy, const BnGeometry& g) {
+    //! dx from the all-reduced backward payload, with the forward's global count, written over `x`.
+    static void bn_backward_dx(const Ex&, const T_<double>& payload, const BnConstants<Host>& k, const T_<float>* weight,
+                               T_<float>& x_to_dx, const T_<float>& dy, const BnGeometry& g) {
         const std::int64_t C = g.channels;
         const bn::BackwardPayload layout{C};
+        const double count = k.stats[2 * C];
         std::vector<float> abc(static_cast<std::size_t>(3 * C));
         for (std::int64_t c = 0; c < C; ++c) {
             const auto q = bn::backward_constants(count, payload[layout.sum_dy(c)], payload[layout.sum_dy_xmu(c)], k.stats[c],
@@ -374,9 +379,11 @@ struct Ops<Host> {
     }
 
 private:
+    static std::int64_t channels_of(const BnConstants<Host>& k) { return k.folded.numel() / 4; }
+
     // Splits each mean into hi + lo and folds the affine parameters into scale and shift.
     static void fold(BnConstants<Host>& k, const T_<float>* weight, const T_<float>* bias) {
-        const std::int64_t C = k.stats.numel() / 2;
+        const std::int64_t C = channels_of(k);
         for (std::int64_t c = 0; c < C; ++c) {
             const double mean = k.stats[c], invstd = k.stats[C + c];
             const auto split = bn::split_mean(mean);

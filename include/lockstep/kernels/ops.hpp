@@ -58,8 +58,8 @@ struct BnGeometry {
 };
 
 //! Per-channel values a batch-norm forward leaves for its normalize pass and its backward, on the
-//! layer's device: `stats` = [mean (C) | invstd (C)] in fp64, `folded` = [mean_hi (C) | mean_lo (C) |
-//! scale (C) | shift (C)] in fp32 (see Note [split mean]).
+//! layer's device: `stats` = [mean (C) | invstd (C) | global count (1)] in fp64, `folded` =
+//! [mean_hi (C) | mean_lo (C) | scale (C) | shift (C)] in fp32 (see Note [split mean]).
 template <BackendTag B>
 struct BnConstants {
     Tensor<double, B> stats;

@@ -87,8 +87,14 @@ public:
     template <class T, BackendTag B>
     void get(const std::string& name, Tensor<T, B>& t) const {
         check_fits(name, t);
+        copy_into(name, t);
+    }
+
+    //! `get` without the check, for a tensor `check_fits` has passed.
+    template <class T, BackendTag B>
+    void copy_into(const std::string& name, Tensor<T, B>& t) const {
         const Entry& e = at(name);
-        const auto* values = reinterpret_cast<const T*>(e.data.data());  // vector storage is aligned for any T
+        const auto* values = reinterpret_cast<const T*>(e.data.data());  // seam: file bytes, aligned for any T
         t.copy_from(make_tensor<T>(t.shape(), std::span<const T>(values, static_cast<std::size_t>(t.numel())), t.format()));
     }
 
@@ -228,7 +234,7 @@ private:
         Entry e;
         e.dtype = dtype;
         for (int i = 0; i < t.rank(); ++i) e.shape.push_back(t.dim(i));
-        const auto* bytes = reinterpret_cast<const unsigned char*>(t.data());
+        const auto* bytes = reinterpret_cast<const unsigned char*>(t.data());  // seam: a host copy's bytes
         e.data.assign(bytes, bytes + t.bytes());
         entries_[name] = std::move(e);
     }
@@ -297,14 +303,20 @@ void check_module_fits(const Checkpoint& ck, const M& module, std::string_view p
             if (!seen) throw IoError(ck.label() + " has tensor '" + name + "' that the model does not have");
 }
 
+//! Copies every parameter and buffer of `module` from `ck`, which `check_module_fits` has passed.
+template <class M>
+void assign_module(const Checkpoint& ck, M& module, std::string_view prefix = {}) {
+    const auto get_parameter = [&](const std::string& name, auto& p) { ck.copy_into(name, p.value); };
+    walk(module, get_parameter, [&](const std::string& name, auto& t) { ck.copy_into(name, t); }, prefix);
+}
+
 //! Loads every parameter and buffer of `module` from `ck` after `check_module_fits` passed, so a
 //! checkpoint that does not fit leaves the module unchanged.
 template <class M>
 void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, bool strict = true,
                 std::string_view ignore = {}) {
     check_module_fits(ck, module, prefix, strict, ignore);
-    const auto get_parameter = [&](const std::string& name, auto& p) { ck.get(name, p.value); };
-    walk(module, get_parameter, [&](const std::string& name, auto& t) { ck.get(name, t); }, prefix);
+    assign_module(ck, module, prefix);
 }
 
 //! Adds replica `rank`'s optimizer state for `module` under `prefix` ("optimizer.<parameter>.momentum_buffer").

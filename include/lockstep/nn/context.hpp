@@ -22,7 +22,7 @@ struct Context {
     //! The replica's group; null means a replica alone. SyncBatchNorm with `world > 1` needs it.
     comm::Collectives* comm = nullptr;
     //! Samples of this forward over all replicas (the global batch); -1: this replica's input is
-    //! the whole batch. Losses average over it, SyncBatchNorm counts with it.
+    //! the whole batch. Losses average over it.
     std::int64_t global_batch = -1;
     //! Called by a layer when the gradient of one of its parameters is final (backward is done
     //! with it): DataParallel starts that bucket's all-reduce without waiting for the rest.

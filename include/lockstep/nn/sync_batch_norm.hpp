@@ -103,22 +103,17 @@ public:
                           ": the context says world ", ctx.world, " but has no communicator; give each replica's context "
                           "its replica group (ctx.comm), or use world 1 for a replica alone");
         if (options_.affine) check_device(weight.value.device(), x.device(), describe() + ": the input");
+        if (options_.track_running_stats) check_device(running_mean.device(), x.device(), describe() + ": the input");
         saved_x_ = Tensor<float, B>();
         prepare(x.device());
         if (batch_stats) {
             K::bn_local_stats(ctx.exec, x, g, options_.track_running_stats ? &running_mean : nullptr, forward_payload_);
             if (ctx.comm != nullptr)
                 ctx.comm->all_reduce_sum(DeviceSpan(forward_payload_), comm::CollectiveSite::layer(layer_id_, 0));
-            // The global count: known on the host when the context gives the global batch, read
-            // from the all-reduced payload otherwise (a layer driven by hand).
-            const double n = ctx.global_batch >= 0 ? static_cast<double>(ctx.global_batch * g.inner)
-                                                   : K::read(ctx.exec, forward_payload_, kernels::bn::ForwardPayload{channels_}.count());
-            LOCKSTEP_CHECK(!ctx.training || n > 1, describe(), ": expected more than 1 value per channel when training, got input size ",
-                           x.shape(), " (", static_cast<std::int64_t>(n), " value(s) per channel over all replicas)");
-            count_ = n;
+            check_count(ctx, x, g);
             const kernels::BnFinishOptions finish{options_.eps, options_.momentum, ctx.training && options_.track_running_stats};
             const bool track = options_.track_running_stats;
-            K::bn_forward_finish(ctx.exec, forward_payload_, n, finish, track ? &running_mean : nullptr,
+            K::bn_forward_finish(ctx.exec, forward_payload_, finish, track ? &running_mean : nullptr,
                                  track ? &running_var : nullptr, track ? &num_batches_tracked : nullptr, affine_weight(),
                                  options_.affine ? &bias.value : nullptr, constants_);
         } else {
@@ -155,12 +150,23 @@ public:
         // dx overwrites the saved input, which nothing needs after this: a step holds one tensor
         // less, and dx is written to cache lines the same pass has just read.
         auto dx = std::move(saved_x_);
-        K::bn_backward_dx(ctx.exec, backward_payload_, count_, constants_, affine_weight(), dx, dy, g);
+        K::bn_backward_dx(ctx.exec, backward_payload_, constants_, affine_weight(), dx, dy, g);
         saved_x_ = Tensor<float, B>();
         return dx;
     }
 
 private:
+    // Training needs more than one value per channel over all replicas. A replica that holds more
+    // than one itself knows that without asking; only one that holds at most one reads the global
+    // count (a device read on CUDA). The global count is the same everywhere, so every replica
+    // decides alike: where it is 1 or less, each replica holds at most one value and all read.
+    void check_count(const Context<B>& ctx, const Tensor<float, B>& x, const kernels::BnGeometry& g) const {
+        if (!ctx.training || g.per_channel() > 1) return;
+        const double n = K::read(ctx.exec, forward_payload_, kernels::bn::ForwardPayload{channels_}.count());
+        LOCKSTEP_CHECK(n > 1, describe(), ": expected more than 1 value per channel when training, got input size ", x.shape(),
+                       " (", static_cast<std::int64_t>(n), " value(s) per channel over all replicas)");
+    }
+
     const Tensor<float, B>* affine_weight() const { return options_.affine ? &weight.value : nullptr; }
 
     // Sizes the payloads and constants for the layer's channels on `device` (once; again only if
@@ -169,7 +175,7 @@ private:
         if (forward_payload_.numel() == 2 * channels_ + 1 && forward_payload_.device() == device) return;
         forward_payload_ = Tensor<double, B>(Shape{2 * channels_ + 1}, MemoryFormat::nchw, device);
         backward_payload_ = Tensor<double, B>(Shape{2 * channels_}, MemoryFormat::nchw, device);
-        constants_.stats = Tensor<double, B>(Shape{2 * channels_}, MemoryFormat::nchw, device);
+        constants_.stats = Tensor<double, B>(Shape{2 * channels_ + 1}, MemoryFormat::nchw, device);
         constants_.folded = Tensor<float, B>(Shape{4 * channels_}, MemoryFormat::nchw, device);
     }
 
@@ -196,8 +202,7 @@ private:
     // What backward needs from forward.
     Tensor<float, B> saved_x_;
     bool saved_batch_stats_ = false;
-    kernels::BnConstants<B> constants_;  // mean, invstd; mean as hi + lo, scale, shift: see Note [split mean]
-    double count_ = 0;
+    kernels::BnConstants<B> constants_;  // mean, invstd, count; mean as hi + lo, scale, shift: see Note [split mean]
     // The all-reduce buffers outlive each call: a peer that is still reading one when this replica
     // leaves an aborted collective reads memory that is still ours.
     Tensor<double, B> forward_payload_;   // (2C+1)

@@ -117,7 +117,14 @@ public:
         : options_(check_options(options)), devices_(check_devices(devices)), world_(static_cast<int>(devices_.size())),
           layer_group_(std::make_unique<Group>(devices_, options.timeout)),
           grad_group_(std::make_unique<Group>(devices_, options.timeout)),
-          pool_(world_, [this](int r) { K::enter_replica_thread(devices_[static_cast<std::size_t>(r)]); },
+          resources_(devices_.size()),
+          // Each replica's backend resources are made on its own thread, which then works on its device.
+          pool_(world_,
+                [this](int r) {
+                    const auto ur = static_cast<std::size_t>(r);
+                    resources_[ur] = std::make_unique<typename K::ReplicaResources>(devices_[ur]);
+                    resources_[ur]->enter();
+                },
                 options.cpu_binding) {
         pool_.attach(layer_group_->abortable());
         pool_.attach(grad_group_->abortable());
@@ -125,13 +132,13 @@ public:
         // Each replica is cloned on its own thread, so its tensors are made on its device.
         pool_.run([&](int r) {
             const auto ur = static_cast<std::size_t>(r);
-            replicas_[ur] = std::make_unique<Replica>(nn::clone(prototype, devices_[ur]), devices_[ur],
+            replicas_[ur] = std::make_unique<Replica>(nn::clone(prototype, devices_[ur]), *resources_[ur],
                                                       layer_group_->communicator(r), grad_group_->communicator(r));
             auto& rep = *replicas_[ur];
             rep.ctx.rank = r;
             rep.ctx.world = world_;
             rep.ctx.comm = rep.layer_comm;
-            rep.ctx.exec = rep.resources.execution();
+            rep.ctx.exec = resources_[ur]->execution();
             rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, devices_[ur]);
             rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, devices_[ur]);
             build_buckets(rep, devices_[ur]);
@@ -275,10 +282,11 @@ private:
     };
 
     struct Replica {
-        Replica(Module&& replica, const Device& device, comm::Collectives& layer, comm::Collectives& grad)
-            : resources(device), module(std::move(replica)), layer_comm(&layer), grad_comm(&grad) {}
+        Replica(Module&& replica, const typename K::ReplicaResources& resources, comm::Collectives& layer,
+                comm::Collectives& grad)
+            : module(std::move(replica)), layer_comm(&layer), grad_comm(&grad),
+              worker([&resources] { resources.enter(); }) {}
 
-        typename K::ReplicaResources resources;  // the replica's stream, handles, ... (none on the host)
         Module module;
         comm::Collectives* layer_comm;  // layer collectives (SyncBatchNorm), on the replica thread
         comm::Collectives* grad_comm;   // gradient buckets and commit barriers
@@ -352,9 +360,11 @@ private:
     template <bool Step, class View, class Loss, class Optimizer>
     StepResult run_step(const Tensor<float, backend>& x, const View& targets, const Loss& loss, Optimizer* optimizer,
                         const char* what) {
-        using Shard = decltype(parallel::shard_targets(std::declval<const Execution<backend>&>(), targets,
-                                                       parallel::ShardRange{}, Device{}));
-        static_assert(nn::LossLike<Loss, backend, Shard>,
+        static_assert(parallel::ShardableTargets<View, backend>,
+                      "lockstep: DataParallel cannot split these targets over its replicas: pass class labels as a "
+                      "std::vector or span of std::int64_t, or a Tensor<float, backend> with one row per sample");
+        using Shard = typename parallel::shard_of<View, backend>::type;
+        static_assert(std::is_void_v<Shard> || nn::LossLike<Loss, backend, Shard>,
                       "lockstep: this loss does not take these targets. A loss is called as loss(ctx, output, "
                       "targets_of_the_shard) and returns nn::LossOutput<backend>: class labels (a std::vector or span "
                       "of std::int64_t) go with nn::SoftmaxCrossEntropy, a float tensor of the output's shape with "
@@ -367,6 +377,7 @@ private:
         const auto shards = parallel::shard_ranges(x.dim(0), world_);
         const std::int64_t before = pending_, after = pending_ + x.dim(0);
         if constexpr (Step) optimizer->prepare(world_);
+        std::vector<double> sums(static_cast<std::size_t>(world_)), corrects(static_cast<std::size_t>(world_));
         try {
             pool_.run([&](int r) {
                 const auto ur = static_cast<std::size_t>(r);
@@ -406,7 +417,12 @@ private:
                     rep.unwind();
                     throw;
                 }
-                if constexpr (Step) optimizer->step(rep.ctx, rep.module);
+                if constexpr (Step) {
+                    optimizer->step(rep.ctx, rep.module);
+                    // The step's scalars: the one wait for the device in a step.
+                    sums[ur] = K::read(rep.ctx.exec, rep.totals, 0);
+                    corrects[ur] = K::read(rep.ctx.exec, rep.totals, 1);
+                }
             });
         } catch (...) {
             pending_ = 0;  // the kept gradients are incomplete: the next call starts afresh
@@ -420,10 +436,9 @@ private:
             StepResult result;
             result.count = after;
             double total = 0, correct = 0;
-            for (const auto& rep : replicas_) {  // rank order: the same bits for any run
-                const auto t = rep->totals.to_host();
-                total += t[0];
-                correct += t[1];
+            for (int r = 0; r < world_; ++r) {  // rank order: the same bits for any run
+                total += sums[static_cast<std::size_t>(r)];
+                correct += corrects[static_cast<std::size_t>(r)];
             }
             result.loss = total / static_cast<double>(after);
             result.correct = static_cast<std::int64_t>(correct);
@@ -460,7 +475,7 @@ private:
         }
         pool_.run([&](int r) {
             auto& rep = *replicas_[static_cast<std::size_t>(r)];
-            nn::get_module(ck, rep.module, {}, true, "optimizer.");
+            nn::assign_module(ck, rep.module);  // checked above, against replica 0
             if (optimizer != nullptr) nn::get_optimizer(ck, *optimizer, rep.module, r);
         });
         pending_ = 0;
@@ -524,6 +539,7 @@ private:
     int world_;
     std::unique_ptr<Group> layer_group_;  // layer collectives (SyncBatchNorm), on the replica threads
     std::unique_ptr<Group> grad_group_;   // gradient buckets, on the communication threads
+    std::vector<std::unique_ptr<typename K::ReplicaResources>> resources_;  // made on the replica threads
     ReplicaPool pool_;
     std::vector<std::unique_ptr<Replica>> replicas_;
     bool training_ = true;

@@ -6,6 +6,7 @@
 #include <concepts>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "lockstep/core/error.hpp"
@@ -83,6 +84,25 @@ template <class T, BackendTag B>
 Tensor<T, B> shard_targets(const Execution<B>& ex, const Tensor<T, B>& t, ShardRange range, Device device) {
     return take_rows(ex, t, range, device);
 }
+
+//! Targets a train_step can split over its replicas (class labels as a span, or a tensor).
+template <class View, class B>
+concept ShardableTargets = BackendTag<B> && requires(const Execution<B>& ex, const View& t, ShardRange r, Device d) {
+    parallel::shard_targets(ex, t, r, d);
+    { parallel::target_rows(t) } -> std::convertible_to<std::int64_t>;
+};
+
+//! The type of one replica's share of `View` targets (void when they cannot be split).
+template <class View, class B>
+struct shard_of {
+    using type = void;
+};
+template <class View, class B>
+    requires ShardableTargets<View, B>
+struct shard_of<View, B> {
+    using type = decltype(parallel::shard_targets(std::declval<const Execution<B>&>(), std::declval<const View&>(),
+                                                  ShardRange{}, Device{}));
+};
 
 //! How a train_step sees the targets it was given: labels in any contiguous container as a span,
 //! a tensor as itself.

@@ -17,7 +17,10 @@ namespace lockstep {
 //! until `wait()` has reported the error. The destructor finishes queued jobs and joins.
 class SerialWorker {
 public:
-    SerialWorker() : thread_([this] { loop(); }) {}
+    //! `init` runs once on the worker's thread before any job (e.g. to make a replica's device
+    //! current there); it must not throw.
+    explicit SerialWorker(std::function<void()> init = {})
+        : init_(std::move(init)), thread_([this] { loop(); }) {}
     SerialWorker(const SerialWorker&) = delete;
     SerialWorker& operator=(const SerialWorker&) = delete;
     ~SerialWorker() {
@@ -56,6 +59,7 @@ public:
 
 private:
     void loop() {
+        if (init_) init_();
         std::unique_lock lock(mutex_);
         for (;;) {
             cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
@@ -86,6 +90,7 @@ private:
     bool busy_ = false;
     bool stopping_ = false;
     std::exception_ptr error_;
+    std::function<void()> init_;
     std::thread thread_;  // last: starts after the state it uses exists
 };
 
