@@ -3,9 +3,13 @@
 //! and what overlapping the gradient all-reduce with backward buys.
 #include <benchmark/benchmark.h>
 
+#include <atomic>
 #include <chrono>
 #include <random>
+#include <thread>
 #include <vector>
+
+#include <lockstep/kernels/host_blas.hpp>
 
 #include "../examples/mnist/net.hpp"
 
@@ -39,16 +43,52 @@ double images_per_second(int replicas, int steps, DataParallelOptions opts = {},
     return 64.0 * steps / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Throughput of 1 and 2 replicas measured back to back in this process: `scaling` is their ratio.
+// Training FLOPs of one image: 2 x the multiply-adds of forward, backward-data and
+// backward-weights of every convolution and linear layer of the network (about 98 MFLOP).
+double training_flops_per_image() {
+    const double conv1 = 2.0 * 32 * 28 * 28 * (1 * 3 * 3), conv2 = 2.0 * 64 * 28 * 28 * (32 * 3 * 3);
+    const double fc1 = 2.0 * (64 * 14 * 14) * 128, fc2 = 2.0 * 128 * 10;
+    return 3.0 * (conv1 + conv2 + fc1 + fc2);
+}
+
+// FLOP/s of two threads running conv2's per-sample GEMM (64 x 784 x 288, single-threaded
+// OpenBLAS each) at the same time: what the machine's two cores give the network's largest GEMM.
+double gemm_ceiling() {
+    kernels::blas::SingleThreadScope one_thread;
+    constexpr std::int64_t M = 64, N = 28 * 28, K = 32 * 3 * 3;
+    std::atomic<long> calls{0};
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(600);
+    const auto work = [&] {
+        std::vector<float> a(M * K, 0.5f), b(K * N, 0.25f), c(M * N);
+        while (std::chrono::steady_clock::now() < until) {
+            kernels::blas::gemm(false, false, M, N, K, 1.0f, a.data(), K, b.data(), N, 0.0f, c.data(), N);
+            calls.fetch_add(1, std::memory_order_relaxed);
+        }
+        benchmark::DoNotOptimize(c.data());
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    std::thread other(work);
+    work();
+    other.join();
+    return 2.0 * M * N * K * static_cast<double>(calls.load()) /
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Throughput of 1 and 2 replicas measured back to back in this process: `scaling` is their ratio;
+// `vs_gemm_ceiling` is the 2-replica FLOP rate (training FLOPs per image x images/s) over
+// `gemm_ceiling`, measured in the same run.
 void BM_TrainStepScaling(benchmark::State& state) {
-    double one = 0, two = 0;
+    double one = 0, two = 0, ceiling = 0;
     for (auto _ : state) {
         one = images_per_second(1, 8);
         two = images_per_second(2, 8);
+        ceiling = gemm_ceiling();
     }
     state.counters["images_per_s_1"] = one;
     state.counters["images_per_s_2"] = two;
     state.counters["scaling"] = two / one;
+    state.counters["gemm_ceiling_GFLOPs"] = ceiling / 1e9;
+    state.counters["vs_gemm_ceiling"] = training_flops_per_image() * two / ceiling;
 }
 BENCHMARK(BM_TrainStepScaling)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 

@@ -9,6 +9,7 @@ packages=(
   catch2                      # tests (Catch2 v2)
   libbenchmark-dev            # bench/
   libopenblas-dev             # CBLAS for the nn layers
+  libdnnl-dev ocl-icd-opencl-dev opencl-c-headers  # oneDNN convolutions (its CMake package needs OpenCL)
   libopenmpi-dev openmpi-bin  # the mpi component
   zlib1g-dev                  # gzipped IDX files
   libcli11-dev                # example command line

@@ -599,3 +599,41 @@ TEST_CASE("Checkpoints get the mode of a new file and hold optimizer state", "[n
     CHECK(a.size() == 8);
     fs::remove_all(dir);
 }
+
+TEST_CASE("Conv2d stays exact across input shapes and an evaluation between forward and backward", "[nn]") {
+    // The host path keeps per-shape state (oneDNN primitives and staged inputs, Note [oneDNN
+    // convolutions]): three batch sizes in turn evict and rebuild it, and an evaluation forward
+    // between a training forward and its backward must not change what backward uses.
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    nn::Generator g(seed);
+    const std::int64_t C = 16, O = 8, H = 9, W = 9, k = 3;  // 16 channels: oneDNN stages the input blocked
+    nn::Conv2d<> conv(C, O, k, {.padding = 1}, g);
+    auto copy = conv;  // a replica: it must not share the original's per-shape state
+    const auto check = [&](nn::Conv2d<>& layer, std::int64_t N) {
+        CAPTURE(N);
+        const auto x = random_tensor(Shape{N, C, H, W}, gen);
+        const auto other = random_tensor(Shape{N, C, H, W}, gen);
+        auto xs = to_f64(x), ws = to_f64(layer.weight.value), bs = to_f64(layer.bias.value);
+        nn::Context<> train, eval;
+        eval.training = false;
+        const auto y = layer.forward(train, x);
+        CHECK(test::rel_error(y.span(), conv_reference(xs, ws, bs, N, C, H, W, O, k, 1, 1)) <= 1e-5);
+        (void)layer.forward(eval, other);  // same shape, another input, between forward and backward
+        const auto dy = random_tensor(y.shape(), gen);
+        const auto dys = to_f64(dy);
+        nn::zero_grad(layer);
+        (void)layer.backward(train, dy);
+        const auto L = [&] { return dot64(dys, conv_reference(xs, ws, bs, N, C, H, W, O, k, 1, 1)); };
+        auto aws = abs_of(ws);
+        const auto axs = abs_of(xs), abs_ = abs_of(bs), adys = abs_of(dys);
+        const auto La = [&] { return dot64(adys, conv_reference(axs, aws, abs_, N, C, H, W, O, k, 1, 1)); };
+        CHECK(derivative_error(ws, aws, sample_indices(ws.size(), 24, gen), L, La,
+                               [&](std::size_t i) { return layer.weight.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
+    };
+    for (const std::int64_t N : {8, 5, 8, 3, 5, 8}) {
+        check(conv, N);
+        check(copy, N == 8 ? 3 : 8);
+    }
+}

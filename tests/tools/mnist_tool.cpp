@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -73,9 +74,11 @@ int compare_checkpoints(const std::string& a, const std::string& b, double tol) 
             continue;
         }
         // Per tensor ||a - b|| <= tol * (||b|| + 1e-3) (2-norms): relative, except for tensors of
-        // norm near 0. Gradients that are zero in exact arithmetic (a conv bias before batch norm)
-        // leave only rounding noise (norm ~1e-6) in momentum buffers, where no relative measure
-        // means anything. Normwise, not per element: where replicas split the batch differently,
+        // norm near 0. Gradients that are zero in exact arithmetic (the conv biases: batch norm
+        // follows each conv and cancels any shift) leave only rounding noise in their momentum
+        // buffers, 1e-6 to 1e-5 depending on the convolution's algorithm, where no relative measure
+        // means anything: those are bounded absolutely, by tol * 1e-2.
+        // Normwise, not per element: where replicas split the batch differently,
         // float rounding can tip a ReLU or max-pool decision at a near-tie, which moves a few
         // gradients by far more than rounding, and batch norm spreads that over the channel.
         const auto* fa = reinterpret_cast<const float*>(ea.data.data());
@@ -86,7 +89,10 @@ int compare_checkpoints(const std::string& a, const std::string& b, double tol) 
             diff2 += d * d;
             norm2 += static_cast<double>(fb[i]) * fb[i];
         }
-        if (std::sqrt(diff2) > tol * (std::sqrt(norm2) + 1e-3)) {
+        static const std::set<std::string> exact_zero{"optimizer.conv1.bias.momentum_buffer",
+                                                      "optimizer.conv2.bias.momentum_buffer"};
+        const double bound = exact_zero.count(name) != 0 ? tol * 1e-2 : tol * (std::sqrt(norm2) + 1e-3);
+        if (std::sqrt(diff2) > bound) {
             std::fprintf(stderr, "%s: ||a - b|| = %.3g with ||b|| = %.3g exceeds tolerance %g\n", name.c_str(),
                          std::sqrt(diff2), std::sqrt(norm2), tol);
             return 1;

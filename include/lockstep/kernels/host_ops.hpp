@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -15,8 +16,43 @@
 #include "lockstep/kernels/batch_norm_math.hpp"
 #include "lockstep/kernels/host_blas.hpp"
 #include "lockstep/kernels/ops.hpp"
+// oneDNN serves host convolutions in translation units g++ compiles; nvcc compiles the host
+// backend without it (its front end does not take oneDNN's headers), with the same layouts.
+#if LOCKSTEP_WITH_DNNL && !defined(__CUDACC__)
+#define LOCKSTEP_HOST_DNNL 1
+#include "lockstep/kernels/host_dnnl.hpp"
+#else
+#define LOCKSTEP_HOST_DNNL 0
+#endif
 
 namespace lockstep::kernels {
+namespace detail {
+
+//! State a layer keeps for itself alone: a copy of the layer (a replica) starts without it. Holds
+//! one object of a type chosen at first use, so the layer's layout is the same in every
+//! translation unit whatever each one builds in.
+class FreshOnCopy {
+public:
+    FreshOnCopy() = default;
+    FreshOnCopy(const FreshOnCopy&) {}
+    FreshOnCopy& operator=(const FreshOnCopy&) {
+        held_.reset();
+        return *this;
+    }
+    FreshOnCopy(FreshOnCopy&&) noexcept = default;
+    FreshOnCopy& operator=(FreshOnCopy&&) noexcept = default;
+
+    template <class T>
+    T& get() {
+        if (!held_) held_ = std::shared_ptr<void>(new T(), [](void* p) { delete static_cast<T*>(p); });
+        return *static_cast<T*>(held_.get());
+    }
+
+private:
+    std::shared_ptr<void> held_;
+};
+
+}  // namespace detail
 
 //! The host backend's operations (see Note [backend operations]). Every operation runs on the
 //! calling replica thread; nothing here synchronizes with another thread.
@@ -36,8 +72,13 @@ struct Ops<Host> {
     struct ReplicaResources {
         explicit ReplicaResources(const Device& device) : index(device.index) {}
         Ex execution() const { return {}; }
-        //! New tensors of the calling thread go on the replica's device.
-        void enter() const { set_current_host_device(index); }
+        //! New tensors of the calling thread go on the replica's device; oneDNN runs on it alone.
+        void enter() const {
+            set_current_host_device(index);
+#if LOCKSTEP_HOST_DNNL
+            dnnl_conv::single_thread();
+#endif
+        }
         int index;
     };
 
@@ -97,14 +138,23 @@ struct Ops<Host> {
 
     // ---- convolution and linear layers --------------------------------------------------------
 
-    //! Buffers a convolution keeps between calls: one sample's im2col matrix and its gradient.
+    //! What a convolution keeps between calls: oneDNN's primitives for its recent shapes (Note
+    //! [oneDNN convolutions]), or one sample's im2col matrix and its gradient.
     struct ConvScratch {
+        detail::FreshOnCopy plans;  // a dnnl_conv::Cache, made on first use where oneDNN is built in
         std::vector<float> cols, dcols;
     };
 
     //! y = conv(x, weight) + bias; `bias` may be null.
     static void conv2d_forward(const Ex&, const ConvGeometry& g, const T_<float>& x, const T_<float>& weight,
                                const T_<float>* bias, T_<float>& y, ConvScratch& s) {
+#if LOCKSTEP_HOST_DNNL
+        if (g.batch > 0)
+            if (auto* plan = s.plans.get<dnnl_conv::Cache>().plan(g, bias != nullptr)) {
+                dnnl_conv::forward(*plan, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr, y.data());
+                return;
+            }
+#endif
         const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
         const std::int64_t in_sample = g.in_channels * g.height * g.width;
         s.cols.resize(static_cast<std::size_t>(K * P));
@@ -124,6 +174,14 @@ struct Ops<Host> {
     static void conv2d_backward(const Ex&, const ConvGeometry& g, const T_<float>& x, const T_<float>& dy,
                                 const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx,
                                 ConvScratch& s) {
+#if LOCKSTEP_HOST_DNNL
+        if (g.batch > 0)
+            if (auto* plan = s.plans.get<dnnl_conv::Cache>().plan(g, bias_grad != nullptr)) {
+                dnnl_conv::backward(*plan, x.data(), dy.data(), weight.data(), weight_grad.data(),
+                                    bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data());
+                return;
+            }
+#endif
         const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
         const std::int64_t in_sample = g.in_channels * g.height * g.width;
         s.cols.resize(static_cast<std::size_t>(K * P));
