@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/batch_norm_host.hpp"
@@ -226,42 +227,58 @@ struct Ops<Host> {
 
     //! x = max(x, 0) in place (NaN stays NaN); `mask` (may be null) records where x > 0.
     static void relu_forward(const Ex&, T_<float>& x, T_<std::uint8_t>* mask) {
-        float* p = x.data();
+        float* LOCKSTEP_RESTRICT p = x.data();
         const std::int64_t n = x.numel();
-        const auto relu = [](float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); };
         if (mask == nullptr) {
             for (std::int64_t i = 0; i < n; ++i) p[i] = relu(p[i]);
             return;
         }
-        std::uint8_t* m = mask->data();
+        std::uint8_t* LOCKSTEP_RESTRICT m = mask->data();
         for (std::int64_t i = 0; i < n; ++i) {
-            m[i] = p[i] > 0.0f;
-            p[i] = relu(p[i]);
+            const float v = p[i];
+            m[i] = v > 0.0f;
+            p[i] = relu(v);
         }
     }
 
     //! dx = mask ? dy : 0.
     static void relu_backward(const Ex&, const T_<float>& dy, const T_<std::uint8_t>& mask, T_<float>& dx) {
-        for (std::int64_t i = 0; i < dy.numel(); ++i) dx[i] = mask[i] ? dy[i] : 0.0f;
+        const float* LOCKSTEP_RESTRICT g = dy.data();
+        const std::uint8_t* LOCKSTEP_RESTRICT m = mask.data();
+        float* LOCKSTEP_RESTRICT out = dx.data();
+        const std::int64_t n = dy.numel();
+        for (std::int64_t i = 0; i < n; ++i) {
+            const float v = g[i];  // loaded unconditionally, so the select vectorizes
+            out[i] = m[i] != 0 ? v : 0.0f;
+        }
     }
 
-    //! y = the maximum of each window (NaN wins, as in PyTorch), argmax = its index in the plane.
+    //! y = the maximum of each window (NaN wins, as in PyTorch: the last NaN of the window in row
+    //! order), argmax = its index in the plane. One pass over x, a row of outputs at a time.
     static void maxpool_forward(const Ex&, const PoolGeometry& g, const T_<float>& x, T_<float>& y, T_<std::int32_t>& argmax) {
         const std::int64_t H = g.height, W = g.width, OH = g.out_height(), OW = g.out_width(), k = g.kernel, s = g.stride;
         for (std::int64_t nc = 0; nc < g.batch * g.channels; ++nc) {
-            const float* src = x.data() + nc * H * W;
-            for (std::int64_t oh = 0; oh < OH; ++oh)
+            const float* LOCKSTEP_RESTRICT src = x.data() + nc * H * W;
+            for (std::int64_t oh = 0; oh < OH; ++oh) {
+                float* LOCKSTEP_RESTRICT best = y.data() + (nc * OH + oh) * OW;
+                std::int32_t* LOCKSTEP_RESTRICT at = argmax.data() + (nc * OH + oh) * OW;
+                const std::int64_t top = oh * s * W;
                 for (std::int64_t ow = 0; ow < OW; ++ow) {
-                    std::int64_t best = (oh * s) * W + ow * s;
-                    for (std::int64_t i = 0; i < k; ++i)
-                        for (std::int64_t j = 0; j < k; ++j) {
-                            const std::int64_t at = (oh * s + i) * W + ow * s + j;
-                            if (src[at] > src[best] || src[at] != src[at]) best = at;
-                        }
-                    const std::int64_t o = (nc * OH + oh) * OW + ow;
-                    y[o] = src[best];
-                    argmax[o] = static_cast<std::int32_t>(best);
+                    best[ow] = src[top + ow * s];
+                    at[ow] = static_cast<std::int32_t>(top + ow * s);
                 }
+                for (std::int64_t i = 0; i < k; ++i)
+                    for (std::int64_t j = 0; j < k; ++j) {
+                        if (i == 0 && j == 0) continue;
+                        const std::int64_t row = top + i * W + j;
+                        for (std::int64_t ow = 0; ow < OW; ++ow) {
+                            const float v = src[row + ow * s];
+                            const bool take = v > best[ow] || v != v;
+                            best[ow] = take ? v : best[ow];
+                            at[ow] = take ? static_cast<std::int32_t>(row + ow * s) : at[ow];
+                        }
+                    }
+            }
         }
     }
 
@@ -270,7 +287,11 @@ struct Ops<Host> {
                                  T_<float>& dx) {
         dx.zero();
         const std::int64_t HW = g.height * g.width, per = g.out_height() * g.out_width();
-        for (std::int64_t o = 0; o < dy.numel(); ++o) dx[(o / per) * HW + argmax[o]] += dy[o];
+        const float* LOCKSTEP_RESTRICT d = dy.data();
+        const std::int32_t* LOCKSTEP_RESTRICT a = argmax.data();
+        float* LOCKSTEP_RESTRICT out = dx.data();
+        for (std::int64_t plane = 0; plane * per < dy.numel(); ++plane)
+            for (std::int64_t o = plane * per; o < (plane + 1) * per; ++o) out[plane * HW + a[o]] += d[o];
     }
 
     // ---- losses -------------------------------------------------------------------------------
@@ -437,6 +458,8 @@ struct Ops<Host> {
     }
 
 private:
+    static float relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); }  // NaN stays NaN
+
     static std::int64_t channels_of(const BnConstants<Host>& k) { return k.folded.numel() / 4; }
 
     // Splits each mean into hi + lo and folds the affine parameters into scale and shift.
