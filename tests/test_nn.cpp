@@ -637,3 +637,30 @@ TEST_CASE("Conv2d stays exact across input shapes and an evaluation between forw
         check(copy, N == 8 ? 3 : 8);
     }
 }
+
+TEST_CASE("Linear with fused ReLU equals Linear then ReLU, bit for bit", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    nn::Generator g1(seed), g2(seed);
+    nn::Linear<> fused(9, 7, {.fused_relu = true}, g1);
+    nn::Sequential plain(nn::Linear<>(9, 7, true, g2), nn::ReLU<>());
+    const auto x = random_tensor(Shape{6, 9}, gen);
+    nn::Context<> ctx;
+    const auto y1 = fused.forward(ctx, x);
+    const auto y2 = plain.forward(ctx, x);
+    CHECK(std::memcmp(y1.data(), y2.data(), y1.bytes()) == 0);
+    const auto dy = random_tensor(y1.shape(), gen);
+    nn::zero_grad(fused);
+    nn::zero_grad(plain);
+    const auto dx1 = fused.backward(ctx, dy);
+    const auto dx2 = plain.backward(ctx, dy);
+    CHECK(std::memcmp(dx1.data(), dx2.data(), dx1.bytes()) == 0);
+    CHECK(std::memcmp(fused.weight.grad.data(), plain.get<0>().weight.grad.data(), fused.weight.grad.bytes()) == 0);
+    CHECK(std::memcmp(fused.bias.grad.data(), plain.get<0>().bias.grad.data(), fused.bias.grad.bytes()) == 0);
+    nn::Context<> eval;
+    eval.training = false;
+    const auto e = fused.forward(eval, x);
+    CHECK(std::memcmp(e.data(), y2.data(), e.bytes()) == 0);
+    CHECK(fused.describe() == "Linear(9, 7, fused_relu)");
+}

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <lockstep/lockstep.hpp>
+#include <lockstep/nn/activation.hpp>
 #include <lockstep/nn/sync_batch_norm.hpp>
 
 #include <algorithm>
@@ -454,4 +455,37 @@ TEST_CASE("SyncBatchNorm refuses a context of several replicas without their gro
                       Catch::Contains("SyncBatchNorm(2): the context says world 2 but has no communicator"));
     ctx.training = false;  // eval with running statistics needs no group
     CHECK_NOTHROW(bn.forward(ctx, Tensor<float>(Shape{4, 2})));
+}
+
+TEST_CASE("SyncBatchNorm with fused ReLU equals SyncBatchNorm then ReLU", "[syncbn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    for (const auto format : {MemoryFormat::nchw, MemoryFormat::nhwc}) {
+        CAPTURE(to_string(format));
+        const std::int64_t N = 5, C = 3, H = 4, W = 3;
+        SyncBatchNorm<> fused(C, {.format = format, .fused_relu = true}), plain(C, {.format = format});
+        nn::ReLU<> relu;
+        Tensor<float> x(Shape{N, C, H, W}, format), dy(Shape{N, C, H, W}, format);
+        std::normal_distribution<float> d(0.3f, 1.0f);
+        for (auto& v : x.span()) v = d(gen);
+        for (auto& v : dy.span()) v = d(gen);
+        nn::Context<> ctx;
+        const auto y1 = fused.forward(ctx, x);
+        const auto y2 = relu.forward(ctx, plain.forward(ctx, x));
+        CHECK(test::rel_error(y1.span(), y2.span()) <= 1e-7);
+        std::int64_t zeros = 0;
+        for (const float v : y1.span()) zeros += v == 0.0f;
+        CHECK(zeros > 0);  // the ReLU did cut
+        const auto dx1 = fused.backward(ctx, dy);
+        const auto dx2 = plain.backward(ctx, relu.backward(ctx, dy));
+        CHECK(test::rel_error(dx1.span(), dx2.span()) <= 1e-6);
+        CHECK(test::rel_error(fused.weight.grad.span(), plain.weight.grad.span()) <= 1e-6);
+        CHECK(test::rel_error(fused.bias.grad.span(), plain.bias.grad.span()) <= 1e-6);
+        CHECK(test::rel_error(fused.running_var.span(), plain.running_var.span()) == 0);
+        ctx.training = false;  // evaluation: ReLU applied, nothing saved
+        const auto e1 = fused.forward(ctx, x);
+        const auto e2 = relu.forward(ctx, plain.forward(ctx, x));
+        CHECK(test::rel_error(e1.span(), e2.span()) <= 1e-7);
+    }
 }

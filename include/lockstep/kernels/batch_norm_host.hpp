@@ -385,6 +385,96 @@ inline void bn_backward_dx(const float* x, const float* LOCKSTEP_RESTRICT dy, fl
     LOCKSTEP_SIMD_CALL(grad_input, x, dy, dx, g, mean_hi, a, b, c)
 }
 
+// Note [fused batch norm + ReLU]
+// With ReLU fused (BatchNormOptions::fused_relu) the layer's output is max(0, y) and backward
+// sees dy only where y > 0 (a mask of one byte per element, saved by forward). The fused passes
+// run one sample at a time: the sample's y (or its masked dy, in a per-thread buffer) is still
+// in cache when the ReLU (or the passes that read it) touch it, so fusing adds no tensor-sized
+// memory stream and removes the three of a separate ReLU layer (forward: read y, write y and the
+// mask; backward: read dy and the mask, write dx). NaN stays NaN, as in ReLU.
+
+//! A buffer of the calling thread's own of at least `floats` floats (replica threads each have
+//! theirs), for a sample's masked gradient; valid until the thread's next call.
+inline float* thread_buffer(std::size_t floats) {
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < floats) buffer.resize(floats);
+    return buffer.data();
+}
+//! out = dy where the mask is set, else 0, for `n` elements (dy loaded unconditionally: the select vectorizes).
+inline void mask_into(const float* LOCKSTEP_RESTRICT dy, const std::uint8_t* LOCKSTEP_RESTRICT mask, float* LOCKSTEP_RESTRICT out,
+                      std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) {
+        const float v = dy[i];
+        out[i] = mask[i] != 0 ? v : 0.0f;
+    }
+}
+namespace detail {
+inline BnGeometry one_sample(BnGeometry g) {
+    g.batch = 1;
+    return g;
+}
+}  // namespace detail
+
+//! bn_normalize followed by y = max(0, y) and mask = (y > 0), a sample at a time (Note [fused
+//! batch norm + ReLU]); `mask` may be null (evaluation).
+inline void bn_normalize_relu(const float* LOCKSTEP_RESTRICT x, float* LOCKSTEP_RESTRICT y, const BnGeometry& g,
+                              const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT scale,
+                              const float* LOCKSTEP_RESTRICT shift, std::uint8_t* LOCKSTEP_RESTRICT mask) {
+    const std::int64_t per_sample = g.channels * g.inner;
+    for (std::int64_t n = 0; n < g.batch; ++n) {
+        float* ys = y + n * per_sample;
+        bn_normalize(x + n * per_sample, ys, detail::one_sample(g), mean_hi, scale, shift);
+        if (mask != nullptr) {
+            std::uint8_t* LOCKSTEP_RESTRICT ms = mask + n * per_sample;
+            for (std::int64_t i = 0; i < per_sample; ++i) {
+                const float v = ys[i];
+                ms[i] = v > 0.0f;
+                ys[i] = v > 0.0f ? v : (v == v ? 0.0f : v);
+            }
+        } else {
+            for (std::int64_t i = 0; i < per_sample; ++i) {
+                const float v = ys[i];
+                ys[i] = v > 0.0f ? v : (v == v ? 0.0f : v);
+            }
+        }
+    }
+}
+
+//! bn_backward_sums of dy masked by `mask` (Note [fused batch norm + ReLU]).
+inline void bn_backward_sums_masked(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
+                                    const std::uint8_t* LOCKSTEP_RESTRICT mask, const BnGeometry& g,
+                                    const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT mean_lo,
+                                    double* payload) {
+    const std::int64_t C = g.channels, per_sample = C * g.inner;
+    const bn::BackwardPayload layout{C};
+    double* A = payload + layout.sum_dy(0);
+    double* B = payload + layout.sum_dy_xmu(0);
+    std::fill(payload, payload + layout.size(), 0.0);
+    std::vector<float> scratch(g.channels_last ? static_cast<std::size_t>(2 * C) : 0);
+    float* masked = thread_buffer(static_cast<std::size_t>(per_sample));
+    const BnGeometry one = detail::one_sample(g);
+    for (std::int64_t n = 0; n < g.batch; ++n) {
+        mask_into(dy + n * per_sample, mask + n * per_sample, masked, per_sample);
+        const float* xs = x + n * per_sample;
+        [&] { LOCKSTEP_SIMD_CALL(grad_sums, xs, static_cast<const float*>(masked), one, mean_hi, A, B, scratch.data()) }();
+    }
+    for (std::int64_t c = 0; c < C; ++c) B[c] = bn::centred_sum(B[c], A[c], mean_lo[c]);
+}
+
+//! bn_backward_dx of dy masked by `mask`; `dx` may be `x`.
+inline void bn_backward_dx_masked(const float* x, const float* LOCKSTEP_RESTRICT dy, const std::uint8_t* LOCKSTEP_RESTRICT mask,
+                                  float* dx, const BnGeometry& g, const float* LOCKSTEP_RESTRICT mean_hi,
+                                  const float* LOCKSTEP_RESTRICT a, const float* LOCKSTEP_RESTRICT b,
+                                  const float* LOCKSTEP_RESTRICT c) {
+    const std::int64_t per_sample = g.channels * g.inner;
+    float* masked = thread_buffer(static_cast<std::size_t>(per_sample));
+    const BnGeometry one = detail::one_sample(g);
+    for (std::int64_t n = 0; n < g.batch; ++n) {
+        mask_into(dy + n * per_sample, mask + n * per_sample, masked, per_sample);
+        bn_backward_dx(x + n * per_sample, masked, dx + n * per_sample, one, mean_hi, a, b, c);
+    }
+}
+
 }  // namespace lockstep::kernels::host
 
 #undef LOCKSTEP_SIMD_CALL

@@ -132,11 +132,12 @@ struct Ops<Cuda> {
                                 T_<float>&, T_<float>*, T_<float>&, ConvScratch&) {
         cuda::detail::not_implemented_yet("conv2d_backward");
     }
-    static void linear_forward(const Ex&, const T_<float>&, const T_<float>&, const T_<float>*, T_<float>&) {
+    static void linear_forward(const Ex&, const T_<float>&, const T_<float>&, const T_<float>*, T_<float>&, bool,
+                               T_<std::uint8_t>*) {
         cuda::detail::not_implemented_yet("linear_forward");
     }
-    static void linear_backward(const Ex&, const T_<float>&, const T_<float>&, const T_<float>&, T_<float>&, T_<float>*,
-                                T_<float>&) {
+    static void linear_backward(const Ex&, const T_<float>&, const T_<float>&, const T_<std::uint8_t>*, const T_<float>&,
+                                T_<float>&, T_<float>*, T_<float>&) {
         cuda::detail::not_implemented_yet("linear_backward");
     }
     static void relu_forward(const Ex&, T_<float>&, T_<std::uint8_t>*) { cuda::detail::not_implemented_yet("relu_forward"); }
@@ -176,18 +177,19 @@ struct Ops<Cuda> {
                                   BnConstants<Cuda>&) {
         cuda::detail::not_implemented_yet("bn_eval_constants");
     }
-    static void bn_normalize(const Ex&, const T_<float>&, T_<float>&, const BnGeometry&, const BnConstants<Cuda>&) {
+    static void bn_normalize(const Ex&, const T_<float>&, T_<float>&, const BnGeometry&, const BnConstants<Cuda>&, bool,
+                             T_<std::uint8_t>*) {
         cuda::detail::not_implemented_yet("bn_normalize");
     }
-    static void bn_backward_sums(const Ex&, const T_<float>&, const T_<float>&, const BnGeometry&, const BnConstants<Cuda>&,
-                                 T_<double>&) {
+    static void bn_backward_sums(const Ex&, const T_<float>&, const T_<float>&, const T_<std::uint8_t>*, const BnGeometry&,
+                                 const BnConstants<Cuda>&, T_<double>&) {
         cuda::detail::not_implemented_yet("bn_backward_sums");
     }
     static void bn_param_grads(const Ex&, const T_<double>&, const BnConstants<Cuda>&, T_<float>&, T_<float>&) {
         cuda::detail::not_implemented_yet("bn_param_grads");
     }
     static void bn_backward_dx(const Ex&, const T_<double>&, const BnConstants<Cuda>&, const T_<float>*, T_<float>&,
-                               const T_<float>&, const BnGeometry&) {
+                               const T_<float>&, const T_<std::uint8_t>*, const BnGeometry&) {
         cuda::detail::not_implemented_yet("bn_backward_dx");
     }
 };

@@ -203,24 +203,41 @@ struct Ops<Host> {
         }
     }
 
-    //! y (N, out) = x (N, in) weight^T + bias; `bias` may be null.
-    static void linear_forward(const Ex&, const T_<float>& x, const T_<float>& weight, const T_<float>* bias, T_<float>& y) {
+    //! y (N, out) = x (N, in) weight^T + bias (`bias` may be null); with `relu`, y = max(0, y) in the
+    //! same pass over y and `mask` (may be null) = (y > 0).
+    static void linear_forward(const Ex&, const T_<float>& x, const T_<float>& weight, const T_<float>* bias, T_<float>& y,
+                               bool relu, T_<std::uint8_t>* mask) {
         const std::int64_t N = x.dim(0), in = x.dim(1), out = weight.dim(0);
         blas::gemm(false, true, N, out, in, 1.0f, x.data(), in, weight.data(), in, 0.0f, y.data(), out);
-        if (bias != nullptr)
-            for (std::int64_t n = 0; n < N; ++n)
-                for (std::int64_t o = 0; o < out; ++o) y[n * out + o] += (*bias)[o];
+        if (bias == nullptr && !relu) return;
+        float* LOCKSTEP_RESTRICT p = y.data();
+        const float* LOCKSTEP_RESTRICT b = bias != nullptr ? bias->data() : nullptr;
+        std::uint8_t* LOCKSTEP_RESTRICT m = mask != nullptr ? mask->data() : nullptr;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t o = 0; o < out; ++o) {
+                const std::int64_t i = n * out + o;
+                const float v = b != nullptr ? p[i] + b[o] : p[i];
+                if (m != nullptr) m[i] = v > 0.0f;
+                p[i] = relu ? host_relu(v) : v;
+            }
     }
 
-    //! weight_grad += dy^T x, bias_grad += column sums of dy (may be null), dx = dy weight.
-    static void linear_backward(const Ex&, const T_<float>& x, const T_<float>& dy, const T_<float>& weight,
-                                T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx) {
+    //! weight_grad += dy^T x, bias_grad += column sums of dy (may be null), dx = dy weight; `mask`
+    //! (may be null) zeroes dy where the fused ReLU's output was not positive.
+    static void linear_backward(const Ex&, const T_<float>& x, const T_<float>& dy, const T_<std::uint8_t>* mask,
+                                const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx) {
         const std::int64_t N = x.dim(0), in = x.dim(1), out = weight.dim(0);
-        blas::gemm(true, false, out, in, N, 1.0f, dy.data(), out, x.data(), in, 1.0f, weight_grad.data(), in);
+        const float* g = dy.data();
+        if (mask != nullptr) {
+            float* masked = host::thread_buffer(static_cast<std::size_t>(N * out));
+            host::mask_into(dy.data(), mask->data(), masked, N * out);
+            g = masked;
+        }
+        blas::gemm(true, false, out, in, N, 1.0f, g, out, x.data(), in, 1.0f, weight_grad.data(), in);
         if (bias_grad != nullptr)
             for (std::int64_t n = 0; n < N; ++n)
-                for (std::int64_t o = 0; o < out; ++o) (*bias_grad)[o] += dy[n * out + o];
-        blas::gemm(false, false, N, in, out, 1.0f, dy.data(), out, weight.data(), in, 0.0f, dx.data(), in);
+                for (std::int64_t o = 0; o < out; ++o) (*bias_grad)[o] += g[n * out + o];
+        blas::gemm(false, false, N, in, out, 1.0f, g, out, weight.data(), in, 0.0f, dx.data(), in);
     }
 
     // ---- activations and pooling --------------------------------------------------------------
@@ -230,14 +247,14 @@ struct Ops<Host> {
         float* LOCKSTEP_RESTRICT p = x.data();
         const std::int64_t n = x.numel();
         if (mask == nullptr) {
-            for (std::int64_t i = 0; i < n; ++i) p[i] = relu(p[i]);
+            for (std::int64_t i = 0; i < n; ++i) p[i] = host_relu(p[i]);
             return;
         }
         std::uint8_t* LOCKSTEP_RESTRICT m = mask->data();
         for (std::int64_t i = 0; i < n; ++i) {
             const float v = p[i];
             m[i] = v > 0.0f;
-            p[i] = relu(v);
+            p[i] = host_relu(v);
         }
     }
 
@@ -414,18 +431,24 @@ struct Ops<Host> {
         fold(k, weight, bias);
     }
 
-    static void bn_normalize(const Ex&, const T_<float>& x, T_<float>& y, const BnGeometry& g, const BnConstants<Host>& k) {
+    //! y = the normalized x; with `relu`, y = max(0, y) and `mask` (may be null) = (y > 0) (Note
+    //! [fused batch norm + ReLU]).
+    static void bn_normalize(const Ex&, const T_<float>& x, T_<float>& y, const BnGeometry& g, const BnConstants<Host>& k,
+                             bool relu, T_<std::uint8_t>* mask) {
         const std::int64_t C = g.channels;
         const float* f = k.folded.data();
-        host::bn_normalize(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C);
+        if (relu) host::bn_normalize_relu(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C, mask != nullptr ? mask->data() : nullptr);
+        else host::bn_normalize(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C);
     }
 
-    //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch.
-    static void bn_backward_sums(const Ex&, const T_<float>& x, const T_<float>& dy, const BnGeometry& g,
-                                 const BnConstants<Host>& k, T_<double>& payload) {
+    //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; `mask` (may be
+    //! null) zeroes dy where the fused ReLU's output was not positive.
+    static void bn_backward_sums(const Ex&, const T_<float>& x, const T_<float>& dy, const T_<std::uint8_t>* mask,
+                                 const BnGeometry& g, const BnConstants<Host>& k, T_<double>& payload) {
         const std::int64_t C = g.channels;
         const float* f = k.folded.data();
-        host::bn_backward_sums(x.data(), dy.data(), g, f, f + C, payload.data());
+        if (mask != nullptr) host::bn_backward_sums_masked(x.data(), dy.data(), mask->data(), g, f, f + C, payload.data());
+        else host::bn_backward_sums(x.data(), dy.data(), g, f, f + C, payload.data());
     }
 
     //! weight_grad += sum(dy * xhat), bias_grad += sum(dy) from the local backward payload.
@@ -441,7 +464,7 @@ struct Ops<Host> {
 
     //! dx from the all-reduced backward payload, with the forward's global count, written over `x`.
     static void bn_backward_dx(const Ex&, const T_<double>& payload, const BnConstants<Host>& k, const T_<float>* weight,
-                               T_<float>& x_to_dx, const T_<float>& dy, const BnGeometry& g) {
+                               T_<float>& x_to_dx, const T_<float>& dy, const T_<std::uint8_t>* mask, const BnGeometry& g) {
         const std::int64_t C = g.channels;
         const bn::BackwardPayload layout{C};
         const double count = k.stats[2 * C];
@@ -453,12 +476,16 @@ struct Ops<Host> {
             abc[static_cast<std::size_t>(C + c)] = q.b;
             abc[static_cast<std::size_t>(2 * C + c)] = q.c;
         }
-        host::bn_backward_dx(x_to_dx.data(), dy.data(), x_to_dx.data(), g, k.folded.data(), abc.data(), abc.data() + C,
-                             abc.data() + 2 * C);
+        if (mask != nullptr)
+            host::bn_backward_dx_masked(x_to_dx.data(), dy.data(), mask->data(), x_to_dx.data(), g, k.folded.data(), abc.data(),
+                                        abc.data() + C, abc.data() + 2 * C);
+        else
+            host::bn_backward_dx(x_to_dx.data(), dy.data(), x_to_dx.data(), g, k.folded.data(), abc.data(), abc.data() + C,
+                                 abc.data() + 2 * C);
     }
 
 private:
-    static float relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); }  // NaN stays NaN
+    static float host_relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); }  // NaN stays NaN
 
     static std::int64_t channels_of(const BnConstants<Host>& k) { return k.folded.numel() / 4; }
 

@@ -14,6 +14,12 @@
 
 namespace lockstep::nn {
 
+struct LinearOptions {
+    bool bias = true;
+    //! Apply ReLU to the output in the same pass as the bias (backward masks dy by the output's sign).
+    bool fused_relu = false;
+};
+
 //! Fully connected layer on (N, in) input. `weight` is [out, in] and `bias` [out], as PyTorch;
 //! initialization is PyTorch's default.
 template <BackendTag B = Host>
@@ -24,7 +30,11 @@ public:
     using backend = B;
 
     Linear(std::int64_t in_features, std::int64_t out_features, bool with_bias = true, Generator& gen = default_generator())
-        : in_(in_features), out_(out_features), has_bias_(with_bias) {
+        : Linear(in_features, out_features, LinearOptions{.bias = with_bias}, gen) {}
+
+    Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options, Generator& gen = default_generator())
+        : in_(in_features), out_(out_features), has_bias_(options.bias), relu_(options.fused_relu) {
+        const bool with_bias = options.bias;
         LOCKSTEP_CHECK(in_features > 0 && out_features > 0, "Linear needs positive sizes, got (", in_features, ", ",
                        out_features, ")");
         weight = Parameter<B>(Shape{out_features, in_features});
@@ -38,7 +48,9 @@ public:
     Parameter<B> weight;
     Parameter<B> bias;
 
-    std::string describe() const { return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + ")"; }
+    std::string describe() const {
+        return "Linear(" + std::to_string(in_) + ", " + std::to_string(out_) + (relu_ ? ", fused_relu" : "") + ")";
+    }
 
     template <class V>
     void visit(V&& v) {
@@ -51,7 +63,9 @@ public:
                           "), got shape ", x.shape(), x.rank() == 4 ? "; put a Flatten before it" : "");
         check_device(weight.value.device(), x.device(), describe() + ": the input");
         Tensor<float, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
-        K::linear_forward(ctx.exec, x, weight.value, has_bias_ ? &bias.value : nullptr, y);
+        if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);
+        K::linear_forward(ctx.exec, x, weight.value, has_bias_ ? &bias.value : nullptr, y, relu_,
+                          relu_ && ctx.training ? &relu_mask_ : nullptr);
         if (ctx.training) saved_x_ = std::move(x);
         return y;
     }
@@ -64,17 +78,21 @@ public:
                           " but the forward output had ", Shape{N, out_});
         check_device(saved_x_.device(), dy.device(), describe() + ": dy");
         Tensor<float, B> dx(Shape{N, in_}, MemoryFormat::nchw, dy.device(), uninitialized);
-        K::linear_backward(ctx.exec, saved_x_, dy, weight.value, weight.grad, has_bias_ ? &bias.grad : nullptr, dx);
+        K::linear_backward(ctx.exec, saved_x_, dy, relu_ ? &relu_mask_ : nullptr, weight.value, weight.grad,
+                           has_bias_ ? &bias.grad : nullptr, dx);
         ctx.mark_grad_ready(&weight);
         if (has_bias_) ctx.mark_grad_ready(&bias);
         saved_x_ = Tensor<float, B>();
+        relu_mask_ = Tensor<std::uint8_t, B>();
         return dx;
     }
 
 private:
     std::int64_t in_, out_;
     bool has_bias_;
+    bool relu_;
     Tensor<float, B> saved_x_;
+    Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu: where the output was positive
 };
 
 }  // namespace lockstep::nn

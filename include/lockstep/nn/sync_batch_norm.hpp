@@ -31,6 +31,9 @@ struct BatchNormOptions {
     bool track_running_stats = true;
     //! Memory format of 4-D inputs (2-D inputs (N, C) have one layout).
     MemoryFormat format = MemoryFormat::nchw;
+    //! Apply ReLU to the output in the same passes (batch norm + ReLU in one layer; backward
+    //! masks dy by the output's sign). See Note [fused batch norm + ReLU].
+    bool fused_relu = false;
 };
 
 // Note [one collective per direction]
@@ -80,7 +83,9 @@ public:
 
     std::int64_t num_features() const noexcept { return channels_; }
     const BatchNormOptions& options() const noexcept { return options_; }
-    std::string describe() const { return "SyncBatchNorm(" + std::to_string(channels_) + ")"; }
+    std::string describe() const {
+        return "SyncBatchNorm(" + std::to_string(channels_) + (options_.fused_relu ? ", fused_relu" : "") + ")";
+    }
 
     template <class V>
     void visit(V&& v) {
@@ -121,7 +126,9 @@ public:
                                  options_.affine ? &bias.value : nullptr, constants_);
         }
         auto y = Tensor<float, B>::empty_like(x);
-        K::bn_normalize(ctx.exec, x, y, g, constants_);
+        if (options_.fused_relu && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(x);
+        K::bn_normalize(ctx.exec, x, y, g, constants_, options_.fused_relu,
+                        options_.fused_relu && ctx.training ? &relu_mask_ : nullptr);
         if (ctx.training) {
             saved_x_ = std::move(x);
             saved_batch_stats_ = batch_stats;
@@ -139,7 +146,8 @@ public:
                           ": backward through running statistics (eval mode) is not supported; call train() first");
         check_device(saved_x_.device(), dy.device(), describe() + ": dy");
         const auto g = geometry(saved_x_);
-        K::bn_backward_sums(ctx.exec, saved_x_, dy, g, constants_, backward_payload_);
+        const Tensor<std::uint8_t, B>* mask = options_.fused_relu ? &relu_mask_ : nullptr;
+        K::bn_backward_sums(ctx.exec, saved_x_, dy, mask, g, constants_, backward_payload_);
         if (options_.affine) {  // local sums: the gradient all-reduce adds them over replicas
             K::bn_param_grads(ctx.exec, backward_payload_, constants_, weight.grad, bias.grad);
             ctx.mark_grad_ready(&weight);
@@ -150,8 +158,9 @@ public:
         // dx overwrites the saved input, which nothing needs after this: a step holds one tensor
         // less, and dx is written to cache lines the same pass has just read.
         auto dx = std::move(saved_x_);
-        K::bn_backward_dx(ctx.exec, backward_payload_, constants_, affine_weight(), dx, dy, g);
+        K::bn_backward_dx(ctx.exec, backward_payload_, constants_, affine_weight(), dx, dy, mask, g);
         saved_x_ = Tensor<float, B>();
+        relu_mask_ = Tensor<std::uint8_t, B>();
         return dx;
     }
 
@@ -201,6 +210,7 @@ private:
     std::uint64_t layer_id_;
     // What backward needs from forward.
     Tensor<float, B> saved_x_;
+    Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu: where the output was positive
     bool saved_batch_stats_ = false;
     kernels::BnConstants<B> constants_;  // mean, invstd, count; mean as hi + lo, scale, shift: see Note [split mean]
     // The all-reduce buffers outlive each call: a peer that is still reading one when this replica
