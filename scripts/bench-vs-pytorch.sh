@@ -29,7 +29,7 @@ for ((i = 1; i <= runs; ++i)); do
   echo "run $i: lockstep 1 replica ${ours1[-1]} img/s, 2 replicas ${ours2[-1]} img/s; PyTorch ${torch_version} (2 threads) ${theirs[-1]} img/s"
 done
 
-median() { printf '%s\n' "$@" | sed 's/k$/e3/' | sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+median() { printf '%s\n' "$@" | sed 's/k$/e3/' | sort -g | awk '{a[NR]=$1} END {printf "%.4g\n", (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 m1=$(median "${ours1[@]}") m2=$(median "${ours2[@]}") mt=$(median "${theirs[@]}")
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(nproc) cores"
 echo "median of $runs: lockstep 1 replica ${m1} img/s, 2 replicas ${m2} img/s (scaling $(median "${scaling[@]}"), vs_gemm_ceiling $(median "${ceiling[@]}")); PyTorch ${torch_version} ${mt} img/s"
