@@ -393,8 +393,12 @@ inline void bn_backward_dx(const float* x, const float* LOCKSTEP_RESTRICT dy, fl
 // memory stream and removes the three of a separate ReLU layer (forward: read y, write y and the
 // mask; backward: read dy and the mask, write dx). NaN stays NaN, as in ReLU.
 
+//! max(v, 0) with NaN kept (as PyTorch's ReLU): the one definition the host's ReLU, fused or not, uses.
+inline float relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); }
+
 //! A buffer of the calling thread's own of at least `floats` floats (replica threads each have
-//! theirs), for a sample's masked gradient; valid until the thread's next call.
+//! theirs), for a sample's masked gradient. Valid until the thread's next call: a caller holds it
+//! only across calls that do not take it themselves.
 inline float* thread_buffer(std::size_t floats) {
     thread_local std::vector<float> buffer;
     if (buffer.size() < floats) buffer.resize(floats);
@@ -422,20 +426,13 @@ inline void bn_normalize_relu(const float* LOCKSTEP_RESTRICT x, float* LOCKSTEP_
                               const float* LOCKSTEP_RESTRICT shift, std::uint8_t* LOCKSTEP_RESTRICT mask) {
     const std::int64_t per_sample = g.channels * g.inner;
     for (std::int64_t n = 0; n < g.batch; ++n) {
-        float* ys = y + n * per_sample;
+        float* LOCKSTEP_RESTRICT ys = y + n * per_sample;
         bn_normalize(x + n * per_sample, ys, detail::one_sample(g), mean_hi, scale, shift);
-        if (mask != nullptr) {
-            std::uint8_t* LOCKSTEP_RESTRICT ms = mask + n * per_sample;
-            for (std::int64_t i = 0; i < per_sample; ++i) {
-                const float v = ys[i];
-                ms[i] = v > 0.0f;
-                ys[i] = v > 0.0f ? v : (v == v ? 0.0f : v);
-            }
-        } else {
-            for (std::int64_t i = 0; i < per_sample; ++i) {
-                const float v = ys[i];
-                ys[i] = v > 0.0f ? v : (v == v ? 0.0f : v);
-            }
+        std::uint8_t* LOCKSTEP_RESTRICT ms = mask != nullptr ? mask + n * per_sample : nullptr;
+        for (std::int64_t i = 0; i < per_sample; ++i) {
+            const float v = ys[i];
+            if (ms != nullptr) ms[i] = v > 0.0f;
+            ys[i] = relu(v);
         }
     }
 }

@@ -17,44 +17,14 @@
 #include "lockstep/kernels/batch_norm_math.hpp"
 #include "lockstep/kernels/host_blas.hpp"
 #include "lockstep/kernels/ops.hpp"
-// oneDNN serves host convolutions in translation units g++ compiles; nvcc compiles the host
-// backend without it (its front end does not take oneDNN's headers), with the same layouts.
+#include "lockstep/kernels/host_conv_engine.hpp"
+// Where lockstep was built with oneDNN, it serves host convolutions (Note [convolution engine
+// hook]); nvcc's front end does not take oneDNN's headers, and does not need to.
 #if LOCKSTEP_WITH_DNNL && !defined(__CUDACC__)
-#define LOCKSTEP_HOST_DNNL 1
 #include "lockstep/kernels/host_dnnl.hpp"
-#else
-#define LOCKSTEP_HOST_DNNL 0
 #endif
 
 namespace lockstep::kernels {
-namespace detail {
-
-//! State a layer keeps for itself alone: a copy of the layer (a replica) starts without it. Holds
-//! one object of a type chosen at first use, so the layer's layout is the same in every
-//! translation unit whatever each one builds in.
-class FreshOnCopy {
-public:
-    FreshOnCopy() = default;
-    FreshOnCopy(const FreshOnCopy&) {}
-    FreshOnCopy& operator=(const FreshOnCopy&) {
-        held_.reset();
-        return *this;
-    }
-    FreshOnCopy(FreshOnCopy&&) noexcept = default;
-    FreshOnCopy& operator=(FreshOnCopy&&) noexcept = default;
-
-    template <class T>
-    T& get() {
-        if (!held_) held_ = std::shared_ptr<void>(new T(), [](void* p) { delete static_cast<T*>(p); });
-        return *static_cast<T*>(held_.get());
-    }
-
-private:
-    std::shared_ptr<void> held_;
-};
-
-}  // namespace detail
-
 //! The host backend's operations (see Note [backend operations]). Every operation runs on the
 //! calling replica thread; nothing here synchronizes with another thread.
 template <>
@@ -76,9 +46,7 @@ struct Ops<Host> {
         //! New tensors of the calling thread go on the replica's device; oneDNN runs on it alone.
         void enter() const {
             set_current_host_device(index);
-#if LOCKSTEP_HOST_DNNL
-            dnnl_conv::single_thread();
-#endif
+            if (const auto init = detail::host_conv_engine().enter_thread) init();
         }
         int index;
     };
@@ -139,68 +107,49 @@ struct Ops<Host> {
 
     // ---- convolution and linear layers --------------------------------------------------------
 
-    //! What a convolution keeps between calls: oneDNN's primitives for its recent shapes (Note
-    //! [oneDNN convolutions]), or one sample's im2col matrix and its gradient.
+    //! What a convolution keeps between calls: a convolution library's plans for its recent shapes
+    //! (Note [oneDNN convolutions]), or one sample's im2col matrix and its gradient, and NCHW
+    //! copies of NHWC tensors for the im2col path.
     struct ConvScratch {
-        detail::FreshOnCopy plans;  // a dnnl_conv::Cache, made on first use where oneDNN is built in
-        std::vector<float> cols, dcols;
+        detail::FreshOnCopy plans;
+        std::vector<float> cols, dcols, a, b;
     };
 
     //! y = conv(x, weight) + bias; `bias` may be null.
     static void conv2d_forward(const Ex&, const ConvGeometry& g, const T_<float>& x, const T_<float>& weight,
                                const T_<float>* bias, T_<float>& y, ConvScratch& s) {
-#if LOCKSTEP_HOST_DNNL
-        if (g.batch > 0)
-            if (auto* plan = s.plans.get<dnnl_conv::Cache>().plan(g, bias != nullptr)) {
-                dnnl_conv::forward(*plan, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr, y.data());
-                return;
-            }
-#endif
-        const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
-        const std::int64_t in_sample = g.in_channels * g.height * g.width;
-        s.cols.resize(static_cast<std::size_t>(K * P));
-        for (std::int64_t n = 0; n < g.batch; ++n) {
-            im2col(g, x.data() + n * in_sample, s.cols.data());
-            float* yn = y.data() + n * O * P;
-            blas::gemm(false, false, O, P, K, 1.0f, weight.data(), K, s.cols.data(), P, 0.0f, yn, P);
-            if (bias != nullptr)
-                for (std::int64_t o = 0; o < O; ++o) {
-                    const float b = (*bias)[o];
-                    for (std::int64_t p = 0; p < P; ++p) yn[o * P + p] += b;
-                }
-        }
+        const auto& engine = detail::host_conv_engine();
+        if (g.batch > 0 && engine.forward != nullptr &&
+            engine.forward(s.plans, g, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr, y.data()))
+            return;
+        if (!g.channels_last) return im2col_forward(g, x.data(), weight.data(), bias, y.data(), s);
+        // im2col works on NCHW: NHWC goes through NCHW copies.
+        const std::int64_t OH = g.out_height(), OW = g.out_width();
+        s.a.resize(static_cast<std::size_t>(x.numel()));
+        s.b.resize(static_cast<std::size_t>(y.numel()));
+        to_channels_first(x.data(), s.a.data(), g.batch, g.in_channels, g.height * g.width);
+        im2col_forward(g, s.a.data(), weight.data(), bias, s.b.data(), s);
+        to_channels_last(s.b.data(), y.data(), g.batch, g.out_channels, OH * OW);
     }
 
     //! weight_grad += dL/dweight, bias_grad += dL/dbias (may be null), dx = dL/dx.
     static void conv2d_backward(const Ex&, const ConvGeometry& g, const T_<float>& x, const T_<float>& dy,
                                 const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx,
                                 ConvScratch& s) {
-#if LOCKSTEP_HOST_DNNL
-        if (g.batch > 0)
-            if (auto* plan = s.plans.get<dnnl_conv::Cache>().plan(g, bias_grad != nullptr)) {
-                dnnl_conv::backward(*plan, x.data(), dy.data(), weight.data(), weight_grad.data(),
-                                    bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data());
-                return;
-            }
-#endif
-        const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
-        const std::int64_t in_sample = g.in_channels * g.height * g.width;
-        s.cols.resize(static_cast<std::size_t>(K * P));
-        s.dcols.resize(static_cast<std::size_t>(K * P));
-        dx.zero();  // col2im adds
-        for (std::int64_t n = 0; n < g.batch; ++n) {
-            const float* dyn = dy.data() + n * O * P;
-            im2col(g, x.data() + n * in_sample, s.cols.data());
-            blas::gemm(false, true, O, K, P, 1.0f, dyn, P, s.cols.data(), P, 1.0f, weight_grad.data(), K);
-            if (bias_grad != nullptr)
-                for (std::int64_t o = 0; o < O; ++o) {
-                    float sum = 0;
-                    for (std::int64_t p = 0; p < P; ++p) sum += dyn[o * P + p];
-                    (*bias_grad)[o] += sum;
-                }
-            blas::gemm(true, false, K, P, O, 1.0f, weight.data(), K, dyn, P, 0.0f, s.dcols.data(), P);
-            col2im(g, s.dcols.data(), dx.data() + n * in_sample);
-        }
+        const auto& engine = detail::host_conv_engine();
+        if (g.batch > 0 && engine.backward != nullptr &&
+            engine.backward(s.plans, g, x.data(), dy.data(), weight.data(), weight_grad.data(),
+                            bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data()))
+            return;
+        if (!g.channels_last) return im2col_backward(g, x.data(), dy.data(), weight, weight_grad, bias_grad, dx.data(), s);
+        const std::int64_t P = g.height * g.width, OP = g.out_height() * g.out_width();
+        s.a.resize(static_cast<std::size_t>(x.numel()));
+        s.b.resize(static_cast<std::size_t>(dy.numel()));
+        to_channels_first(x.data(), s.a.data(), g.batch, g.in_channels, P);
+        to_channels_first(dy.data(), s.b.data(), g.batch, g.out_channels, OP);
+        std::vector<float> dx_first(static_cast<std::size_t>(dx.numel()));
+        im2col_backward(g, s.a.data(), s.b.data(), weight, weight_grad, bias_grad, dx_first.data(), s);
+        to_channels_last(dx_first.data(), dx.data(), g.batch, g.in_channels, P);
     }
 
     //! y (N, out) = x (N, in) weight^T + bias (`bias` may be null); with `relu`, y = max(0, y) in the
@@ -218,7 +167,7 @@ struct Ops<Host> {
                 const std::int64_t i = n * out + o;
                 const float v = b != nullptr ? p[i] + b[o] : p[i];
                 if (m != nullptr) m[i] = v > 0.0f;
-                p[i] = relu ? host_relu(v) : v;
+                p[i] = relu ? host::relu(v) : v;
             }
     }
 
@@ -247,27 +196,20 @@ struct Ops<Host> {
         float* LOCKSTEP_RESTRICT p = x.data();
         const std::int64_t n = x.numel();
         if (mask == nullptr) {
-            for (std::int64_t i = 0; i < n; ++i) p[i] = host_relu(p[i]);
+            for (std::int64_t i = 0; i < n; ++i) p[i] = host::relu(p[i]);
             return;
         }
         std::uint8_t* LOCKSTEP_RESTRICT m = mask->data();
         for (std::int64_t i = 0; i < n; ++i) {
             const float v = p[i];
             m[i] = v > 0.0f;
-            p[i] = host_relu(v);
+            p[i] = host::relu(v);
         }
     }
 
     //! dx = mask ? dy : 0.
     static void relu_backward(const Ex&, const T_<float>& dy, const T_<std::uint8_t>& mask, T_<float>& dx) {
-        const float* LOCKSTEP_RESTRICT g = dy.data();
-        const std::uint8_t* LOCKSTEP_RESTRICT m = mask.data();
-        float* LOCKSTEP_RESTRICT out = dx.data();
-        const std::int64_t n = dy.numel();
-        for (std::int64_t i = 0; i < n; ++i) {
-            const float v = g[i];  // loaded unconditionally, so the select vectorizes
-            out[i] = m[i] != 0 ? v : 0.0f;
-        }
+        host::mask_into(dy.data(), mask.data(), dx.data(), dy.numel());
     }
 
     //! y = the maximum of each window (NaN wins, as in PyTorch: the last NaN of the window in row
@@ -485,7 +427,59 @@ struct Ops<Host> {
     }
 
 private:
-    static float host_relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); }  // NaN stays NaN
+    // (N, C, P) channels-last <-> channels-first.
+    static void to_channels_first(const float* LOCKSTEP_RESTRICT src, float* LOCKSTEP_RESTRICT dst, std::int64_t N,
+                                  std::int64_t C, std::int64_t P) {
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p)
+                for (std::int64_t c = 0; c < C; ++c) dst[(n * C + c) * P + p] = src[(n * P + p) * C + c];
+    }
+    static void to_channels_last(const float* LOCKSTEP_RESTRICT src, float* LOCKSTEP_RESTRICT dst, std::int64_t N,
+                                 std::int64_t C, std::int64_t P) {
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p)
+                for (std::int64_t c = 0; c < C; ++c) dst[(n * P + p) * C + c] = src[(n * C + c) * P + p];
+    }
+
+    // The im2col + GEMM convolution over NCHW arrays, a sample at a time.
+    static void im2col_forward(const ConvGeometry& g, const float* x, const float* weight, const T_<float>* bias, float* y,
+                               ConvScratch& s) {
+        const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
+        const std::int64_t in_sample = g.in_channels * g.height * g.width;
+        s.cols.resize(static_cast<std::size_t>(K * P));
+        for (std::int64_t n = 0; n < g.batch; ++n) {
+            im2col(g, x + n * in_sample, s.cols.data());
+            float* yn = y + n * O * P;
+            blas::gemm(false, false, O, P, K, 1.0f, weight, K, s.cols.data(), P, 0.0f, yn, P);
+            if (bias != nullptr)
+                for (std::int64_t o = 0; o < O; ++o) {
+                    const float b = (*bias)[o];
+                    for (std::int64_t p = 0; p < P; ++p) yn[o * P + p] += b;
+                }
+        }
+    }
+
+    static void im2col_backward(const ConvGeometry& g, const float* x, const float* dy, const T_<float>& weight,
+                                T_<float>& weight_grad, T_<float>* bias_grad, float* dx, ConvScratch& s) {
+        const std::int64_t O = g.out_channels, P = g.out_height() * g.out_width(), K = g.in_channels * g.kernel * g.kernel;
+        const std::int64_t in_sample = g.in_channels * g.height * g.width;
+        s.cols.resize(static_cast<std::size_t>(K * P));
+        s.dcols.resize(static_cast<std::size_t>(K * P));
+        std::fill(dx, dx + g.batch * in_sample, 0.0f);  // col2im adds
+        for (std::int64_t n = 0; n < g.batch; ++n) {
+            const float* dyn = dy + n * O * P;
+            im2col(g, x + n * in_sample, s.cols.data());
+            blas::gemm(false, true, O, K, P, 1.0f, dyn, P, s.cols.data(), P, 1.0f, weight_grad.data(), K);
+            if (bias_grad != nullptr)
+                for (std::int64_t o = 0; o < O; ++o) {
+                    float sum = 0;
+                    for (std::int64_t p = 0; p < P; ++p) sum += dyn[o * P + p];
+                    (*bias_grad)[o] += sum;
+                }
+            blas::gemm(true, false, K, P, O, 1.0f, weight.data(), K, dyn, P, 0.0f, s.dcols.data(), P);
+            col2im(g, s.dcols.data(), dx + n * in_sample);
+        }
+    }
 
     static std::int64_t channels_of(const BnConstants<Host>& k) { return k.folded.numel() / 4; }
 

@@ -30,12 +30,15 @@ namespace lockstep::kernels {
 template <BackendTag B>
 struct Ops;
 
-//! A 2-D convolution with a square kernel over NCHW input: (N, C, H, W) -> (N, O, OH, OW).
+//! A 2-D convolution with a square kernel: (N, C, H, W) -> (N, O, OH, OW), input and output in
+//! NCHW, or both NHWC (`channels_last`); weights [O, C, k, k] always.
 struct ConvGeometry {
     std::int64_t batch = 0, in_channels = 0, height = 0, width = 0;
     std::int64_t out_channels = 0, kernel = 1, stride = 1, padding = 0;
+    bool channels_last = false;
     std::int64_t out_height() const { return (height + 2 * padding - kernel) / stride + 1; }
     std::int64_t out_width() const { return (width + 2 * padding - kernel) / stride + 1; }
+    friend bool operator==(const ConvGeometry&, const ConvGeometry&) = default;
 };
 
 //! Max pooling over `kernel` x `kernel` windows at `stride`, NCHW: (N, C, H, W) -> (N, C, OH, OW).

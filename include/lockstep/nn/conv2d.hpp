@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-//! `nn::Conv2d`: 2-D convolution (NCHW) through the backend's convolution operations.
+//! `nn::Conv2d`: 2-D convolution (NCHW or NHWC) through the backend's convolution operations.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +21,7 @@ struct Conv2dOptions {
 };
 
 //! Convolution with a square kernel. `weight` is [out, in, k, k] and `bias` [out], as PyTorch;
-//! initialization is PyTorch's default.
+//! initialization is PyTorch's default. Input NCHW or NHWC; the output has the input's format.
 template <BackendTag B = Host>
 class Conv2d {
     using K = kernels::Ops<B>;
@@ -63,8 +63,8 @@ public:
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
         check_input(x);
         check_device(weight.value.device(), x.device(), describe() + ": the input");
-        const auto g = geometry(x.shape());
-        Tensor<float, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, MemoryFormat::nchw, x.device(), uninitialized);
+        const auto g = geometry(x.shape(), x.format());
+        Tensor<float, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);
         K::conv2d_forward(ctx.exec, g, x, weight.value, options_.bias ? &bias.value : nullptr, y, scratch_);
         if (ctx.training) saved_x_ = std::move(x);
         return y;
@@ -73,12 +73,13 @@ public:
     Tensor<float, B> backward(const Context<B>& ctx, const Tensor<float, B>& dy) {
         LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 4, describe(),
                           ": backward called without a training-mode forward before it");
-        const auto g = geometry(saved_x_.shape());
+        const auto g = geometry(saved_x_.shape(), saved_x_.format());
         const Shape out{g.batch, out_, g.out_height(), g.out_width()};
-        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == out, describe(), ": dy has shape ", dy.shape(),
-                          " but the forward output had ", out);
+        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == out && dy.format() == saved_x_.format(), describe(), ": dy has shape ",
+                          dy.shape(), " ", to_string(dy.format()), " but the forward output had ", out, " ",
+                          to_string(saved_x_.format()));
         check_device(saved_x_.device(), dy.device(), describe() + ": dy");
-        Tensor<float, B> dx(saved_x_.shape(), MemoryFormat::nchw, saved_x_.device(), uninitialized);
+        Tensor<float, B> dx(saved_x_.shape(), saved_x_.format(), saved_x_.device(), uninitialized);
         K::conv2d_backward(ctx.exec, g, saved_x_, dy, weight.value, weight.grad, options_.bias ? &bias.grad : nullptr, dx,
                            scratch_);
         ctx.mark_grad_ready(&weight);
@@ -88,8 +89,9 @@ public:
     }
 
 private:
-    kernels::ConvGeometry geometry(const Shape& x) const {
+    kernels::ConvGeometry geometry(const Shape& x, MemoryFormat format) const {
         kernels::ConvGeometry g;
+        g.channels_last = format == MemoryFormat::nhwc;
         g.batch = x[0];
         g.in_channels = in_;
         g.height = x[2];
@@ -104,8 +106,6 @@ private:
     void check_input(const Tensor<float, B>& x) const {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 4 && x.dim(1) == in_, describe(), ": expected input (N, ", in_,
                           ", H, W), got shape ", x.shape());
-        LOCKSTEP_CHECK_AS(ShapeError, x.format() == MemoryFormat::nchw, describe(),
-                          ": Conv2d takes NCHW input, got an NHWC tensor of shape ", x.shape());
         LOCKSTEP_CHECK_AS(ShapeError, x.dim(2) + 2 * options_.padding >= k_ && x.dim(3) + 2 * options_.padding >= k_,
                           describe(), ": input ", x.shape(), " is smaller than the kernel (", k_, ") plus padding");
     }

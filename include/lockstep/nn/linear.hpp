@@ -2,6 +2,7 @@
 //! `nn::Linear`: y = x W^T + b through the backend's GEMM.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <string>
 
@@ -29,7 +30,14 @@ class Linear {
 public:
     using backend = B;
 
-    Linear(std::int64_t in_features, std::int64_t out_features, bool with_bias = true, Generator& gen = default_generator())
+    //! With a bias (PyTorch's default).
+    Linear(std::int64_t in_features, std::int64_t out_features, Generator& gen = default_generator())
+        : Linear(in_features, out_features, LinearOptions{}, gen) {}
+
+    //! `with_bias` must be a bool: `Linear(a, b, {}, gen)` takes the options overload below (a bool
+    //! parameter would take `{}` as false and drop the bias).
+    template <std::same_as<bool> Bool>
+    Linear(std::int64_t in_features, std::int64_t out_features, Bool with_bias, Generator& gen = default_generator())
         : Linear(in_features, out_features, LinearOptions{.bias = with_bias}, gen) {}
 
     Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options, Generator& gen = default_generator())
