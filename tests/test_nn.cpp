@@ -6,6 +6,7 @@
 #include <lockstep/nn.hpp>
 
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 
 #include <cmath>
 #include <cstdio>
@@ -700,3 +701,91 @@ TEST_CASE("Where lockstep is built with oneDNN, oneDNN serves host convolutions"
     CHECK(kernels::detail::host_conv_engine().forward != nullptr);
 }
 #endif
+
+// ---- checkpoint files that break the format, and paths a save must not destroy ----
+
+namespace {
+// Writes a safetensors file with the given header text and `data_bytes` zero bytes of data.
+void write_raw(const std::string& path, const std::string& header, std::size_t data_bytes) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    const std::uint64_t len = header.size();
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << header;
+    out << std::string(data_bytes, '\0');
+}
+}  // namespace
+
+TEST_CASE("Checkpoint files looser than the safetensors format are refused, naming the file", "[nn][checkpoint]") {
+    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::unique_number()));
+    fs::create_directories(dir);
+    const std::string path = (dir / "bad.safetensors").string();
+    const auto refused = [&](const std::string& header, std::size_t data, const std::string& why) {
+        CAPTURE(header);
+        write_raw(path, header, data);
+        CHECK_THROWS_WITH(nn::Checkpoint::load(path), Catch::Contains("'" + path + "' is not a valid checkpoint") &&
+                                                          Catch::Contains(why));
+    };
+    // Two tensors of 8 bytes each, well formed: accepted.
+    write_raw(path, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);
+    CHECK(nn::Checkpoint::load(path).names() == std::vector<std::string>{"a", "b"});
+    refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 16,
+            "overlap or leave a gap");  // b loads a's bytes
+    refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})", 20,
+            "overlap or leave a gap");
+    refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12, "4 bytes after the last tensor");
+    refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16,
+            "names 'a' twice");
+    refused(R"({"a":{"dtype":"F32","shape":[10.7],"data_offsets":[0,40]}})", 40, "not a non-negative integer: 10.7");
+    refused(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,0]}})", 0, "not a non-negative integer: -2");
+    refused(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})", 0, "does not fit 64 bits");
+    refused(R"({"a":{"dtype":"F32","shape":[1073741824,4294967296],"data_offsets":[0,0]}})", 0, "does not fit 64 bits");
+    refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0.5,8]}})", 8, "two non-negative integers");
+    refused(R"({"a":{"dtype":"F32","shape":[1,1,1,1,1,1],"data_offsets":[0,4]}})", 4, "rank 6");
+    refused(R"({"a":{"dtype":"F32","shape":[2]}})", 8, "needs dtype, shape and data_offsets");
+    fs::remove_all(dir);
+}
+
+TEST_CASE("A save replaces only a regular file, writes through a symlink and clears killed saves' leftovers",
+          "[nn][checkpoint]") {
+    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::unique_number()));
+    fs::create_directories(dir);
+    nn::Sequential net(nn::Linear<>(3, 2));
+    // A FIFO (and, where this process may make one, a device node) stays what it is.
+    const std::string fifo = (dir / "fifo").string();
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    CHECK_THROWS_WITH(nn::save(fifo, net), Catch::Contains("is a FIFO; a checkpoint replaces only a regular file"));
+    CHECK(fs::is_fifo(fifo));
+    CHECK_THROWS_WITH(nn::save(dir.string(), net), Catch::Contains("is a directory"));
+    const std::string node = (dir / "full").string();
+    if (::mknod(node.c_str(), S_IFCHR | 0600, makedev(1, 7)) == 0) {  // what /dev/full is, in our own folder
+        CHECK_THROWS_WITH(nn::save(node, net), Catch::Contains("is a device node"));
+        CHECK(fs::is_character_file(node));
+    } else {
+        WARN("this process may not make device nodes (" << std::strerror(errno) << "): the FIFO stands in for them");
+    }
+    CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == (fs::exists(node) ? 2 : 1));  // no temporaries
+    // A symlink is written through: the file it points to gets the checkpoint, the link stays.
+    const std::string real = (dir / "real.safetensors").string(), link = (dir / "link.safetensors").string();
+    fs::create_symlink(real, link);
+    const auto report = nn::save(link, net);
+    CHECK(fs::is_symlink(link));
+    CHECK(fs::is_regular_file(real));
+    CHECK(report.written == fs::weakly_canonical(real).string());
+    nn::Sequential back(nn::Linear<>(3, 2));
+    nn::load(link, back);
+    CHECK(std::memcmp(back.get<0>().weight.value.data(), net.get<0>().weight.value.data(), net.get<0>().weight.value.bytes()) == 0);
+    // A killed save's full-size temporary is removed by the next save of the same file, and said.
+    const std::string stale = real + ".tmp-Ab12Cd", other = (dir / "other.safetensors.tmp-Ab12Cd").string();
+    std::ofstream(stale) << "partial";
+    std::ofstream(other) << "someone else's";
+    const auto again = nn::save(real, net);
+    CHECK(again.removed_stale == std::vector<std::string>{stale});
+    CHECK_FALSE(fs::exists(stale));
+    CHECK(fs::exists(other));
+    // Writability is known before any training.
+    CHECK_NOTHROW(nn::Checkpoint::check_writable(real));
+    CHECK_THROWS_WITH(nn::Checkpoint::check_writable((dir / "no-such-dir" / "x.safetensors").string()),
+                      Catch::Contains("cannot write a checkpoint at"));
+    CHECK_THROWS_AS(nn::Checkpoint::check_writable(fifo), IoError);
+    fs::remove_all(dir);
+}

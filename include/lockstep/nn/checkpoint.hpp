@@ -14,8 +14,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <algorithm>
+#include <climits>
+#include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -32,6 +36,15 @@ static_assert(std::endian::native == std::endian::little,
 // A checkpoint is written to a temporary file in the destination's directory, flushed to disk,
 // and renamed over the destination; the directory is then flushed too. A crash at any point
 // leaves either the previous file or the complete new one, never a torn file.
+//
+// Note [checkpoint path]
+// A save replaces only a regular file: a path that exists and is anything else (a device node, a
+// FIFO, a directory, a socket) is refused, since renaming over it would destroy it. A symlink is
+// written through: the checkpoint replaces the file the link points to (resolved to its final
+// target, which must be a regular file or not exist yet), and the link stays. A save that was
+// killed leaves its temporary file (`<name>.tmp-XXXXXX`, full size); the next save of the same
+// checkpoint removes such files and reports them, so two processes must not save to one path at
+// the same time.
 
 //! Named tensors and string metadata, as one safetensors file holds them.
 class Checkpoint {
@@ -98,8 +111,14 @@ public:
         t.copy_from(make_tensor<T>(t.shape(), std::span<const T>(values, static_cast<std::size_t>(t.numel())), t.format()));
     }
 
-    //! Writes the file atomically (see Note [atomic checkpoint]).
-    void save(const std::string& path) const {
+    //! What a save did besides writing the checkpoint.
+    struct SaveReport {
+        std::string written;                     //!< the file written: `path`, or a symlink's target
+        std::vector<std::string> removed_stale;  //!< temporary files of earlier, killed saves of it
+    };
+
+    //! Writes the file atomically (see Note [atomic checkpoint] and Note [checkpoint path]).
+    SaveReport save(const std::string& path) const {
         nlohmann::json header = nlohmann::json::object();
         std::uint64_t offset = 0;
         for (const auto& [name, e] : entries_) {
@@ -111,10 +130,13 @@ public:
         text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
         const std::uint64_t length = text.size();
 
-        const std::string dir = directory_of(path);
-        std::string tmp = path + ".tmp-XXXXXX";
+        SaveReport report;
+        report.written = target_of(path);
+        const std::string& target = report.written;
+        const std::string dir = directory_of(target);
+        std::string tmp = target + ".tmp-XXXXXX";
         const int fd = ::mkstemp(tmp.data());
-        if (fd < 0) throw IoError("cannot create a temporary file next to '" + path + "': " + std::strerror(errno));
+        if (fd < 0) throw IoError("cannot create a temporary file next to '" + target + "': " + std::strerror(errno));
         // mkstemp makes the file 0600; the checkpoint gets the mode any new file would (0666 less
         // the umask), as an ordinary open-and-write would have given it.
         (void)::fchmod(fd, 0666 & ~process_umask());
@@ -132,7 +154,7 @@ public:
             ::unlink(tmp.c_str());
             throw IoError("cannot write checkpoint '" + path + "': closing: " + std::strerror(errno));
         }
-        if (::rename(tmp.c_str(), path.c_str()) != 0) {
+        if (::rename(tmp.c_str(), target.c_str()) != 0) {
             const std::string err = std::strerror(errno);
             ::unlink(tmp.c_str());
             throw IoError("cannot write checkpoint '" + path + "': renaming into place: " + err);
@@ -142,6 +164,21 @@ public:
             (void)::fsync(dfd);
             ::close(dfd);
         }
+        report.removed_stale = remove_stale_temporaries(target);
+        return report;
+    }
+
+    //! Throws `IoError` unless a checkpoint can be written at `path` (Note [checkpoint path]):
+    //! makes and removes a temporary file where the save would, so a run learns before it trains.
+    static void check_writable(const std::string& path) {
+        const std::string target = target_of(path);
+        std::string tmp = target + ".tmp-XXXXXX";
+        const int fd = ::mkstemp(tmp.data());
+        if (fd < 0)
+            throw IoError("cannot write a checkpoint at '" + path + "': creating a file in '" + directory_of(target) +
+                          "' failed: " + std::strerror(errno));
+        ::close(fd);
+        ::unlink(tmp.c_str());
     }
 
     //! Reads and validates a safetensors file (float32 and int64 tensors).
@@ -160,15 +197,34 @@ public:
         std::string text(length, '\0');
         if (!in.read(text.data(), static_cast<std::streamsize>(length))) throw bad("header truncated");
         nlohmann::json header;
+        std::string duplicate;  // a name the header gives twice (the JSON parser would keep the last)
         try {
-            header = nlohmann::json::parse(text);
+            std::vector<std::set<std::string>> keys_at_depth;
+            header = nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& value) {
+                using E = nlohmann::json::parse_event_t;
+                const auto d = static_cast<std::size_t>(depth);
+                if (event == E::object_start) {
+                    if (keys_at_depth.size() <= d + 1) keys_at_depth.resize(d + 2);
+                    keys_at_depth[d + 1].clear();
+                } else if (event == E::key && duplicate.empty() && d < keys_at_depth.size() &&
+                           !keys_at_depth[d].insert(value.get<std::string>()).second) {
+                    duplicate = value.get<std::string>();
+                }
+                return true;
+            });
         } catch (const std::exception& e) {
             throw bad(std::string("header is not JSON (") + e.what() + ")");
         }
+        if (!duplicate.empty()) throw bad("the header names '" + duplicate + "' twice");
         if (!header.is_object()) throw bad("header is not a JSON object");
         const std::uint64_t data_size = file_size - 8 - length;
         Checkpoint ck;
         ck.source_ = path;
+        struct Span {
+            std::uint64_t begin, end;
+            std::string name;
+        };
+        std::vector<Span> spans;
         for (auto it = header.begin(); it != header.end(); ++it) {
             if (it.key() == "__metadata__") {
                 if (!it->is_object()) throw bad("__metadata__ is not an object");
@@ -178,38 +234,62 @@ public:
                 }
                 continue;
             }
+            const std::string& name = it.key();
+            const auto malformed = [&](const std::string& what) { return bad("tensor '" + name + "' " + what); };
+            if (!it->is_object() || !it->contains("dtype") || !it->contains("shape") || !it->contains("data_offsets"))
+                throw malformed("needs dtype, shape and data_offsets");
+            const auto& dtype = it->at("dtype");
+            const auto& shape = it->at("shape");
+            const auto& offsets = it->at("data_offsets");
+            if (!dtype.is_string()) throw malformed("has a dtype that is not a string");
             Entry e;
-            std::uint64_t begin = 0, end = 0;
-            try {
-                e.dtype = it->at("dtype").get<std::string>();
-                e.shape = it->at("shape").get<std::vector<std::int64_t>>();
-                const auto offs = it->at("data_offsets").get<std::vector<std::uint64_t>>();
-                if (offs.size() != 2) throw bad("tensor '" + it.key() + "' needs two data_offsets");
-                begin = offs[0];
-                end = offs[1];
-            } catch (const IoError&) {
-                throw;
-            } catch (const std::exception& ex) {
-                throw bad("tensor '" + it.key() + "' has a malformed entry (" + ex.what() + ")");
-            }
+            e.dtype = dtype.get<std::string>();
             std::uint64_t elem = 0;
             if (e.dtype == "F32") elem = 4;
             else if (e.dtype == "I64") elem = 8;
-            else throw bad("tensor '" + it.key() + "' has dtype " + e.dtype + "; lockstep reads F32 and I64");
+            else throw malformed("has dtype " + e.dtype + "; lockstep reads F32 and I64");
+            if (!shape.is_array()) throw malformed("has a shape that is not an array");
+            if (shape.size() > static_cast<std::size_t>(Shape::max_rank))
+                throw malformed("has rank " + std::to_string(shape.size()) + ", beyond lockstep's " + std::to_string(Shape::max_rank));
             std::uint64_t count = 1;
-            for (auto d : e.shape) {
-                if (d < 0) throw bad("tensor '" + it.key() + "' has a negative extent");
-                count *= static_cast<std::uint64_t>(d);
+            for (const auto& d : shape) {
+                if (!d.is_number_integer() || (d.is_number_unsigned() ? false : d.get<std::int64_t>() < 0))
+                    throw malformed("has an extent that is not a non-negative integer: " + d.dump());
+                const auto extent = d.get<std::uint64_t>();
+                if (extent > static_cast<std::uint64_t>(INT64_MAX) || __builtin_mul_overflow(count, extent, &count))
+                    throw malformed("has a shape whose element count does not fit 64 bits");
+                e.shape.push_back(static_cast<std::int64_t>(extent));
             }
-            if (end < begin || end > data_size || end - begin != count * elem)
-                throw bad("tensor '" + it.key() + "' has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                          ") that do not match its shape or the " + std::to_string(data_size) + " data bytes (truncated?)");
+            std::uint64_t bytes = 0;
+            if (__builtin_mul_overflow(count, elem, &bytes)) throw malformed("has a shape whose byte count does not fit 64 bits");
+            if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
+                throw malformed("needs data_offsets [begin, end] of two non-negative integers");
+            const auto begin = offsets[0].get<std::uint64_t>(), end = offsets[1].get<std::uint64_t>();
+            if (end < begin || end > data_size || end - begin != bytes)
+                throw malformed("has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") that do not match its shape or the " + std::to_string(data_size) + " data bytes (truncated?)");
+            spans.push_back({begin, end, name});
             e.data.resize(end - begin);
             in.seekg(static_cast<std::streamoff>(8 + length + begin));
             if (!e.data.empty() && !in.read(reinterpret_cast<char*>(e.data.data()), static_cast<std::streamsize>(e.data.size())))
-                throw bad("tensor '" + it.key() + "' data truncated");
-            ck.entries_.emplace(it.key(), std::move(e));
+                throw malformed("data truncated");
+            ck.entries_.emplace(name, std::move(e));
         }
+        // As the safetensors format requires: the tensors' bytes tile the data area exactly, one
+        // after another, with no gap, no overlap and nothing after the last.
+        std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+            return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+        });
+        std::uint64_t at = 0;
+        for (const auto& sp : spans) {
+            if (sp.begin != at)
+                throw bad("tensor '" + sp.name + "' starts at data byte " + std::to_string(sp.begin) + " where " +
+                          std::to_string(at) + " was expected (tensors overlap or leave a gap)");
+            at = sp.end;
+        }
+        if (at != data_size)
+            throw bad(std::to_string(data_size - at) + " bytes after the last tensor (the data area is " +
+                      std::to_string(data_size) + " bytes, the tensors cover " + std::to_string(at) + ")");
         return ck;
     }
 
@@ -264,6 +344,48 @@ private:
             n -= static_cast<std::size_t>(w);
         }
         return true;
+    }
+
+    // The file a save of `path` writes (Note [checkpoint path]).
+    static std::string target_of(const std::string& path) {
+        namespace fs = std::filesystem;
+        std::error_code ec;
+        fs::path target = path;
+        for (int hops = 0; fs::is_symlink(fs::symlink_status(target, ec)); ++hops) {  // to the final file
+            if (hops == 40) throw IoError("cannot resolve the symlink '" + path + "': too many levels of links");
+            const fs::path next = fs::read_symlink(target, ec);
+            if (ec) throw IoError("cannot resolve the symlink '" + path + "': " + ec.message());
+            target = (next.is_absolute() ? next : target.parent_path() / next).lexically_normal();
+        }
+        ec.clear();
+        const auto st = fs::status(target, ec);
+        if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
+            const char* kind = fs::is_directory(st) ? "a directory"
+                               : fs::is_fifo(st) ? "a FIFO"
+                               : fs::is_socket(st) ? "a socket"
+                               : fs::is_character_file(st) || fs::is_block_file(st) ? "a device node"
+                                                                                      : "not a regular file";
+            throw IoError("'" + path + "' is " + kind + "; a checkpoint replaces only a regular file: choose another path");
+        }
+        return target.string();
+    }
+
+    // Removes the temporary files earlier saves of `target` left behind (killed mid-save).
+    static std::vector<std::string> remove_stale_temporaries(const std::string& target) {
+        namespace fs = std::filesystem;
+        std::vector<std::string> removed;
+        const fs::path t = target;
+        const std::string stem = t.filename().string() + ".tmp-";
+        std::error_code ec;
+        for (fs::directory_iterator it(t.has_parent_path() ? t.parent_path() : fs::path("."), ec), end; !ec && it != end;
+             it.increment(ec)) {
+            const std::string name = it->path().filename().string();
+            if (name.size() == stem.size() + 6 && name.rfind(stem, 0) == 0 && it->is_regular_file(ec)) {
+                std::error_code rm;
+                if (fs::remove(it->path(), rm)) removed.push_back(it->path().string());
+            }
+        }
+        return removed;
     }
 
     static std::string directory_of(const std::string& path) {
@@ -346,10 +468,10 @@ void get_optimizer(const Checkpoint& ck, O& optimizer, const M& module, int rank
 
 //! Saves `module`'s state_dict to `path` atomically.
 template <class M>
-void save(const std::string& path, const M& module) {
+Checkpoint::SaveReport save(const std::string& path, const M& module) {
     Checkpoint ck;
     put_module(ck, module);
-    ck.save(path);
+    return ck.save(path);
 }
 
 //! Loads `module`'s state_dict from `path`, checking every name, dtype and shape first.

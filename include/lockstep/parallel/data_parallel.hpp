@@ -240,10 +240,10 @@ public:
     }
 
     //! Writes the model (and the optimizer's state) to `path` atomically.
-    void save(const std::string& path) const { checkpoint().save(path); }
+    nn::Checkpoint::SaveReport save(const std::string& path) const { return checkpoint().save(path); }
     template <class Optimizer>
-    void save(const std::string& path, Optimizer& optimizer) const {
-        checkpoint(optimizer).save(path);
+    nn::Checkpoint::SaveReport save(const std::string& path, Optimizer& optimizer) const {
+        return checkpoint(optimizer).save(path);
     }
 
     //! Loads a checkpoint into every replica (and the optimizer's state of every replica). Every
