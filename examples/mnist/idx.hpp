@@ -69,7 +69,10 @@ inline Dataset load_idx(const std::string& images_path, const std::string& label
     ds.count = detail::be32(img, 4);
     ds.rows = detail::be32(img, 8);
     ds.cols = detail::be32(img, 12);
-    const std::int64_t pixels = ds.count * ds.rows * ds.cols;
+    std::int64_t pixels = 0;  // the header's three 32-bit sizes can overflow 64 bits together
+    if (__builtin_mul_overflow(ds.count, ds.rows, &pixels) || __builtin_mul_overflow(pixels, ds.cols, &pixels))
+        throw DataError(images_path + ": header says " + std::to_string(ds.count) + " images of " + std::to_string(ds.rows) +
+                        "x" + std::to_string(ds.cols) + ", more than any file holds");
     if (ds.rows == 0 || ds.cols == 0 || static_cast<std::int64_t>(img.size()) - 16 != pixels)
         throw DataError(images_path + ": header says " + std::to_string(ds.count) + " images of " + std::to_string(ds.rows) +
                         "x" + std::to_string(ds.cols) + " but the file holds " + std::to_string(img.size() - 16) +

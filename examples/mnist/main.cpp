@@ -7,7 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -93,6 +95,8 @@ struct Eval {
     double loss = 0, accuracy = 0;
 };
 
+// Test loss and accuracy, in chunks of 1000 images (the last folded into the one before when it
+// has fewer images than there are replicas, as in training).
 Eval evaluate(DataParallel<Model>& dp, const mnist::Dataset& test) {
     dp.eval();
     const auto order = epoch_order(test.count, 0, 0, false);
@@ -100,9 +104,9 @@ Eval evaluate(DataParallel<Model>& dp, const mnist::Dataset& test) {
     std::int64_t correct = 0;
     Tensor<float> x;
     std::vector<std::int64_t> labels;
-    const std::int64_t chunk = 1000;
-    for (std::int64_t b = 0; b < test.count; b += chunk) {
-        const std::int64_t n = std::min(chunk, test.count - b);
+    const auto starts = batch_starts(test.count, 1000, dp.size());
+    for (std::size_t i = 0; i + 1 < starts.size(); ++i) {
+        const std::int64_t b = starts[i], n = starts[i + 1] - b;
         make_batch(test, order, b, n, x, labels);
         const auto logits = dp.forward(x);
         const auto out = nn::SoftmaxCrossEntropy{}(nn::Context{}, logits, labels);
@@ -120,17 +124,51 @@ std::string clock_text(double seconds) {
     return buf;
 }
 
+// The integer `text` of checkpoint field `key`, in [lo, hi]: all digits (an optional '-'), no more.
+std::int64_t counter(const nn::Checkpoint& ck, const std::string& path, const std::string& key, std::int64_t lo,
+                     std::int64_t hi, const std::string& range) {
+    const auto it = ck.metadata.find(key);
+    if (it == ck.metadata.end())
+        throw lockstep::IoError("'" + path + "' has no '" + key + "' counter; it was not written by --save");
+    const std::string& text = it->second;
+    std::int64_t value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc() || end != text.data() + text.size() || text.empty())
+        throw lockstep::IoError("'" + path + "': '" + key + "' is \"" + text + "\", not an integer");
+    if (value < lo || value > hi)
+        throw lockstep::IoError("'" + path + "': '" + key + "' is " + text + ", outside " + range);
+    return value;
+}
+
+// A resume continues the same run only with the same data order and batches: the checkpoint's
+// seed, batch size and number of training images must be this run's.
+void check_same_run(const nn::Checkpoint& ck, const std::string& path, const std::string& key, const std::string& flag,
+                    const std::string& ours) {
+    const auto it = ck.metadata.find(key);
+    if (it == ck.metadata.end())
+        throw lockstep::IoError("'" + path + "' does not record its " + flag + "; it was not written by this version's --save");
+    if (it->second != ours)
+        throw lockstep::InvalidArgument("'" + path + "' was written with " + flag + " " + it->second + " but this run has " +
+                                        flag + " " + ours + ": the resumed run could not continue the same one; pass " +
+                                        flag + " " + it->second + ", or start afresh from its weights with --init");
+}
+
 int run(const Options& opt) {
     if (opt.backend == "cuda")
         throw lockstep::UsageError("--backend cuda: this build trains on the host backend only (the CUDA training path "
                                    "is not built yet); use --backend host or auto");
     const int replicas = opt.replicas > 0 ? opt.replicas : 2;
+    if (!opt.save.empty()) nn::Checkpoint::check_writable(opt.save);  // before any training, not after an epoch
     const auto train = mnist::load_idx(find_file(opt.data, "train-images-idx3-ubyte"),
                                        find_file(opt.data, "train-labels-idx1-ubyte"), opt.train_limit);
     const auto test = mnist::load_idx(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
     if (train.count < replicas)
         throw lockstep::InvalidArgument("only " + std::to_string(train.count) + " training images for " +
                                         std::to_string(replicas) + " replicas");
+    if (test.count < replicas)
+        throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count) +
+                               " test images, fewer than the " + std::to_string(replicas) +
+                               " replicas; the test set must give every replica an image");
 
     nn::Generator gen(opt.seed);
     Model prototype(gen);
@@ -141,13 +179,19 @@ int run(const Options& opt) {
     if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, true, "optimizer.");
     if (!opt.resume.empty()) {
         resume = nn::Checkpoint::load(opt.resume);
-        try {
-            step = std::stoll(resume->metadata.at("step"));
-            start_epoch = std::stoi(resume->metadata.at("epoch"));
-            epoch_step = std::stoll(resume->metadata.at("epoch_step"));
-        } catch (const std::exception&) {
-            throw lockstep::IoError("'" + opt.resume + "' has no step/epoch counters; it was not written by --save");
-        }
+        const auto& ck = *resume;
+        check_same_run(ck, opt.resume, "seed", "--seed", std::to_string(opt.seed));
+        check_same_run(ck, opt.resume, "batch", "--batch", std::to_string(opt.batch));
+        check_same_run(ck, opt.resume, "train_images", "training images (--data, --train-limit)", std::to_string(train.count));
+        const auto batches = static_cast<std::int64_t>(batch_starts(train.count, opt.batch, replicas).size()) - 1;
+        start_epoch = static_cast<int>(counter(ck, opt.resume, "epoch", 0, opt.epochs, "[0, " + std::to_string(opt.epochs) +
+                                                                                          "] for --epochs " + std::to_string(opt.epochs)));
+        epoch_step = counter(ck, opt.resume, "epoch_step", 0, batches - 1,
+                             "[0, " + std::to_string(batches - 1) + "]: an epoch of this data has " + std::to_string(batches) +
+                                 " batches");
+        step = counter(ck, opt.resume, "step", start_epoch * batches + epoch_step, INT64_MAX,
+                       "the steps its epoch and epoch_step imply (at least " +
+                           std::to_string(start_epoch * batches + epoch_step) + ")");
     }
     DataParallel<Model> dp(prototype, replicas);
     if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
@@ -157,12 +201,20 @@ int run(const Options& opt) {
         metrics.open(opt.metrics, resume ? std::ios::app : std::ios::trunc);
         if (!metrics) throw lockstep::IoError(opt.metrics + ": cannot open the metrics file for writing");
     }
+    const auto write_metrics = [&](const nlohmann::json& line) {
+        if (opt.metrics.empty()) return;
+        metrics << line.dump() << '\n' << std::flush;
+        if (!metrics) throw lockstep::IoError(opt.metrics + ": writing the metrics failed (disk full?)");
+    };
     const auto save = [&](int epoch, std::int64_t in_epoch) {
         if (opt.save.empty()) return;
         nn::Checkpoint ck = dp.checkpoint(sgd);
-        ck.metadata = {{"step", std::to_string(step)}, {"epoch", std::to_string(epoch)},
-                       {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)}, {"format", "pt"}};
-        ck.save(opt.save);
+        ck.metadata = {{"step", std::to_string(step)},          {"epoch", std::to_string(epoch)},
+                       {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)},
+                       {"batch", std::to_string(opt.batch)},    {"train_images", std::to_string(train.count)},
+                       {"format", "pt"}};
+        for (const auto& stale : ck.save(opt.save).removed_stale)
+            std::fprintf(stderr, "mnist: removed %s, left by an earlier save that was killed\n", stale.c_str());
     };
 
     const bool tty = isatty(STDOUT_FILENO) != 0 && !opt.quiet;
@@ -198,10 +250,8 @@ int run(const Options& opt) {
             epoch_images += n;
             loss_sum += res.loss * static_cast<double>(n);
             loss_count += n;
-            if (metrics)
-                metrics << nlohmann::json{{"kind", "step"}, {"step", step}, {"epoch", epoch}, {"loss", res.loss},
-                                          {"images_per_s", static_cast<double>(n) / secs}}.dump()
-                        << '\n' << std::flush;
+            write_metrics({{"kind", "step"}, {"step", step}, {"epoch", epoch}, {"loss", res.loss},
+                           {"images_per_s", static_cast<double>(n) / secs}});
             const double elapsed = std::chrono::duration<double>(Clock::now() - t_epoch).count();
             const double rate = static_cast<double>(epoch_images) / std::max(elapsed, 1e-9);
             const double eta = static_cast<double>(train.count - starts[static_cast<std::size_t>(b + 1)]) / std::max(rate, 1e-9);
@@ -234,10 +284,8 @@ int run(const Options& opt) {
             std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.4f, %.1f s, %.0f img/s training\n",
                         epoch + 1, train_loss, last.loss, last.accuracy, secs,
                         static_cast<double>(epoch_images) / epoch_train_s);
-        if (metrics)
-            metrics << nlohmann::json{{"kind", "epoch"}, {"epoch", epoch}, {"train_loss", train_loss}, {"test_loss", last.loss},
-                                      {"test_accuracy", last.accuracy}, {"seconds", secs}}.dump()
-                    << '\n' << std::flush;
+        write_metrics({{"kind", "epoch"}, {"epoch", epoch}, {"train_loss", train_loss}, {"test_loss", last.loss},
+                       {"test_accuracy", last.accuracy}, {"seconds", secs}});
     }
     if (!evaluated) last = evaluate(dp, test);
     const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -260,9 +308,25 @@ int main(int argc, char** argv) {
     app.add_option("--replicas", opt.replicas, "replicas (default: all GPUs, or 2 host replicas)")->check(CLI::Range(1, 64));
     app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::Range(1, 1000));
     app.add_option("--batch", opt.batch, "global batch size")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
-    app.add_option("--lr", opt.lr, "learning rate")->check(CLI::Range(0.0, 100.0));
-    app.add_option("--momentum", opt.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
-    app.add_option("--seed", opt.seed, "seed for initialization and shuffling");
+    // NaN passes a range check (every comparison with it is false): refuse it first.
+    const CLI::Validator finite([](const std::string& text) -> std::string {
+        try {
+            return std::isfinite(std::stod(text)) ? "" : "must be a finite number, got " + text;
+        } catch (const std::exception&) {
+            return "must be a number, got " + text;
+        }
+    }, "FINITE");
+    app.add_option("--lr", opt.lr, "learning rate")->check(finite & CLI::Range(0.0, 100.0));
+    app.add_option("--momentum", opt.momentum, "SGD momentum")->check(finite & CLI::Range(0.0, 1.0));
+    // Digits only, and it must fit 64 bits: "-1" or 2^64 is a mistake, not a wrapped seed.
+    const CLI::Validator seed_digits([](const std::string& text) -> std::string {
+        std::uint64_t v = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+        return !text.empty() && ec == std::errc() && end == text.data() + text.size()
+                   ? ""
+                   : "must be an integer in [0, 2^64), got " + text;
+    }, "SEED");
+    app.add_option("--seed", opt.seed, "seed for initialization and shuffling")->check(seed_digits);
     app.add_flag("--no-shuffle", opt.no_shuffle, "take batches in file order");
     app.add_option("--steps", opt.steps, "stop after this many steps in total")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
     app.add_option("--train-limit", opt.train_limit, "use only the first M training images")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
@@ -271,7 +335,8 @@ int main(int argc, char** argv) {
     app.add_option("--save", opt.save, "write a checkpoint here after each epoch and at the end (atomic)");
     app.add_option("--resume", opt.resume, "continue from a checkpoint written by --save");
     app.add_option("--metrics", opt.metrics, "write JSON lines of step and epoch metrics here");
-    app.add_option("--expect-accuracy", opt.expect_accuracy, "exit with 1 if the final test accuracy is lower");
+    app.add_option("--expect-accuracy", opt.expect_accuracy, "exit with 1 if the final test accuracy is lower")
+        ->check(finite & CLI::Range(0.0, 1.0));
     app.add_flag("--quiet", opt.quiet, "print only the final line");
     try {
         app.parse(argc, argv);

@@ -3,8 +3,13 @@
 //!   mnist_tool losses A.jsonl B.jsonl TOL        per-step losses agree to relative TOL (0: bit-equal)
 //!   mnist_tool checkpoints A B TOL               every tensor: ||a - b|| <= TOL (||b|| + 1e-3) (0: bit-equal)
 //!   mnist_tool make-data DIR KIND                writes IDX files to DIR: KIND = good | bad-magic |
-//!                                                truncated | count-mismatch | bad-label
+//!                                                truncated | count-mismatch | bad-label | empty-test |
+//!                                                tail-test (1001 test images) | huge-header
 //!   mnist_tool other-model FILE                  writes a checkpoint of a different model
+//!   mnist_tool set-metadata IN OUT KEY VALUE     a copy of checkpoint IN with metadata KEY = VALUE
+//!   mnist_tool mkfifo PATH                       makes a FIFO at PATH
+#include <sys/stat.h>
+
 #include <lockstep/nn.hpp>
 
 #include <nlohmann/json.hpp>
@@ -112,12 +117,14 @@ void put32(std::ofstream& out, std::uint32_t v) {
 int make_data(const std::string& dir, const std::string& kind) {
     std::filesystem::create_directories(dir);
     for (const std::string split : {"train", "t10k"}) {
-        const std::uint32_t n = split == "train" ? 120 : 40;
+        const std::uint32_t test_images = kind == "empty-test" ? 0 : kind == "tail-test" ? 1001 : 40;
+        const std::uint32_t n = split == "train" ? 120 : test_images;
         std::ofstream img(dir + "/" + split + "-images-idx3-ubyte", std::ios::binary);
         put32(img, kind == "bad-magic" ? 0x0803u + 1 : 0x0803u);
-        put32(img, n);
-        put32(img, 28);
-        put32(img, 28);
+        const bool huge = kind == "huge-header" && split == "train";  // sizes whose product overflows 64 bits
+        put32(img, huge ? 0xFFFFFFFFu : n);
+        put32(img, huge ? 0xFFFFFFFFu : 28);
+        put32(img, huge ? 0xFFFFFFFFu : 28);
         const std::uint32_t written = kind == "truncated" ? n - 1 : n;
         for (std::uint32_t i = 0; i < written; ++i)
             for (int p = 0; p < 784; ++p) img.put(static_cast<char>((p / 28) / 3 == static_cast<int>(i % 10) ? 200 + (i * 7 + p) % 50 : (i * 13 + p) % 40));
@@ -126,6 +133,23 @@ int make_data(const std::string& dir, const std::string& kind) {
         const std::uint32_t labels = kind == "count-mismatch" ? n - 2 : n;
         put32(lab, labels);
         for (std::uint32_t i = 0; i < labels; ++i) lab.put(static_cast<char>(kind == "bad-label" && i == 17 ? 12 : i % 10));
+    }
+    return 0;
+}
+
+// A copy of checkpoint `in` with metadata `key` set to `value` (a forged --resume file).
+int set_metadata(const std::string& in, const std::string& out, const std::string& key, const std::string& value) {
+    auto ck = lockstep::nn::Checkpoint::load(in);
+    ck.metadata[key] = value;
+    ck.save(out);
+    return 0;
+}
+
+int make_fifo(const std::string& path) {
+    std::filesystem::remove(path);
+    if (::mkfifo(path.c_str(), 0600) != 0) {
+        std::perror("mkfifo");
+        return 1;
     }
     return 0;
 }
@@ -145,6 +169,8 @@ int main(int argc, char** argv) {
         if (a.size() == 4 && a[0] == "checkpoints") return compare_checkpoints(a[1], a[2], std::stod(a[3]));
         if (a.size() == 3 && a[0] == "make-data") return make_data(a[1], a[2]);
         if (a.size() == 2 && a[0] == "other-model") return other_model(a[1]);
+        if (a.size() == 5 && a[0] == "set-metadata") return set_metadata(a[1], a[2], a[3], a[4]);
+        if (a.size() == 2 && a[0] == "mkfifo") return make_fifo(a[1]);
         std::fprintf(stderr, "usage: see the comment at the top of mnist_tool.cpp\n");
         return 2;
     } catch (const std::exception& e) {
