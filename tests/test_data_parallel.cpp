@@ -231,7 +231,7 @@ TEST_CASE("Bucketing and overlap change no bit of the result", "[parallel]") {
     CHECK(dp.bucket_count() == 6);  // conv w, b; bn w, b; fc w, b
 }
 
-TEST_CASE("One training step makes one all-reduce per bucket, two per SyncBatchNorm, one commit barrier", "[parallel]") {
+TEST_CASE("One training step makes one all-reduce per bucket, two per SyncBatchNorm, two commit barriers", "[parallel]") {
     DataParallel<Net> dp(make_net(1), 2, {.bucket_bytes = 1});
     nn::Sgd sgd({.lr = 0.1});
     std::mt19937_64 gen(1);
@@ -239,7 +239,7 @@ TEST_CASE("One training step makes one all-reduce per bucket, two per SyncBatchN
     const auto layer0 = dp.layer_collectives(0), grad0 = dp.gradient_collectives(0);
     dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
     CHECK(dp.layer_collectives(0) - layer0 == 2);  // SyncBatchNorm forward + backward
-    CHECK(dp.gradient_collectives(0) - grad0 == dp.bucket_count() + 1);  // + the commit barrier
+    CHECK(dp.gradient_collectives(0) - grad0 == dp.bucket_count() + 2);  // + the barriers around the optimizer
 }
 
 namespace {
@@ -481,7 +481,7 @@ TEST_CASE("accumulate still runs the layers' collectives, and refuses eval mode"
     nn::Sgd sgd({.lr = 0.1});
     const auto r = dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
     CHECK(r.count == 12);
-    CHECK(dp.gradient_collectives(1) - grad0 == dp.bucket_count() + 1);  // once, for both micro-batches
+    CHECK(dp.gradient_collectives(1) - grad0 == dp.bucket_count() + 2);  // once, for both micro-batches
     dp.eval();
     CHECK_THROWS_WITH(dp.accumulate(b.x, b.labels, nn::SoftmaxCrossEntropy{}), Catch::Contains("call train() first"));
     CHECK_THROWS_AS(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), UsageError);
@@ -913,4 +913,95 @@ TEST_CASE("SyncBatchNorm counts the values it normalizes, not the samples of the
             CHECK(dp.module().bn.weight.grad[static_cast<std::int64_t>(c)] == Approx(ref.dgamma[c]).margin(1e-6));
         }
     }
+}
+
+// ---- steps that must not be applied, and replicas that must be made equal again ----
+
+namespace {
+// A loss that gives a NaN gradient on demand, with a finite loss value.
+struct PoisonedLoss {
+    bool poison = false;
+    nn::LossOutput<> operator()(const nn::Context<>& ctx, const Tensor<float>& out, std::span<const std::int64_t> labels) const {
+        auto res = nn::SoftmaxCrossEntropy{}(ctx, out, labels);
+        if (poison && ctx.rank == 1) res.grad[0] = std::numeric_limits<float>::quiet_NaN();
+        return res;
+    }
+};
+
+// An optimizer whose step throws on replica 1 on demand, after the commit point.
+struct FlakyOptimizer {
+    nn::Sgd<> sgd{{.lr = 0.05, .momentum = 0.9}};
+    bool fail = false;
+    void prepare(int replicas) { sgd.prepare(replicas); }
+    template <class M>
+    void step(const nn::Context<>& ctx, M& module) {
+        if (fail && ctx.rank == 1) throw std::runtime_error("optimizer of replica 1 failed");
+        sgd.step(ctx, module);
+    }
+    template <class M, class F>
+    void visit_state(int rank, M& module, F&& f) {
+        sgd.visit_state(rank, module, f);
+    }
+};
+
+std::vector<double> parameters_of(const Net& net) {
+    std::vector<double> v;
+    nn::for_each_parameter(net, [&](const std::string&, const nn::Parameter<>& p) { v.insert(v.end(), p.value.span().begin(), p.value.span().end()); });
+    return v;
+}
+}  // namespace
+
+TEST_CASE("check_finite: a step with a NaN gradient or loss is refused on every replica, naming it", "[parallel]") {
+    DataParallel<Net> dp(make_net(6), 3, {.check_finite = true});
+    nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
+    std::mt19937_64 gen(6);
+    const auto b = make_batches(1, 9, gen)[0];
+    PoisonedLoss loss;
+    dp.train_step(b.x, b.labels, loss, sgd);
+    const auto before = parameters_of(dp.module());
+    loss.poison = true;
+    CHECK_THROWS_AS(dp.train_step(b.x, b.labels, loss, sgd), NonFinite);
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, loss, sgd),
+                      Catch::Contains("step 2: the all-reduced gradient of '") && Catch::Contains("no replica applied the step"));
+    for (int r = 0; r < 3; ++r) CHECK(parameters_of(dp.replica(r)) == before);
+    CHECK(dp.steps() == 1);
+    auto nan_input = b.x;
+    nan_input[5] = std::numeric_limits<float>::quiet_NaN();
+    loss.poison = false;
+    CHECK_THROWS_WITH(dp.train_step(nan_input, b.labels, loss, sgd), Catch::Contains("step 2: the loss over replica"));
+    for (int r = 0; r < 3; ++r) CHECK(parameters_of(dp.replica(r)) == before);
+    CHECK(std::isfinite(dp.train_step(b.x, b.labels, loss, sgd).loss));  // and it goes on
+    CHECK(dp.steps() == 2);
+    // Off (the default), the same step goes through and poisons the parameters.
+    DataParallel<Net> unchecked(make_net(6), 3);
+    loss.poison = true;
+    unchecked.train_step(b.x, b.labels, loss, sgd);
+    const auto p = parameters_of(unchecked.module());
+    CHECK(std::any_of(p.begin(), p.end(), [](double v) { return !std::isfinite(v); }));
+}
+
+TEST_CASE("A failure after the commit point marks DataParallel diverged until resync", "[parallel]") {
+    DataParallel<Net> dp(make_net(8), 3, {.timeout = 60s});
+    FlakyOptimizer opt;
+    std::mt19937_64 gen(8);
+    const auto b = make_batches(1, 9, gen)[0];
+    dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, opt);
+    opt.fail = true;
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, opt), Catch::Contains("optimizer of replica 1 failed"));
+    CHECK(dp.diverged());
+    CHECK_FALSE(bit_identical(dp.replica(0), dp.replica(1)));  // replica 1 did not step, 0 and 2 did
+    opt.fail = false;
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, opt),
+                      Catch::Contains("the replicas may differ since step 2 failed after its commit point") &&
+                          Catch::Contains("call resync(optimizer) to copy replica 0"));
+    CHECK_THROWS_AS(dp.forward(b.x), Diverged);
+    CHECK_THROWS_AS(dp.checkpoint(), Diverged);
+    dp.resync(opt);
+    CHECK_FALSE(dp.diverged());
+    for (int r = 1; r < 3; ++r) {
+        CHECK(bit_identical(dp.replica(0), dp.replica(r)));
+        CHECK(momentum_of(opt.sgd, dp.replica(r), r) == momentum_of(opt.sgd, dp.module(), 0));
+    }
+    CHECK(std::isfinite(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, opt).loss));
+    for (int r = 1; r < 3; ++r) CHECK(bit_identical(dp.replica(0), dp.replica(r)));
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -488,4 +489,20 @@ TEST_CASE("SyncBatchNorm with fused ReLU equals SyncBatchNorm then ReLU", "[sync
         const auto e2 = relu.forward(ctx, plain.forward(ctx, x));
         CHECK(test::rel_error(e1.span(), e2.span()) <= 1e-7);
     }
+}
+
+TEST_CASE("SyncBatchNorm trains on after a NaN batch poisoned its running statistics", "[syncbn]") {
+    // As in PyTorch, NaN reaches the running statistics; unlike a shift taken blindly from them,
+    // the next batch's statistics stay clean (the shift of a NaN running mean is 0).
+    SyncBatchNorm<> bn(2), fresh(2);
+    nn::Context<> ctx;
+    Tensor<float> bad(Shape{4, 2});
+    bad[3] = std::numeric_limits<float>::quiet_NaN();
+    (void)bn.forward(ctx, bad);
+    CHECK(std::isnan(bn.running_mean[1]));
+    Tensor<float> x(Shape{4, 2});
+    for (std::int64_t i = 0; i < 8; ++i) x[i] = 0.5f * static_cast<float>(i) - 1.0f;
+    const auto y = bn.forward(ctx, x);
+    const auto want = fresh.forward(ctx, x);
+    CHECK(std::memcmp(y.data(), want.data(), y.bytes()) == 0);
 }

@@ -193,7 +193,9 @@ int run(const Options& opt) {
                        "the steps its epoch and epoch_step imply (at least " +
                            std::to_string(start_epoch * batches + epoch_step) + ")");
     }
-    DataParallel<Model> dp(prototype, replicas);
+    // A step whose loss or gradients are NaN or infinite is refused (lockstep::NonFinite): the run
+    // stops with the message, and nothing is saved over the last good checkpoint.
+    DataParallel<Model> dp(prototype, replicas, {.check_finite = true});
     if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
 
     std::ofstream metrics;

@@ -69,6 +69,10 @@ class UsageError : public Error { using Error::Error; };
 class DeviceMismatch : public InvalidArgument { using InvalidArgument::InvalidArgument; };
 //! An operation the chosen backend does not implement yet; the message names the issue that adds it.
 class NotImplemented : public UsageError { using UsageError::UsageError; };
+//! A training step produced a loss or gradient that is NaN or infinite; no replica applied it.
+class NonFinite : public Error { using Error::Error; };
+//! Replicas may differ: a step failed after some replica applied it. `DataParallel::resync()` mends it.
+class Diverged : public Error { using Error::Error; };
 
 namespace detail {
 

@@ -17,6 +17,13 @@ namespace lockstep::kernels::bn {
 // all-reduce adds up. mean = K + S/N and var = Q/N - (S/N)^2 keep the cancellation in fp64 and
 // small when K is near the mean: E[x^2] - E[x]^2 in fp32 loses everything when |mean| >> std.
 
+//! The shared shift K of a channel: its running mean, or 0 where that is NaN or infinite (NaN in
+//! an earlier batch poisons the running statistics, as in PyTorch, but must not poison the batch
+//! statistics of every later step through the shift).
+LOCKSTEP_HD inline float usable_shift(float running_mean) {
+    return running_mean - running_mean == 0.0f ? running_mean : 0.0f;  // x - x is 0 exactly for finite x
+}
+
 //! Offsets into the forward payload of `channels` channels: 2C+1 doubles.
 struct ForwardPayload {
     std::int64_t channels;

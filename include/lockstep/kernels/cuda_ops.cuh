@@ -115,7 +115,20 @@ struct Ops<Cuda> {
         return value;
     }
 
-    static void add_sum_squares(const Ex&, const T_<float>&, T_<double>&) { cuda::detail::not_implemented_yet("add_sum_squares"); }
+    static void add_sum_squares(const Ex&, const T_<float>&, T_<double>&, std::int64_t = 0) {
+        cuda::detail::not_implemented_yet("add_sum_squares");
+    }
+
+    //! All of `t`'s elements on the host, in one copy: waits for the replica's stream.
+    template <class T>
+    static std::vector<T> to_vector(const Ex& ex, const T_<T>& t) {
+        std::vector<T> out(static_cast<std::size_t>(t.numel()));
+        if (!out.empty()) {
+            LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, ex.stream));
+            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(ex.stream));
+        }
+        return out;
+    }
     static void clip_to_norm(const Ex&, T_<float>&, const T_<double>&, double) {
         cuda::detail::not_implemented_yet("clip_to_norm");
     }

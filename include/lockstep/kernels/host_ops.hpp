@@ -91,11 +91,17 @@ struct Ops<Host> {
         return t[i];
     }
 
-    //! acc[0] += sum(t^2) in fp64.
-    static void add_sum_squares(const Ex&, const T_<float>& t, T_<double>& acc) {
+    //! acc[index] += sum(t^2) in fp64 (NaN or infinity anywhere in t makes it non-finite).
+    static void add_sum_squares(const Ex&, const T_<float>& t, T_<double>& acc, std::int64_t index = 0) {
         double s = 0;
         for (const float v : t.span()) s += static_cast<double>(v) * v;
-        acc[0] += s;
+        acc[index] += s;
+    }
+
+    //! All of `t`'s elements on the host, in one copy (the step's one wait for the device on CUDA).
+    template <class T>
+    static std::vector<T> to_vector(const Ex&, const T_<T>& t) {
+        return {t.data(), t.data() + t.numel()};
     }
 
     //! t *= min(1, max_norm / (sqrt(sum_squares[0]) + 1e-6)): clipping by a global norm, as
@@ -331,9 +337,10 @@ struct Ops<Host> {
 
     //! Forward payload [S | Q | n] (2C+1) of the local batch about `shift` (null: zero).
     static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, const T_<float>* shift, T_<double>& payload) {
-        std::vector<float> zeros;
-        const float* k = shift != nullptr ? shift->data() : (zeros.assign(static_cast<std::size_t>(g.channels), 0.0f), zeros.data());
-        host::bn_local_stats(x.data(), g, k, payload.data());
+        std::vector<float> k(static_cast<std::size_t>(g.channels), 0.0f);
+        if (shift != nullptr)
+            for (std::int64_t c = 0; c < g.channels; ++c) k[static_cast<std::size_t>(c)] = bn::usable_shift((*shift)[c]);
+        host::bn_local_stats(x.data(), g, k.data(), payload.data());
     }
 
     //! Statistics from the all-reduced payload (its count is the global count): fills `k`, and
@@ -351,7 +358,7 @@ struct Ops<Host> {
             if (!o.momentum) factor = 1.0 / static_cast<double>((*num_batches_tracked)[0]);
         }
         for (std::int64_t c = 0; c < C; ++c) {
-            const double shift = running_mean != nullptr ? (*running_mean)[c] : 0.0;
+            const double shift = running_mean != nullptr ? bn::usable_shift((*running_mean)[c]) : 0.0;
             const auto st = bn::finish(count, payload[layout.sum(c)], payload[layout.sum_sq(c)], shift, o.eps);
             k.stats[c] = st.mean;
             k.stats[C + c] = st.invstd;

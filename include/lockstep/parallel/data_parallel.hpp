@@ -4,8 +4,10 @@
 //! checkpoints of model and optimizer, and one parallel region per training step.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <concepts>
 #include <cstdint>
 #include <map>
@@ -49,6 +51,9 @@ struct DataParallelOptions {
     //! Clip the all-reduced gradients to this global L2 norm before the optimizer step, as
     //! torch.nn.utils.clip_grad_norm_ (must be positive; unset: no clipping).
     std::optional<double> clip_grad_norm = std::nullopt;
+    //! Check the loss and the all-reduced gradients before the commit point: a step with NaN or
+    //! infinity throws `NonFinite` and no replica applies it (costs a pass over the gradients).
+    bool check_finite = false;
 };
 
 //! What one training step reports, computed identically for any split of the batch. It covers
@@ -60,17 +65,23 @@ struct StepResult {
 };
 
 // Note [step order]
-// After backward, in this order on every replica: gradient all-reduce (the buckets) -> clip by
-// the global norm (optional) -> commit barrier -> optimizer step. Every replica holds the same
-// all-reduced gradients, so clipping computes the same bits everywhere.
+// After backward, in this order on every replica: gradient all-reduce (the buckets) -> finite
+// check (optional) -> clip by the global norm (optional) -> commit barrier -> optimizer step ->
+// second barrier. Every replica holds the same all-reduced gradients, so the check and the
+// clipping decide and compute the same bits everywhere.
 //
 // Note [commit point]
 // A step that fails on any replica must not leave replicas different. Every replica passes one
 // barrier after its gradients are all-reduced and clipped, and before its optimizer step; a
 // replica that fails earlier aborts the barrier, so either every replica steps or none does.
-// What a failed step may leave behind is the same on every replica: SyncBatchNorm running
-// statistics are updated by a completed forward collective, which completes on all replicas or
-// on none.
+// A step (or an accumulate) that fails before the commit barrier leaves nothing behind: each
+// replica restores its buffers (SyncBatchNorm's running statistics, which its forward updated)
+// from the copy it took when the step began; the gradients are dropped (the next call starts
+// afresh). A failure after the commit barrier (an optimizer that throws on one replica) can leave
+// replicas apart: every replica passes a second barrier after its optimizer step, so the step
+// fails on all of them, and the object is marked diverged: every later call throws `Diverged`
+// until `resync(optimizer)` copies parameters, buffers and optimizer state from a replica that
+// completed the step.
 //
 // Note [gradient buckets]
 // Parameters are grouped, in reverse visit order (the order backward finishes them), into flat
@@ -141,7 +152,11 @@ public:
             rep.ctx.exec = resources_[ur]->execution();
             rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, devices_[ur]);
             rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, devices_[ur]);
+            nn::for_each_parameter(rep.module, [&](const std::string& name, const auto&) { rep.param_names.push_back(name); });
+            rep.finite_check = Tensor<double, backend>(Shape{static_cast<std::int64_t>(rep.param_names.size()) + 1},
+                                                       MemoryFormat::nchw, devices_[ur]);
             build_buckets(rep, devices_[ur]);
+            rep.make_buffer_copies();
         });
         broadcast_from_first();
     }
@@ -186,6 +201,7 @@ public:
 
     //! Scatters `x` over the replicas, runs forward on each and concatenates the outputs (on `x`'s device).
     Tensor<float, backend> forward(const Tensor<float, backend>& x) {
+        check_in_step("forward");
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() >= 1, "DataParallel::forward needs a batched input, got a scalar");
         const auto shards = parallel::shard_ranges(x.dim(0), world_);
         std::vector<Tensor<float, backend>> outs(static_cast<std::size_t>(world_));
@@ -211,6 +227,7 @@ public:
                       "lockstep: the optimizer needs prepare(int replicas), step(const nn::Context<backend>&, Module&) "
                       "and visit_state(int rank, Module&, f): see Note [optimizer protocol] in nn/sgd.hpp");
         LOCKSTEP_CHECK_AS(UsageError, training_, "DataParallel::train_step in eval mode; call train() first");
+        check_in_step("train_step");
         return run_step<true>(x, parallel::targets_view(targets), loss, &optimizer, "train_step");
     }
 
@@ -221,12 +238,14 @@ public:
     void accumulate(const Tensor<float, backend>& x, const Targets& targets, const Loss& loss) {
         LOCKSTEP_CHECK_AS(UsageError, training_,
                           "DataParallel::accumulate in eval mode keeps no gradients; call train() first");
+        check_in_step("accumulate");
         run_step<false>(x, parallel::targets_view(targets), loss, static_cast<nn::Sgd<backend>*>(nullptr), "accumulate");
     }
 
     //! The model (replica 0) as a checkpoint, with `optimizer`'s state of replica 0 under
     //! "optimizer." when one is given.
     nn::Checkpoint checkpoint() const {
+        check_in_step("checkpoint");
         nn::Checkpoint ck;
         nn::put_module(ck, module());
         return ck;
@@ -258,6 +277,20 @@ public:
     template <class Optimizer>
     void load(const std::string& path, Optimizer& optimizer) {
         load(nn::Checkpoint::load(path), optimizer);
+    }
+
+    //! Training steps applied so far.
+    std::int64_t steps() const noexcept { return steps_; }
+    //! Whether a step failed after some replica applied it (see Note [commit point]).
+    bool diverged() const noexcept { return diverged_.has_value(); }
+
+    //! Makes every replica equal again after a step that failed past its commit point: copies the
+    //! parameters, buffers and `optimizer`'s state of a replica that completed the step (the
+    //! lowest such rank) to all. Without the optimizer only the model is copied.
+    void resync() { resync_impl(static_cast<nn::Sgd<backend>*>(nullptr)); }
+    template <class Optimizer>
+    void resync(Optimizer& optimizer) {
+        resync_impl(&optimizer);
     }
 
     //! Gradient buckets of the last training step that replica `rank` had finished all-reducing
@@ -292,7 +325,9 @@ private:
         comm::Collectives* grad_comm;   // gradient buckets and commit barriers
         Ctx ctx;
         Tensor<double, backend> totals;   // (2): loss sum and correct count since the last step
-        Tensor<double, backend> norm_sq;  // (1): squared global gradient norm, when clipping
+        Tensor<double, backend> norm_sq;       // (1): squared global gradient norm, when clipping
+        Tensor<double, backend> finite_check;  // (parameters + 1): squared gradient norms and the loss
+        std::vector<std::string> param_names;  // visit order
         std::vector<Bucket> buckets;
         struct Slot {
             std::size_t bucket = 0;
@@ -347,6 +382,37 @@ private:
             ctx.grad_ready = nullptr;
         }
 
+        // Buffers as they were when the step began (running statistics are the step's only
+        // change before the commit point besides gradients).
+        std::vector<Tensor<float, backend>> saved_float;
+        std::vector<Tensor<std::int64_t, backend>> saved_int;
+
+        template <class F>
+        void each_buffer(F&& f) {
+            std::size_t fi = 0, ii = 0;
+            nn::for_each_buffer(module, [&](const std::string&, auto& t) {
+                using T = typename std::remove_reference_t<decltype(t)>::value_type;
+                if constexpr (std::is_same_v<T, float>) f(t, saved_float[fi++]);
+                else f(t, saved_int[ii++]);
+            });
+        }
+        void make_buffer_copies() {
+            nn::for_each_buffer(module, [&](const std::string&, auto& t) {
+                using T = typename std::remove_reference_t<decltype(t)>::value_type;
+                if constexpr (std::is_same_v<T, float>) saved_float.push_back(Tensor<float, backend>::empty_like(t));
+                else saved_int.push_back(Tensor<std::int64_t, backend>::empty_like(t));
+            });
+        }
+        void save_buffers() {
+            each_buffer([&](auto& live, auto& copy) { K::copy(ctx.exec, copy, 0, live, 0, live.numel()); });
+        }
+        void restore_buffers() noexcept {
+            try {
+                each_buffer([&](auto& live, auto& copy) { K::copy(ctx.exec, live, 0, copy, 0, live.numel()); });
+            } catch (...) {  // a device that failed: the step's own error is what the caller sees
+            }
+        }
+
         // After a failure on this replica (the groups are aborted already): make sure this
         // replica's communication thread is idle before the job returns, so the pool never
         // resets a group with a thread still inside it.
@@ -378,6 +444,8 @@ private:
         const std::int64_t before = pending_, after = pending_ + x.dim(0);
         if constexpr (Step) optimizer->prepare(world_);
         std::vector<double> sums(static_cast<std::size_t>(world_)), corrects(static_cast<std::size_t>(world_));
+        std::atomic<int> committed{0};                     // replicas past the commit barrier
+        std::vector<char> applied(static_cast<std::size_t>(world_), 0);  // replicas whose optimizer step completed
         try {
             pool_.run([&](int r) {
                 const auto ur = static_cast<std::size_t>(r);
@@ -390,6 +458,7 @@ private:
                 }
                 if constexpr (Step) rep.begin_buckets(options_.overlap);
                 else rep.ctx.grad_ready = nullptr;
+                rep.save_buffers();
                 try {
                     auto out = rep.module.forward(rep.ctx, parallel::take_rows(rep.ctx.exec, x, shards[ur], devices_[ur]));
                     auto lo = loss(rep.ctx, out, parallel::shard_targets(rep.ctx.exec, targets, shards[ur], devices_[ur]));
@@ -405,6 +474,7 @@ private:
                     K::add(rep.ctx.exec, rep.totals, lo.totals);
                     if constexpr (Step) {
                         rep.finish_buckets();
+                        if (options_.check_finite) check_finite(rep, r);
                         if (options_.clip_grad_norm) clip(rep, *options_.clip_grad_norm);
                         // Note [commit point]: no replica updates its parameters unless every
                         // replica got here; a failure anywhere before aborts this barrier on all.
@@ -415,17 +485,27 @@ private:
                     // up), then wait for the communication thread, then leave.
                     pool_.report_failure(r, std::current_exception());
                     rep.unwind();
+                    rep.restore_buffers();  // Note [commit point]: the failed step leaves nothing behind
                     throw;
                 }
                 if constexpr (Step) {
+                    committed.fetch_add(1, std::memory_order_relaxed);
                     optimizer->step(rep.ctx, rep.module);
+                    applied[ur] = 1;
+                    // Note [commit point]: a replica whose optimizer threw fails the step everywhere.
+                    rep.grad_comm->barrier(comm::CollectiveSite::commit(1));
                     // The step's scalars: the one wait for the device in a step.
                     sums[ur] = K::read(rep.ctx.exec, rep.totals, 0);
                     corrects[ur] = K::read(rep.ctx.exec, rep.totals, 1);
                 }
             });
-        } catch (...) {
+        } catch (const std::exception& e) {
             pending_ = 0;  // the kept gradients are incomplete: the next call starts afresh
+            if constexpr (Step) mark_if_diverged(committed.load(), applied, e.what());
+            throw;
+        } catch (...) {
+            pending_ = 0;
+            if constexpr (Step) mark_if_diverged(committed.load(), applied, "an exception that is not a std::exception");
             throw;
         }
         if constexpr (!Step) {
@@ -433,6 +513,7 @@ private:
             return {};
         } else {
             pending_ = 0;
+            ++steps_;
             StepResult result;
             result.count = after;
             double total = 0, correct = 0;
@@ -457,6 +538,75 @@ private:
         });
     }
 
+    // Throws NonFinite, on the replica that finds it, when the loss or an all-reduced gradient holds
+    // NaN or infinity: before the commit barrier, so no replica applies the step. One read of the
+    // per-parameter squared norms and the loss (the gradients are the same on every replica).
+    void check_finite(Replica& rep, int rank) {
+        const auto& ex = rep.ctx.exec;
+        rep.finite_check.zero();
+        std::int64_t i = 0;
+        nn::for_each_parameter(rep.module, [&](const std::string&, const nn::Parameter<backend>& p) {
+            K::add_sum_squares(ex, p.grad, rep.finite_check, i++);
+        });
+        K::copy(ex, rep.finite_check, i, rep.totals, 0, 1);  // the loss summed over this replica's samples
+        const auto v = K::to_vector(ex, rep.finite_check);
+        const std::string step = "step " + std::to_string(steps_ + 1);
+        if (!std::isfinite(v[static_cast<std::size_t>(i)]))
+            throw NonFinite(step + ": the loss over replica " + std::to_string(rank) + "'s samples is " +
+                            std::to_string(v[static_cast<std::size_t>(i)]) +
+                            "; no replica applied the step. Lower the learning rate, or look for NaN or infinity in the input");
+        for (std::size_t k = 0; k < rep.param_names.size(); ++k)
+            if (!std::isfinite(v[k]))
+                throw NonFinite(step + ": the all-reduced gradient of '" + rep.param_names[k] +
+                                "' holds NaN or infinity; no replica applied the step. Lower the learning rate (or clip: "
+                                "DataParallelOptions::clip_grad_norm), or look for NaN or infinity in the input");
+    }
+
+    // After a failed step (Note [commit point]): replicas differ when some passed the commit
+    // barrier but not all of them applied the step.
+    void mark_if_diverged(int committed, const std::vector<char>& applied, const std::string& what) {
+        const bool all = std::all_of(applied.begin(), applied.end(), [](char a) { return a != 0; });
+        if (committed == 0 || all) return;
+        const auto first = std::find(applied.begin(), applied.end(), char{1});
+        diverged_ = Divergence{steps_ + 1, first == applied.end() ? 0 : static_cast<int>(first - applied.begin()), what};
+    }
+
+    void check_in_step(const char* what) const {
+        if (!diverged_) return;
+        throw Diverged(std::string("DataParallel::") + what + ": the replicas may differ since step " +
+                       std::to_string(diverged_->step) + " failed after its commit point (" + diverged_->reason +
+                       "); call resync(optimizer) to copy replica " + std::to_string(diverged_->root) +
+                       "'s parameters and optimizer state to all, or load() a checkpoint");
+    }
+
+    template <class Optimizer>
+    void resync_impl(Optimizer* optimizer) {
+        const int root = diverged_ ? diverged_->root : 0;
+        std::vector<char> root_has;  // which of the root's optimizer states exist (PyTorch's None otherwise)
+        if (optimizer != nullptr) {
+            optimizer->prepare(world_);
+            optimizer->visit_state(root, replicas_[static_cast<std::size_t>(root)]->module,
+                                   [&](const std::string&, const auto& state, const auto&) { root_has.push_back(state.numel() > 0); });
+        }
+        pool_.run([&](int r) {
+            auto& rep = *replicas_[static_cast<std::size_t>(r)];
+            const std::uint64_t next = broadcast_module(rep, root);
+            if (optimizer == nullptr) return;
+            std::size_t i = 0;
+            optimizer->visit_state(r, rep.module, [&](const std::string&, auto& state, const auto& p) {
+                using S = std::remove_reference_t<decltype(state)>;
+                if (root_has[i] == 0) state = S();
+                else {
+                    if (state.numel() != p.numel()) state = S::empty_like(p.value);
+                    rep.layer_comm->broadcast(DeviceSpan(state), root, comm::CollectiveSite::broadcast(next + i));
+                }
+                ++i;
+            });
+        });
+        diverged_.reset();
+        pending_ = 0;
+    }
+
     template <class Optimizer>
     void load_impl(const nn::Checkpoint& ck, Optimizer* optimizer) {
         // Check everything against replica 0 before any replica changes.
@@ -479,6 +629,7 @@ private:
             if (optimizer != nullptr) nn::get_optimizer(ck, *optimizer, rep.module, r);
         });
         pending_ = 0;
+        diverged_.reset();  // every replica holds the checkpoint now
     }
 
     static DataParallelOptions check_options(const DataParallelOptions& o) {
@@ -523,14 +674,17 @@ private:
     }
 
     void broadcast_from_first() {
-        pool_.run([&](int r) {
-            auto& rep = *replicas_[static_cast<std::size_t>(r)];
-            std::uint64_t index = 0;
-            const auto bcast = [&](auto& t) { rep.layer_comm->broadcast(DeviceSpan(t), 0, comm::CollectiveSite::broadcast(index++)); };
-            nn::walk(
-                rep.module, [&](const std::string&, auto& p) { bcast(p.value); },
-                [&](const std::string&, auto& t) { bcast(t); });
-        });
+        pool_.run([&](int r) { broadcast_module(*replicas_[static_cast<std::size_t>(r)], 0); });
+    }
+
+    // Copies `root`'s parameters and buffers into replica `rep` (on its thread, with all the others);
+    // returns the number of broadcasts made, the next free site index.
+    std::uint64_t broadcast_module(Replica& rep, int root) {
+        std::uint64_t index = 0;
+        const auto bcast = [&](auto& t) { rep.layer_comm->broadcast(DeviceSpan(t), root, comm::CollectiveSite::broadcast(index++)); };
+        nn::walk(
+            rep.module, [&](const std::string&, auto& p) { bcast(p.value); }, [&](const std::string&, auto& t) { bcast(t); });
+        return index;
     }
 
     DataParallelOptions options_;
@@ -544,6 +698,13 @@ private:
     std::vector<std::unique_ptr<Replica>> replicas_;
     bool training_ = true;
     std::int64_t pending_ = 0;  // samples accumulated since the last step
+    std::int64_t steps_ = 0;    // steps applied
+    struct Divergence {
+        std::int64_t step;
+        int root;  // a replica that completed the step
+        std::string reason;
+    };
+    std::optional<Divergence> diverged_;
 };
 
 //! `DataParallel dp(net, 3);` deduces the module type.
