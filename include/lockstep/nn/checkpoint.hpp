@@ -3,6 +3,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <algorithm>
@@ -45,6 +47,22 @@ static_assert(std::endian::native == std::endian::little,
 // killed leaves its temporary file (`<name>.tmp-XXXXXX`, full size); the next save of the same
 // checkpoint removes such files and reports them, so two processes must not save to one path at
 // the same time.
+
+namespace detail {
+
+//! Where a save may be interrupted, for tests of Note [atomic checkpoint]: in a program built with
+//! LOCKSTEP_TEST_HOOKS defined (lockstep's own test builds), a save kills its process with
+//! SIGKILL at the stage named by the environment variable LOCKSTEP_TEST_KILL_AT: `after-write`
+//! (every byte written, not flushed), `after-fsync`, `before-rename` (closed), `after-rename`
+//! (before the directory is flushed). Elsewhere it compiles to nothing.
+inline void save_stage([[maybe_unused]] const char* stage) {
+#if defined(LOCKSTEP_TEST_HOOKS)
+    const char* at = std::getenv("LOCKSTEP_TEST_KILL_AT");
+    if (at != nullptr && std::strcmp(at, stage) == 0) ::raise(SIGKILL);
+#endif
+}
+
+}  // namespace detail
 
 //! Named tensors and string metadata, as one safetensors file holds them.
 class Checkpoint {
@@ -149,16 +167,20 @@ public:
         if (!write_all(fd, &length, sizeof length) || !write_all(fd, text.data(), text.size())) fail("writing the header");
         for (const auto& [name, e] : entries_)
             if (!write_all(fd, e.data.data(), e.data.size())) fail("writing tensor '" + name + "'");
+        detail::save_stage("after-write");
         if (::fsync(fd) != 0) fail("flushing to disk");
+        detail::save_stage("after-fsync");
         if (::close(fd) != 0) {
             ::unlink(tmp.c_str());
             throw IoError("cannot write checkpoint '" + path + "': closing: " + std::strerror(errno));
         }
+        detail::save_stage("before-rename");
         if (::rename(tmp.c_str(), target.c_str()) != 0) {
             const std::string err = std::strerror(errno);
             ::unlink(tmp.c_str());
             throw IoError("cannot write checkpoint '" + path + "': renaming into place: " + err);
         }
+        detail::save_stage("after-rename");
         const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
         if (dfd >= 0) {
             (void)::fsync(dfd);
