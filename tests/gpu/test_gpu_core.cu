@@ -21,15 +21,15 @@ __global__ void scale(float* x, long n, float a) {
 
 int main() {
     using namespace lockstep;
-    const int devices = cuda::device_count();
+    const int devices = lockstep::cuda::device_count();
     if (devices == 0) {
         std::puts("no CUDA device: skipping (exit 77)");
         return 77;
     }
     try {
-        cuda::DeviceGuard guard(0);
-        cuda::Stream stream(0);
-        cuda::StreamGuard on(stream.get());
+        lockstep::cuda::DeviceGuard guard(0);
+        lockstep::cuda::Stream stream(0);
+        lockstep::cuda::StreamGuard on(stream.get());
 
         std::vector<float> values(1000003);
         std::iota(values.begin(), values.end(), 0.0f);
@@ -38,7 +38,7 @@ int main() {
         Tensor<float, Cuda> copy = dev;  // deep copy on the device
         scale<<<(1000003 + 255) / 256, 256, 0, stream.get()>>>(copy.data(), copy.numel(), 2.0f);
         LOCKSTEP_CUDA_CHECK(cudaGetLastError());
-        cuda::Event done;
+        lockstep::cuda::Event done;
         done.record(stream.get());
         done.synchronize();
         auto back = copy.to_host();

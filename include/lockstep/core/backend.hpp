@@ -86,6 +86,12 @@ struct Execution<Cuda> {
     cublasContext* blas = nullptr;       // its cuBLAS handle (a cublasHandle_t), bound to `stream`
     void* workspace = nullptr;           // cuBLAS workspace on `device`
     std::size_t workspace_bytes = 0;
+    // The reducing kernels' scratch on `device` (kernels/device/grid.cuh): `reduce_counters`
+    // zeroed tickets that every kernel leaves zeroed again, then `reduce_partial_bytes` of partials.
+    unsigned int* reduce_counters = nullptr;
+    int reduce_counter_count = 0;
+    void* reduce_partials = nullptr;
+    std::size_t reduce_partial_bytes = 0;
 };
 
 namespace detail {

@@ -7,6 +7,9 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <vector>
 #include <string>
 #include <utility>
 
@@ -67,6 +70,29 @@ public:
 private:
     int previous_ = 0;
 };
+
+namespace detail {
+
+//! Bytes the stream-ordered pool of a device keeps cached after a free instead of returning them
+//! to the driver: all of it, so a training step's allocations are served from the pool after the
+//! first step (the default threshold of 0 would give memory back at every synchronization).
+inline constexpr std::uint64_t pool_release_threshold = UINT64_MAX;
+
+//! Sets the release threshold of `device`'s default memory pool, once per device and process.
+inline void configure_pool(int device) {
+    static std::mutex mutex;
+    static std::vector<bool> done;
+    std::lock_guard lock(mutex);
+    if (device < static_cast<int>(done.size()) && done[static_cast<std::size_t>(device)]) return;
+    cudaMemPool_t pool = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    std::uint64_t threshold = pool_release_threshold;
+    LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    if (device >= static_cast<int>(done.size())) done.resize(static_cast<std::size_t>(device) + 1, false);
+    done[static_cast<std::size_t>(device)] = true;
+}
+
+}  // namespace detail
 
 //! An owned, non-blocking CUDA stream on one device (move-only).
 class Stream {
@@ -162,16 +188,31 @@ struct Allocator<Cuda> {
     static void* allocate(std::size_t bytes, Device device) {
         if (bytes == 0) return nullptr;
         cuda::DeviceGuard guard(device.index);
+        cuda::detail::configure_pool(device.index);
         void* p = nullptr;
-        LOCKSTEP_CUDA_CHECK(cudaMallocAsync(&p, bytes, cuda::current_stream()));
+        const cudaError_t e = cudaMallocAsync(&p, bytes, cuda::current_stream());
+        if (e == cudaErrorMemoryAllocation) {
+            (void)cudaGetLastError();
+            std::size_t free = 0, total = 0;
+            (void)cudaMemGetInfo(&free, &total);
+            throw OutOfMemory("out of memory on cuda:" + std::to_string(device.index) + ": asked for " +
+                                  std::to_string(bytes) + " bytes, " + std::to_string(free) + " of " +
+                                  std::to_string(total) + " bytes free; use a smaller batch or fewer replicas per GPU",
+                              ::lockstep::detail::replica_rank_slot(), device.index);
+        }
+        LOCKSTEP_CUDA_CHECK(e);
         return p;
     }
+    // Freed on the calling thread's current stream, which for a tensor of a replica is the
+    // replica's stream it was allocated on (tensors do not cross replicas). Never the legacy
+    // default stream when a stream is set.
     static void deallocate(void* p, std::size_t, Device device) noexcept {
+        if (p == nullptr) return;
         int previous = 0;
         if (cudaGetDevice(&previous) != cudaSuccess) return;
-        (void)cudaSetDevice(device.index);
+        if (previous != device.index) (void)cudaSetDevice(device.index);
         (void)cudaFreeAsync(p, cuda::current_stream());
-        (void)cudaSetDevice(previous);
+        if (previous != device.index) (void)cudaSetDevice(previous);
     }
     static void copy(void* dst, const void* src, std::size_t bytes, Device device) {
         if (bytes == 0) return;

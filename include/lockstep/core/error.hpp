@@ -63,6 +63,8 @@ class Timeout : public Error { using Error::Error; };
 class IoError : public Error { using Error::Error; };
 //! A CUDA runtime, cuBLAS or NCCL call failed.
 class DeviceError : public Error { using Error::Error; };
+//! A device allocation failed: the message names the device, the bytes asked for and the bytes free.
+class OutOfMemory : public DeviceError { using DeviceError::DeviceError; };
 //! The library was used in a way it does not support (wrong order of calls, missing backend).
 class UsageError : public Error { using Error::Error; };
 //! A tensor is on another device than the operation runs on (another GPU, or another backend).

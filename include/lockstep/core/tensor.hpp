@@ -337,7 +337,23 @@ public:
 
     void zero() { alloc::fill_zero(data_, bytes(), device_); }
 
+    //! The same storage read as elements of U, of T's size (16-bit float types kept as raw bits
+    //! where their type cannot be named).
+    template <class U>
+    Tensor<U, B> bitcast() && {
+        static_assert(sizeof(U) == sizeof(T), "bitcast keeps the storage: U must have T's size");
+        Tensor<U, B> t;
+        t.data_ = reinterpret_cast<U*>(std::exchange(data_, nullptr));
+        t.shape_ = std::exchange(shape_, Shape{0});
+        t.format_ = format_;
+        t.device_ = device_;
+        return t;
+    }
+
 private:
+    template <class, BackendTag>
+    friend class Tensor;
+
     void release() noexcept {
         if (data_ != nullptr) alloc::deallocate(data_, bytes(), device_);
         data_ = nullptr;

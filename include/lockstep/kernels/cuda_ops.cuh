@@ -1,60 +1,23 @@
 // SPDX-License-Identifier: MIT
-//! `kernels::Ops<Cuda>`: the backend operations on CUDA devices. This holds the operations'
-//! signatures, the replica's resources and the copies; the kernels themselves (cuBLAS, CUB) come
-//! with issue 12, and until then each says so when called.
+//! `kernels::Ops<Cuda>`: the backend operations on CUDA devices, made of the layer operations
+//! (cuda_layer_ops.cuh), the batch-norm operations (cuda_bn_ops.cuh), the replica's resources and
+//! the copies.
 #pragma once
 
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-
+#include <cstddef>
 #include <cstdint>
-#include <span>
-#include <string>
 #include <vector>
 
-#include "lockstep/core/backend.hpp"
-#include "lockstep/core/cuda_runtime.cuh"
-#include "lockstep/core/error.hpp"
-#include "lockstep/core/tensor.hpp"
-#include "lockstep/kernels/ops.hpp"
-
-namespace lockstep::cuda::detail {
-
-inline const char* cublas_status_name(cublasStatus_t s) {
-    switch (s) {
-        case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-        case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-        case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-        case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-        case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-        case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-        default: return "CUBLAS_STATUS_OTHER";
-    }
-}
-
-[[noreturn]] inline void not_implemented_yet(const char* op) {
-    throw NotImplemented(std::string("kernels::Ops<Cuda>::") + op +
-                         " is not implemented yet: the CUDA kernels come with issue 12; train on the host backend meanwhile");
-}
-
-}  // namespace lockstep::cuda::detail
-
-//! Throws `lockstep::DeviceError` when a cuBLAS call fails.
-#define LOCKSTEP_CUBLAS_CHECK(expr)                                                                 \
-    do {                                                                                              \
-        const cublasStatus_t lockstep_st_ = (expr);                                                   \
-        if (lockstep_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                       \
-            ::lockstep::cuda::detail::raise("cuBLAS", static_cast<int>(lockstep_st_),               \
-                                            ::lockstep::cuda::detail::cublas_status_name(lockstep_st_), \
-                                            cublasGetStatusString(lockstep_st_), #expr, __FILE__, __LINE__); \
-    } while (0)
+#include "lockstep/kernels/cuda_bn_ops.cuh"
+#include "lockstep/kernels/cuda_common.cuh"
+#include "lockstep/kernels/cuda_layer_ops.cuh"
 
 namespace lockstep::kernels {
 
 //! The CUDA backend's operations (see Note [backend operations]): every operation is enqueued on
 //! the replica's stream (`Execution<Cuda>::stream`).
 template <>
-struct Ops<Cuda> {
+struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     using Ex = Execution<Cuda>;
     template <class T>
     using T_ = Tensor<T, Cuda>;
@@ -64,15 +27,76 @@ struct Ops<Cuda> {
     //! Nothing process-wide to hold on CUDA.
     struct Runtime {};
 
-    //! A replica's stream, cuBLAS handle and workspace (created with issue 13's DataParallel on
-    //! CUDA); `enter()` makes its device and stream current on a thread working for the replica.
+    //! What a replica owns on its GPU: a non-blocking compute stream, a cuBLAS handle bound to it
+    //! with its own workspace, and the reducing kernels' scratch (tickets zeroed once, then left at
+    //! zero by every kernel). Made on the replica's thread; `enter()` runs on every thread that
+    //! works for the replica and makes the replica's device and stream current there.
     struct ReplicaResources {
-        explicit ReplicaResources(const Device& device) : device(device.index) {
-            cuda::detail::not_implemented_yet("ReplicaResources (DataParallel on CUDA comes with issue 13)");
+        //! cuBLAS workspace per replica (what cuBLAS asks for on Hopper).
+        static constexpr std::size_t workspace_bytes = std::size_t{32} << 20;
+
+        explicit ReplicaResources(const Device& d) : device(d.index) {
+            LOCKSTEP_CHECK_AS(DeviceMismatch, d.kind == Device::Kind::cuda, "a CUDA replica needs a CUDA device, got ", d.str());
+            const int gpus = cuda::device_count();
+            LOCKSTEP_CHECK_AS(DeviceMismatch, d.index >= 0 && d.index < gpus, "no GPU ", d.str(), " here (", gpus,
+                              " visible); pick one of cuda:0..cuda:", gpus - 1, " or use the host backend");
+            cuda::DeviceGuard guard(device);
+            stream = cuda::Stream(device);
+            try {
+                LOCKSTEP_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+                const std::size_t counter_bytes = sizeof(unsigned int) * device::scratch_counters;
+                LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch, counter_bytes + device::scratch_partial_bytes));
+                LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(scratch, 0, counter_bytes, stream.get()));
+                partials = static_cast<char*>(scratch) + counter_bytes;
+                LOCKSTEP_CUBLAS_CHECK(cublasCreate(&blas));
+                LOCKSTEP_CUBLAS_CHECK(cublasSetStream(blas, stream.get()));
+                LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
+                LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(stream.get()));  // once, at creation: the tickets are zero
+            } catch (...) {
+                release();
+                throw;
+            }
         }
-        Ex execution() const { return Ex{device, nullptr, nullptr, nullptr, 0}; }
-        void enter() const { LOCKSTEP_CUDA_CHECK(cudaSetDevice(device)); }
+        ReplicaResources(const ReplicaResources&) = delete;
+        ReplicaResources& operator=(const ReplicaResources&) = delete;
+        ~ReplicaResources() { release(); }
+
+        Ex execution() const {
+            Ex ex;
+            ex.device = device;
+            ex.stream = stream.get();
+            ex.blas = blas;
+            ex.workspace = workspace;
+            ex.workspace_bytes = workspace_bytes;
+            ex.reduce_counters = static_cast<unsigned int*>(scratch);
+            ex.reduce_counter_count = device::scratch_counters;
+            ex.reduce_partials = partials;
+            ex.reduce_partial_bytes = device::scratch_partial_bytes;
+            return ex;
+        }
+        //! The replica's device and stream become the calling thread's (new tensors are allocated
+        //! and freed on that stream).
+        void enter() const {
+            LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
+            cuda::current_stream() = stream.get();
+        }
+
         int device;
+        cuda::Stream stream;
+        cublasHandle_t blas = nullptr;
+        void* workspace = nullptr;
+        void* scratch = nullptr;
+        void* partials = nullptr;
+
+    private:
+        void release() noexcept {
+            if (stream.get() != nullptr) (void)cudaStreamSynchronize(stream.get());
+            if (blas != nullptr) (void)cublasDestroy(blas);
+            if (workspace != nullptr) (void)cudaFree(workspace);
+            if (scratch != nullptr) (void)cudaFree(scratch);
+            blas = nullptr;
+            workspace = scratch = partials = nullptr;
+        }
     };
 
     //! `replicas` replicas over the visible GPUs, round-robin.
@@ -85,10 +109,7 @@ struct Ops<Cuda> {
         return d;
     }
 
-    // ---- generic ----------------------------------------------------------------------------
-
-    template <class T>
-    static void fill(const Ex&, T_<T>&, T) { cuda::detail::not_implemented_yet("fill"); }
+    // ---- generic (the rest is in LayerOps and BatchNormOps) -----------------------------------
 
     //! dst[dst_offset, +count) = src[src_offset, +count), on the replica's stream.
     template <class T>
@@ -97,13 +118,6 @@ struct Ops<Cuda> {
         if (count <= 0) return;
         LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst.data() + dst_offset, src.data() + src_offset,
                                             static_cast<std::size_t>(count) * sizeof(T), cudaMemcpyDefault, ex.stream));
-    }
-
-    static void scale(const Ex&, T_<float>&, double) { cuda::detail::not_implemented_yet("scale"); }
-
-    template <class T>
-    static void add(const Ex&, T_<T>&, const T_<T>&) {
-        cuda::detail::not_implemented_yet("add");
     }
 
     //! Element `i` of `t`, on the host: waits for the replica's stream.
@@ -115,10 +129,6 @@ struct Ops<Cuda> {
         return value;
     }
 
-    static void add_sum_squares(const Ex&, const T_<float>&, T_<double>&, std::int64_t = 0) {
-        cuda::detail::not_implemented_yet("add_sum_squares");
-    }
-
     //! All of `t`'s elements on the host, in one copy: waits for the replica's stream.
     template <class T>
     static std::vector<T> to_vector(const Ex& ex, const T_<T>& t) {
@@ -128,82 +138,6 @@ struct Ops<Cuda> {
             LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(ex.stream));
         }
         return out;
-    }
-    static void clip_to_norm(const Ex&, T_<float>&, const T_<double>&, double) {
-        cuda::detail::not_implemented_yet("clip_to_norm");
-    }
-
-    // ---- layers -----------------------------------------------------------------------------
-
-    struct ConvScratch {};
-
-    static void conv2d_forward(const Ex&, const ConvGeometry&, const T_<float>&, const T_<float>&, const T_<float>*,
-                               T_<float>&, ConvScratch&) {
-        cuda::detail::not_implemented_yet("conv2d_forward");
-    }
-    static void conv2d_backward(const Ex&, const ConvGeometry&, const T_<float>&, const T_<float>&, const T_<float>&,
-                                T_<float>&, T_<float>*, T_<float>&, ConvScratch&) {
-        cuda::detail::not_implemented_yet("conv2d_backward");
-    }
-    static void linear_forward(const Ex&, const T_<float>&, const T_<float>&, const T_<float>*, T_<float>&, bool,
-                               T_<std::uint8_t>*) {
-        cuda::detail::not_implemented_yet("linear_forward");
-    }
-    static void linear_backward(const Ex&, const T_<float>&, const T_<float>&, const T_<std::uint8_t>*, const T_<float>&,
-                                T_<float>&, T_<float>*, T_<float>&) {
-        cuda::detail::not_implemented_yet("linear_backward");
-    }
-    static void relu_forward(const Ex&, T_<float>&, T_<std::uint8_t>*) { cuda::detail::not_implemented_yet("relu_forward"); }
-    static void relu_backward(const Ex&, const T_<float>&, const T_<std::uint8_t>&, T_<float>&) {
-        cuda::detail::not_implemented_yet("relu_backward");
-    }
-    static void maxpool_forward(const Ex&, const PoolGeometry&, const T_<float>&, T_<float>&, T_<std::int32_t>&) {
-        cuda::detail::not_implemented_yet("maxpool_forward");
-    }
-    static void maxpool_backward(const Ex&, const PoolGeometry&, const T_<float>&, const T_<std::int32_t>&, T_<float>&) {
-        cuda::detail::not_implemented_yet("maxpool_backward");
-    }
-
-    // ---- losses and optimizer -----------------------------------------------------------------
-
-    static void softmax_cross_entropy(const Ex&, const T_<float>&, std::span<const std::int64_t>, double, T_<float>&,
-                                      T_<double>&) {
-        cuda::detail::not_implemented_yet("softmax_cross_entropy");
-    }
-    static void mse(const Ex&, const T_<float>&, const T_<float>&, double, T_<float>&, T_<double>&) {
-        cuda::detail::not_implemented_yet("mse");
-    }
-    static void sgd_step(const Ex&, T_<float>&, const T_<float>&, T_<float>&, bool, const SgdUpdate&) {
-        cuda::detail::not_implemented_yet("sgd_step");
-    }
-
-    // ---- batch norm ---------------------------------------------------------------------------
-
-    static void bn_local_stats(const Ex&, const T_<float>&, const BnGeometry&, const T_<float>*, T_<double>&) {
-        cuda::detail::not_implemented_yet("bn_local_stats");
-    }
-    static void bn_forward_finish(const Ex&, const T_<double>&, const BnFinishOptions&, T_<float>*, T_<float>*,
-                                  T_<std::int64_t>*, const T_<float>*, const T_<float>*, BnConstants<Cuda>&) {
-        cuda::detail::not_implemented_yet("bn_forward_finish");
-    }
-    static void bn_eval_constants(const Ex&, const T_<float>&, const T_<float>&, double, const T_<float>*, const T_<float>*,
-                                  BnConstants<Cuda>&) {
-        cuda::detail::not_implemented_yet("bn_eval_constants");
-    }
-    static void bn_normalize(const Ex&, const T_<float>&, T_<float>&, const BnGeometry&, const BnConstants<Cuda>&, bool,
-                             T_<std::uint8_t>*) {
-        cuda::detail::not_implemented_yet("bn_normalize");
-    }
-    static void bn_backward_sums(const Ex&, const T_<float>&, const T_<float>&, const T_<std::uint8_t>*, const BnGeometry&,
-                                 const BnConstants<Cuda>&, T_<double>&) {
-        cuda::detail::not_implemented_yet("bn_backward_sums");
-    }
-    static void bn_param_grads(const Ex&, const T_<double>&, const BnConstants<Cuda>&, T_<float>&, T_<float>&) {
-        cuda::detail::not_implemented_yet("bn_param_grads");
-    }
-    static void bn_backward_dx(const Ex&, const T_<double>&, const BnConstants<Cuda>&, const T_<float>*, T_<float>&,
-                               const T_<float>&, const T_<std::uint8_t>*, const BnGeometry&) {
-        cuda::detail::not_implemented_yet("bn_backward_dx");
     }
 };
 

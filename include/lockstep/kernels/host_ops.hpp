@@ -335,8 +335,10 @@ struct Ops<Host> {
 
     // ---- batch norm (see batch_norm_math.hpp for the formulas) ---------------------------------
 
-    //! Forward payload [S | Q | n] (2C+1) of the local batch about `shift` (null: zero).
-    static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, const T_<float>* shift, T_<double>& payload) {
+    //! Forward payload [S | Q | n] (2C+1) of the local batch about `shift` (null: zero). `k` is the
+    //! layer's constants, where a backend may leave what its finish needs (the host: nothing).
+    static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, const T_<float>* shift,
+                               BnConstants<Host>&, T_<double>& payload) {
         std::vector<float> k(static_cast<std::size_t>(g.channels), 0.0f);
         if (shift != nullptr)
             for (std::int64_t c = 0; c < g.channels; ++c) k[static_cast<std::size_t>(c)] = bn::usable_shift((*shift)[c]);

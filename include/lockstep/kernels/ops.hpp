@@ -60,6 +60,11 @@ struct BnGeometry {
     std::int64_t per_channel() const { return batch * inner; }
 };
 
+//! Whether backend B's batch norm takes storage type T: fp32 everywhere; the CUDA backend adds
+//! fp16 and bf16 (specialized in cuda_bn_ops.cuh), with fp32 statistics and parameters.
+template <BackendTag B, class T>
+inline constexpr bool bn_storage = std::same_as<T, float>;
+
 //! Per-channel values a batch-norm forward leaves for its normalize pass and its backward, on the
 //! layer's device: `stats` = [mean (C) | invstd (C) | global count (1)] in fp64, `folded` =
 //! [mean_hi (C) | mean_lo (C) | scale (C) | shift (C)] in fp32 (see Note [split mean]).
@@ -67,6 +72,29 @@ template <BackendTag B>
 struct BnConstants {
     Tensor<double, B> stats;
     Tensor<float, B> folded;
+};
+
+//! On CUDA the constants also hold the shared shift K the statistics kernel used, and a training
+//! forward's finish, deferred into the normalize kernel's prologue (Note [batch-norm kernels]).
+template <>
+struct BnConstants<Cuda> {
+    Tensor<double, Cuda> stats;
+    Tensor<float, Cuda> folded;
+    //! K per channel, written by the statistics kernel.
+    Tensor<float, Cuda> shift;
+    //! What `bn_forward_finish` leaves for `bn_normalize`.
+    struct Pending {
+        const double* payload = nullptr;
+        float* running_mean = nullptr;
+        float* running_var = nullptr;
+        std::int64_t* num_batches_tracked = nullptr;
+        const float* weight = nullptr;
+        const float* bias = nullptr;
+        double eps = 1e-5;
+        std::optional<double> momentum;
+        bool update_running = false;
+    };
+    std::optional<Pending> pending;
 };
 
 //! How a training forward turns the all-reduced payload into statistics.

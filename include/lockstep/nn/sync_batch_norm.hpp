@@ -100,8 +100,12 @@ public:
         }
     }
 
-    //! Takes `x` by value: it is kept for backward, so pass an rvalue to avoid a copy.
-    Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
+    //! Takes `x` by value: it is kept for backward, so pass an rvalue to avoid a copy. fp32 on
+    //! every backend; on CUDA also fp16 and bf16 storage (`Tensor<__half, Cuda>`,
+    //! `Tensor<__nv_bfloat16, Cuda>`), with fp32 math, statistics and parameters.
+    template <class T = float>
+        requires kernels::bn_storage<B, T>
+    Tensor<T, B> forward(const Context<B>& ctx, Tensor<T, B> x) {
         const auto g = geometry(x);
         const bool batch_stats = ctx.training || !options_.track_running_stats;
         LOCKSTEP_CHECK_AS(UsageError, !batch_stats || ctx.world <= 1 || ctx.comm != nullptr, describe(),
@@ -109,10 +113,11 @@ public:
                           "its replica group (ctx.comm), or use world 1 for a replica alone");
         if (options_.affine) check_device(weight.value.device(), x.device(), describe() + ": the input");
         if (options_.track_running_stats) check_device(running_mean.device(), x.device(), describe() + ": the input");
-        saved_x_ = Tensor<float, B>();
+        drop_saved();
         prepare(x.device());
         if (batch_stats) {
-            K::bn_local_stats(ctx.exec, x, g, options_.track_running_stats ? &running_mean : nullptr, forward_payload_);
+            K::bn_local_stats(ctx.exec, x, g, options_.track_running_stats ? &running_mean : nullptr, constants_,
+                              forward_payload_);
             if (ctx.comm != nullptr)
                 ctx.comm->all_reduce_sum(DeviceSpan(forward_payload_), comm::CollectiveSite::layer(layer_id_, 0));
             check_count(ctx, x, g);
@@ -125,29 +130,35 @@ public:
             K::bn_eval_constants(ctx.exec, running_mean, running_var, options_.eps, affine_weight(),
                                  options_.affine ? &bias.value : nullptr, constants_);
         }
-        auto y = Tensor<float, B>::empty_like(x);
+        auto y = Tensor<T, B>::empty_like(x);
         if (options_.fused_relu && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(x);
         K::bn_normalize(ctx.exec, x, y, g, constants_, options_.fused_relu,
                         options_.fused_relu && ctx.training ? &relu_mask_ : nullptr);
         if (ctx.training) {
-            saved_x_ = std::move(x);
+            save(std::move(x));
             saved_batch_stats_ = batch_stats;
         }
         return y;
     }
 
-    Tensor<float, B> backward(const Context<B>& ctx, const Tensor<float, B>& dy) {
-        LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() >= 2, describe(),
+    //! dx for dy of the forward's storage type.
+    template <class T = float>
+        requires kernels::bn_storage<B, T>
+    Tensor<T, B> backward(const Context<B>& ctx, const Tensor<T, B>& dy) {
+        LOCKSTEP_CHECK_AS(UsageError, saved_rank() >= 2, describe(),
                           ": backward called without a training-mode forward before it");
-        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == saved_x_.shape() && dy.format() == saved_x_.format(), describe(),
+        LOCKSTEP_CHECK_AS(UsageError, saved_size_ == sizeof(T), describe(), ": dy has ", sizeof(T) * 8,
+                          "-bit elements but the forward input had ", saved_size_ * 8, "; pass dy in the input's type");
+        Tensor<T, B> saved = take_saved<T>();
+        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == saved.shape() && dy.format() == saved.format(), describe(),
                           ": dy has shape ", dy.shape(), " ", to_string(dy.format()), " but the forward input had ",
-                          saved_x_.shape(), " ", to_string(saved_x_.format()));
+                          saved.shape(), " ", to_string(saved.format()));
         LOCKSTEP_CHECK_AS(UsageError, saved_batch_stats_, describe(),
                           ": backward through running statistics (eval mode) is not supported; call train() first");
-        check_device(saved_x_.device(), dy.device(), describe() + ": dy");
-        const auto g = geometry(saved_x_);
+        check_device(saved.device(), dy.device(), describe() + ": dy");
+        const auto g = geometry(saved);
         const Tensor<std::uint8_t, B>* mask = options_.fused_relu ? &relu_mask_ : nullptr;
-        K::bn_backward_sums(ctx.exec, saved_x_, dy, mask, g, constants_, backward_payload_);
+        K::bn_backward_sums(ctx.exec, saved, dy, mask, g, constants_, backward_payload_);
         if (options_.affine) {  // local sums: the gradient all-reduce adds them over replicas
             K::bn_param_grads(ctx.exec, backward_payload_, constants_, weight.grad, bias.grad);
             ctx.mark_grad_ready(&weight);
@@ -157,9 +168,8 @@ public:
             ctx.comm->all_reduce_sum(DeviceSpan(backward_payload_), comm::CollectiveSite::layer(layer_id_, 1));
         // dx overwrites the saved input, which nothing needs after this: a step holds one tensor
         // less, and dx is written to cache lines the same pass has just read.
-        auto dx = std::move(saved_x_);
+        auto dx = std::move(saved);
         K::bn_backward_dx(ctx.exec, backward_payload_, constants_, affine_weight(), dx, dy, mask, g);
-        saved_x_ = Tensor<float, B>();
         relu_mask_ = Tensor<std::uint8_t, B>();
         return dx;
     }
@@ -169,7 +179,8 @@ private:
     // than one itself knows that without asking; only one that holds at most one reads the global
     // count (a device read on CUDA). The global count is the same everywhere, so every replica
     // decides alike: where it is 1 or less, each replica holds at most one value and all read.
-    void check_count(const Context<B>& ctx, const Tensor<float, B>& x, const kernels::BnGeometry& g) const {
+    template <class T>
+    void check_count(const Context<B>& ctx, const Tensor<T, B>& x, const kernels::BnGeometry& g) const {
         if (!ctx.training || g.per_channel() > 1) return;
         const double n = K::read(ctx.exec, forward_payload_, kernels::bn::ForwardPayload{channels_}.count());
         LOCKSTEP_CHECK(n > 1, describe(), ": expected more than 1 value per channel when training, got input size ", x.shape(),
@@ -188,7 +199,29 @@ private:
         constants_.folded = Tensor<float, B>(Shape{4 * channels_}, MemoryFormat::nchw, device);
     }
 
-    kernels::BnGeometry geometry(const Tensor<float, B>& x) const {
+    // The training forward's input, kept for backward: fp32 as is, 16-bit types as their bits
+    // (their types are CUDA's, not nameable here).
+    template <class T>
+    void save(Tensor<T, B>&& x) {
+        if constexpr (std::same_as<T, float>) saved_x_ = std::move(x);
+        else saved_x16_ = std::move(x).template bitcast<std::uint16_t>();
+        saved_size_ = sizeof(T);
+    }
+    template <class T>
+    Tensor<T, B> take_saved() {
+        saved_size_ = 0;
+        if constexpr (std::same_as<T, float>) return std::move(saved_x_);
+        else return std::move(saved_x16_).template bitcast<T>();
+    }
+    int saved_rank() const { return saved_size_ == 4 ? saved_x_.rank() : saved_size_ == 2 ? saved_x16_.rank() : 0; }
+    void drop_saved() {
+        saved_x_ = Tensor<float, B>();
+        saved_x16_ = Tensor<std::uint16_t, B>();
+        saved_size_ = 0;
+    }
+
+    template <class T>
+    kernels::BnGeometry geometry(const Tensor<T, B>& x) const {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 || x.rank() == 4, describe(),
                           ": expected a 2-D (N, C) or 4-D (N, C, H, W) input, got shape ", x.shape());
         LOCKSTEP_CHECK_AS(ShapeError, x.dim(1) == channels_, describe(), ": expected ", channels_,
@@ -210,6 +243,8 @@ private:
     std::uint64_t layer_id_;
     // What backward needs from forward.
     Tensor<float, B> saved_x_;
+    Tensor<std::uint16_t, B> saved_x16_;
+    std::size_t saved_size_ = 0;  // bytes per element of the saved input; 0: none
     Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu: where the output was positive
     bool saved_batch_stats_ = false;
     kernels::BnConstants<B> constants_;  // mean, invstd, count; mean as hi + lo, scale, shift: see Note [split mean]

@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: MIT
+//! What the CUDA backend operations share: the cuBLAS check, the replica's reduction scratch and
+//! the device facts launch configurations depend on.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/backend.hpp"
+#include "lockstep/core/cuda_runtime.cuh"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/tensor.hpp"
+#include "lockstep/kernels/device/grid.cuh"
+#include "lockstep/kernels/ops.hpp"
+
+namespace lockstep::cuda::detail {
+
+inline const char* cublas_status_name(cublasStatus_t s) {
+    switch (s) {
+        case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+        case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+        case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+        case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+        case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+        case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+        default: return "CUBLAS_STATUS_OTHER";
+    }
+}
+
+[[noreturn]] inline void not_implemented_yet(const char* op) {
+    throw NotImplemented(std::string("kernels::Ops<Cuda>::") + op +
+                         " is not implemented yet: the CUDA kernels come with issue 12; train on the host backend meanwhile");
+}
+
+}  // namespace lockstep::cuda::detail
+
+//! Throws `lockstep::DeviceError` when a cuBLAS call fails.
+#define LOCKSTEP_CUBLAS_CHECK(expr)                                                                 \
+    do {                                                                                              \
+        const cublasStatus_t lockstep_st_ = (expr);                                                   \
+        if (lockstep_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                       \
+            ::lockstep::cuda::detail::raise("cuBLAS", static_cast<int>(lockstep_st_),               \
+                                            ::lockstep::cuda::detail::cublas_status_name(lockstep_st_), \
+                                            cublasGetStatusString(lockstep_st_), #expr, __FILE__, __LINE__); \
+    } while (0)
+
+namespace lockstep::kernels::cuda_ops {
+
+using Ex = Execution<Cuda>;
+template <class T>
+using T_ = Tensor<T, Cuda>;
+
+//! The replica's scratch for reducing kernels (Note [kernels proven on the host]).
+inline device::Scratch scratch(const Ex& ex) {
+    LOCKSTEP_CHECK_AS(UsageError, ex.reduce_counters != nullptr, "a CUDA operation ran without its replica's scratch; "
+                      "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
+    return {ex.reduce_counters, ex.reduce_counter_count, ex.reduce_partials, ex.reduce_partial_bytes};
+}
+
+//! The multiprocessor count and L2 size of `device`, asked once per device.
+inline device::DeviceInfo device_info(int device) {
+    static thread_local int cached_device = -1;
+    static thread_local device::DeviceInfo cached;
+    if (device != cached_device) {
+        int sms = 0, l2 = 0;
+        LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+        cached = {sms, static_cast<std::int64_t>(l2)};
+        cached_device = device;
+    }
+    return cached;
+}
+
+}  // namespace lockstep::kernels::cuda_ops

@@ -1,0 +1,805 @@
+// SPDX-License-Identifier: MIT
+//! The SyncBatchNorm kernels of the CUDA backend, written once for the device and the host
+//! emulator (Note [kernels proven on the host]), and the operations that launch them. Storage fp32,
+//! fp16 or bf16; math fp32 per element, fp64 per channel; NCHW and channels-last.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/batch_norm_math.hpp"
+#include "lockstep/kernels/device/grid.cuh"
+#include "lockstep/kernels/ops.hpp"
+
+namespace lockstep::kernels::device::bn_kernels {
+
+// Note [batch-norm kernels]
+// A training step runs five kernels per layer, each reading or writing the tensors once:
+//   forward:  stats (read x) -> all-reduce -> normalize (read x, write y)
+//   backward: sums (read x, dy) -> all-reduce -> dx (read x, dy, write dx)
+// plus one per-channel kernel for dgamma, dbeta. Per-channel work happens where it is needed, not
+// in kernels of its own: the stats kernel's last block per channel re-centres the sums on the
+// shared shift K and writes the payload; the normalize kernel's prologue finishes the statistics
+// from the all-reduced payload (mean, invstd, scale, shift), and one thread per channel (the
+// first block's first thread) writes the constants backward needs and updates the running
+// statistics; the dx kernel's prologue turns the all-reduced backward payload into the three
+// per-channel constants of `bn::backward_constants`.
+// Grids (Note [kernels proven on the host]):
+// - channels-first (NCHW, P > 1): grid (chunks, C), blocks of 256 threads; a channel's N*P values
+//   are split into `chunks` contiguous ranges of items, an item being a 16-byte vector where every
+//   plane is a whole number of vectors and the pointers are aligned, else one element. Many blocks
+//   per channel keep every multiprocessor busy when C is small (one block per channel would leave
+//   most of an H200 idle at C = 64).
+// - channels-last (NHWC, 2-D input, P = 1): grid (chunks, tiles of 32 channels), blocks of 32 lanes
+//   (channels: a warp reads 32 consecutive values) x 8 rows; a chunk is a range of rows, and the
+//   reduction sums each lane's column.
+// Chunks are sized for about 8 blocks per multiprocessor in all (full occupancy at 256 threads),
+// at least 4 items per thread, and partials that fit the replica's scratch.
+// Each thread sums in fp32 over at most `flush` items and flushes into fp64, so no long sum is
+// ever formed in fp32; block and grid sums are fp64.
+
+inline constexpr int threads = 256;
+inline constexpr int tile = 32;  // channels-last lanes
+inline constexpr int tile_rows = threads / tile;
+inline constexpr int flush = 16;  // items a thread sums in fp32 before adding into fp64
+inline constexpr int blocks_per_sm = 8;
+//! Register budget of the tensor passes: 4 blocks of 256 threads resident per multiprocessor,
+//! so at most 64 registers a thread (half occupancy; with 16-byte loads in flight that keeps HBM busy).
+inline constexpr int min_blocks = 4;
+
+//! Two fp64 sums: (S, Q) of the forward statistics or (sum dy, sum dy (x - mean_hi)) of backward.
+struct Sums2 {
+    double a = 0, b = 0;
+    LOCKSTEP_HD Sums2 operator+(const Sums2& o) const { return {a + o.a, b + o.b}; }
+};
+
+//! Where a launch's items are: a channel's run of N*P values split into chunks (channels-first),
+//! or the rows of C values split into chunks (channels-last).
+struct Span {
+    std::int64_t N = 0, C = 0, P = 1;
+    unsigned int items = 0;        // per channel (channels-first, in vectors) or rows (channels-last)
+    unsigned int chunk_items = 0;  // items per chunk (grid x)
+    Divider per_plane;             // channels-first: items per (n, c) plane
+    bool reverse = false;          // blocks visit chunks and groups back to front (Note [reverse order])
+
+    //! The chunk and group a block works on (its own, or mirrored under `reverse`).
+    LOCKSTEP_HD int chunk(const Where& w) const { return reverse ? w.gx - 1 - w.bx : w.bx; }
+    LOCKSTEP_HD int group(const Where& w) const { return reverse ? w.gy - 1 - w.by : w.by; }
+    LOCKSTEP_HD unsigned int begin(const Where& w) const { return static_cast<unsigned int>(chunk(w)) * chunk_items; }
+    LOCKSTEP_HD unsigned int end(const Where& w) const {
+        const unsigned int e = begin(w) + chunk_items;
+        return e < items ? e : items;
+    }
+    //! Channels-first: the element offset of item j (vectors of V) of channel c.
+    template <int V>
+    LOCKSTEP_HD std::int64_t offset(unsigned int j, std::int64_t c) const {
+        const unsigned int n = per_plane.div(j);
+        const unsigned int v = j - n * per_plane.d;
+        return (static_cast<std::int64_t>(n) * C + c) * P + static_cast<std::int64_t>(v) * V;
+    }
+};
+
+// Note [reverse order]
+// The normalize and dx passes read x again right after a pass that read all of it. Where x fits
+// in half the L2 cache, they visit the blocks in the reverse order of that pass, so the first
+// values they read are the last ones the previous pass left in L2.
+
+// ---- forward statistics (reducing) -----------------------------------------------------------
+
+template <class T>
+struct StatsParams {
+    const T* x = nullptr;
+    Span span;
+    const float* running_mean = nullptr;  // null: the shared shift K is 0
+    double* payload = nullptr;            // [S | Q | n], 2C + 1
+    float* shift_out = nullptr;           // K per channel, for the normalize prologue
+    Sums2* partials = nullptr;
+    unsigned int* counters = nullptr;
+};
+
+//! The local shift k of channel c: the shard's first value of the channel (close to its values,
+//! so fp32 partial sums stay small).
+template <class T>
+LOCKSTEP_HD inline float first_value(const T* x, const Span& s, std::int64_t c, bool channels_last) {
+    return to_float(x[channels_last ? c : c * s.P]);
+}
+
+template <class T, int V>
+struct StatsChannelsFirst {
+    using Params = StatsParams<T>;
+    using Value = Sums2;
+    static constexpr int threads = bn_kernels::threads, lanes = 1, rows = threads, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
+        const std::int64_t c = p.span.group(w);
+        const float k = first_value(p.x, p.span, c, false);
+        Value total;
+        float s = 0, q = 0;
+        int pending = 0;
+        for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
+            const auto v = load_pack<V>(p.x + p.span.template offset<V>(j, c));
+LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                const float d = to_float(v.v[e]) - k;
+                s += d;
+                q += d * d;
+            }
+            if (++pending == flush) {
+                total = total + Value{s, q};
+                s = q = 0;
+                pending = 0;
+            }
+        }
+        return total + Value{s, q};
+    }
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) {
+        p.partials[static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)] = v;
+    }
+    LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
+    LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
+        Value v;
+        const Sums2* part = p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx;
+        for (int i = row; i < w.gx; i += rows) v = v + Value{load_other_block(&part[i].a), load_other_block(&part[i].b)};
+        return v;
+    }
+    LOCKSTEP_HD static void finish(const Params& p, const Where& w, int, const Value& total) {
+        finish_channel(p, p.span.group(w), total, static_cast<double>(p.span.N) * static_cast<double>(p.span.P),
+                       first_value(p.x, p.span, p.span.group(w), false));
+    }
+
+    //! Re-centres a channel's sums about its local shift k on the shared shift K; writes the payload.
+    LOCKSTEP_HD static void finish_channel(const Params& p, std::int64_t c, const Value& total, double count, float k) {
+        const float K = p.running_mean != nullptr ? bn::usable_shift(p.running_mean[c]) : 0.0f;
+        const bn::ShiftedSums shared = bn::recentre(bn::ShiftedSums{count, total.a, total.b, static_cast<double>(k)}, K);
+        const bn::ForwardPayload layout{p.span.C};
+        p.payload[layout.sum(c)] = shared.s;
+        p.payload[layout.sum_sq(c)] = shared.q;
+        p.shift_out[c] = K;
+        if (c == 0) p.payload[layout.count()] = count;
+    }
+};
+
+template <class T>
+struct StatsChannelsLast {
+    using Params = StatsParams<T>;
+    using Value = Sums2;
+    static constexpr int threads = bn_kernels::threads, lanes = tile, rows = tile_rows, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
+        if (c >= p.span.C) return {};
+        const float k = first_value(p.x, p.span, c, true);
+        Value total;
+        float s = 0, q = 0;
+        int pending = 0;
+        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
+            const float d = to_float(p.x[static_cast<std::int64_t>(r) * p.span.C + c]) - k;
+            s += d;
+            q += d * d;
+            if (++pending == flush) {
+                total = total + Value{s, q};
+                s = q = 0;
+                pending = 0;
+            }
+        }
+        return total + Value{s, q};
+    }
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
+        p.partials[(static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)) * tile + lane] = v;
+    }
+    LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
+    LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
+        Value v;
+        const Sums2* part = p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx * tile;
+        for (int i = row; i < w.gx; i += rows)
+            v = v + Value{load_other_block(&part[i * tile + lane].a), load_other_block(&part[i * tile + lane].b)};
+        return v;
+    }
+    LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
+        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + lane;
+        if (c >= p.span.C) return;
+        StatsChannelsFirst<T, 1>::finish_channel(p, c, total, static_cast<double>(p.span.N) * static_cast<double>(p.span.P),
+                                                 first_value(p.x, p.span, c, true));
+    }
+};
+
+// ---- forward normalize (map), with the finish in its prologue --------------------------------
+
+//! The statistics' finish a training forward leaves to the normalize kernel's prologue.
+struct Finish {
+    const double* payload = nullptr;  // all-reduced [S | Q | N]
+    const float* shift = nullptr;     // K per channel (the stats kernel's)
+    float* running_mean = nullptr;    // null: running statistics not updated
+    float* running_var = nullptr;
+    std::int64_t* num_batches_tracked = nullptr;
+    bool count_batch = false;  // this kernel adds the batch to num_batches_tracked (momentum mode)
+    bool cumulative = false;   // momentum = 1 / (num_batches_tracked + 1), counted after the kernel
+    double eps = 1e-5, momentum = 0.1;
+};
+
+template <class T>
+struct NormalizeParams {
+    const T* x = nullptr;
+    T* y = nullptr;
+    std::uint8_t* mask = nullptr;  // with relu: where y > 0 (may be null)
+    Span span;
+    bool relu = false;
+    bool finish = false;       // compute the constants from `f` (training) or read `folded` (given)
+    Finish f;
+    const float* weight = nullptr;  // null: not affine
+    const float* bias = nullptr;
+    double* stats = nullptr;   // [mean | invstd | N], written by the channel's writer when finishing
+    float* folded = nullptr;   // [mean_hi | mean_lo | scale | shift]: read, or written when finishing
+};
+
+struct ChannelConstants {
+    float hi, scale, shift;
+};
+
+//! Channel c's normalize constants; when finishing and `writer`, also stores what backward needs
+//! and updates the running statistics, once per channel (Note [batch-norm kernels]).
+template <class T>
+LOCKSTEP_HD inline ChannelConstants normalize_constants_of(const NormalizeParams<T>& p, std::int64_t c, bool writer) {
+    const std::int64_t C = p.span.C;
+    if (!p.finish) return {p.folded[c], p.folded[2 * C + c], p.folded[3 * C + c]};
+    const bn::ForwardPayload layout{C};
+    const double n = p.f.payload[layout.count()];
+    const bn::ChannelStats st = bn::finish(n, p.f.payload[layout.sum(c)], p.f.payload[layout.sum_sq(c)], p.f.shift[c], p.f.eps);
+    const bn::SplitMean split = bn::split_mean(st.mean);
+    const bn::NormalizeConstants k = bn::normalize_constants(st.mean, st.invstd, p.weight != nullptr ? p.weight[c] : 1.0,
+                                                             p.bias != nullptr ? p.bias[c] : 0.0);
+    if (writer) {
+        p.stats[c] = st.mean;
+        p.stats[C + c] = st.invstd;
+        p.folded[c] = split.hi;
+        p.folded[C + c] = split.lo;
+        p.folded[2 * C + c] = k.scale;
+        p.folded[3 * C + c] = k.shift;
+        if (c == 0) {
+            p.stats[2 * C] = n;
+            if (p.f.count_batch) *p.f.num_batches_tracked += 1;
+        }
+        if (p.f.running_mean != nullptr) {
+            const double factor =
+                p.f.cumulative ? 1.0 / static_cast<double>(*p.f.num_batches_tracked + 1) : p.f.momentum;
+            bn::update_running(p.f.running_mean[c], p.f.running_var[c], st, n, factor);
+        }
+    }
+    return {split.hi, k.scale, k.shift};
+}
+
+//! max(v, 0) with NaN kept, as the host's ReLU.
+LOCKSTEP_HD inline float relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); }
+
+template <class T, int V>
+struct NormalizeChannelsFirst {
+    using Params = NormalizeParams<T>;
+    static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = p.span.group(w);
+        const ChannelConstants k = normalize_constants_of(p, c, p.span.chunk(w) == 0 && w.t == 0);
+        for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
+            const std::int64_t off = p.span.template offset<V>(j, c);
+            const auto in = load_pack<V>(p.x + off);
+            Pack<T, V> out;
+LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                float v = bn::normalize(to_float(in.v[e]), k.hi, k.scale, k.shift);
+                if (p.relu) {
+                    if (p.mask != nullptr) p.mask[off + e] = v > 0.0f;
+                    v = relu(v);
+                }
+                out.v[e] = from_float<T>(v);
+            }
+            store_pack<V>(p.y + off, out);
+        }
+    }
+};
+
+template <class T>
+struct NormalizeChannelsLast {
+    using Params = NormalizeParams<T>;
+    static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
+        if (c >= p.span.C) return;
+        const ChannelConstants k = normalize_constants_of(p, c, p.span.chunk(w) == 0 && w.t / tile == 0);
+        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
+            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
+            float v = bn::normalize(to_float(p.x[off]), k.hi, k.scale, k.shift);
+            if (p.relu) {
+                if (p.mask != nullptr) p.mask[off] = v > 0.0f;
+                v = relu(v);
+            }
+            p.y[off] = from_float<T>(v);
+        }
+    }
+};
+
+// ---- backward sums (reducing) ----------------------------------------------------------------
+
+template <class T>
+struct BackwardSumsParams {
+    const T* x = nullptr;
+    const T* dy = nullptr;
+    const std::uint8_t* mask = nullptr;  // fused ReLU: dy counts only where set
+    Span span;
+    const float* folded = nullptr;  // [mean_hi | mean_lo | ...]
+    double* payload = nullptr;      // [sum dy | sum dy (x - mean)], 2C
+    Sums2* partials = nullptr;
+    unsigned int* counters = nullptr;
+};
+
+template <class T>
+LOCKSTEP_HD inline void backward_finish_channel(const BackwardSumsParams<T>& p, std::int64_t c, const Sums2& total) {
+    const bn::BackwardPayload layout{p.span.C};
+    p.payload[layout.sum_dy(c)] = total.a;
+    p.payload[layout.sum_dy_xmu(c)] = bn::centred_sum(total.b, total.a, p.folded[p.span.C + c]);
+}
+
+template <class T, int V>
+struct BackwardSumsChannelsFirst {
+    using Params = BackwardSumsParams<T>;
+    using Value = Sums2;
+    static constexpr int threads = bn_kernels::threads, lanes = 1, rows = threads, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
+        const std::int64_t c = p.span.group(w);
+        const float hi = p.folded[c];
+        Value total;
+        float a = 0, b = 0;
+        int pending = 0;
+        for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
+            const std::int64_t off = p.span.template offset<V>(j, c);
+            const auto x = load_pack<V>(p.x + off);
+            const auto g = load_pack<V>(p.dy + off);
+LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                const float d = p.mask == nullptr || p.mask[off + e] != 0 ? to_float(g.v[e]) : 0.0f;
+                a += d;
+                b += d * (to_float(x.v[e]) - hi);
+            }
+            if (++pending == flush) {
+                total = total + Value{a, b};
+                a = b = 0;
+                pending = 0;
+            }
+        }
+        return total + Value{a, b};
+    }
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) {
+        p.partials[static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)] = v;
+    }
+    LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
+    LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
+        Value v;
+        const Sums2* part = p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx;
+        for (int i = row; i < w.gx; i += rows) v = v + Value{load_other_block(&part[i].a), load_other_block(&part[i].b)};
+        return v;
+    }
+    LOCKSTEP_HD static void finish(const Params& p, const Where& w, int, const Value& total) {
+        backward_finish_channel(p, p.span.group(w), total);
+    }
+};
+
+template <class T>
+struct BackwardSumsChannelsLast {
+    using Params = BackwardSumsParams<T>;
+    using Value = Sums2;
+    static constexpr int threads = bn_kernels::threads, lanes = tile, rows = tile_rows, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
+        if (c >= p.span.C) return {};
+        const float hi = p.folded[c];
+        Value total;
+        float a = 0, b = 0;
+        int pending = 0;
+        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
+            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
+            const float d = p.mask == nullptr || p.mask[off] != 0 ? to_float(p.dy[off]) : 0.0f;
+            a += d;
+            b += d * (to_float(p.x[off]) - hi);
+            if (++pending == flush) {
+                total = total + Value{a, b};
+                a = b = 0;
+                pending = 0;
+            }
+        }
+        return total + Value{a, b};
+    }
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
+        p.partials[(static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)) * tile + lane] = v;
+    }
+    LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
+    LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
+        Value v;
+        const Sums2* part = p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx * tile;
+        for (int i = row; i < w.gx; i += rows)
+            v = v + Value{load_other_block(&part[i * tile + lane].a), load_other_block(&part[i * tile + lane].b)};
+        return v;
+    }
+    LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
+        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + lane;
+        if (c < p.span.C) backward_finish_channel(p, c, total);
+    }
+};
+
+// ---- backward dx (map), with the backward constants in its prologue --------------------------
+
+template <class T>
+struct DxParams {
+    const T* x = nullptr;  // may be dx itself: every element is read before it is written
+    const T* dy = nullptr;
+    const std::uint8_t* mask = nullptr;
+    T* dx = nullptr;
+    Span span;
+    const double* payload = nullptr;  // all-reduced [sum dy | sum dy (x - mean)]
+    const double* stats = nullptr;    // [mean | invstd | N]
+    const float* folded = nullptr;    // [mean_hi | ...]
+    const float* weight = nullptr;
+};
+
+struct DxConstants {
+    float hi, a, b, c;
+};
+
+template <class T>
+LOCKSTEP_HD inline DxConstants dx_constants_of(const DxParams<T>& p, std::int64_t c) {
+    const std::int64_t C = p.span.C;
+    const bn::BackwardPayload layout{C};
+    const bn::BackwardConstants k = bn::backward_constants(p.stats[2 * C], p.payload[layout.sum_dy(c)],
+                                                           p.payload[layout.sum_dy_xmu(c)], p.stats[c], p.stats[C + c],
+                                                           p.weight != nullptr ? p.weight[c] : 1.0);
+    return {p.folded[c], k.a, k.b, k.c};
+}
+
+template <class T, int V>
+struct DxChannelsFirst {
+    using Params = DxParams<T>;
+    static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = p.span.group(w);
+        const DxConstants k = dx_constants_of(p, c);
+        for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
+            const std::int64_t off = p.span.template offset<V>(j, c);
+            const auto x = load_pack<V>(p.x + off);
+            const auto g = load_pack<V>(p.dy + off);
+            Pack<T, V> out;
+LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                const float d = p.mask == nullptr || p.mask[off + e] != 0 ? to_float(g.v[e]) : 0.0f;
+                out.v[e] = from_float<T>(bn::backward(d, to_float(x.v[e]), k.hi, k.a, k.b, k.c));
+            }
+            store_pack<V>(p.dx + off, out);
+        }
+    }
+};
+
+template <class T>
+struct DxChannelsLast {
+    using Params = DxParams<T>;
+    static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
+
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
+        if (c >= p.span.C) return;
+        const DxConstants k = dx_constants_of(p, c);
+        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
+            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
+            const float d = p.mask == nullptr || p.mask[off] != 0 ? to_float(p.dy[off]) : 0.0f;
+            p.dx[off] = from_float<T>(bn::backward(d, to_float(p.x[off]), k.hi, k.a, k.b, k.c));
+        }
+    }
+};
+
+// ---- per-channel kernels (map over C) --------------------------------------------------------
+
+struct ChannelParams {
+    std::int64_t C = 0;
+    // eval constants
+    const float* running_mean = nullptr;
+    const float* running_var = nullptr;
+    double eps = 1e-5;
+    const float* weight = nullptr;
+    const float* bias = nullptr;
+    double* stats = nullptr;
+    float* folded = nullptr;
+    // parameter gradients
+    const double* payload = nullptr;
+    const double* stats_in = nullptr;
+    float* weight_grad = nullptr;
+    float* bias_grad = nullptr;
+    // the cumulative-average count
+    std::int64_t* num_batches_tracked = nullptr;
+};
+
+inline constexpr int channel_threads = 128;
+
+//! Evaluation: constants from the running statistics.
+struct EvalConstants {
+    using Params = ChannelParams;
+    static constexpr int threads = channel_threads;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
+        if (c > p.C) return;
+        const std::int64_t C = p.C;
+        if (c == C) {
+            p.stats[2 * C] = 0;  // no batch was counted
+            return;
+        }
+        const double mean = p.running_mean[c];
+        const double invstd = 1.0 / ::sqrt(static_cast<double>(p.running_var[c]) + p.eps);
+        const bn::SplitMean split = bn::split_mean(mean);
+        const bn::NormalizeConstants k =
+            bn::normalize_constants(mean, invstd, p.weight != nullptr ? p.weight[c] : 1.0, p.bias != nullptr ? p.bias[c] : 0.0);
+        p.stats[c] = mean;
+        p.stats[C + c] = invstd;
+        p.folded[c] = split.hi;
+        p.folded[C + c] = split.lo;
+        p.folded[2 * C + c] = k.scale;
+        p.folded[3 * C + c] = k.shift;
+    }
+};
+
+//! dgamma += sum(dy * xhat), dbeta += sum(dy) from the local backward payload.
+struct ParamGrads {
+    using Params = ChannelParams;
+    static constexpr int threads = channel_threads;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
+        if (c >= p.C) return;
+        const bn::BackwardPayload layout{p.C};
+        p.weight_grad[c] += static_cast<float>(p.payload[layout.sum_dy_xmu(c)] * p.stats_in[p.C + c]);
+        p.bias_grad[c] += static_cast<float>(p.payload[layout.sum_dy(c)]);
+    }
+};
+
+//! num_batches_tracked += 1, after a normalize kernel whose running update read it (cumulative mode).
+struct CountBatch {
+    using Params = ChannelParams;
+    static constexpr int threads = 32;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        if (w.bx == 0 && w.t == 0) *p.num_batches_tracked += 1;
+    }
+};
+
+//! K per channel alone, for a shard with no values (its payload is all zeros).
+template <class T>
+struct ShiftOnly {
+    using Params = StatsParams<T>;
+    static constexpr int threads = channel_threads;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
+        if (c < p.span.C) p.shift_out[c] = p.running_mean != nullptr ? bn::usable_shift(p.running_mean[c]) : 0.0f;
+    }
+};
+
+// ---- launch configurations -------------------------------------------------------------------
+
+//! Whether the channels-first passes take 16-byte vectors: every plane a whole number of them and
+//! every pointer aligned.
+template <class T>
+inline int vector_width(const BnGeometry& g, std::initializer_list<const void*> pointers) {
+    constexpr int V = vec16<T>;
+    if (g.channels_last || g.inner % V != 0) return 1;
+    for (const void* q : pointers)
+        if (q != nullptr && reinterpret_cast<std::uintptr_t>(q) % 16 != 0) return 1;
+    return V;
+}
+
+//! The grid and item split of a pass over `g` with V-element items (Note [batch-norm kernels]).
+inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid, bool reverse = false) {
+    constexpr std::int64_t int_limit = std::numeric_limits<int>::max();
+    Span s;
+    s.N = g.batch;
+    s.C = g.channels;
+    s.P = g.inner;
+    s.reverse = reverse;
+    const std::int64_t groups = g.channels_last ? (g.channels + tile - 1) / tile : g.channels;
+    LOCKSTEP_CHECK_AS(ShapeError, groups <= scratch_counters, "SyncBatchNorm on CUDA handles at most ",
+                      static_cast<std::int64_t>(scratch_counters) * (g.channels_last ? tile : 1), " channels in ",
+                      g.channels_last ? "channels-last" : "channels-first", " layout, got ", g.channels);
+    const std::int64_t items = g.channels_last ? g.rows() : g.per_channel() / V;
+    LOCKSTEP_CHECK_AS(ShapeError, items < int_limit, "SyncBatchNorm on CUDA handles fewer than 2^31 ",
+                      g.channels_last ? "rows" : "values per channel", ", got ", items);
+    s.items = static_cast<unsigned int>(items);
+    if (!g.channels_last) s.per_plane = Divider(static_cast<unsigned int>(g.inner / V));
+    grid.threads = threads;
+    grid.y = static_cast<int>(groups);
+    if (items == 0 || groups == 0) {
+        grid.x = 0;
+        return s;
+    }
+    const std::int64_t row_threads = g.channels_last ? tile_rows : threads;
+    const std::int64_t by_work = std::max<std::int64_t>(1, items / (row_threads * 4));  // >= 4 items a thread
+    const std::int64_t by_occupancy = std::max<std::int64_t>(1, (std::int64_t{blocks_per_sm} * info.multiprocessors + groups - 1) / groups);
+    const std::int64_t slots = static_cast<std::int64_t>(scratch_partial_bytes / sizeof(Sums2)) / (g.channels_last ? tile : 1);
+    const std::int64_t by_scratch = std::max<std::int64_t>(1, slots / groups);
+    const std::int64_t chunks = std::min({by_work, by_occupancy, by_scratch});
+    s.chunk_items = static_cast<unsigned int>((items + chunks - 1) / chunks);
+    grid.x = static_cast<int>((items + s.chunk_items - 1) / s.chunk_items);
+    return s;
+}
+
+// ---- the operations, for any runner (the device, or the host emulator) -----------------------
+
+// A runner launches kernels: `run.template map<K>(params, grid)`, `run.template reduce<K>(params,
+// grid)`, `run.zero(pointer, bytes)`, and `run.info()` (the device's DeviceInfo), `run.scratch()`.
+// The CUDA operations use the device runner (cuda_bn_ops.cuh), the emulation tests the host one,
+// so both go through the same choice of kernel, vector width and grid.
+
+//! Forward payload [S | Q | n] (2C + 1) of the local batch, re-centred on K = the running mean
+//! (zero where it is null or not finite); K per channel goes to `shift_out`.
+template <class Run, class T>
+void local_stats(Run& run, const T* x, const BnGeometry& g, const float* running_mean, double* payload, float* shift_out) {
+    const int V = vector_width<T>(g, {x});
+    Grid grid;
+    StatsParams<T> p;
+    p.span = plan(g, V, run.info(), grid);
+    p.x = x;
+    p.running_mean = running_mean;
+    p.payload = payload;
+    p.shift_out = shift_out;
+    const Scratch s = run.scratch();
+    p.partials = s.template partials_as<Sums2>(static_cast<std::int64_t>(grid.x) * grid.y * (g.channels_last ? tile : 1));
+    p.counters = s.counters;
+    if (grid.x == 0) {  // an empty shard: nothing counted, and K is still the shared shift
+        run.zero(payload, static_cast<std::size_t>(2 * g.channels + 1) * sizeof(double));
+        run.template map<ShiftOnly<T>>(p, Grid{static_cast<int>((g.channels + channel_threads - 1) / channel_threads), 1, channel_threads});
+        return;
+    }
+    if (g.channels_last) run.template reduce<StatsChannelsLast<T>>(p, grid);
+    else if (V > 1) run.template reduce<StatsChannelsFirst<T, vec16<T>>>(p, grid);
+    else run.template reduce<StatsChannelsFirst<T, 1>>(p, grid);
+}
+
+//! The finish `forward_normalize` folds into its prologue: a training forward's.
+struct FinishRequest {
+    const double* payload = nullptr;
+    const float* shift = nullptr;
+    float* running_mean = nullptr;  // null: not updated
+    float* running_var = nullptr;
+    std::int64_t* num_batches_tracked = nullptr;
+    double eps = 1e-5;
+    bool cumulative = false;  // momentum: 1 / num_batches_tracked after this batch
+    double momentum = 0.1;
+};
+
+//! y = the normalized x (with `relu`: max(0, y), mask = y > 0 where `mask` is not null). With
+//! `finish`, the statistics come from the all-reduced payload, and stats/folded and the running
+//! statistics are written once per channel; without, they are read from `folded`.
+template <class Run, class T>
+void forward_normalize(Run& run, const T* x, T* y, const BnGeometry& g, const FinishRequest* finish, const float* weight,
+                       const float* bias, double* stats, float* folded, bool relu, std::uint8_t* mask) {
+    const int V = vector_width<T>(g, {x, y, mask});
+    Grid grid;
+    NormalizeParams<T> p;
+    const bool fits_l2 = 2 * static_cast<std::int64_t>(g.batch * g.channels * g.inner * sizeof(T)) <= run.info().l2_bytes;
+    p.span = plan(g, V, run.info(), grid, /*reverse=*/fits_l2);
+    p.x = x;
+    p.y = y;
+    p.mask = mask;
+    p.relu = relu;
+    p.weight = weight;
+    p.bias = bias;
+    p.stats = stats;
+    p.folded = folded;
+    if (finish != nullptr) {
+        p.finish = true;
+        p.f.payload = finish->payload;
+        p.f.shift = finish->shift;
+        p.f.running_mean = finish->running_mean;
+        p.f.running_var = finish->running_var;
+        p.f.num_batches_tracked = finish->num_batches_tracked;
+        p.f.count_batch = finish->running_mean != nullptr && !finish->cumulative;
+        p.f.cumulative = finish->cumulative;
+        p.f.eps = finish->eps;
+        p.f.momentum = finish->momentum;
+    }
+    if (grid.x == 0 && finish != nullptr) grid.x = 1;  // an empty shard still finishes (its blocks loop over nothing)
+    if (g.channels_last) run.template map<NormalizeChannelsLast<T>>(p, grid);
+    else if (V > 1) run.template map<NormalizeChannelsFirst<T, vec16<T>>>(p, grid);
+    else run.template map<NormalizeChannelsFirst<T, 1>>(p, grid);
+    if (finish != nullptr && finish->running_mean != nullptr && finish->cumulative) {
+        ChannelParams c;
+        c.num_batches_tracked = finish->num_batches_tracked;
+        run.template map<CountBatch>(c, Grid{1, 1, CountBatch::threads});
+    }
+}
+
+//! Evaluation constants from the running statistics.
+template <class Run>
+void eval_constants(Run& run, std::int64_t C, const float* running_mean, const float* running_var, double eps,
+                    const float* weight, const float* bias, double* stats, float* folded) {
+    ChannelParams p;
+    p.C = C;
+    p.running_mean = running_mean;
+    p.running_var = running_var;
+    p.eps = eps;
+    p.weight = weight;
+    p.bias = bias;
+    p.stats = stats;
+    p.folded = folded;
+    run.template map<EvalConstants>(p, Grid{static_cast<int>(C / channel_threads + 1), 1, channel_threads});
+}
+
+//! Backward payload [sum dy | sum dy (x - mean)] (2C) of the local batch; `mask` (may be null)
+//! keeps dy only where the fused ReLU's output was positive.
+template <class Run, class T>
+void backward_sums(Run& run, const T* x, const T* dy, const std::uint8_t* mask, const BnGeometry& g, const float* folded,
+                   double* payload) {
+    const int V = vector_width<T>(g, {x, dy, mask});
+    Grid grid;
+    BackwardSumsParams<T> p;
+    p.span = plan(g, V, run.info(), grid);
+    p.x = x;
+    p.dy = dy;
+    p.mask = mask;
+    p.folded = folded;
+    p.payload = payload;
+    const Scratch s = run.scratch();
+    p.partials = s.template partials_as<Sums2>(static_cast<std::int64_t>(grid.x) * grid.y * (g.channels_last ? tile : 1));
+    p.counters = s.counters;
+    if (grid.x == 0) {
+        run.zero(payload, static_cast<std::size_t>(2 * g.channels) * sizeof(double));
+        return;
+    }
+    if (g.channels_last) run.template reduce<BackwardSumsChannelsLast<T>>(p, grid);
+    else if (V > 1) run.template reduce<BackwardSumsChannelsFirst<T, vec16<T>>>(p, grid);
+    else run.template reduce<BackwardSumsChannelsFirst<T, 1>>(p, grid);
+}
+
+//! weight_grad += sum(dy * xhat), bias_grad += sum(dy), from the local backward payload.
+template <class Run>
+void param_grads(Run& run, std::int64_t C, const double* payload, const double* stats, float* weight_grad, float* bias_grad) {
+    ChannelParams p;
+    p.C = C;
+    p.payload = payload;
+    p.stats_in = stats;
+    p.weight_grad = weight_grad;
+    p.bias_grad = bias_grad;
+    run.template map<ParamGrads>(p, Grid{static_cast<int>((C + channel_threads - 1) / channel_threads), 1, channel_threads});
+}
+
+//! dx from the all-reduced backward payload and the forward's global count; `dx` may be `x`.
+template <class Run, class T>
+void backward_dx(Run& run, const T* x, const T* dy, const std::uint8_t* mask, T* dx, const BnGeometry& g,
+                 const double* payload, const double* stats, const float* folded, const float* weight) {
+    const int V = vector_width<T>(g, {x, dy, mask, dx});
+    Grid grid;
+    DxParams<T> p;
+    const bool fits_l2 = 3 * static_cast<std::int64_t>(g.batch * g.channels * g.inner * sizeof(T)) <= run.info().l2_bytes;
+    p.span = plan(g, V, run.info(), grid, /*reverse=*/fits_l2);
+    p.x = x;
+    p.dy = dy;
+    p.mask = mask;
+    p.dx = dx;
+    p.payload = payload;
+    p.stats = stats;
+    p.folded = folded;
+    p.weight = weight;
+    if (g.channels_last) run.template map<DxChannelsLast<T>>(p, grid);
+    else if (V > 1) run.template map<DxChannelsFirst<T, vec16<T>>>(p, grid);
+    else run.template map<DxChannelsFirst<T, 1>>(p, grid);
+}
+
+//! The host emulator as a runner (the emulation tests'), with the device facts it pretends to have.
+struct EmulatedRun {
+    DeviceInfo device;
+    HostScratch* host_scratch = nullptr;
+    DeviceInfo info() const { return device; }
+    Scratch scratch() const { return host_scratch->view(); }
+    template <class K>
+    void map(const typename K::Params& p, const Grid& g) { emulate_map<K>(p, g); }
+    template <class K>
+    void reduce(const typename K::Params& p, const Grid& g) { emulate_reduce<K>(p, g); }
+    void zero(void* p, std::size_t bytes) { std::memset(p, 0, bytes); }
+};
+
+}  // namespace lockstep::kernels::device::bn_kernels

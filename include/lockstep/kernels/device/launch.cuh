@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: MIT
+//! The device drivers of lockstep's kernels (nvcc only): the `__global__` functions that run a
+//! kernel's phases on the GPU, with CUB reductions between them (Note [kernels proven on the host]).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cub/block/block_reduce.cuh>
+
+#include "lockstep/core/cuda_runtime.cuh"
+#include "lockstep/kernels/device/grid.cuh"
+
+namespace lockstep::kernels::device {
+
+//! The blocks of kernel K that must fit on one multiprocessor at once (K::min_blocks, else 1):
+//! with K::threads, the register budget `__launch_bounds__` gives ptxas, 65536 / (threads x
+//! min_blocks) per thread (the static gate in tests/cuda_static checks it).
+template <class K>
+constexpr int min_blocks_of() {
+    if constexpr (requires { K::min_blocks; }) return K::min_blocks;
+    else return 1;
+}
+
+#if defined(__CUDACC__)
+
+//! Map kernel K: every thread runs K::run.
+template <class K>
+__global__ void __launch_bounds__(K::threads, min_blocks_of<K>()) map_kernel(const typename K::Params p) {
+    K::run(p, Where{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(gridDim.x),
+                    static_cast<int>(gridDim.y), static_cast<int>(threadIdx.x)});
+}
+
+namespace detail {
+
+// Sums a value over the rows of each lane of a lanes x rows block; the sum is valid in row 0.
+// lanes == 1: a CUB block reduction; otherwise a column sum through shared memory.
+template <class K>
+struct ColumnSum {
+    using Value = typename K::Value;
+    using BlockReduce = cub::BlockReduce<Value, K::threads>;
+    // Raw bytes for the column values: Value has default member initializers, which a union
+    // member in shared memory cannot have.
+    union Storage {
+        typename BlockReduce::TempStorage reduce;
+        alignas(Value) unsigned char column[sizeof(Value) * K::rows * K::lanes];
+    };
+    __device__ static Value sum(Storage& s, const Value& v, int lane, int row) {
+        if constexpr (K::lanes == 1) {
+            return BlockReduce(s.reduce).Sum(v);
+        } else {
+            Value* column = reinterpret_cast<Value*>(s.column);
+            column[row * K::lanes + lane] = v;
+            __syncthreads();
+            Value total = v;
+            if (row == 0)
+                for (int r = 1; r < K::rows; ++r) total = total + column[r * K::lanes + lane];
+            return total;
+        }
+    }
+};
+
+}  // namespace detail
+
+//! Reducing kernel K over a (chunks, groups) grid: accumulate, sum over the block's rows, store
+//! the block's partials, take a ticket; the last block of the group gathers, sums and finishes.
+template <class K>
+__global__ void __launch_bounds__(K::threads, min_blocks_of<K>()) reduce_kernel(const typename K::Params p) {
+    using Sum = detail::ColumnSum<K>;
+    __shared__ typename Sum::Storage storage;
+    __shared__ bool last;
+    const Where w{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(gridDim.x),
+                  static_cast<int>(gridDim.y), static_cast<int>(threadIdx.x)};
+    const int lane = w.t % K::lanes, row = w.t / K::lanes;
+    const auto partial = Sum::sum(storage, K::accumulate(p, w), lane, row);
+    if (row == 0) {
+        K::store_partial(p, w, lane, partial);
+        fence();  // the partial is visible to every block before this block's ticket
+    }
+    __syncthreads();
+    if (w.t == 0) last = take_ticket(K::counter(p, w), w.gx);
+    __syncthreads();
+    if (!last) return;
+    fence();
+    const auto total = Sum::sum(storage, K::gather(p, w, lane, row), lane, row);
+    if (row == 0) K::finish(p, w, lane, total);
+    if (w.t == 0) *K::counter(p, w) = 0;  // ready for the next launch on this stream
+}
+
+//! Launches map kernel K on `stream`; an empty grid launches nothing.
+template <class K>
+void launch_map(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
+    if (g.x <= 0 || g.y <= 0) return;
+    map_kernel<K><<<dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y)), static_cast<unsigned>(g.threads), 0, stream>>>(p);
+    LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+//! Launches reducing kernel K on `stream`; an empty grid launches nothing.
+template <class K>
+void launch_reduce(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
+    if (g.x <= 0 || g.y <= 0) return;
+    reduce_kernel<K><<<dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y)), static_cast<unsigned>(g.threads), 0, stream>>>(p);
+    LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+}
+
+//! The device as a runner of kernels (see bn_kernels.cuh): launches on one stream.
+struct DeviceRun {
+    cudaStream_t stream = nullptr;
+    DeviceInfo device;
+    Scratch scratch_view;
+    DeviceInfo info() const { return device; }
+    Scratch scratch() const { return scratch_view; }
+    template <class K>
+    void map(const typename K::Params& p, const Grid& g) { launch_map<K>(p, g, stream); }
+    template <class K>
+    void reduce(const typename K::Params& p, const Grid& g) { launch_reduce<K>(p, g, stream); }
+    void zero(void* p, std::size_t bytes) {
+        if (bytes > 0) LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
+    }
+};
+
+#endif  // __CUDACC__
+
+}  // namespace lockstep::kernels::device

@@ -1,0 +1,422 @@
+// SPDX-License-Identifier: MIT
+//! The CUDA SyncBatchNorm kernels, run on the host through the grid emulator (Note [kernels
+//! proven on the host]) with the launch configurations the device uses, against the host
+//! backend's batch norm on the same inputs: every pass, both layouts, fp32/fp16/bf16, fused ReLU,
+//! running statistics, edge shapes, unaligned pointers, empty shards and a two-replica split.
+#include <catch2/catch.hpp>
+
+#include <lockstep/kernels/device/bn_kernels.cuh>
+#include <lockstep/kernels/host_ops.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../test_support.hpp"
+
+using namespace lockstep;
+namespace bk = lockstep::kernels::device::bn_kernels;
+namespace dev = lockstep::kernels::device;
+using HostOps = kernels::Ops<Host>;
+
+namespace {
+
+// Unit roundoff of the storage type: the error of rounding one fp32 result into it.
+template <class T>
+constexpr double unit_roundoff() {
+    if constexpr (std::is_same_v<T, float>) return 0.0;
+    else if constexpr (std::is_same_v<T, __half>) return 1.0 / 2048;  // 2^-11
+    else return 1.0 / 256;                                           // bf16: 2^-8
+}
+
+template <class T>
+std::string type_name() {
+    if constexpr (std::is_same_v<T, float>) return "fp32";
+    else if constexpr (std::is_same_v<T, __half>) return "fp16";
+    else return "bf16";
+}
+
+struct Case {
+    std::int64_t N = 2, C = 3, H = 7, W = 5;
+    bool two_d = false;  // (N, C) input
+    bool nhwc = false;
+    bool relu = false;
+    bool affine = true;
+    bool track = true;
+    std::optional<double> momentum = 0.1;
+    int misalign = 0;  // elements the emulated tensors are offset by from a 16-byte boundary
+    dev::DeviceInfo info{};
+    float centre = 0;  // added to x: a large mean tests the shifted sums
+    std::string str() const {
+        return "N=" + std::to_string(N) + " C=" + std::to_string(C) + (two_d ? " 2-D" : " HxW=" + std::to_string(H) + "x" + std::to_string(W)) +
+               (nhwc ? " nhwc" : " nchw") + (relu ? " relu" : "") + (affine ? "" : " no-affine") + (track ? "" : " untracked") +
+               (momentum ? "" : " cumulative") + " misalign=" + std::to_string(misalign) + " sms=" +
+               std::to_string(info.multiprocessors) + " l2=" + std::to_string(info.l2_bytes) + " centre=" + std::to_string(centre);
+    }
+};
+
+// A device-like buffer of T starting `misalign` elements past a 16-byte boundary.
+template <class T>
+struct Buffer {
+    std::vector<unsigned char> bytes;
+    T* p = nullptr;
+    std::size_t n = 0;
+    Buffer(std::size_t count, int misalign) : bytes((count + 64) * sizeof(T) + 64), n(count) {
+        auto base = reinterpret_cast<std::uintptr_t>(bytes.data());
+        base = (base + 15) / 16 * 16 + static_cast<std::uintptr_t>(misalign) * sizeof(T);
+        p = reinterpret_cast<T*>(base);
+    }
+    T* data() { return n == 0 ? nullptr : p; }
+    float get(std::size_t i) const { return dev::to_float(p[i]); }
+};
+
+kernels::BnGeometry geometry_of(const Case& k) {
+    kernels::BnGeometry g;
+    g.batch = k.N;
+    g.channels = k.C;
+    g.inner = k.two_d ? 1 : k.H * k.W;
+    g.channels_last = k.two_d || k.nhwc || g.inner == 1;
+    return g;
+}
+
+Tensor<float, Host> host_tensor(std::vector<float> v) {
+    const auto n = static_cast<std::int64_t>(v.size());
+    return make_tensor<float>(Shape{n}, std::move(v));
+}
+
+// Elementwise closeness with a scale: |a - b| <= tol * max(scale, |b|) for each element.
+template <class A>
+void require_close(const A& got, const std::vector<float>& want, double rel, double roundoff, double scale,
+                   const char* what) {
+    double worst = 0;
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+        const double w = want[i], g = got(i);
+        const double allowed = rel * std::max(scale, std::abs(w)) + roundoff * std::abs(w) + 1e-30;
+        const double e = std::abs(g - w) / allowed;
+        if (!(e <= worst)) {  // NaN counts as worst
+            worst = e;
+            at = i;
+        }
+    }
+    INFO(what << ": worst at element " << at << ": got " << (want.empty() ? 0.0 : got(at)) << ", want "
+              << (want.empty() ? 0.0 : want[at]) << " (" << worst << " of the allowed error)");
+    CHECK(worst <= 1.0);
+}
+
+template <class T>
+void run_case(const Case& k) {
+    CAPTURE(k.str(), type_name<T>());
+    const std::uint64_t seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const kernels::BnGeometry g = geometry_of(k);
+    const std::int64_t C = k.C, total = k.N * C * g.inner;
+    const auto count = static_cast<std::size_t>(total);
+
+    // Inputs in T; the host computes on their exact fp32 values.
+    Buffer<T> x(count, k.misalign), dy(count, k.misalign), y(count, k.misalign);
+    std::vector<float> xf(count), dyf(count);
+    for (std::size_t i = 0; i < count; ++i) {
+        x.p[i] = dev::from_float<T>(k.centre + 1.5f * normal(rng) + 0.25f * static_cast<float>(i % static_cast<std::size_t>(C)));
+        dy.p[i] = dev::from_float<T>(normal(rng));
+        xf[i] = x.get(i);
+        dyf[i] = dy.get(i);
+    }
+    std::vector<float> gamma(static_cast<std::size_t>(C)), beta(gamma.size()), rmean(gamma.size()), rvar(gamma.size());
+    for (std::size_t c = 0; c < gamma.size(); ++c) {
+        gamma[c] = 1.0f + 0.5f * normal(rng);
+        beta[c] = normal(rng);
+        rmean[c] = k.centre + 0.3f * normal(rng);
+        rvar[c] = 1.0f + 0.2f * std::abs(normal(rng));
+    }
+    std::int64_t nbt0 = 3;
+
+    // ---- host reference ----
+    const Execution<Host> ex;
+    auto hx = host_tensor(xf), hdy = host_tensor(dyf), hy = host_tensor(std::vector<float>(count));
+    auto hw = host_tensor(gamma), hb = host_tensor(beta), hrm = host_tensor(rmean), hrv = host_tensor(rvar);
+    auto hnbt = make_tensor<std::int64_t>(Shape{}, std::vector<std::int64_t>{nbt0});
+    kernels::BnConstants<Host> hk{Tensor<double, Host>(Shape{2 * C + 1}), Tensor<float, Host>(Shape{4 * C})};
+    auto hpay = Tensor<double, Host>(Shape{2 * C + 1});
+    auto hbpay = Tensor<double, Host>(Shape{2 * C});
+    auto hmask = Tensor<std::uint8_t, Host>(Shape{total});
+    auto hwg = host_tensor(std::vector<float>(gamma.size(), 0.5f)), hbg = host_tensor(std::vector<float>(gamma.size(), -0.25f));
+    HostOps::bn_local_stats(ex, hx, g, k.track ? &hrm : nullptr, hk, hpay);
+    const kernels::BnFinishOptions fo{1e-5, k.momentum, k.track};
+    HostOps::bn_forward_finish(ex, hpay, fo, k.track ? &hrm : nullptr, k.track ? &hrv : nullptr, k.track ? &hnbt : nullptr,
+                               k.affine ? &hw : nullptr, k.affine ? &hb : nullptr, hk);
+    HostOps::bn_normalize(ex, hx, hy, g, hk, k.relu, k.relu ? &hmask : nullptr);
+    HostOps::bn_backward_sums(ex, hx, hdy, k.relu ? &hmask : nullptr, g, hk, hbpay);
+    HostOps::bn_param_grads(ex, hbpay, hk, hwg, hbg);
+    auto hdx = hx;
+    HostOps::bn_backward_dx(ex, hbpay, hk, k.affine ? &hw : nullptr, hdx, hdy, k.relu ? &hmask : nullptr, g);
+
+    // ---- emulated kernels ----
+    dev::HostScratch scratch;
+    bk::EmulatedRun run{k.info, &scratch};
+    std::vector<double> payload(static_cast<std::size_t>(2 * C + 1), -1.0), bpayload(static_cast<std::size_t>(2 * C), -1.0);
+    std::vector<double> stats(static_cast<std::size_t>(2 * C + 1), -1.0);
+    std::vector<float> folded(static_cast<std::size_t>(4 * C), -1.0f), shift(static_cast<std::size_t>(C), -1.0f);
+    std::vector<float> erm = rmean, erv = rvar, wg(gamma.size(), 0.5f), bg(gamma.size(), -0.25f);
+    std::int64_t nbt = nbt0;
+    std::vector<std::uint8_t> mask(count, 7);
+
+    bk::local_stats(run, x.data(), g, k.track ? erm.data() : nullptr, payload.data(), shift.data());
+    const double n = static_cast<double>(k.N * g.inner);
+    REQUIRE(payload[static_cast<std::size_t>(2 * C)] == n);
+    // Sums of n terms of size |x - K| each: fp32 partial sums over `flush` items, fp64 beyond.
+    double term = 0;
+    for (std::size_t i = 0; i < count; ++i) term = std::max(term, std::abs(static_cast<double>(xf[i])) + std::abs(k.centre) + 4);
+    require_close([&](std::size_t i) { return payload[i]; }, std::vector<float>(hpay.data(), hpay.data() + hpay.numel()), 1e-5, 0,
+                  n * term * term, "forward payload");
+    for (std::int64_t c = 0; c < C; ++c)
+        CHECK(shift[static_cast<std::size_t>(c)] == (k.track ? kernels::bn::usable_shift(rmean[static_cast<std::size_t>(c)]) : 0.0f));
+    // Tickets are left at zero for the next launch.
+    for (int i = 0; i < 64; ++i) REQUIRE(scratch.counters[static_cast<std::size_t>(i)] == 0u);
+
+    // The payload the normalize pass finishes from is the host's: it isolates this pass's error.
+    std::vector<double> hpayload(hpay.data(), hpay.data() + hpay.numel());
+    bk::FinishRequest f;
+    f.payload = hpayload.data();
+    f.shift = shift.data();
+    if (k.track) {
+        f.running_mean = erm.data();
+        f.running_var = erv.data();
+        f.num_batches_tracked = &nbt;
+    }
+    f.cumulative = !k.momentum;
+    f.momentum = k.momentum.value_or(0);
+    bk::forward_normalize(run, x.data(), y.data(), g, &f, k.affine ? gamma.data() : nullptr, k.affine ? beta.data() : nullptr,
+                          stats.data(), folded.data(), k.relu, k.relu ? mask.data() : nullptr);
+    for (std::size_t i = 0; i < stats.size(); ++i) CHECK(stats[i] == hk.stats[static_cast<std::int64_t>(i)]);
+    for (std::size_t i = 0; i < folded.size(); ++i) CHECK(folded[i] == hk.folded[static_cast<std::int64_t>(i)]);
+    if (k.track) {
+        CHECK(nbt == hnbt[0]);
+        for (std::size_t c = 0; c < erm.size(); ++c) {
+            CHECK(erm[c] == hrm[static_cast<std::int64_t>(c)]);
+            CHECK(erv[c] == hrv[static_cast<std::int64_t>(c)]);
+        }
+    } else {
+        CHECK(nbt == nbt0);
+    }
+    const std::vector<float> hyv(hy.data(), hy.data() + hy.numel());
+    require_close([&](std::size_t i) { return y.get(i); }, hyv, 1e-5, unit_roundoff<T>(), 1.0, "y");
+    if (k.relu)
+        for (std::size_t i = 0; i < count; ++i)
+            if (std::abs(hyv[i]) > 1e-4) REQUIRE(mask[i] == hmask[static_cast<std::int64_t>(i)]);
+
+    // Backward, from the host's masks and constants so each pass is compared alone.
+    std::vector<std::uint8_t> hmaskv(hmask.data(), hmask.data() + hmask.numel());
+    std::vector<float> hfolded(hk.folded.data(), hk.folded.data() + hk.folded.numel());
+    std::vector<double> hstats(hk.stats.data(), hk.stats.data() + hk.stats.numel());
+    bk::backward_sums(run, x.data(), dy.data(), k.relu ? hmaskv.data() : nullptr, g, hfolded.data(), bpayload.data());
+    double dterm = 0;
+    for (std::size_t i = 0; i < count; ++i) dterm = std::max(dterm, std::abs(static_cast<double>(dyf[i])) * (std::abs(static_cast<double>(xf[i]) - hstats[i % static_cast<std::size_t>(C)]) + 1));
+    require_close([&](std::size_t i) { return bpayload[i]; }, std::vector<float>(hbpay.data(), hbpay.data() + hbpay.numel()), 1e-5,
+                  0, n * dterm, "backward payload");
+    for (int i = 0; i < 64; ++i) REQUIRE(scratch.counters[static_cast<std::size_t>(i)] == 0u);
+
+    std::vector<double> hbpayload(hbpay.data(), hbpay.data() + hbpay.numel());
+    bk::param_grads(run, C, hbpayload.data(), hstats.data(), wg.data(), bg.data());
+    for (std::size_t c = 0; c < wg.size(); ++c) {
+        CHECK(wg[c] == hwg[static_cast<std::int64_t>(c)]);
+        CHECK(bg[c] == hbg[static_cast<std::int64_t>(c)]);
+    }
+
+    // dx over x itself, as the layer does.
+    bk::backward_dx(run, x.data(), dy.data(), k.relu ? hmaskv.data() : nullptr, x.data(), g, hbpayload.data(), hstats.data(),
+                    hfolded.data(), k.affine ? gamma.data() : nullptr);
+    double dxterm = 0;
+    for (std::size_t i = 0; i < count; ++i) dxterm = std::max(dxterm, std::abs(static_cast<double>(dyf[i])) * 4);
+    require_close([&](std::size_t i) { return x.get(i); }, std::vector<float>(hdx.data(), hdx.data() + hdx.numel()), 1e-5,
+                  unit_roundoff<T>(), dxterm, "dx");
+}
+
+template <class T>
+void run_shapes() {
+    const dev::DeviceInfo h200{132, 60 << 20}, tiny{1, 0}, two{2, 1 << 10};
+    for (const std::int64_t C : {1, 3, 33, 257})
+        for (const auto& hw : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 5}, {28, 28}})
+            for (const bool nhwc : {false, true}) {
+                Case k;
+                k.C = C;
+                k.H = hw.first;
+                k.W = hw.second;
+                k.nhwc = nhwc;
+                k.N = C * hw.first * hw.second > 20000 ? 2 : 3;
+                k.info = h200;
+                run_case<T>(k);
+                k.relu = true;  // aligned: the vector path with the mask
+                run_case<T>(k);
+                k.info = tiny;  // one multiprocessor: few chunks; no L2: forward order
+                k.relu = true;
+                k.misalign = 1;
+                run_case<T>(k);
+                k.info = two;
+                k.relu = false;
+                k.misalign = 0;
+                k.centre = 300;
+                k.momentum.reset();
+                run_case<T>(k);
+            }
+}
+
+}  // namespace
+
+TEST_CASE("emulated SyncBatchNorm kernels match the host backend, fp32", "[emulation][syncbn]") { run_shapes<float>(); }
+TEST_CASE("emulated SyncBatchNorm kernels match the host backend, fp16", "[emulation][syncbn]") { run_shapes<__half>(); }
+TEST_CASE("emulated SyncBatchNorm kernels match the host backend, bf16", "[emulation][syncbn]") { run_shapes<__nv_bfloat16>(); }
+
+TEST_CASE("emulated SyncBatchNorm kernels: 2-D input, small batches, options", "[emulation][syncbn]") {
+    for (const int misalign : {0, 1, 3}) {
+        Case k;
+        k.two_d = true;
+        k.C = 33;
+        k.N = 5;
+        k.misalign = misalign;
+        run_case<float>(k);
+        k.affine = false;
+        k.track = false;
+        run_case<float>(k);
+        k.relu = true;
+        run_case<__half>(k);
+    }
+    // Fewer values per channel than one block has threads; many chunks per channel.
+    Case k;
+    k.N = 2;
+    k.C = 4;
+    k.H = 3;
+    k.W = 3;
+    run_case<float>(k);
+    k.N = 64;
+    k.H = k.W = 28;
+    k.info = {132, 60 << 20};
+    run_case<float>(k);
+    k.nhwc = true;
+    run_case<float>(k);
+}
+
+TEST_CASE("emulated batch-norm launch plans stay inside the grid and the scratch", "[emulation][syncbn]") {
+    for (const dev::DeviceInfo info : {dev::DeviceInfo{1, 0}, dev::DeviceInfo{132, 60 << 20}, dev::DeviceInfo{1000, 1 << 30}})
+        for (const std::int64_t C : {1, 64, 4096, 65535})
+            for (const std::int64_t N : {1, 256})
+                for (const bool last : {false, true}) {
+                    kernels::BnGeometry g{N, C, 56 * 56, last};
+                    dev::Grid grid;
+                    const bk::Span s = bk::plan(g, last ? 1 : 4, info, grid);
+                    CAPTURE(C, N, last, info.multiprocessors);
+                    REQUIRE(grid.x >= 1);
+                    REQUIRE(static_cast<std::int64_t>(grid.x - 1) * s.chunk_items < s.items);  // no empty chunk
+                    REQUIRE(static_cast<std::int64_t>(grid.x) * s.chunk_items >= s.items);     // every item covered
+                    REQUIRE(static_cast<std::size_t>(grid.x) * static_cast<std::size_t>(grid.y) * (last ? 32u : 1u) * sizeof(bk::Sums2) <=
+                            dev::scratch_partial_bytes);
+                    REQUIRE(grid.y <= dev::scratch_counters);
+                }
+    kernels::BnGeometry too_many{2, 65536, 4, false};
+    dev::Grid grid;
+    CHECK_THROWS_AS(bk::plan(too_many, 1, {}, grid), ShapeError);
+}
+
+TEST_CASE("emulated SyncBatchNorm: an empty shard contributes zeros and still finishes", "[emulation][syncbn]") {
+    for (const bool nhwc : {false, true}) {
+        kernels::BnGeometry g{0, 5, 4, nhwc};
+        dev::HostScratch scratch;
+        bk::EmulatedRun run{{}, &scratch};
+        std::vector<double> payload(11, 9.0);
+        std::vector<float> shift(5, 9.0f), rm{1, 2, std::nanf(""), 4, 5};
+        bk::local_stats<bk::EmulatedRun, float>(run, nullptr, g, rm.data(), payload.data(), shift.data());
+        for (const double v : payload) CHECK(v == 0.0);
+        CHECK(shift == std::vector<float>{1, 2, 0, 4, 5});  // a NaN running mean shifts by 0
+        // The other replicas' payload: the empty shard still finishes and updates its running statistics.
+        std::vector<double> global(11);
+        for (int c = 0; c < 5; ++c) {
+            global[static_cast<std::size_t>(c)] = 2.0 * (c + 1);   // S
+            global[static_cast<std::size_t>(5 + c)] = 8.0;         // Q
+        }
+        global[10] = 4;
+        std::vector<double> stats(11);
+        std::vector<float> folded(20), rv(5, 1.0f);
+        std::int64_t nbt = 0;
+        bk::FinishRequest f;
+        f.payload = global.data();
+        f.shift = shift.data();
+        f.running_mean = rm.data();
+        f.running_var = rv.data();
+        f.num_batches_tracked = &nbt;
+        bk::forward_normalize<bk::EmulatedRun, float>(run, nullptr, nullptr, g, &f, nullptr, nullptr, stats.data(), folded.data(),
+                                                      false, nullptr);
+        CHECK(nbt == 1);
+        CHECK(stats[10] == 4.0);
+        CHECK(stats[0] == Approx(1.0 + 0.5));  // K + S/N
+        CHECK(rm[0] == Approx(0.9 * 1.0 + 0.1 * 1.5));
+    }
+}
+
+TEST_CASE("emulated SyncBatchNorm over two replicas equals the host on the whole batch", "[emulation][syncbn]") {
+    for (const bool nhwc : {false, true})
+        for (const std::int64_t first : {0, 1, 3}) {
+            const std::int64_t N = 4, C = 33, P = 35;
+            CAPTURE(nhwc, first);
+            std::mt19937_64 rng(test::fresh_seed());
+            std::normal_distribution<float> normal(5.0f, 2.0f);
+            std::vector<float> x(static_cast<std::size_t>(N * C * P));
+            for (float& v : x) v = normal(rng);
+            std::vector<float> rm(static_cast<std::size_t>(C), 4.0f), rv(static_cast<std::size_t>(C), 1.0f);
+
+            // Host: the whole batch.
+            const Execution<Host> ex;
+            auto hx = host_tensor(x), hy = host_tensor(std::vector<float>(x.size())), hrm = host_tensor(rm), hrv = host_tensor(rv);
+            auto hnbt = make_tensor<std::int64_t>(Shape{}, std::vector<std::int64_t>{0});
+            kernels::BnConstants<Host> hk{Tensor<double, Host>(Shape{2 * C + 1}), Tensor<float, Host>(Shape{4 * C})};
+            auto hpay = Tensor<double, Host>(Shape{2 * C + 1});
+            const kernels::BnGeometry whole{N, C, P, nhwc};
+            HostOps::bn_local_stats(ex, hx, whole, &hrm, hk, hpay);
+            HostOps::bn_forward_finish(ex, hpay, {}, &hrm, &hrv, &hnbt, nullptr, nullptr, hk);
+            HostOps::bn_normalize(ex, hx, hy, whole, hk, false, nullptr);
+
+            // Emulated: two shards, payloads added (the all-reduce), each replica finishes.
+            const std::int64_t sizes[2] = {first, N - first};
+            std::vector<std::vector<double>> payloads(2, std::vector<double>(static_cast<std::size_t>(2 * C + 1)));
+            std::vector<std::vector<float>> shifts(2, std::vector<float>(static_cast<std::size_t>(C)));
+            dev::HostScratch scratch;
+            bk::EmulatedRun run{{2, 1 << 20}, &scratch};
+            std::int64_t row = 0;
+            for (int r = 0; r < 2; ++r) {
+                const kernels::BnGeometry g{sizes[r], C, P, nhwc};
+                bk::local_stats(run, x.data() + row * C * P, g, rm.data(), payloads[static_cast<std::size_t>(r)].data(),
+                                shifts[static_cast<std::size_t>(r)].data());
+                row += sizes[r];
+            }
+            std::vector<double> sum(payloads[0].size());
+            for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = payloads[0][i] + payloads[1][i];
+            std::vector<float> y(x.size());
+            std::vector<std::vector<float>> rms(2, rm), rvs(2, rv);
+            row = 0;
+            for (int r = 0; r < 2; ++r) {
+                const kernels::BnGeometry g{sizes[r], C, P, nhwc};
+                std::vector<double> stats(static_cast<std::size_t>(2 * C + 1));
+                std::vector<float> folded(static_cast<std::size_t>(4 * C));
+                std::int64_t nbt = 0;
+                bk::FinishRequest f;
+                f.payload = sum.data();
+                f.shift = shifts[static_cast<std::size_t>(r)].data();
+                f.running_mean = rms[static_cast<std::size_t>(r)].data();
+                f.running_var = rvs[static_cast<std::size_t>(r)].data();
+                f.num_batches_tracked = &nbt;
+                bk::forward_normalize(run, x.data() + row * C * P, y.data() + row * C * P, g, &f, nullptr, nullptr, stats.data(),
+                                      folded.data(), false, nullptr);
+                CHECK(nbt == 1);
+                row += sizes[r];
+            }
+            CHECK(rms[0] == rms[1]);  // bit-identical replicas
+            CHECK(rvs[0] == rvs[1]);
+            CHECK(test::rel_error(rms[0], std::vector<float>(hrm.data(), hrm.data() + C)) < 1e-6);
+            CHECK(test::rel_error(rvs[0], std::vector<float>(hrv.data(), hrv.data() + C)) < 1e-6);
+            CHECK(test::rel_error(y, std::vector<float>(hy.data(), hy.data() + hy.numel())) < 1e-5);
+        }
+}

@@ -1,0 +1,279 @@
+// SPDX-License-Identifier: MIT
+//! GPU test of the CUDA backend's layers: every layer, loss and SGD on CUDA against the host
+//! backend on the same inputs and parameters; `mnist::Net<Cuda>` against `mnist::Net<Host>` for 5
+//! SGD steps; SyncBatchNorm<Cuda> at world 1 against an fp64 batch norm for the host tests' shapes
+//! and both layouts; fp16/bf16 batch norm against fp32; out of memory as a typed error that leaks
+//! nothing. Exits 77 (skipped) where no GPU is present; built in CI so it always compiles.
+#include <lockstep/cuda.cuh>
+#include <lockstep/nn.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../examples/mnist/net.hpp"
+
+using namespace lockstep;
+
+namespace {
+
+int failures = 0;
+void expect(bool ok, const std::string& what) {
+    std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
+    if (!ok) ++failures;
+}
+
+std::vector<float> values(const Tensor<float, Host>& t) { return {t.data(), t.data() + t.numel()}; }
+std::vector<float> values(const Tensor<float, Cuda>& t) { return values(t.to_host()); }
+
+// ||a - b|| / ||b||, in fp64 (0 for two empty vectors; NaN anywhere makes it NaN).
+double rel_norm(const std::vector<float>& a, const std::vector<float>& b) {
+    if (a.size() != b.size()) return INFINITY;
+    double d = 0, n = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+        d += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+        n += static_cast<double>(b[i]) * b[i];
+    }
+    return n == 0 ? std::sqrt(d) : std::sqrt(d / n);
+}
+
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, double tol, const std::string& what) {
+    const double e = rel_norm(got, want);
+    expect(e <= tol, what + " (relative error " + std::to_string(e) + ", allowed " + std::to_string(tol) + ")");
+}
+
+Tensor<float, Host> random_host(Shape s, std::mt19937& rng, MemoryFormat f = MemoryFormat::nchw, float scale = 1.0f) {
+    Tensor<float, Host> t(s, f);
+    std::normal_distribution<float> d(0.0f, scale);
+    for (float& v : t.span()) v = d(rng);
+    return t;
+}
+
+template <class B>
+std::vector<std::vector<float>> parameters_of(auto& module) {
+    std::vector<std::vector<float>> out;
+    nn::for_each_parameter(module, [&](const std::string&, nn::Parameter<B>& p) { out.push_back(values(p.value)); });
+    return out;
+}
+template <class B>
+std::vector<std::vector<float>> gradients_of(auto& module) {
+    std::vector<std::vector<float>> out;
+    nn::for_each_parameter(module, [&](const std::string&, nn::Parameter<B>& p) { out.push_back(values(p.grad)); });
+    return out;
+}
+
+// Forward and backward of the same layer on both backends from the same parameters; compares the
+// output, dx and every parameter gradient.
+template <class HostLayer, class CudaLayer>
+void compare_layer(const std::string& name, HostLayer&& host, CudaLayer&& dev, Shape in, MemoryFormat f,
+                   nn::Context<Cuda>& cctx, std::mt19937& rng) {
+    nn::Context<Host> hctx;
+    const auto x = random_host(in, rng, f);
+    auto yh = host.forward(hctx, Tensor<float, Host>(x));
+    auto yc = dev.forward(cctx, x.template to<Cuda>(Device::cuda(cctx.exec.device)));
+    expect_close(values(yc), values(yh), 1e-5, name + ": forward");
+    const auto dy = random_host(yh.shape(), rng, yh.format());
+    auto dxh = host.backward(hctx, dy);
+    auto dxc = dev.backward(cctx, dy.template to<Cuda>(Device::cuda(cctx.exec.device)));
+    expect_close(values(dxc), values(dxh), 1e-5, name + ": dx");
+    const auto gh_ = gradients_of<Host>(host), gc_ = gradients_of<Cuda>(dev);
+    for (std::size_t i = 0; i < gh_.size(); ++i) expect_close(gc_[i], gh_[i], 1e-5, name + ": parameter gradient " + std::to_string(i));
+}
+
+// fp64 batch norm of (N, C, P) in `f`: y and dx for gamma = 1, beta = 0.
+void reference_bn(const std::vector<float>& x, const std::vector<float>& dy, std::int64_t N, std::int64_t C, std::int64_t P,
+                  bool nhwc, std::vector<float>& y, std::vector<float>& dx) {
+    y.assign(x.size(), 0);
+    dx.assign(x.size(), 0);
+    const auto at = [&](std::int64_t n, std::int64_t c, std::int64_t p) {
+        return static_cast<std::size_t>(nhwc ? (n * P + p) * C + c : (n * C + c) * P + p);
+    };
+    const double M = static_cast<double>(N * P);
+    for (std::int64_t c = 0; c < C; ++c) {
+        double s = 0, q = 0, sdy = 0, sdyx = 0;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) s += x[at(n, c, p)];
+        const double mean = s / M;
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) q += (x[at(n, c, p)] - mean) * (x[at(n, c, p)] - mean);
+        const double invstd = 1.0 / std::sqrt(q / M + 1e-5);
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                const double xh = (x[at(n, c, p)] - mean) * invstd;
+                y[at(n, c, p)] = static_cast<float>(xh);
+                sdy += dy[at(n, c, p)];
+                sdyx += dy[at(n, c, p)] * xh;
+            }
+        for (std::int64_t n = 0; n < N; ++n)
+            for (std::int64_t p = 0; p < P; ++p) {
+                const double xh = (x[at(n, c, p)] - mean) * invstd;
+                dx[at(n, c, p)] = static_cast<float>(invstd * (dy[at(n, c, p)] - sdy / M - xh * sdyx / M));
+            }
+    }
+}
+
+template <class T>
+void bn_reduced_precision(const char* name, double unit, nn::Context<Cuda>& ctx, std::mt19937& rng) {
+    // fp16/bf16 storage against fp32 on the same (rounded) values: y and dx differ by the
+    // rounding of the output (unit roundoff `unit`) plus fp32 noise.
+    const std::int64_t N = 8, C = 16, H = 14, W = 14;
+    auto x32 = random_host(Shape{N, C, H, W}, rng, MemoryFormat::nchw, 2.0f);
+    auto dy32 = random_host(Shape{N, C, H, W}, rng);
+    Tensor<T, Host> x16(Shape{N, C, H, W}), dy16(Shape{N, C, H, W});
+    for (std::int64_t i = 0; i < x32.numel(); ++i) {
+        x16[i] = kernels::device::from_float<T>(x32[i]);
+        dy16[i] = kernels::device::from_float<T>(dy32[i]);
+        x32[i] = kernels::device::to_float(x16[i]);
+        dy32[i] = kernels::device::to_float(dy16[i]);
+    }
+    const Device d = Device::cuda(ctx.exec.device);
+    nn::SyncBatchNorm<Cuda> a(C), b(C);
+    auto y32 = a.forward(ctx, x32.template to<Cuda>(d));
+    auto dx32 = a.backward(ctx, dy32.template to<Cuda>(d));
+    auto y16 = b.forward<T>(ctx, x16.template to<Cuda>(d));
+    auto dx16 = b.backward<T>(ctx, dy16.template to<Cuda>(d));
+    const auto h16 = y16.to_host(), g16 = dx16.to_host();
+    std::vector<float> yv(static_cast<std::size_t>(h16.numel())), dv(yv.size());
+    for (std::int64_t i = 0; i < h16.numel(); ++i) {
+        yv[static_cast<std::size_t>(i)] = kernels::device::to_float(h16[i]);
+        dv[static_cast<std::size_t>(i)] = kernels::device::to_float(g16[i]);
+    }
+    expect_close(yv, values(y32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " y vs fp32");
+    expect_close(dv, values(dx32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " dx vs fp32");
+    expect_close(values(b.running_mean), values(a.running_mean), 1e-6, std::string("SyncBatchNorm ") + name + " running mean");
+}
+
+}  // namespace
+
+int main() {
+    if (lockstep::cuda::device_count() == 0) {
+        std::puts("no CUDA device: skipping (exit 77)");
+        return 77;
+    }
+    try {
+        kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+        res.enter();
+        nn::Context<Cuda> ctx;
+        ctx.exec = res.execution();
+        std::mt19937 rng(1234);
+
+        // ---- every layer against the host ----
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("Conv2d 3->8 k3 p1", nn::Conv2d<Host>(3, 8, 3, {.padding = 1}, g1), nn::Conv2d<Cuda>(3, 8, 3, {.padding = 1}, g2), Shape{4, 3, 9, 7}, MemoryFormat::nchw, ctx, rng);
+        }
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("Conv2d 8->5 k3 s2", nn::Conv2d<Host>(8, 5, 3, {.stride = 2}, g1), nn::Conv2d<Cuda>(8, 5, 3, {.stride = 2}, g2), Shape{3, 8, 11, 11}, MemoryFormat::nchw, ctx, rng);
+        }
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("Linear 33->17", nn::Linear<Host>(33, 17, true, g1), nn::Linear<Cuda>(33, 17, true, g2), Shape{5, 33}, MemoryFormat::nchw, ctx, rng);
+        }
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("Linear 33->17 + ReLU", nn::Linear<Host>(33, 17, {.fused_relu = true}, g1), nn::Linear<Cuda>(33, 17, {.fused_relu = true}, g2), Shape{5, 33}, MemoryFormat::nchw, ctx, rng);
+        }
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("ReLU", nn::ReLU<Host>(), nn::ReLU<Cuda>(), Shape{3, 4, 5, 6}, MemoryFormat::nchw, ctx, rng);
+        }
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("MaxPool2d 2", nn::MaxPool2d<Host>(2), nn::MaxPool2d<Cuda>(2), Shape{2, 3, 8, 6}, MemoryFormat::nchw, ctx, rng);
+        }
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("MaxPool2d 3 stride 2", nn::MaxPool2d<Host>(3, 2), nn::MaxPool2d<Cuda>(3, 2), Shape{2, 3, 9, 7}, MemoryFormat::nchw, ctx, rng);
+        }
+        {
+            nn::Generator g1(7), g2(7);
+            compare_layer("Flatten", nn::Flatten<Host>(), nn::Flatten<Cuda>(), Shape{2, 3, 4, 5}, MemoryFormat::nchw, ctx, rng);
+        }
+        for (const bool relu : {false, true}) {
+            const std::string tail = relu ? " + ReLU" : "";
+            compare_layer("SyncBatchNorm NCHW" + tail, nn::SyncBatchNorm<Host>(33, {.fused_relu = relu}),
+                          nn::SyncBatchNorm<Cuda>(33, {.fused_relu = relu}), Shape{4, 33, 7, 5}, MemoryFormat::nchw, ctx, rng);
+            compare_layer("SyncBatchNorm NHWC" + tail, nn::SyncBatchNorm<Host>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}),
+                          nn::SyncBatchNorm<Cuda>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}), Shape{4, 33, 7, 5},
+                          MemoryFormat::nhwc, ctx, rng);
+        }
+
+        // ---- SyncBatchNorm at world 1 against fp64, the host tests' shapes ----
+        for (const std::int64_t C : {1, 3, 33, 257})
+            for (const std::int64_t hw : {1, 35, 784})
+                for (const bool nhwc : {false, true}) {
+                    const std::int64_t N = 3, H = hw == 35 ? 7 : (hw == 784 ? 28 : 1), W = hw / H;
+                    const auto f = nhwc ? MemoryFormat::nhwc : MemoryFormat::nchw;
+                    auto x = random_host(Shape{N, C, H, W}, rng, f, 3.0f);
+                    auto dy = random_host(Shape{N, C, H, W}, rng, f);
+                    std::vector<float> ry, rdx;
+                    reference_bn(values(x), values(dy), N, C, H * W, nhwc, ry, rdx);
+                    nn::SyncBatchNorm<Cuda> bn(C, {.format = f});
+                    auto y = bn.forward(ctx, x.template to<Cuda>(Device::cuda(0)));
+                    auto dx = bn.backward(ctx, dy.template to<Cuda>(Device::cuda(0)));
+                    const std::string what = "SyncBatchNorm vs fp64 C=" + std::to_string(C) + " HW=" + std::to_string(hw) +
+                                             (nhwc ? " nhwc" : " nchw");
+                    expect_close(values(y), ry, 1e-5, what + " y");
+                    expect_close(values(dx), rdx, 1e-4, what + " dx");
+                }
+        bn_reduced_precision<__half>("fp16", 1.0 / 2048, ctx, rng);
+        bn_reduced_precision<__nv_bfloat16>("bf16", 1.0 / 256, ctx, rng);
+
+        // ---- the MNIST network: 5 SGD steps on both backends from the same initial values ----
+        {
+            nn::Generator gh(5), gc(5);
+            mnist::Net<Host> host(gh);
+            mnist::Net<Cuda> dev(gc);
+            nn::Sgd<Host> sh({.lr = 0.05, .momentum = 0.9});
+            nn::Sgd<Cuda> sc({.lr = 0.05, .momentum = 0.9});
+            sh.prepare(1);
+            sc.prepare(1);
+            nn::Context<Host> hctx;
+            for (int step = 0; step < 5; ++step) {
+                const std::int64_t N = 16;
+                auto x = random_host(Shape{N, 1, 28, 28}, rng);
+                std::vector<std::int64_t> labels(N);
+                for (auto& l : labels) l = static_cast<std::int64_t>(rng() % 10);
+                nn::zero_grad(host);
+                nn::zero_grad(dev);
+                auto lh = nn::SoftmaxCrossEntropy{}(hctx, host.forward(hctx, Tensor<float, Host>(x)), labels);
+                auto lc = nn::SoftmaxCrossEntropy{}(ctx, dev.forward(ctx, x.template to<Cuda>(Device::cuda(0))), labels);
+                (void)host.backward(hctx, lh.grad);
+                (void)dev.backward(ctx, lc.grad);
+                sh.step(hctx, host);
+                sc.step(ctx, dev);
+                const double a = lc.sum(), b = lh.sum();
+                expect(std::abs(a - b) <= 1e-4 * std::abs(b), "Net<Cuda> step " + std::to_string(step) + " loss " + std::to_string(a) +
+                                                                  " vs host " + std::to_string(b));
+            }
+            const auto ph = parameters_of<Host>(host), pc = parameters_of<Cuda>(dev);
+            for (std::size_t i = 0; i < ph.size(); ++i) expect_close(pc[i], ph[i], 5e-3, "Net<Cuda> parameter " + std::to_string(i) + " after 5 steps");
+        }
+
+        // ---- out of memory: a typed error naming the device, nothing leaked ----
+        {
+            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(res.stream.get()));
+            std::size_t free_before = 0, free_after = 0, total = 0;
+            LOCKSTEP_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+            bool typed = false;
+            try {
+                Tensor<float, Cuda> huge(Shape{static_cast<std::int64_t>(total / 2), 4}, MemoryFormat::nchw, Device::cuda(0));
+            } catch (const OutOfMemory& e) {
+                typed = std::string(e.what()).find("cuda:0") != std::string::npos;
+                std::printf("     %s\n", e.what());
+            }
+            expect(typed, "an allocation larger than the GPU throws OutOfMemory naming the device");
+            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(res.stream.get()));
+            LOCKSTEP_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+            expect(free_after + (std::size_t{64} << 20) >= free_before, "nothing leaked by the failed allocation");
+        }
+    } catch (const std::exception& e) {
+        std::printf("FAIL unexpected exception: %s\n", e.what());
+        return 1;
+    }
+    std::printf("%d failure(s)\n", failures);
+    return failures == 0 ? 0 : 1;
+}
