@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: MIT
+//! The static gate's translation unit (CTest label `cuda-static`, see CMakeLists.txt here):
+//! instantiates every CUDA kernel of lockstep, for every storage type, layout and vector width,
+//! so that ptxas sees each `__global__` function once per architecture (sm_75, sm_80, sm_90) and
+//! scripts/check-kernel-resources.py can check its registers against its `__launch_bounds__`
+//! budget and that it uses no local memory. Compiled to an object file only; nothing here runs.
+//!
+//! Kernels are instantiated through the operations that launch them, never one by one: every
+//! operation chooses its kernel (layout, vector width) at run time, so calling it once for each
+//! storage type instantiates every variant it may launch, and a kernel added to an operation later
+//! is in the gate without touching this file.
+//!
+//! The layer kernels (elementwise, pooling, im2col/col2im, losses, SGD, sums of squares) are
+//! instantiated through `kernels::Ops<Cuda>`, which launches all of them. A layer operation whose
+//! signature changes is changed here too (the gate does not compile otherwise, and fails: it
+//! never passes by checking less).
+#include <cstdint>
+#include <span>
+
+#include <lockstep/kernels/device/bn_kernels.cuh>
+#include <lockstep/kernels/device/launch.cuh>
+// Ops<Cuda> without <lockstep/cuda.cuh>'s communicators: the gate needs the toolkit's headers only.
+#include <lockstep/kernels/cuda_ops.cuh>
+
+namespace lockstep::cuda_static {
+
+namespace bk = kernels::device::bn_kernels;
+using kernels::BnGeometry;
+using kernels::device::DeviceRun;
+
+// ---- batch norm: every pass, for fp32, fp16 and bf16 storage -----------------------------------
+// Each tensor pass dispatches to channels-last, channels-first with 16-byte vectors and
+// channels-first with scalars; the per-channel kernels (shift, finish count, eval constants,
+// parameter gradients) have no storage type.
+template <class T>
+void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::uint8_t* mask, double* payload,
+                        double* stats, float* folded, float* running, std::int64_t* count) {
+    bk::local_stats(run, x, g, running, payload, folded);
+    bk::FinishRequest finish;
+    finish.payload = payload;
+    finish.shift = folded;
+    finish.running_mean = running;
+    finish.running_var = running;
+    finish.num_batches_tracked = count;
+    bk::forward_normalize(run, x, x, g, &finish, folded, folded, stats, folded, true, mask);
+    bk::backward_sums(run, x, dy, mask, g, folded, payload);
+    bk::backward_dx(run, x, dy, mask, x, g, payload, stats, folded, folded);
+}
+
+void all_batch_norm_kernels(DeviceRun& run, const BnGeometry& g, void* data, std::uint8_t* mask, double* payload,
+                            double* stats, float* folded, float* running, std::int64_t* count) {
+    batch_norm_kernels(run, g, static_cast<float*>(data), static_cast<float*>(data), mask, payload, stats, folded,
+                       running, count);
+    batch_norm_kernels(run, g, static_cast<__half*>(data), static_cast<__half*>(data), mask, payload, stats, folded,
+                       running, count);
+    batch_norm_kernels(run, g, static_cast<__nv_bfloat16*>(data), static_cast<__nv_bfloat16*>(data), mask, payload,
+                       stats, folded, running, count);
+    bk::eval_constants(run, g.channels, running, running, 1e-5, folded, folded, stats, folded);
+    bk::param_grads(run, g.channels, payload, stats, folded, folded);
+}
+
+// ---- layers, losses, optimizer: every operation of Ops<Cuda> that may launch a kernel ----------
+// The tensors are references (never made, never read): only the calls' instantiations matter.
+using Ops = kernels::Ops<Cuda>;
+template <class T>
+using T_ = Tensor<T, Cuda>;
+
+void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T_<std::uint8_t>& mask,
+                       T_<std::int32_t>& index, std::span<const std::int64_t> labels, Ops::ConvScratch& scratch) {
+    Ops::fill(ex, f, 0.0f);
+    Ops::fill(ex, d, 0.0);
+    Ops::scale(ex, f, 0.5);
+    Ops::add(ex, f, f);
+    Ops::add(ex, d, d);
+    Ops::add_sum_squares(ex, f, d, 0);
+    Ops::clip_to_norm(ex, f, d, 1.0);
+    for (const bool channels_last : {false, true}) {
+        kernels::ConvGeometry g;
+        g.channels_last = channels_last;
+        Ops::conv2d_forward(ex, g, f, f, &f, f, scratch);
+        Ops::conv2d_forward(ex, g, f, f, nullptr, f, scratch);
+        Ops::conv2d_backward(ex, g, f, f, f, f, &f, f, scratch);
+        Ops::conv2d_backward(ex, g, f, f, f, f, nullptr, f, scratch);
+    }
+    Ops::linear_forward(ex, f, f, &f, f, true, &mask);
+    Ops::linear_forward(ex, f, f, nullptr, f, false, nullptr);
+    Ops::linear_backward(ex, f, f, &mask, f, f, &f, f);
+    Ops::linear_backward(ex, f, f, nullptr, f, f, nullptr, f);
+    Ops::relu_forward(ex, f, &mask);
+    Ops::relu_forward(ex, f, nullptr);
+    Ops::relu_backward(ex, f, mask, f);
+    const kernels::PoolGeometry pool;
+    Ops::maxpool_forward(ex, pool, f, f, index);
+    Ops::maxpool_backward(ex, pool, f, index, f);
+    Ops::softmax_cross_entropy(ex, f, labels, 1.0, f, d);
+    Ops::mse(ex, f, f, 1.0, f, d);
+    Ops::sgd_step(ex, f, f, f, true, kernels::SgdUpdate{});
+    Ops::sgd_step(ex, f, f, f, false, kernels::SgdUpdate{});
+}
+
+}  // namespace lockstep::cuda_static
