@@ -32,11 +32,6 @@ inline const char* cublas_status_name(cublasStatus_t s) {
     }
 }
 
-[[noreturn]] inline void not_implemented_yet(const char* op) {
-    throw NotImplemented(std::string("kernels::Ops<Cuda>::") + op +
-                         " is not implemented yet: the CUDA kernels come with issue 12; train on the host backend meanwhile");
-}
-
 }  // namespace lockstep::cuda::detail
 
 //! Throws `lockstep::DeviceError` when a cuBLAS call fails.

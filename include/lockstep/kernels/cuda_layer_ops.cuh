@@ -3,77 +3,377 @@
 //! layers (cuBLAS), activations, pooling, losses and SGD. Part of `kernels::Ops<Cuda>`.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <span>
+#include <vector>
 
 #include "lockstep/kernels/cuda_common.cuh"
+#include "lockstep/kernels/device/launch.cuh"
+#include "lockstep/kernels/device/layer_kernels.cuh"
 
 namespace lockstep::kernels::cuda_ops {
 
-//! The layer part of `Ops<Cuda>` (see Note [backend operations]); everything runs on `ex.stream`.
+namespace layer_detail {
+
+namespace lk = device::layer_kernels;
+
+//! The device as a runner of the layer kernels (layer_kernels.cuh): kernels and cuBLAS calls on
+//! the replica's stream. For the runner's lifetime the replica's device is current and its stream
+//! is the thread's current one, so tensors made meanwhile are allocated, and freed, in the
+//! stream's order.
+struct LayerRun : device::DeviceRun {
+    explicit LayerRun(const Ex& ex) : device_guard(ex.device), stream_guard(ex.stream), blas(ex.blas) {
+        LOCKSTEP_CHECK_AS(UsageError, ex.blas != nullptr, "a CUDA layer operation ran without its replica's cuBLAS handle; "
+                          "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
+        stream = ex.stream;
+        device = device_info(ex.device);
+        scratch_view = cuda_ops::scratch(ex);
+    }
+
+    //! One cuBLAS SGEMM as `call` says (layer_kernels.cuh: Note [convolution on CUDA]).
+    void gemm(const lk::GemmCall& c) {
+        const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+        if (c.batch == 1)
+            LOCKSTEP_CUBLAS_CHECK(cublasSgemm(blas, ta, tb, c.m, c.n, c.k, &c.alpha, c.a, c.lda, c.b, c.ldb, &c.beta, c.c, c.ldc));
+        else
+            LOCKSTEP_CUBLAS_CHECK(cublasSgemmStridedBatched(blas, ta, tb, c.m, c.n, c.k, &c.alpha, c.a, c.lda, c.stride_a, c.b,
+                                                            c.ldb, c.stride_b, &c.beta, c.c, c.ldc, c.stride_c, c.batch));
+    }
+
+    cuda::DeviceGuard device_guard;
+    cuda::StreamGuard stream_guard;
+    cublasHandle_t blas;
+};
+
+//! Throws DeviceMismatch unless a tensor with elements is on the replica's device.
+template <class T>
+void check_on(const Ex& ex, const T_<T>& t, const char* what) {
+    if (t.numel() > 0) check_device(Device::cuda(ex.device), t.device(), what);
+}
+
+//! Throws ShapeError unless `t` has `n` elements.
+template <class T>
+void check_numel(const T_<T>& t, std::int64_t n, const char* op, const char* what) {
+    LOCKSTEP_CHECK_AS(ShapeError, t.numel() == n, op, " on CUDA: ", what, " has ", t.numel(), " elements, expected ", n);
+}
+
+//! `t` holds at least `n` floats on `device` (grown when a larger shape comes, never shrunk; the
+//! old contents are not kept). Call it while a LayerRun lives (the allocation is on its stream).
+inline float* at_least(T_<float>& t, std::int64_t n, int device) {
+    if (n <= 0) return t.data();
+    if (t.numel() < n || t.device() != Device::cuda(device))
+        t = T_<float>(Shape{n}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
+    return t.data();
+}
+
+// Note [labels on the device]
+// softmax_cross_entropy takes its labels as a host span, and the kernel reads them on the device.
+// A cudaMemcpyAsync from pageable memory may first wait for the stream's earlier work (the driver
+// stages pageable memory synchronously), which would stall the host at every loss until the
+// forward has run. So the labels are copied into a pinned staging slot of the calling thread (a
+// ring of 4 per device, each grown as needed), and the copy from there is enqueued on the
+// replica's stream, asynchronous; an event recorded after it says when the slot may be written
+// again, and a slot is rewritten only after that event (four losses later: normally long past,
+// so the wait is free). The device copy is a tensor made on the replica's stream for the call and
+// freed in stream order after the kernel that reads it, so it is never overwritten early either.
+
+//! The pinned staging slots of the calling thread for one device.
+class LabelStaging {
+public:
+    static constexpr int slots = 4;
+
+    explicit LabelStaging(int device) : device_(device) {}
+    LabelStaging(const LabelStaging&) = delete;
+    LabelStaging& operator=(const LabelStaging&) = delete;
+    ~LabelStaging() {
+        int previous = 0;
+        const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ && cudaSetDevice(device_) == cudaSuccess;
+        for (Slot& s : slots_) {
+            if (s.done != nullptr) {
+                (void)cudaEventSynchronize(s.done);
+                (void)cudaEventDestroy(s.done);
+            }
+            if (s.host != nullptr) (void)cudaFreeHost(s.host);
+        }
+        if (switched) (void)cudaSetDevice(previous);
+    }
+
+    //! The calling thread's staging for `device`.
+    static LabelStaging& of(int device) {
+        thread_local std::vector<std::unique_ptr<LabelStaging>> per_device;
+        if (static_cast<int>(per_device.size()) <= device) per_device.resize(static_cast<std::size_t>(device) + 1);
+        auto& s = per_device[static_cast<std::size_t>(device)];
+        if (s == nullptr) s = std::make_unique<LabelStaging>(device);
+        return *s;
+    }
+
+    //! Copies `labels` to `dst` (device memory) on `stream`, through the next staging slot.
+    //! The device of `stream` is current.
+    void upload(std::span<const std::int64_t> labels, std::int64_t* dst, cudaStream_t stream) {
+        if (labels.empty()) return;
+        Slot& s = slots_[static_cast<std::size_t>(next_)];
+        next_ = (next_ + 1) % slots;
+        if (s.done == nullptr) LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+        else LOCKSTEP_CUDA_CHECK(cudaEventSynchronize(s.done));  // the slot's last copy has read it
+        if (s.capacity < labels.size()) {
+            if (s.host != nullptr) LOCKSTEP_CUDA_CHECK(cudaFreeHost(s.host));
+            s.host = nullptr;
+            s.capacity = 0;
+            LOCKSTEP_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&s.host), labels.size_bytes()));
+            s.capacity = labels.size();
+        }
+        std::memcpy(s.host, labels.data(), labels.size_bytes());
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, labels.size_bytes(), cudaMemcpyHostToDevice, stream));
+        LOCKSTEP_CUDA_CHECK(cudaEventRecord(s.done, stream));
+    }
+
+private:
+    struct Slot {
+        std::int64_t* host = nullptr;
+        std::size_t capacity = 0;
+        cudaEvent_t done = nullptr;
+    };
+    std::array<Slot, slots> slots_{};
+    int next_ = 0;
+    int device_;
+};
+
+}  // namespace layer_detail
+
+//! The layer part of `Ops<Cuda>` (see Note [backend operations]); everything runs on `ex.stream`
+//! and nothing waits for the device. The kernels, their launch configurations and the cuBLAS
+//! arguments are in device/layer_kernels.cuh (Note [layer kernels], Note [convolution on CUDA]).
 struct LayerOps {
     template <class T>
-    static void fill(const Ex&, T_<T>&, T) { cuda::detail::not_implemented_yet("fill"); }
+    static void fill(const Ex& ex, T_<T>& t, T value) {
+        layer_detail::check_on(ex, t, "fill's tensor");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::fill(run, t.data(), t.numel(), value);
+    }
 
-    static void scale(const Ex&, T_<float>&, double) { cuda::detail::not_implemented_yet("scale"); }
+    //! t *= factor (in fp32).
+    static void scale(const Ex& ex, T_<float>& t, double factor) {
+        layer_detail::check_on(ex, t, "scale's tensor");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::scale(run, t.data(), t.numel(), static_cast<float>(factor));
+    }
 
+    //! acc += x, element by element.
     template <class T>
-    static void add(const Ex&, T_<T>&, const T_<T>&) {
-        cuda::detail::not_implemented_yet("add");
+    static void add(const Ex& ex, T_<T>& acc, const T_<T>& x) {
+        layer_detail::check_on(ex, acc, "add's accumulator");
+        layer_detail::check_on(ex, x, "add's operand");
+        layer_detail::check_numel(x, acc.numel(), "add", "the operand");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::add(run, acc.data(), x.data(), acc.numel());
     }
 
-    static void add_sum_squares(const Ex&, const T_<float>&, T_<double>&, std::int64_t = 0) {
-        cuda::detail::not_implemented_yet("add_sum_squares");
+    //! acc[index] += sum(t^2) in fp64, on the device.
+    static void add_sum_squares(const Ex& ex, const T_<float>& t, T_<double>& acc, std::int64_t index = 0) {
+        layer_detail::check_on(ex, t, "add_sum_squares's tensor");
+        layer_detail::check_on(ex, acc, "add_sum_squares's accumulator");
+        LOCKSTEP_CHECK_AS(ShapeError, index >= 0 && index < acc.numel(), "add_sum_squares on CUDA: index ", index,
+                          " is outside the accumulator of ", acc.numel(), " elements");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::add_sum_squares(run, t.data(), t.numel(), acc.data() + index);
     }
 
-    static void clip_to_norm(const Ex&, T_<float>&, const T_<double>&, double) {
-        cuda::detail::not_implemented_yet("clip_to_norm");
+    //! t *= min(1, max_norm / (sqrt(sum_squares[0]) + 1e-6)), the coefficient computed on the
+    //! device from the device's sum of squares (no read on the host).
+    static void clip_to_norm(const Ex& ex, T_<float>& t, const T_<double>& sum_squares, double max_norm) {
+        layer_detail::check_on(ex, t, "clip_to_norm's tensor");
+        layer_detail::check_on(ex, sum_squares, "clip_to_norm's sum of squares");
+        LOCKSTEP_CHECK_AS(ShapeError, sum_squares.numel() >= 1, "clip_to_norm on CUDA needs the sum of squares, got an empty tensor");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::clip_to_norm(run, t.data(), t.numel(), sum_squares.data(), max_norm);
     }
 
     // ---- layers -----------------------------------------------------------------------------
 
-    struct ConvScratch {};
+    //! What a convolution keeps between calls: the shard's im2col columns, their gradient and the
+    //! channel-major dy (Note [convolution on CUDA]), grown when a larger shape comes.
+    struct ConvScratch {
+        T_<float> cols, dcols, dyt;
+    };
 
-    static void conv2d_forward(const Ex&, const ConvGeometry&, const T_<float>&, const T_<float>&, const T_<float>*,
-                               T_<float>&, ConvScratch&) {
-        cuda::detail::not_implemented_yet("conv2d_forward");
+    //! y = conv(x, weight) + bias; `bias` may be null. NCHW only (NotImplemented for NHWC).
+    static void conv2d_forward(const Ex& ex, const ConvGeometry& g, const T_<float>& x, const T_<float>& weight,
+                               const T_<float>* bias, T_<float>& y, ConvScratch& s) {
+        const device::layer_kernels::ConvPlan c(g);
+        check_conv(ex, c, x, weight, bias, "conv2d_forward");
+        layer_detail::check_numel(y, c.N * c.O * c.P, "conv2d_forward", "y");
+        layer_detail::LayerRun run(ex);
+        float* cols = layer_detail::at_least(s.cols, device::layer_kernels::conv_forward_buffers(c).cols, ex.device);
+        device::layer_kernels::conv2d_forward(run, c, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr, y.data(),
+                                              cols);
     }
-    static void conv2d_backward(const Ex&, const ConvGeometry&, const T_<float>&, const T_<float>&, const T_<float>&,
-                                T_<float>&, T_<float>*, T_<float>&, ConvScratch&) {
-        cuda::detail::not_implemented_yet("conv2d_backward");
+
+    //! weight_grad += dL/dweight, bias_grad += dL/dbias (may be null), dx = dL/dx. NCHW only.
+    static void conv2d_backward(const Ex& ex, const ConvGeometry& g, const T_<float>& x, const T_<float>& dy,
+                                const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx,
+                                ConvScratch& s) {
+        const device::layer_kernels::ConvPlan c(g);
+        check_conv(ex, c, x, weight, bias_grad, "conv2d_backward");
+        layer_detail::check_on(ex, dy, "conv2d_backward's dy");
+        layer_detail::check_numel(dy, c.N * c.O * c.P, "conv2d_backward", "dy");
+        layer_detail::check_numel(weight_grad, c.O * c.K, "conv2d_backward", "the weight gradient");
+        layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
+        layer_detail::LayerRun run(ex);
+        const auto sizes = device::layer_kernels::conv_backward_buffers(c);
+        float* cols = layer_detail::at_least(s.cols, sizes.cols, ex.device);
+        float* dcols = layer_detail::at_least(s.dcols, sizes.dcols, ex.device);
+        float* dyt = layer_detail::at_least(s.dyt, sizes.dyt, ex.device);
+        device::layer_kernels::conv2d_backward(run, c, x.data(), dy.data(), weight.data(), weight_grad.data(),
+                                               bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data(), cols, dcols, dyt);
     }
-    static void linear_forward(const Ex&, const T_<float>&, const T_<float>&, const T_<float>*, T_<float>&, bool,
-                               T_<std::uint8_t>*) {
-        cuda::detail::not_implemented_yet("linear_forward");
+
+    //! y (N, out) = x (N, in) weight^T + bias (`bias` may be null); with `relu`, y = max(0, y) and
+    //! `mask` (may be null) = (y > 0), as the host.
+    static void linear_forward(const Ex& ex, const T_<float>& x, const T_<float>& weight, const T_<float>* bias, T_<float>& y,
+                               bool relu, T_<std::uint8_t>* mask) {
+        const auto [N, in, out] = linear_sizes(ex, x, weight, bias, "linear_forward");
+        layer_detail::check_numel(y, N * out, "linear_forward", "y");
+        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_forward", "the mask");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::linear_forward(run, N, in, out, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr,
+                                              y.data(), relu, mask != nullptr ? mask->data() : nullptr);
     }
-    static void linear_backward(const Ex&, const T_<float>&, const T_<float>&, const T_<std::uint8_t>*, const T_<float>&,
-                                T_<float>&, T_<float>*, T_<float>&) {
-        cuda::detail::not_implemented_yet("linear_backward");
+
+    //! weight_grad += dy^T x, bias_grad += column sums of dy (may be null), dx = dy weight; `mask`
+    //! (may be null) zeroes dy where the fused ReLU's output was not positive.
+    static void linear_backward(const Ex& ex, const T_<float>& x, const T_<float>& dy, const T_<std::uint8_t>* mask,
+                                const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx) {
+        const auto [N, in, out] = linear_sizes(ex, x, weight, bias_grad, "linear_backward");
+        layer_detail::check_on(ex, dy, "linear_backward's dy");
+        layer_detail::check_numel(dy, N * out, "linear_backward", "dy");
+        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_backward", "the mask");
+        layer_detail::check_numel(weight_grad, out * in, "linear_backward", "the weight gradient");
+        layer_detail::check_numel(dx, N * in, "linear_backward", "dx");
+        layer_detail::LayerRun run(ex);
+        T_<float> masked;  // dy where the mask is set, on the replica's stream for this call
+        if (mask != nullptr) masked = T_<float>(Shape{N * out}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
+        device::layer_kernels::linear_backward(run, N, in, out, x.data(), dy.data(), mask != nullptr ? mask->data() : nullptr,
+                                               masked.data(), weight.data(), weight_grad.data(),
+                                               bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data());
     }
-    static void relu_forward(const Ex&, T_<float>&, T_<std::uint8_t>*) { cuda::detail::not_implemented_yet("relu_forward"); }
-    static void relu_backward(const Ex&, const T_<float>&, const T_<std::uint8_t>&, T_<float>&) {
-        cuda::detail::not_implemented_yet("relu_backward");
+
+    //! x = max(x, 0) in place (NaN stays NaN); `mask` (may be null) records where x > 0.
+    static void relu_forward(const Ex& ex, T_<float>& x, T_<std::uint8_t>* mask) {
+        layer_detail::check_on(ex, x, "relu_forward's tensor");
+        if (mask != nullptr) layer_detail::check_numel(*mask, x.numel(), "relu_forward", "the mask");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::relu_forward(run, x.data(), mask != nullptr ? mask->data() : nullptr, x.numel());
     }
-    static void maxpool_forward(const Ex&, const PoolGeometry&, const T_<float>&, T_<float>&, T_<std::int32_t>&) {
-        cuda::detail::not_implemented_yet("maxpool_forward");
+
+    //! dx = mask ? dy : 0.
+    static void relu_backward(const Ex& ex, const T_<float>& dy, const T_<std::uint8_t>& mask, T_<float>& dx) {
+        layer_detail::check_on(ex, dy, "relu_backward's dy");
+        layer_detail::check_numel(mask, dy.numel(), "relu_backward", "the mask");
+        layer_detail::check_numel(dx, dy.numel(), "relu_backward", "dx");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::relu_backward(run, dy.data(), mask.data(), dx.data(), dy.numel());
     }
-    static void maxpool_backward(const Ex&, const PoolGeometry&, const T_<float>&, const T_<std::int32_t>&, T_<float>&) {
-        cuda::detail::not_implemented_yet("maxpool_backward");
+
+    //! y = the maximum of each window (NaN wins: the last NaN of the window in row order),
+    //! argmax = its index in the plane, as the host.
+    static void maxpool_forward(const Ex& ex, const PoolGeometry& g, const T_<float>& x, T_<float>& y, T_<std::int32_t>& argmax) {
+        layer_detail::check_on(ex, x, "maxpool_forward's input");
+        const std::int64_t planes = g.batch * g.channels;
+        layer_detail::check_numel(x, planes * g.height * g.width, "maxpool_forward", "x");
+        if (planes > 0 && g.height >= g.kernel && g.width >= g.kernel && g.stride >= 1) {
+            layer_detail::check_numel(y, planes * g.out_height() * g.out_width(), "maxpool_forward", "y");
+            layer_detail::check_numel(argmax, y.numel(), "maxpool_forward", "argmax");
+        }
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::maxpool_forward(run, g, x.data(), y.data(), argmax.data());
+    }
+
+    //! dx = dy gathered from the windows whose maximum each element was (deterministic, no atomics).
+    static void maxpool_backward(const Ex& ex, const PoolGeometry& g, const T_<float>& dy, const T_<std::int32_t>& argmax,
+                                 T_<float>& dx) {
+        layer_detail::check_on(ex, dy, "maxpool_backward's dy");
+        layer_detail::check_numel(argmax, dy.numel(), "maxpool_backward", "argmax");
+        layer_detail::check_numel(dx, g.batch * g.channels * g.height * g.width, "maxpool_backward", "dx");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::maxpool_backward(run, g, dy.data(), argmax.data(), dx.data());
     }
 
     // ---- losses and optimizer -----------------------------------------------------------------
 
-    static void softmax_cross_entropy(const Ex&, const T_<float>&, std::span<const std::int64_t>, double, T_<float>&,
-                                      T_<double>&) {
-        cuda::detail::not_implemented_yet("softmax_cross_entropy");
-    }
-    static void mse(const Ex&, const T_<float>&, const T_<float>&, double, T_<float>&, T_<double>&) {
-        cuda::detail::not_implemented_yet("mse");
-    }
-    static void sgd_step(const Ex&, T_<float>&, const T_<float>&, T_<float>&, bool, const SgdUpdate&) {
-        cuda::detail::not_implemented_yet("sgd_step");
+    //! Softmax cross-entropy of `logits` (N, K) against `labels` (checked by the caller), in fp64:
+    //! totals = [sum of per-sample losses, samples whose arg-max is the label], grad =
+    //! (softmax - onehot) * inv_count. The labels go to the device asynchronously (Note [labels
+    //! on the device]).
+    static void softmax_cross_entropy(const Ex& ex, const T_<float>& logits, std::span<const std::int64_t> labels,
+                                      double inv_count, T_<float>& grad, T_<double>& totals) {
+        layer_detail::check_on(ex, logits, "softmax_cross_entropy's logits");
+        LOCKSTEP_CHECK_AS(ShapeError, logits.rank() == 2, "softmax_cross_entropy on CUDA takes (N, K) logits, got rank ", logits.rank());
+        const std::int64_t N = logits.dim(0), K = logits.dim(1);
+        LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(labels.size()) == N, "softmax_cross_entropy on CUDA: ",
+                          labels.size(), " labels for ", N, " samples");
+        layer_detail::check_numel(grad, N * K, "softmax_cross_entropy", "grad");
+        layer_detail::check_numel(totals, 2, "softmax_cross_entropy", "totals");
+        layer_detail::LayerRun run(ex);
+        T_<std::int64_t> on_device(Shape{N}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
+        layer_detail::LabelStaging::of(ex.device).upload(labels, on_device.data(), ex.stream);
+        device::layer_kernels::softmax_cross_entropy(run, logits.data(), N, K, on_device.data(), inv_count, grad.data(),
+                                                     totals.data());
     }
 
+    //! Mean squared error per sample (mean over a sample's D elements): totals = [sum over samples
+    //! of mean((out - target)^2), 0], grad = 2 (out - target) / D * inv_count.
+    static void mse(const Ex& ex, const T_<float>& out, const T_<float>& target, double inv_count, T_<float>& grad,
+                    T_<double>& totals) {
+        layer_detail::check_on(ex, out, "mse's output");
+        layer_detail::check_on(ex, target, "mse's target");
+        const std::int64_t N = out.rank() > 0 ? out.dim(0) : 0;
+        const std::int64_t D = N > 0 ? out.numel() / N : 0;
+        layer_detail::check_numel(target, out.numel(), "mse", "the target");
+        layer_detail::check_numel(grad, out.numel(), "mse", "grad");
+        layer_detail::check_numel(totals, 2, "mse", "totals");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::mse(run, out.data(), target.data(), N, D, inv_count, grad.data(), totals.data());
+    }
+
+    //! One torch.optim.SGD update of `value` from `grad`, in the host's fp32 operations;
+    //! `momentum_buffer` is ignored without momentum and initialized from the gradient when `first`.
+    static void sgd_step(const Ex& ex, T_<float>& value, const T_<float>& grad, T_<float>& momentum_buffer, bool first,
+                         const SgdUpdate& u) {
+        layer_detail::check_on(ex, value, "sgd_step's parameter");
+        layer_detail::check_on(ex, grad, "sgd_step's gradient");
+        layer_detail::check_numel(grad, value.numel(), "sgd_step", "the gradient");
+        if (static_cast<float>(u.momentum) != 0.0f)
+            layer_detail::check_numel(momentum_buffer, value.numel(), "sgd_step", "the momentum buffer");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::sgd_step(run, value.data(), grad.data(), momentum_buffer.data(), value.numel(), first, u);
+    }
+
+private:
+    static void check_conv(const Ex& ex, const device::layer_kernels::ConvPlan& c, const T_<float>& x, const T_<float>& weight,
+                           const T_<float>* bias, const char* op) {
+        layer_detail::check_on(ex, x, "a convolution's input");
+        layer_detail::check_on(ex, weight, "a convolution's weight");
+        layer_detail::check_numel(x, c.N * c.C * c.H * c.W, op, "x");
+        layer_detail::check_numel(weight, c.O * c.K, op, "the weight");
+        if (bias != nullptr) layer_detail::check_numel(*bias, c.O, op, "the bias");
+    }
+
+    struct LinearSizes {
+        std::int64_t N, in, out;
+    };
+    static LinearSizes linear_sizes(const Ex& ex, const T_<float>& x, const T_<float>& weight, const T_<float>* bias,
+                                    const char* op) {
+        layer_detail::check_on(ex, x, "a linear layer's input");
+        layer_detail::check_on(ex, weight, "a linear layer's weight");
+        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && weight.rank() == 2 && weight.dim(1) == x.dim(1), op,
+                          " on CUDA takes x (N, in) and weight (out, in), got x of rank ", x.rank(), " and weight of rank ",
+                          weight.rank());
+        if (bias != nullptr) layer_detail::check_numel(*bias, weight.dim(0), op, "the bias");
+        return {x.dim(0), x.dim(1), weight.dim(0)};
+    }
 };
 
 }  // namespace lockstep::kernels::cuda_ops
