@@ -96,6 +96,10 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     Ops::mse(ex, f, f, 1.0, f, d);
     Ops::sgd_step(ex, f, f, f, true, kernels::SgdUpdate{});
     Ops::sgd_step(ex, f, f, f, false, kernels::SgdUpdate{});
+    const kernels::SgdTensors<Cuda> sgd[] = {{&f, &f, &f, true}};
+    Ops::sgd_step_many(ex, sgd, kernels::SgdUpdate{});
+    const kernels::CopyPiece<Cuda> pieces[] = {{&f, 0, &f, 0, 1}};
+    Ops::copy_many(ex, pieces);
 }
 
 }  // namespace lockstep::cuda_static

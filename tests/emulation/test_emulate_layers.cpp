@@ -65,16 +65,19 @@ struct EmulatedLayerRun {
     dev::DeviceInfo device;
     dev::HostScratch* host_scratch = nullptr;
     int gemms = 0;
+    int launches = 0;  // kernels launched
     dev::DeviceInfo info() const { return device; }
     dev::Scratch scratch() const { return host_scratch->view(); }
     template <class K>
     void map(const typename K::Params& p, const dev::Grid& g) {
         check_grid(g);
+        ++launches;
         dev::emulate_map<K>(p, g);
     }
     template <class K>
     void reduce(const typename K::Params& p, const dev::Grid& g) {
         check_grid(g);
+        ++launches;
         dev::emulate_reduce<K>(p, g);
         // A reducing kernel's last block resets its tickets: the next launch starts from zero.
         for (const unsigned int t : host_scratch->counters) REQUIRE(t == 0u);
@@ -633,4 +636,100 @@ TEST_CASE("emulated per-channel sums cover every channel and stay within the scr
                     for (std::int64_t p = 0; p < sc.P; ++p) ref[static_cast<std::size_t>(c)] += v[static_cast<std::size_t>((n * sc.C + c) * sc.P + p)];
             CHECK(rel_err(A.vec(), ref, 1.0) < 1e-5);
         }
+}
+
+// ---- many tensors per launch: SGD and bucket pack/unpack ----------------------------------------
+
+TEST_CASE("emulated SGD over a table of tensors equals the host's per-tensor update bit for bit", "[emulation][layers]") {
+    const std::uint64_t seed = lockstep::test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    const Execution<Host> ex;
+    // 70 tensors (three launches of at most 32), sizes from empty to a few vectors, each offset by
+    // its own misalignment so vector and scalar tensors share a launch; `first` mixed.
+    const std::vector<std::int64_t> pattern = {0, 1, 3, 4, 5, 8, 17, 128, 1000, 2, 33};
+    for (const kernels::SgdUpdate& u : {kernels::SgdUpdate{0.1, 0.0, 0.0, 1e-4, false}, kernels::SgdUpdate{0.01, 0.9, 0.1, 5e-4, false},
+                                        kernels::SgdUpdate{0.02, 0.9, 0.0, 0.0, true}})
+        for (const auto& d : devices) {
+            INFO("momentum=" << u.momentum << " nesterov=" << u.nesterov << " sms=" << d.multiprocessors);
+            dev::HostScratch scratch;
+            EmulatedLayerRun run{d, &scratch};
+            const std::size_t count = 70;
+            std::vector<Buffer<float>> w, g, v;
+            std::vector<Tensor<float, Host>> hw, hg, hv;
+            std::vector<lk::SgdEntry> entries;
+            std::vector<kernels::SgdTensors<Host>> items;
+            w.reserve(count), g.reserve(count), v.reserve(count), hw.reserve(count), hg.reserve(count), hv.reserve(count);
+            std::int64_t nonempty = 0;
+            for (std::size_t t = 0; t < count; ++t) {
+                const std::int64_t n = pattern[t % pattern.size()];
+                nonempty += n > 0;
+                const int misalign = static_cast<int>(t % 3 == 2);
+                const auto a = random_floats(static_cast<std::size_t>(n), rng), b = random_floats(static_cast<std::size_t>(n), rng),
+                           c = random_floats(static_cast<std::size_t>(n), rng);
+                w.emplace_back(a, misalign), g.emplace_back(b, 0), v.emplace_back(c, t % 5 == 1 ? 1 : 0);
+                hw.push_back(host_tensor(a)), hg.push_back(host_tensor(b)), hv.push_back(host_tensor(c));
+                const bool first = t % 4 == 0;
+                entries.push_back({w.back().data(), g.back().data(), v.back().data(), n, first});
+                items.push_back({&hw.back(), &hg.back(), &hv.back(), first});
+            }
+            lk::sgd_step_many(run, entries, u);
+            CHECK(run.launches == static_cast<int>((nonempty + lk::table_max - 1) / lk::table_max));
+            HostOps::sgd_step_many(ex, items, u);
+            for (std::size_t t = 0; t < count; ++t) {
+                INFO("tensor " << t << " of " << w[t].n << " elements");
+                CHECK(same_bits(w[t].vec(), values_of(hw[t])));
+                if (u.momentum != 0.0) CHECK(same_bits(v[t].vec(), values_of(hv[t])));
+            }
+        }
+}
+
+TEST_CASE("emulated bucket pack and unpack move every gradient in and out of the flat buffer", "[emulation][layers]") {
+    const std::uint64_t seed = lockstep::test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    for (const auto& d : devices) {
+        INFO("sms=" << d.multiprocessors);
+        dev::HostScratch scratch;
+        EmulatedLayerRun run{d, &scratch};
+        // 45 gradients packed back to back (most offsets unaligned), then unpacked into fresh buffers.
+        std::vector<std::vector<float>> grads;
+        std::int64_t total = 0;
+        for (int t = 0; t < 45; ++t) {
+            grads.push_back(random_floats(static_cast<std::size_t>((t * 37) % 301), rng));
+            total += static_cast<std::int64_t>(grads.back().size());
+        }
+        Buffer<float> flat(static_cast<std::size_t>(total) + 1, 0);
+        flat.p[total] = 42.0f;  // past the end: never written
+        std::vector<Buffer<float>> src, dst;
+        std::vector<lk::CopyEntry> pack, unpack;
+        src.reserve(grads.size()), dst.reserve(grads.size());
+        std::vector<float> expected;
+        std::int64_t at = 0;
+        for (const auto& gr : grads) {
+            src.emplace_back(gr, 0);
+            dst.emplace_back(gr.size(), 0);
+            pack.push_back({flat.data() + at, src.back().data(), static_cast<std::int64_t>(gr.size())});
+            unpack.push_back({dst.back().data(), flat.data() + at, static_cast<std::int64_t>(gr.size())});
+            expected.insert(expected.end(), gr.begin(), gr.end());
+            at += static_cast<std::int64_t>(gr.size());
+        }
+        expected.push_back(42.0f);
+        lk::copy_many(run, pack);
+        CHECK(same_bits(flat.vec(), expected));
+        lk::copy_many(run, unpack);
+        for (std::size_t t = 0; t < grads.size(); ++t) CHECK(same_bits(dst[t].vec(), grads[t]));
+    }
+}
+
+TEST_CASE("tensor tables find every item's tensor, empty tensors skipped", "[emulation][layers]") {
+    const long long begin[] = {0, 0, 3, 3, 3, 7, 8};  // tensors of 0, 3, 0, 0, 4, 1 items
+    const int expect[] = {1, 1, 1, 4, 4, 4, 4, 5};
+    for (long long i = 0; i < 8; ++i) CHECK(lk::table_find(begin, 6, i) == expect[i]);
+    // A tensor of 10 floats in vectors of 4: items 0, 1 are vectors at 0 and 4, items 2, 3 the tail 8, 9.
+    CHECK(lk::table_item(1, 10, 4).is_vector);
+    CHECK(lk::table_item(1, 10, 4).element == 4);
+    CHECK(!lk::table_item(2, 10, 4).is_vector);
+    CHECK(lk::table_item(3, 10, 4).element == 9);
+    CHECK(lk::table_item(7, 10, 1).element == 7);
 }

@@ -351,6 +351,48 @@ struct LayerOps {
         device::layer_kernels::sgd_step(run, value.data(), grad.data(), momentum_buffer.data(), value.numel(), first, u);
     }
 
+    //! sgd_step for every entry, one launch per 32 tensors (Note [tensor tables]).
+    static void sgd_step_many(const Ex& ex, std::span<const SgdTensors<Cuda>> items, const SgdUpdate& u) {
+        const bool momentum = static_cast<float>(u.momentum) != 0.0f;
+        std::vector<device::layer_kernels::SgdEntry> entries;
+        entries.reserve(items.size());
+        for (const auto& it : items) {
+            LOCKSTEP_CHECK_AS(UsageError, it.value != nullptr && it.grad != nullptr && it.momentum != nullptr,
+                              "sgd_step_many on CUDA: an entry without its parameter, gradient or momentum buffer");
+            layer_detail::check_on(ex, *it.value, "sgd_step_many's parameter");
+            layer_detail::check_on(ex, *it.grad, "sgd_step_many's gradient");
+            layer_detail::check_numel(*it.grad, it.value->numel(), "sgd_step_many", "a gradient");
+            if (momentum) {
+                layer_detail::check_on(ex, *it.momentum, "sgd_step_many's momentum buffer");
+                layer_detail::check_numel(*it.momentum, it.value->numel(), "sgd_step_many", "a momentum buffer");
+            }
+            entries.push_back({it.value->data(), it.grad->data(), momentum ? it.momentum->data() : nullptr, it.value->numel(),
+                               it.first});
+        }
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::sgd_step_many(run, entries, u);
+    }
+
+    //! copy for every piece, on the replica's device, one launch per 32 pieces (Note [tensor tables]).
+    static void copy_many(const Ex& ex, std::span<const CopyPiece<Cuda>> pieces) {
+        std::vector<device::layer_kernels::CopyEntry> entries;
+        entries.reserve(pieces.size());
+        for (const auto& p : pieces) {
+            LOCKSTEP_CHECK_AS(UsageError, p.dst != nullptr && p.src != nullptr, "copy_many on CUDA: a piece without its tensors");
+            if (p.count <= 0) continue;
+            LOCKSTEP_CHECK_AS(ShapeError,
+                              p.dst_offset >= 0 && p.src_offset >= 0 && p.dst_offset + p.count <= p.dst->numel() &&
+                                  p.src_offset + p.count <= p.src->numel(),
+                              "copy_many on CUDA: ", p.count, " elements from offset ", p.src_offset, " of ", p.src->numel(),
+                              " to offset ", p.dst_offset, " of ", p.dst->numel(), " fall outside a tensor");
+            layer_detail::check_on(ex, *p.dst, "copy_many's destination");
+            layer_detail::check_on(ex, *p.src, "copy_many's source");
+            entries.push_back({p.dst->data() + p.dst_offset, p.src->data() + p.src_offset, p.count});
+        }
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::copy_many(run, entries);
+    }
+
 private:
     static void check_conv(const Ex& ex, const device::layer_kernels::ConvPlan& c, const T_<float>& x, const T_<float>& weight,
                            const T_<float>* bias, const char* op) {

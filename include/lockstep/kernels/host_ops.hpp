@@ -333,6 +333,16 @@ struct Ops<Host> {
         }
     }
 
+    //! sgd_step for every entry (on CUDA one launch for many tensors).
+    static void sgd_step_many(const Ex& ex, std::span<const SgdTensors<Host>> items, const SgdUpdate& u) {
+        for (const auto& it : items) sgd_step(ex, *it.value, *it.grad, *it.momentum, it.first, u);
+    }
+
+    //! copy for every piece (on CUDA one launch for many pieces).
+    static void copy_many(const Ex& ex, std::span<const CopyPiece<Host>> pieces) {
+        for (const auto& p : pieces) copy(ex, *p.dst, p.dst_offset, *p.src, p.src_offset, p.count);
+    }
+
     // ---- batch norm (see batch_norm_math.hpp for the formulas) ---------------------------------
 
     //! Forward payload [S | Q | n] (2C+1) of the local batch about `shift` (null: zero). `k` is the

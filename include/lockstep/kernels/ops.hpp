@@ -112,4 +112,25 @@ struct SgdUpdate {
     bool nesterov = false;
 };
 
+//! One parameter of `Ops<B>::sgd_step_many`: its value, gradient and momentum buffer (read only
+//! with momentum), and whether the buffer is made from the gradient at this step.
+template <BackendTag B>
+struct SgdTensors {
+    Tensor<float, B>* value = nullptr;
+    const Tensor<float, B>* grad = nullptr;
+    Tensor<float, B>* momentum = nullptr;
+    bool first = false;
+};
+
+//! One piece of `Ops<B>::copy_many`: dst[dst_offset, +count) = src[src_offset, +count), on one
+//! device, the pieces not overlapping (a gradient bucket's pack or unpack).
+template <BackendTag B>
+struct CopyPiece {
+    Tensor<float, B>* dst = nullptr;
+    std::int64_t dst_offset = 0;
+    const Tensor<float, B>* src = nullptr;
+    std::int64_t src_offset = 0;
+    std::int64_t count = 0;
+};
+
 }  // namespace lockstep::kernels

@@ -82,16 +82,22 @@ public:
         const int rank = ctx.rank;
         LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < static_cast<int>(states_.size()), "Sgd::step for replica ", rank,
                           " without prepare(", rank + 1, ")");
-        auto& buffers = states_[static_cast<std::size_t>(rank)].buffers;
+        auto& state = states_[static_cast<std::size_t>(rank)];
+        auto& buffers = state.buffers;
         const kernels::SgdUpdate u{options_.lr, options_.momentum, options_.dampening, options_.weight_decay, options_.nesterov};
+        // Every parameter's update in one call: on CUDA one launch for many tensors.
+        std::size_t count = 0;
+        for_each_parameter(module, [&](const std::string&, Parameter<B>&) { ++count; });
+        if (buffers.size() < count) buffers.resize(count);  // no reallocation while `items` points into it
+        state.items.clear();
         std::size_t i = 0;
         for_each_parameter(module, [&](const std::string&, Parameter<B>& p) {
-            if (buffers.size() <= i) buffers.emplace_back();
             auto& buf = buffers[i++];
             const bool first = options_.momentum != 0 && buf.numel() != p.numel();
             if (first) buf = Tensor<float, B>::empty_like(p.value);
-            K::sgd_step(ctx.exec, p.value, p.grad, buf, first, u);
+            state.items.push_back({&p.value, &p.grad, &buf, first});
         });
+        K::sgd_step_many(ctx.exec, state.items, u);
     }
 
     //! Calls `f(name, state, parameter)` for replica `rank`'s momentum buffer of every parameter
@@ -110,6 +116,7 @@ public:
 private:
     struct State {
         std::vector<Tensor<float, B>> buffers;  // parameter order; empty before the first step
+        std::vector<kernels::SgdTensors<B>> items;  // the last step's entries, kept for their capacity
     };
     SgdOptions options_;
     std::vector<State> states_;

@@ -310,6 +310,8 @@ private:
         std::vector<nn::Parameter<backend>*> params;
         std::vector<std::int64_t> offsets;
         Tensor<float, backend> flat;
+        // The copies into and out of `flat`, remade at each launch (kept for their capacity).
+        std::vector<kernels::CopyPiece<backend>> pack, unpack;
         int pending = 0;
         bool launched = false;
     };
@@ -361,13 +363,20 @@ private:
         void launch(std::size_t index) {
             auto& b = buckets[index];
             b.launched = true;
-            for (std::size_t i = 0; i < b.params.size(); ++i)
-                K::copy(ctx.exec, b.flat, b.offsets[i], b.params[i]->grad, 0, b.params[i]->numel());
+            // Pack and unpack are one call each (on CUDA one launch for the bucket's tensors).
+            b.pack.clear();
+            b.unpack.clear();
+            for (std::size_t i = 0; i < b.params.size(); ++i) {
+                auto& grad = b.params[i]->grad;
+                const std::int64_t n = b.params[i]->numel();
+                b.pack.push_back({&b.flat, b.offsets[i], &grad, 0, n});
+                b.unpack.push_back({&grad, 0, &b.flat, b.offsets[i], n});
+            }
+            K::copy_many(ctx.exec, b.pack);
             auto job = [this, index] {
                 auto& bb = buckets[index];
                 grad_comm->all_reduce_sum(DeviceSpan(bb.flat), comm::CollectiveSite::bucket(index));
-                for (std::size_t i = 0; i < bb.params.size(); ++i)
-                    K::copy(ctx.exec, bb.params[i]->grad, 0, bb.flat, bb.offsets[i], bb.params[i]->numel());
+                K::copy_many(ctx.exec, bb.unpack);
                 reduced.fetch_add(1, std::memory_order_release);
             };
             if (overlap) worker.submit(job);
