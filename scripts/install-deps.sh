@@ -13,6 +13,7 @@ packages=(
   libopenmpi-dev openmpi-bin  # the mpi component
   zlib1g-dev                  # gzipped IDX files
   libcli11-dev                # example command line
+  clang-14 libclang-rt-14-dev # fuzz targets (tests/fuzz): clang++-14 and its libFuzzer, ASan, UBSan
   nlohmann-json3-dev          # metrics and checkpoint headers
   dataset-fashion-mnist       # the example's default data
 )

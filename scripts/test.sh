@@ -2,15 +2,20 @@
 # SPDX-License-Identifier: MIT
 # Builds lockstep and passes every test: the release build (CUDA parts compiled where nvcc is;
 # GPU tests run where a GPU is, else report skipped), a ThreadSanitizer build of the concurrent
-# parts and an AddressSanitizer + UBSan build of the whole suite. Installs missing Debian
-# packages first. Usage: scripts/test.sh [release|tsan|asan]...   (default: all three)
+# parts, an AddressSanitizer + UBSan build of the whole suite and the fuzz targets' corpus replay
+# and short fixed-seed runs (scripts/fuzz.sh replay, clang-14). Installs missing Debian packages
+# first. Usage: scripts/test.sh [release|tsan|asan|fuzz]...   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 
 presets=("$@")
-((${#presets[@]})) || presets=(release tsan asan)
+((${#presets[@]})) || presets=(release tsan asan fuzz)
 for preset in "${presets[@]}"; do
+  if [[ $preset == fuzz ]]; then  # not a CMake preset: its own clang project (tests/fuzz)
+    scripts/fuzz.sh replay
+    continue
+  fi
   echo "=== lockstep: ${preset} build and tests ==="
   cmake --preset "${preset}"
   cmake --build --preset "${preset}"

@@ -745,6 +745,46 @@ TEST_CASE("Checkpoint files looser than the safetensors format are refused, nami
     fs::remove_all(dir);
 }
 
+// Found with fuzz_safetensors (a hand-made input: the fuzzer's 4 KiB inputs nest too shallow): an
+// extent nested 20000 arrays deep overflowed the stack while the error message printed it. The
+// input is tests/fuzz/corpus/safetensors/crashed-stack-overflow-shape-nested-20000-deep.
+TEST_CASE("Checkpoint headers nested deeper than 128 levels are refused without a stack overflow", "[nn][checkpoint]") {
+    const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::unique_number()));
+    fs::create_directories(dir);
+    const std::string path = (dir / "deep.safetensors").string();
+    const auto load_error = [&](const std::string& header) {
+        write_raw(path, header, 0);
+        try {
+            nn::Checkpoint::load(path);
+        } catch (const IoError& e) {
+            return std::string(e.what());
+        }
+        return std::string("(loaded)");
+    };
+    const auto nested = [](std::size_t depth, const std::string& inner) {
+        return std::string(depth, '[') + inner + std::string(depth, ']');
+    };
+    const std::string deep = "header nests JSON deeper than 128 levels";
+    // A million levels: far past any stack, were the header printed or walked recursively.
+    CHECK_THAT(load_error(R"({"a":{"dtype":"F32","shape":[)" + nested(1'000'000, "") + R"(],"data_offsets":[0,0]}})"),
+               Catch::Contains("'" + path + "' is not a valid checkpoint") && Catch::Contains(deep));
+    std::string objects;
+    for (int i = 0; i < 1'000'000; ++i) objects += R"({"a":)";
+    CHECK_THAT(load_error(objects + "1" + std::string(1'000'000, '}')), Catch::Contains(deep));
+    // 128 levels parse: the shape array is the third, so an extent nested 125 arrays deeper is the
+    // 128th; it is refused for what it is, and the message shows its type, not the value.
+    CHECK_THAT(load_error(R"({"a":{"dtype":"F32","shape":[)" + nested(125, "1") + R"(],"data_offsets":[0,4]}})"),
+               Catch::Contains("has an extent that is not a non-negative integer: an array"));
+    CHECK_THAT(load_error(R"({"a":{"dtype":"F32","shape":[)" + nested(126, "1") + R"(],"data_offsets":[0,4]}})"),
+               Catch::Contains(deep));
+    // A long scalar is cut in the message.
+    const std::string message = load_error(R"({"a":{"dtype":"F32","shape":[")" + std::string(100'000, 'x') +
+                                           R"("],"data_offsets":[0,4]}})");
+    CHECK_THAT(message, Catch::Contains(R"(integer: "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...)"));
+    CHECK(message.size() < 300);
+    fs::remove_all(dir);
+}
+
 TEST_CASE("A save replaces only a regular file, writes through a symlink and clears killed saves' leftovers",
           "[nn][checkpoint]") {
     const auto dir = fs::temp_directory_path() / ("lockstep-ckpt-" + std::to_string(test::unique_number()));

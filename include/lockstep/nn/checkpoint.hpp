@@ -220,11 +220,18 @@ public:
         if (!in.read(text.data(), static_cast<std::streamsize>(length))) throw bad("header truncated");
         nlohmann::json header;
         std::string duplicate;  // a name the header gives twice (the JSON parser would keep the last)
+        // A header nests three levels (header, tensor, shape). Deeper nesting is refused, as the
+        // reference reader's JSON parser (serde_json) refuses it, before anything recurses on it:
+        // the parser here does not, but printing a value does (an extent nested 20000 arrays deep
+        // overflowed the stack: tests/fuzz/corpus/safetensors/crashed-stack-overflow-*).
+        constexpr std::size_t max_depth = 128;
+        struct TooDeep {};
         try {
             std::vector<std::set<std::string>> keys_at_depth;
             header = nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& value) {
                 using E = nlohmann::json::parse_event_t;
-                const auto d = static_cast<std::size_t>(depth);
+                const auto d = static_cast<std::size_t>(depth);  // the containers around this event
+                if ((event == E::object_start || event == E::array_start) && d >= max_depth) throw TooDeep{};
                 if (event == E::object_start) {
                     if (keys_at_depth.size() <= d + 1) keys_at_depth.resize(d + 2);
                     keys_at_depth[d + 1].clear();
@@ -234,6 +241,8 @@ public:
                 }
                 return true;
             });
+        } catch (const TooDeep&) {
+            throw bad("header nests JSON deeper than " + std::to_string(max_depth) + " levels");
         } catch (const std::exception& e) {
             throw bad(std::string("header is not JSON (") + e.what() + ")");
         }
@@ -276,7 +285,7 @@ public:
             std::uint64_t count = 1;
             for (const auto& d : shape) {
                 if (!d.is_number_integer() || (d.is_number_unsigned() ? false : d.get<std::int64_t>() < 0))
-                    throw malformed("has an extent that is not a non-negative integer: " + d.dump());
+                    throw malformed("has an extent that is not a non-negative integer: " + excerpt(d));
                 const auto extent = d.get<std::uint64_t>();
                 if (extent > static_cast<std::uint64_t>(INT64_MAX) || __builtin_mul_overflow(count, extent, &count))
                     throw malformed("has a shape whose element count does not fit 64 bits");
@@ -316,6 +325,15 @@ public:
     }
 
 private:
+    // A header value as an error message shows it: a scalar as written (its first 40 characters),
+    // an array or object by its type.
+    static std::string excerpt(const nlohmann::json& j) {
+        if (j.is_structured()) return std::string("an ") + j.type_name();
+        std::string s = j.dump();
+        if (s.size() > 40) s = s.substr(0, 37) + "...";
+        return s;
+    }
+
     static Shape shape_of(const Entry& e) {
         Shape s;
         switch (e.shape.size()) {

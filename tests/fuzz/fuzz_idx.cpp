@@ -1,0 +1,152 @@
+// SPDX-License-Identifier: MIT
+//! libFuzzer target for the MNIST example's IDX reader, `mnist::load_idx` (examples/mnist/idx.hpp),
+//! on plain and gzipped files.
+//!
+//! An input is an images file and a labels file with a small frame around them:
+//!   byte 0      flags: bit 0 gzips the images part and bit 1 the labels part before they are
+//!               written (so mutations reach the IDX checks behind a valid gzip stream); bits 2-3
+//!               pick load_idx's `limit`: 0, 1, 2 or -1
+//!   bytes 1-2   length of the images part, little-endian (cut to what the input holds)
+//!   then        the images part, and the labels part (the rest of the input)
+//! A part that is not gzipped by the flags is written as it is: the reader inflates whatever starts
+//! with the gzip magic (zlib's transparent read), so raw parts also reach corrupt gzip streams.
+//! Each part goes to a per-process scratch file (an in-memory memfd, opened again through
+//! /proc/self/fd). `mnist::DataError` is the expected outcome for bad files; a data set that loads
+//! must be self-consistent. Anything else (a sanitizer report, a crash, another exception, a
+//! broken invariant) is a finding.
+//!
+//! LOCKSTEP_FUZZ_SELF_TEST=1 in the environment plants a heap read one byte past a copy of every
+//! data set that loads, so that the test fuzz_idx_self_test can check that such a read fails the
+//! replay (the sanitizers are in, the corpus reaches a successful load, the exit code says so).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "idx.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+// One scratch file per part for the whole process, rewritten for every input.
+class ScratchFile {
+public:
+    explicit ScratchFile(const char* name) {
+        fd_ = ::memfd_create(name, 0);
+        if (fd_ >= 0) {
+            path_ = "/proc/self/fd/" + std::to_string(fd_);
+        } else {  // no memfd: a file under /tmp named after this process
+            path_ = "/tmp/" + std::string(name) + "-" + std::to_string(::getpid());
+            fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+            unlink_ = true;
+        }
+        if (fd_ < 0) {
+            std::perror("fuzz_idx: cannot make a scratch file");
+            std::abort();
+        }
+    }
+    ~ScratchFile() {
+        ::close(fd_);
+        if (unlink_) ::unlink(path_.c_str());
+    }
+    const std::string& write(const std::uint8_t* data, std::size_t size) {
+        if (::ftruncate(fd_, 0) != 0 || (size > 0 && ::pwrite(fd_, data, size, 0) != static_cast<ssize_t>(size))) {
+            std::perror("fuzz_idx: cannot write a scratch file");
+            std::abort();
+        }
+        return path_;
+    }
+
+private:
+    int fd_ = -1;
+    bool unlink_ = false;
+    std::string path_;
+};
+
+// `data` as one gzip member (what `gzip` writes), made with zlib.
+std::vector<std::uint8_t> gzip(const std::uint8_t* data, std::size_t size) {
+    z_stream s{};
+    if (deflateInit2(&s, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) != Z_OK) std::abort();
+    std::vector<std::uint8_t> out(deflateBound(&s, static_cast<uLong>(size)));
+    s.next_in = const_cast<Bytef*>(data);  // zlib's API is not const; it does not write the input
+    s.avail_in = static_cast<uInt>(size);
+    s.next_out = out.data();
+    s.avail_out = static_cast<uInt>(out.size());
+    if (deflate(&s, Z_FINISH) != Z_STREAM_END) std::abort();
+    out.resize(s.total_out);
+    deflateEnd(&s);
+    return out;
+}
+
+[[noreturn]] void finding(const char* what) {
+    std::fprintf(stderr, "fuzz_idx: a loaded data set breaks an invariant: %s\n", what);
+    std::abort();
+}
+
+// What `load_idx` promises about a data set it returns.
+void check_loaded(const mnist::Dataset& ds, std::int64_t limit) {
+    if (ds.rows != 28 || ds.cols != 28) finding("images are not 28x28");
+    if (ds.count < 0 || (limit > 0 && ds.count > limit)) finding("count is negative or beyond the limit");
+    if (ds.pixels.size() != static_cast<std::size_t>(ds.count) * 28 * 28) finding("pixel bytes differ from count x 28 x 28");
+    if (ds.labels.size() != static_cast<std::size_t>(ds.count)) finding("label count differs from image count");
+    for (const auto l : ds.labels)
+        if (l < 0 || l > 9) finding("a label outside 0-9");
+}
+
+// The self-test's planted defect: a heap copy of `v` and a read one element past its end (not
+// for an empty `v`: ASan gives a 0-byte allocation one byte it does not poison).
+bool self_test() {
+    static const bool on = [] {
+        const char* v = std::getenv("LOCKSTEP_FUZZ_SELF_TEST");
+        return v != nullptr && std::strcmp(v, "1") == 0;
+    }();
+    return on;
+}
+template <class T>
+void read_past_the_end(const std::vector<T>& v) {
+    if (v.empty()) return;
+    const std::unique_ptr<T[]> copy(new T[v.size()]);
+    std::copy(v.begin(), v.end(), copy.get());
+    std::fprintf(stderr, "fuzz_idx: self-test: reading element %zu of a %zu-element copy\n", v.size(), v.size());
+    const volatile T* at = copy.get();
+    const T sink = at[v.size()];  // out of bounds on purpose
+    (void)sink;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+    if (size < 3) return 0;
+    static ScratchFile images("lockstep-fuzz-idx-images"), labels("lockstep-fuzz-idx-labels");
+    const unsigned flags = data[0];
+    static constexpr std::int64_t limits[] = {0, 1, 2, -1};
+    const std::int64_t limit = limits[(flags >> 2) & 3];
+    std::size_t images_size = data[1] | (std::size_t{data[2]} << 8);
+    data += 3;
+    size -= 3;
+    if (images_size > size) images_size = size;
+    const auto write = [](ScratchFile& file, bool compress, const std::uint8_t* part, std::size_t n) {
+        if (!compress) return file.write(part, n);
+        const auto z = gzip(part, n);
+        return file.write(z.data(), z.size());
+    };
+    const std::string images_path = write(images, (flags & 1) != 0, data, images_size);
+    const std::string labels_path = write(labels, (flags & 2) != 0, data + images_size, size - images_size);
+    try {
+        const auto ds = mnist::load_idx(images_path, labels_path, limit);
+        check_loaded(ds, limit);
+        if (self_test()) read_past_the_end(ds.pixels);
+    } catch (const mnist::DataError&) {
+        // a refused file: the expected outcome
+    }
+    return 0;
+}
