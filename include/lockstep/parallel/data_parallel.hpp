@@ -153,7 +153,7 @@ public:
             rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, devices_[ur]);
             rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, devices_[ur]);
             nn::for_each_parameter(rep.module, [&](const std::string& name, const auto&) { rep.param_names.push_back(name); });
-            rep.finite_check = Tensor<double, backend>(Shape{static_cast<std::int64_t>(rep.param_names.size()) + 1},
+            rep.finite_check = Tensor<double, backend>(Shape{static_cast<std::int64_t>(rep.param_names.size()) + 2},
                                                        MemoryFormat::nchw, devices_[ur]);
             build_buckets(rep, devices_[ur]);
             rep.make_buffer_copies();
@@ -328,7 +328,7 @@ private:
         Ctx ctx;
         Tensor<double, backend> totals;   // (2): loss sum and correct count since the last step
         Tensor<double, backend> norm_sq;       // (1): squared global gradient norm, when clipping
-        Tensor<double, backend> finite_check;  // (parameters + 1): squared gradient norms and the loss
+        Tensor<double, backend> finite_check;  // (parameters + 2): squared gradient norms, then the step's totals
         std::vector<std::string> param_names;  // visit order
         std::vector<Bucket> buckets;
         struct Slot {
@@ -483,7 +483,7 @@ private:
                     K::add(rep.ctx.exec, rep.totals, lo.totals);
                     if constexpr (Step) {
                         rep.finish_buckets();
-                        if (options_.check_finite) check_finite(rep, r);
+                        if (options_.check_finite) check_finite(rep, r, sums[ur], corrects[ur]);
                         if (options_.clip_grad_norm) clip(rep, *options_.clip_grad_norm);
                         // Note [commit point]: no replica updates its parameters unless every
                         // replica got here; a failure anywhere before aborts this barrier on all.
@@ -503,9 +503,13 @@ private:
                     applied[ur] = 1;
                     // Note [commit point]: a replica whose optimizer threw fails the step everywhere.
                     rep.grad_comm->barrier(comm::CollectiveSite::commit(1));
-                    // The step's scalars: the one wait for the device in a step.
-                    sums[ur] = K::read(rep.ctx.exec, rep.totals, 0);
-                    corrects[ur] = K::read(rep.ctx.exec, rep.totals, 1);
+                    // The step's scalars: the one read from the device in a step (with check_finite
+                    // they came back with the finite check, before the commit barrier).
+                    if (!options_.check_finite) {
+                        const auto t = K::to_vector(rep.ctx.exec, rep.totals);
+                        sums[ur] = t[0];
+                        corrects[ur] = t[1];
+                    }
                 }
             });
         } catch (const std::exception& e) {
@@ -549,16 +553,19 @@ private:
 
     // Throws NonFinite, on the replica that finds it, when the loss or an all-reduced gradient holds
     // NaN or infinity: before the commit barrier, so no replica applies the step. One read of the
-    // per-parameter squared norms and the loss (the gradients are the same on every replica).
-    void check_finite(Replica& rep, int rank) {
+    // per-parameter squared norms and the step's totals (the gradients are the same on every
+    // replica), which also returns the totals: the step reads nothing else from the device.
+    void check_finite(Replica& rep, int rank, double& loss_sum, double& correct) {
         const auto& ex = rep.ctx.exec;
         rep.finite_check.zero();
         std::int64_t i = 0;
         nn::for_each_parameter(rep.module, [&](const std::string&, const nn::Parameter<backend>& p) {
             K::add_sum_squares(ex, p.grad, rep.finite_check, i++);
         });
-        K::copy(ex, rep.finite_check, i, rep.totals, 0, 1);  // the loss summed over this replica's samples
+        K::copy(ex, rep.finite_check, i, rep.totals, 0, 2);  // the loss summed over this replica's samples, the correct count
         const auto v = K::to_vector(ex, rep.finite_check);
+        loss_sum = v[static_cast<std::size_t>(i)];
+        correct = v[static_cast<std::size_t>(i) + 1];
         const std::string step = "step " + std::to_string(steps_ + 1);
         if (!std::isfinite(v[static_cast<std::size_t>(i)]))
             throw NonFinite(step + ": the loss over replica " + std::to_string(rank) + "'s samples is " +
