@@ -201,6 +201,53 @@ int main() {
                           MemoryFormat::nhwc, ctx, rng);
         }
 
+        // ---- the losses ----
+        {
+            nn::Context<Host> hctx;
+            hctx.global_batch = 12;  // a shard of 6 out of a global batch of 12
+            ctx.global_batch = 12;
+            const auto out = random_host(Shape{6, 10}, rng), target = random_host(Shape{6, 10}, rng);
+            const auto mh = nn::MseLoss{}(hctx, out, target);
+            const auto mc = nn::MseLoss{}(ctx, out.template to<Cuda>(Device::cuda(0)), target.template to<Cuda>(Device::cuda(0)));
+            expect_close(values(mc.grad), values(mh.grad), 1e-6, "MseLoss gradient");
+            expect(std::abs(mc.sum() - mh.sum()) <= 1e-12 * std::abs(mh.sum()), "MseLoss sum");
+            std::vector<std::int64_t> labels = {0, 9, 3, 3, 5, 1};
+            const auto ch = nn::SoftmaxCrossEntropy{}(hctx, out, labels);
+            const auto cc = nn::SoftmaxCrossEntropy{}(ctx, out.template to<Cuda>(Device::cuda(0)), labels);
+            expect_close(values(cc.grad), values(ch.grad), 1e-6, "SoftmaxCrossEntropy gradient");
+            expect(std::abs(cc.sum() - ch.sum()) <= 1e-12 * std::abs(ch.sum()) && cc.correct() == ch.correct(),
+                   "SoftmaxCrossEntropy sum and correct count");
+            ctx.global_batch = 0;
+        }
+
+        // ---- a gradient bucket's pack and unpack: many tensors in one launch ----
+        {
+            std::vector<Tensor<float, Cuda>> grads;
+            std::vector<std::vector<float>> want;
+            std::int64_t total = 0;
+            for (int t = 0; t < 40; ++t) {
+                const auto h = random_host(Shape{(t * 37) % 301 + 1}, rng);
+                want.push_back(values(h));
+                grads.push_back(h.template to<Cuda>(Device::cuda(0)));
+                total += h.numel();
+            }
+            Tensor<float, Cuda> flat(Shape{total}, MemoryFormat::nchw, Device::cuda(0));
+            std::vector<kernels::CopyPiece<Cuda>> pack, unpack;
+            std::vector<Tensor<float, Cuda>> back;
+            for (auto& g : grads) back.emplace_back(g.shape(), MemoryFormat::nchw, Device::cuda(0));
+            std::int64_t at = 0;
+            for (std::size_t t = 0; t < grads.size(); ++t) {
+                pack.push_back({&flat, at, &grads[t], 0, grads[t].numel()});
+                unpack.push_back({&back[t], 0, &flat, at, grads[t].numel()});
+                at += grads[t].numel();
+            }
+            kernels::Ops<Cuda>::copy_many(ctx.exec, pack);
+            kernels::Ops<Cuda>::copy_many(ctx.exec, unpack);
+            bool same = true;
+            for (std::size_t t = 0; t < grads.size(); ++t) same = same && values(back[t]) == want[t];
+            expect(same, "copy_many packs 40 gradients into a bucket and unpacks them unchanged");
+        }
+
         // ---- SyncBatchNorm at world 1 against fp64, the host tests' shapes ----
         for (const std::int64_t C : {1, 3, 33, 257})
             for (const std::int64_t hw : {1, 35, 784})
