@@ -121,8 +121,9 @@ TEST_CASE("a replica that throws before, inside or after a collective never hang
             if (r == bad && where == 2) throw std::runtime_error("failed after");
         });
         FAIL("no throw");
-    } catch (const std::runtime_error& e) {
-        CHECK(std::string(e.what()).rfind("failed", 0) == 0);
+    } catch (const ReplicaError& e) {  // the root cause with its rank, not a peer's CollectiveAborted
+        CHECK(e.rank() == bad);
+        CHECK(e.message().rfind("failed", 0) == 0);
     }
     CHECK(clock_type::now() - t0 < 1s);
     // The next job runs normally on the same pool and group.

@@ -45,9 +45,17 @@ TEST_CASE("ReplicaPool rethrows the first failure with its rank and stays usable
         CHECK(e.rank() == 2);
         CHECK(std::string(e.what()).find("replica two is unhappy") != std::string::npos);
     }
-    CHECK_THROWS_AS(pool.run([](int r) {
-        if (r == 0) throw std::out_of_range("foreign exception type");
-    }), std::out_of_range);
+    // An exception of another type comes wrapped with its rank, the original nested inside.
+    try {
+        pool.run([](int r) {
+            if (r == 0) throw std::out_of_range("foreign exception type");
+        });
+        FAIL("no throw");
+    } catch (const ReplicaError& e) {
+        CHECK(e.rank() == 0);
+        CHECK(e.message() == "foreign exception type");
+        CHECK_THROWS_AS(std::rethrow_if_nested(e), std::out_of_range);
+    }
     std::atomic<int> count{0};
     pool.run([&](int) { ++count; });
     CHECK(count == 4);
@@ -67,7 +75,7 @@ TEST_CASE("ReplicaPool rolls back when a thread fails to initialise", "[runtime]
                           ++inits;
                           if (r == 3) throw std::runtime_error("cannot bind device 3");
                       }),
-                      "cannot bind device 3");
+                      "[rank 3] cannot bind device 3");
     CHECK(inits == 4);  // every started thread ran and was joined (no detach, no leak under ASan)
 }
 
@@ -171,8 +179,8 @@ TEST_CASE("AbortableBarrier abort wakes every waiter", "[runtime]") {
             barrier->arrive_and_wait(r);
         });
         FAIL("no throw");
-    } catch (const std::runtime_error& e) {
-        CHECK(std::string(e.what()) == "replica 2 crashed");  // the root cause, not the peers' aborts
+    } catch (const ReplicaError& e) {
+        CHECK(std::string(e.what()) == "[rank 2] replica 2 crashed");  // the root cause, not the peers' aborts
     }
     CHECK(clock_type::now() - t0 < 1s);
     // The pool reset the barrier: a normal job synchronises again.

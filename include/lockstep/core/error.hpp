@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace lockstep {
 
@@ -75,6 +76,25 @@ class NotImplemented : public UsageError { using UsageError::UsageError; };
 class NonFinite : public Error { using Error::Error; };
 //! Replicas may differ: a step failed after some replica applied it. `DataParallel::resync()` mends it.
 class Diverged : public Error { using Error::Error; };
+//! A replica did not finish its part of a call within the timeout after a peer failed or finished
+//! (see Note [stuck replicas] in runtime/replica_pool.hpp): the call gave up on it and left its
+//! thread running, so the `ReplicaPool` (and the `DataParallel`) that owns the thread refuses every
+//! later call with this same exception; make a new one. `rank()` is the first stuck replica,
+//! `stuck_ranks()` all of them; the failure that came first, if any, is nested
+//! (`std::rethrow_if_nested`).
+class ReplicaStuck : public Timeout {
+public:
+    ReplicaStuck(const std::string& what, std::vector<int> stuck_ranks)
+        : Timeout(what, stuck_ranks.empty() ? -1 : stuck_ranks.front()), stuck_ranks_(std::move(stuck_ranks)) {}
+    const std::vector<int>& stuck_ranks() const noexcept { return stuck_ranks_; }
+
+private:
+    std::vector<int> stuck_ranks_;
+};
+//! An exception that is not a `lockstep::Error`, thrown by code running on a replica (a layer, a
+//! loss, an optimizer, a job): `rank()` names the replica, `message()` is the original `what()`
+//! unchanged, and the original exception is nested (`std::rethrow_if_nested(e)` rethrows it).
+class ReplicaError : public Error { using Error::Error; };
 
 namespace detail {
 

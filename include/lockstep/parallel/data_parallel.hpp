@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -44,7 +45,8 @@ struct DataParallelOptions {
     //! Run each bucket's all-reduce on the replica's communication thread as soon as the bucket's
     //! gradients are final, overlapping the rest of backward (false: after backward, in line).
     bool overlap = true;
-    //! No collective waits longer than this for a peer.
+    //! No collective waits longer than this for a peer, and no call waits longer than this for
+    //! a replica once another has failed or finished (then it throws `ReplicaStuck`).
     std::chrono::milliseconds timeout = AbortableBarrier::default_timeout;
     //! Where the replica threads run (see Note [replica CPU binding]).
     CpuBinding cpu_binding = CpuBinding::automatic;
@@ -103,7 +105,86 @@ struct StepResult {
 // train_step all-reduces once and steps: accumulate(b1) then train_step(b2) equals
 // train_step(b1 + b2) for a model without batch norm, whatever the sizes.
 
+// Note [jobs own their state]
+// A call may give up on a stuck replica and return while that replica's thread still runs the
+// call's job (Note [stuck replicas] in runtime/replica_pool.hpp). So no job references the
+// caller's stack or the DataParallel object: the replicas, groups and options live in a `Core`
+// that the object and every job own jointly, and a call's own state (shards, per-replica results,
+// a copy of the loss) in a `std::shared_ptr` the job holds. The caller's input batch, targets and
+// prototype are read only at the start of a replica's part, through `CallerRefs`, and a call that
+// returns first marks them gone, so a late replica can never read them. What a stuck replica is
+// inside of stays in use: the user's layer, loss copy or optimizer it is stuck in.
+
+namespace detail {
+
+//! The caller's objects a job may read (the input batch, the targets, the prototype): readable
+//! until the call releases them, which waits for the reads in progress (library copies only,
+//! never user code) and makes later reads fail.
+class CallerRefs {
+public:
+    //! Runs `f` if the caller's objects are still there; false when the call has returned.
+    template <class F>
+    bool read(F&& f) {
+        std::shared_lock lock(mutex_);
+        if (gone_) return false;
+        f();
+        return true;
+    }
+    void release() noexcept {
+        std::unique_lock lock(mutex_);
+        gone_ = true;
+    }
+
+private:
+    std::shared_mutex mutex_;
+    bool gone_ = false;
+};
+
+//! A copy of a caller's object when it can be copied, else a pointer to it.
+template <class T>
+class Held {
+public:
+    explicit Held(const T& value) : value_(hold(value)) {}
+    const T& get() const noexcept {
+        if constexpr (std::is_copy_constructible_v<T>) return value_;
+        else return *value_;
+    }
+
+private:
+    static auto hold(const T& value) {
+        if constexpr (std::is_copy_constructible_v<T>) return value;
+        else return &value;
+    }
+    std::conditional_t<std::is_copy_constructible_v<T>, T, const T*> value_;
+};
+
+//! One replica's targets as the replica keeps them: class labels copied out of the caller's
+//! container, a tensor shard as it is (already a copy).
+template <class Shard>
+struct OwnedShard {
+    using type = Shard;
+    static Shard own(Shard s) { return s; }
+    static const Shard& view(const Shard& s) noexcept { return s; }
+};
+template <>
+struct OwnedShard<std::span<const std::int64_t>> {
+    using type = std::vector<std::int64_t>;
+    static type own(std::span<const std::int64_t> s) { return type(s.begin(), s.end()); }
+    static std::span<const std::int64_t> view(const type& v) noexcept { return std::span<const std::int64_t>(v); }
+};
+
+inline CollectiveAborted caller_gone() {
+    return CollectiveAborted("this replica started after its call had given up on a stuck peer and returned");
+}
+
+}  // namespace detail
+
 //! Data parallelism over persistent replicas of `Module` (see DESIGN.md, "Replicas and threads").
+//! No call waits for a replica without bound: one that has not finished `options().timeout` after
+//! a peer failed or finished makes the call throw `ReplicaStuck` naming it, and the object then
+//! refuses every later call; its destructor waits the timeout again, then leaves the stuck thread
+//! behind (reported on stderr), with the replica state it still uses (Notes [stuck replicas] and
+//! [jobs own their state]).
 template <class Module, class Group = comm::default_group_t<typename Module::backend>>
 class DataParallel {
     static_assert(nn::check_module<Module>());
@@ -125,37 +206,38 @@ private:
 public:
     //! Clones `prototype` once per device and makes every replica hold replica 0's values.
     DataParallel(const Module& prototype, std::vector<Device> devices, DataParallelOptions options = {})
-        : options_(check_options(options)), devices_(check_devices(devices)), world_(static_cast<int>(devices_.size())),
-          layer_group_(std::make_unique<Group>(devices_, options.timeout)),
-          grad_group_(std::make_unique<Group>(devices_, options.timeout)),
-          resources_(devices_.size()),
+        : core_(make_core(options, devices)), world_(core_->world),
           // Each replica's backend resources are made on its own thread, which then works on its device.
           pool_(world_,
-                [this](int r) {
+                [core = core_](int r) {
                     const auto ur = static_cast<std::size_t>(r);
-                    resources_[ur] = std::make_unique<typename K::ReplicaResources>(devices_[ur]);
-                    resources_[ur]->enter();
+                    core->resources[ur] = std::make_unique<typename K::ReplicaResources>(core->devices[ur]);
+                    core->resources[ur]->enter();
                 },
-                options.cpu_binding) {
-        pool_.attach(layer_group_->abortable());
-        pool_.attach(grad_group_->abortable());
-        replicas_.resize(static_cast<std::size_t>(world_));
+                options.cpu_binding, options.timeout) {
+        pool_.attach(core_->layer_group->abortable());
+        pool_.attach(core_->grad_group->abortable());
+        core_->replicas.resize(static_cast<std::size_t>(world_));
         // Each replica is cloned on its own thread, so its tensors are made on its device.
-        pool_.run([&](int r) {
+        auto caller = std::make_shared<detail::CallerRefs>();  // Note [jobs own their state]
+        run_job(*caller, [core = core_, caller, proto = &prototype](int r) {
             const auto ur = static_cast<std::size_t>(r);
-            replicas_[ur] = std::make_unique<Replica>(nn::clone(prototype, devices_[ur]), *resources_[ur],
-                                                      layer_group_->communicator(r), grad_group_->communicator(r));
-            auto& rep = *replicas_[ur];
+            std::optional<Module> clone;
+            if (!caller->read([&] { clone.emplace(nn::clone(*proto, core->devices[ur])); })) throw detail::caller_gone();
+            core->replicas[ur] = std::make_unique<Replica>(std::move(*clone), *core->resources[ur],
+                                                           core->layer_group->communicator(r),
+                                                           core->grad_group->communicator(r));
+            auto& rep = *core->replicas[ur];
             rep.ctx.rank = r;
-            rep.ctx.world = world_;
+            rep.ctx.world = core->world;
             rep.ctx.comm = rep.layer_comm;
-            rep.ctx.exec = resources_[ur]->execution();
-            rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, devices_[ur]);
-            rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, devices_[ur]);
+            rep.ctx.exec = core->resources[ur]->execution();
+            rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, core->devices[ur]);
+            rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, core->devices[ur]);
             nn::for_each_parameter(rep.module, [&](const std::string& name, const auto&) { rep.param_names.push_back(name); });
             rep.finite_check = Tensor<double, backend>(Shape{static_cast<std::int64_t>(rep.param_names.size()) + 2},
-                                                       MemoryFormat::nchw, devices_[ur]);
-            build_buckets(rep, devices_[ur]);
+                                                       MemoryFormat::nchw, core->devices[ur]);
+            build_buckets(rep, core->devices[ur], core->options.bucket_bytes);
             rep.make_buffer_copies();
         });
         broadcast_from_first();
@@ -169,15 +251,15 @@ public:
     DataParallel& operator=(const DataParallel&) = delete;
 
     int size() const noexcept { return world_; }
-    const std::vector<Device>& devices() const noexcept { return devices_; }
-    const DataParallelOptions& options() const noexcept { return options_; }
+    const std::vector<Device>& devices() const noexcept { return core_->devices; }
+    const DataParallelOptions& options() const noexcept { return core_->options; }
     //! The CPU each replica thread is bound to, by rank; empty when unbound (see `cpu_binding`).
     const std::vector<int>& bound_cpus() const noexcept { return pool_.bound_cpus(); }
     //! Replica `i`, for reading. Replicas change only through DataParallel, so they cannot drift apart.
-    const Module& replica(int i) const { return replicas_.at(static_cast<std::size_t>(i))->module; }
+    const Module& replica(int i) const { return core_->replicas.at(static_cast<std::size_t>(i))->module; }
     //! The primary replica (rank 0). All replicas hold the same values.
     const Module& module() const { return replica(0); }
-    std::size_t bucket_count() const noexcept { return replicas_[0]->buckets.size(); }
+    std::size_t bucket_count() const noexcept { return core_->replicas[0]->buckets.size(); }
     //! Samples accumulated by `accumulate` since the last training step.
     std::int64_t accumulated_samples() const noexcept { return pending_; }
 
@@ -187,15 +269,27 @@ public:
 
     //! Runs `fn(Module& replica, nn::Context<backend>& ctx)` on every replica's thread (the seed's
     //! `_parallel_apply`); rethrows the first failure after every replica has stopped. Whatever
-    //! `fn` changes, it must change alike on every replica.
+    //! `fn` changes, it must change alike on every replica. A temporary `fn` is kept alive by the
+    //! job (Note [jobs own their state]); one passed by reference, and whatever `fn` captures by
+    //! reference, must outlive a replica the call gives up on.
     template <class F>
     void parallel_apply(F&& fn) {
-        pool_.run([&](int r) {
-            auto& rep = *replicas_[static_cast<std::size_t>(r)];
-            rep.ctx.training = training_;
+        pool_.check_usable("DataParallel::parallel_apply");
+        using Fn = std::remove_cvref_t<F>;
+        std::shared_ptr<Fn> owned;
+        std::remove_reference_t<F>* f = nullptr;
+        if constexpr (!std::is_lvalue_reference_v<F> && std::is_move_constructible_v<Fn>) {
+            owned = std::make_shared<Fn>(std::move(fn));
+            f = owned.get();
+        } else {
+            f = std::addressof(fn);
+        }
+        pool_.run([core = core_, owned, f, training = training_](int r) {
+            auto& rep = *core->replicas[static_cast<std::size_t>(r)];
+            rep.ctx.training = training;
             rep.ctx.global_batch = -1;
             rep.ctx.grad_ready = nullptr;
-            fn(rep.module, rep.ctx);
+            (*f)(rep.module, rep.ctx);
         });
     }
 
@@ -203,17 +297,26 @@ public:
     Tensor<float, backend> forward(const Tensor<float, backend>& x) {
         check_in_step("forward");
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() >= 1, "DataParallel::forward needs a batched input, got a scalar");
-        const auto shards = parallel::shard_ranges(x.dim(0), world_);
-        std::vector<Tensor<float, backend>> outs(static_cast<std::size_t>(world_));
-        pool_.run([&](int r) {
+        struct Call {  // Note [jobs own their state]
+            std::vector<parallel::ShardRange> shards;
+            std::vector<Tensor<float, backend>> outs;
+            detail::CallerRefs caller;  // x
+        };
+        auto call = std::make_shared<Call>();
+        call->shards = parallel::shard_ranges(x.dim(0), world_);
+        call->outs.resize(static_cast<std::size_t>(world_));
+        run_job(call->caller, [core = core_, call, xp = &x, training = training_, batch = x.dim(0)](int r) {
             const auto ur = static_cast<std::size_t>(r);
-            auto& rep = *replicas_[ur];
-            rep.ctx.training = training_;
-            rep.ctx.global_batch = x.dim(0);
+            auto& rep = *core->replicas[ur];
+            rep.ctx.training = training;
+            rep.ctx.global_batch = batch;
             rep.ctx.grad_ready = nullptr;
-            outs[ur] = rep.module.forward(rep.ctx, parallel::take_rows(rep.ctx.exec, x, shards[ur], devices_[ur]));
+            Tensor<float, backend> in;
+            if (!call->caller.read([&] { in = parallel::take_rows(rep.ctx.exec, *xp, call->shards[ur], core->devices[ur]); }))
+                throw detail::caller_gone();
+            call->outs[ur] = rep.module.forward(rep.ctx, std::move(in));
         });
-        return parallel::concat_rows(replicas_[0]->ctx.exec, outs, x.device());
+        return parallel::concat_rows(core_->replicas[0]->ctx.exec, call->outs, x.device());
     }
 
     //! One training step as ONE parallel region: scatter, forward, loss, backward with the
@@ -268,15 +371,18 @@ public:
     //! Loads a checkpoint into every replica (and the optimizer's state of every replica). Every
     //! tensor is checked against the model first: a checkpoint of another model throws `IoError`
     //! naming the checkpoint, the tensor and both shapes, and changes nothing.
-    void load(const nn::Checkpoint& ck) { load_impl(ck, static_cast<nn::Sgd<backend>*>(nullptr)); }
+    //! (The replicas read a copy of `ck`, owned by the call's job: Note [jobs own their state].)
+    void load(const nn::Checkpoint& ck) { load_impl(std::make_shared<const nn::Checkpoint>(ck), static_cast<nn::Sgd<backend>*>(nullptr)); }
     template <class Optimizer>
     void load(const nn::Checkpoint& ck, Optimizer& optimizer) {
-        load_impl(ck, &optimizer);
+        load_impl(std::make_shared<const nn::Checkpoint>(ck), &optimizer);
     }
-    void load(const std::string& path) { load(nn::Checkpoint::load(path)); }
+    void load(const std::string& path) {
+        load_impl(std::make_shared<const nn::Checkpoint>(nn::Checkpoint::load(path)), static_cast<nn::Sgd<backend>*>(nullptr));
+    }
     template <class Optimizer>
     void load(const std::string& path, Optimizer& optimizer) {
-        load(nn::Checkpoint::load(path), optimizer);
+        load_impl(std::make_shared<const nn::Checkpoint>(nn::Checkpoint::load(path)), &optimizer);
     }
 
     //! Training steps applied so far.
@@ -296,13 +402,15 @@ public:
     //! Gradient buckets of the last training step that replica `rank` had finished all-reducing
     //! before its backward pass ended: the all-reduce work that overlapped backward.
     std::size_t overlapped_buckets(int rank) const {
-        return replicas_.at(static_cast<std::size_t>(rank))->reduced_during_backward;
+        return core_->replicas.at(static_cast<std::size_t>(rank))->reduced_during_backward;
     }
 
     //! Collectives made so far by replica `rank` on the layer group and the gradient group.
-    std::uint64_t layer_collectives(int rank) const { return replicas_.at(static_cast<std::size_t>(rank))->layer_comm->collective_count(); }
+    std::uint64_t layer_collectives(int rank) const {
+        return core_->replicas.at(static_cast<std::size_t>(rank))->layer_comm->collective_count();
+    }
     std::uint64_t gradient_collectives(int rank) const {
-        return replicas_.at(static_cast<std::size_t>(rank))->grad_comm->collective_count();
+        return core_->replicas.at(static_cast<std::size_t>(rank))->grad_comm->collective_count();
     }
 
 private:
@@ -431,6 +539,19 @@ private:
         }
     };
 
+    // What the replica threads touch, owned by the object and by every job it gives the pool
+    // (Note [jobs own their state]): a thread the pool gave up on keeps it alive, and destroys it
+    // when it comes back after the object is gone.
+    struct Core {
+        DataParallelOptions options;
+        std::vector<Device> devices;
+        int world = 0;
+        std::unique_ptr<Group> layer_group;  // layer collectives (SyncBatchNorm), on the replica threads
+        std::unique_ptr<Group> grad_group;   // gradient buckets, on the communication threads
+        std::vector<std::unique_ptr<typename K::ReplicaResources>> resources;  // made on the replica threads
+        std::vector<std::unique_ptr<Replica>> replicas;  // destroyed first: they use the groups and resources
+    };
+
     // One step or micro-batch on every replica (see Notes [step order] and [gradient accumulation]).
     template <bool Step, class View, class Loss, class Optimizer>
     StepResult run_step(const Tensor<float, backend>& x, const View& targets, const Loss& loss, Optimizer* optimizer,
@@ -449,42 +570,67 @@ private:
         LOCKSTEP_CHECK_AS(ShapeError, rows == x.dim(0), what, ": ", rows,
                           std::is_same_v<View, std::span<const std::int64_t>> ? " labels" : " target rows", " for a batch of ",
                           x.dim(0), "; pass one per sample");
-        const auto shards = parallel::shard_ranges(x.dim(0), world_);
-        const std::int64_t before = pending_, after = pending_ + x.dim(0);
+        const std::int64_t batch = x.dim(0);
+        const std::int64_t before = pending_, after = pending_ + batch;
         if constexpr (Step) optimizer->prepare(world_);
-        std::vector<double> sums(static_cast<std::size_t>(world_)), corrects(static_cast<std::size_t>(world_));
-        std::atomic<int> committed{0};                     // replicas past the commit barrier
-        std::vector<char> applied(static_cast<std::size_t>(world_), 0);  // replicas whose optimizer step completed
+        // The call's state, owned by this call and by the job (Note [jobs own their state]).
+        struct Call {
+            Call(int world, const Loss& l)
+                : sums(static_cast<std::size_t>(world)), corrects(static_cast<std::size_t>(world)),
+                  applied(static_cast<std::size_t>(world)), loss(l) {}
+            std::vector<parallel::ShardRange> shards;
+            std::vector<double> sums, corrects;
+            std::atomic<int> committed{0};                // replicas past the commit barrier
+            std::vector<std::atomic<bool>> applied;       // replicas whose optimizer step completed
+            detail::Held<Loss> loss;
+            detail::CallerRefs caller;                    // x and targets
+        };
+        using Owned = detail::OwnedShard<Shard>;
+        auto call = std::make_shared<Call>(world_, loss);
+        call->shards = parallel::shard_ranges(batch, world_);
+        const std::int64_t step_number = steps_ + 1;
         try {
-            pool_.run([&](int r) {
+            run_job(call->caller, [core = core_, call, xp = &x, tp = &targets, optimizer, before, after, batch,
+                                   step_number](int r) {
                 const auto ur = static_cast<std::size_t>(r);
-                auto& rep = *replicas_[ur];
+                const auto& options = core->options;
+                auto& rep = *core->replicas[ur];
                 rep.ctx.training = true;
-                rep.ctx.global_batch = x.dim(0);
+                rep.ctx.global_batch = batch;
                 if (before == 0) {
                     nn::zero_grad(rep.module);
                     rep.totals.zero();
                 }
-                if constexpr (Step) rep.begin_buckets(options_.overlap);
+                if constexpr (Step) rep.begin_buckets(options.overlap);
                 else rep.ctx.grad_ready = nullptr;
                 rep.save_buffers();
                 try {
-                    auto out = rep.module.forward(rep.ctx, parallel::take_rows(rep.ctx.exec, x, shards[ur], devices_[ur]));
-                    auto lo = loss(rep.ctx, out, parallel::shard_targets(rep.ctx.exec, targets, shards[ur], devices_[ur]));
+                    // This replica's rows of the caller's batch and targets, copied while the call waits.
+                    Tensor<float, backend> in;
+                    typename Owned::type shard_targets;
+                    const auto& shard = call->shards[ur];
+                    const auto& device = core->devices[ur];
+                    if (!call->caller.read([&] {
+                            in = parallel::take_rows(rep.ctx.exec, *xp, shard, device);
+                            shard_targets = Owned::own(parallel::shard_targets(rep.ctx.exec, *tp, shard, device));
+                        }))
+                        throw detail::caller_gone();
+                    auto out = rep.module.forward(rep.ctx, std::move(in));
+                    auto lo = call->loss.get()(rep.ctx, out, Owned::view(shard_targets));
                     out = Tensor<float, backend>();
                     if (before > 0) {  // Note [gradient accumulation]
                         const double kept = static_cast<double>(before) / static_cast<double>(after);
                         nn::for_each_parameter(rep.module, [&](const std::string&, nn::Parameter<backend>& p) {
                             K::scale(rep.ctx.exec, p.grad, kept);
                         });
-                        K::scale(rep.ctx.exec, lo.grad, static_cast<double>(x.dim(0)) / static_cast<double>(after));
+                        K::scale(rep.ctx.exec, lo.grad, static_cast<double>(batch) / static_cast<double>(after));
                     }
                     rep.module.backward(rep.ctx, lo.grad);
                     K::add(rep.ctx.exec, rep.totals, lo.totals);
                     if constexpr (Step) {
                         rep.finish_buckets();
-                        if (options_.check_finite) check_finite(rep, r, sums[ur], corrects[ur]);
-                        if (options_.clip_grad_norm) clip(rep, *options_.clip_grad_norm);
+                        if (options.check_finite) check_finite(rep, r, step_number, call->sums[ur], call->corrects[ur]);
+                        if (options.clip_grad_norm) clip(rep, *options.clip_grad_norm);
                         // Note [commit point]: no replica updates its parameters unless every
                         // replica got here; a failure anywhere before aborts this barrier on all.
                         rep.grad_comm->barrier(comm::CollectiveSite::commit(0));
@@ -492,33 +638,36 @@ private:
                 } catch (...) {
                     // Abort both groups first (peers and this replica's communication thread wake
                     // up), then wait for the communication thread, then leave.
-                    pool_.report_failure(r, std::current_exception());
+                    ReplicaPool::report_failure(r, std::current_exception());
                     rep.unwind();
                     rep.restore_buffers();  // Note [commit point]: the failed step leaves nothing behind
                     throw;
                 }
                 if constexpr (Step) {
-                    committed.fetch_add(1, std::memory_order_relaxed);
+                    call->committed.fetch_add(1, std::memory_order_relaxed);
                     optimizer->step(rep.ctx, rep.module);
-                    applied[ur] = 1;
+                    call->applied[ur].store(true, std::memory_order_relaxed);
                     // Note [commit point]: a replica whose optimizer threw fails the step everywhere.
                     rep.grad_comm->barrier(comm::CollectiveSite::commit(1));
                     // The step's scalars: the one read from the device in a step (with check_finite
                     // they came back with the finite check, before the commit barrier).
-                    if (!options_.check_finite) {
+                    if (!options.check_finite) {
                         const auto t = K::to_vector(rep.ctx.exec, rep.totals);
-                        sums[ur] = t[0];
-                        corrects[ur] = t[1];
+                        call->sums[ur] = t[0];
+                        call->corrects[ur] = t[1];
                     }
                 }
             });
+        } catch (const ReplicaStuck&) {
+            pending_ = 0;  // the object is unusable now (Note [stuck replicas]); nothing more to record
+            throw;
         } catch (const std::exception& e) {
             pending_ = 0;  // the kept gradients are incomplete: the next call starts afresh
-            if constexpr (Step) mark_if_diverged(committed.load(), applied, e.what());
+            if constexpr (Step) mark_if_diverged(call->committed.load(), call->applied, e.what());
             throw;
         } catch (...) {
             pending_ = 0;
-            if constexpr (Step) mark_if_diverged(committed.load(), applied, "an exception that is not a std::exception");
+            if constexpr (Step) mark_if_diverged(call->committed.load(), call->applied, "an exception that is not a std::exception");
             throw;
         }
         if constexpr (!Step) {
@@ -531,8 +680,8 @@ private:
             result.count = after;
             double total = 0, correct = 0;
             for (int r = 0; r < world_; ++r) {  // rank order: the same bits for any run
-                total += sums[static_cast<std::size_t>(r)];
-                correct += corrects[static_cast<std::size_t>(r)];
+                total += call->sums[static_cast<std::size_t>(r)];
+                correct += call->corrects[static_cast<std::size_t>(r)];
             }
             result.loss = total / static_cast<double>(after);
             result.correct = static_cast<std::int64_t>(correct);
@@ -541,7 +690,7 @@ private:
     }
 
     // Scales every gradient by min(1, max_norm / (global norm + 1e-6)) (Note [step order]).
-    void clip(Replica& rep, double max_norm) {
+    static void clip(Replica& rep, double max_norm) {
         rep.norm_sq.zero();
         nn::for_each_parameter(rep.module, [&](const std::string&, const nn::Parameter<backend>& p) {
             K::add_sum_squares(rep.ctx.exec, p.grad, rep.norm_sq);
@@ -555,7 +704,7 @@ private:
     // NaN or infinity: before the commit barrier, so no replica applies the step. One read of the
     // per-parameter squared norms and the step's totals (the gradients are the same on every
     // replica), which also returns the totals: the step reads nothing else from the device.
-    void check_finite(Replica& rep, int rank, double& loss_sum, double& correct) {
+    static void check_finite(Replica& rep, int rank, std::int64_t step_number, double& loss_sum, double& correct) {
         const auto& ex = rep.ctx.exec;
         rep.finite_check.zero();
         std::int64_t i = 0;
@@ -566,7 +715,7 @@ private:
         const auto v = K::to_vector(ex, rep.finite_check);
         loss_sum = v[static_cast<std::size_t>(i)];
         correct = v[static_cast<std::size_t>(i) + 1];
-        const std::string step = "step " + std::to_string(steps_ + 1);
+        const std::string step = "step " + std::to_string(step_number);
         if (!std::isfinite(v[static_cast<std::size_t>(i)]))
             throw NonFinite(step + ": the loss over replica " + std::to_string(rank) + "'s samples is " +
                             std::to_string(v[static_cast<std::size_t>(i)]) +
@@ -580,14 +729,16 @@ private:
 
     // After a failed step (Note [commit point]): replicas differ when some passed the commit
     // barrier but not all of them applied the step.
-    void mark_if_diverged(int committed, const std::vector<char>& applied, const std::string& what) {
-        const bool all = std::all_of(applied.begin(), applied.end(), [](char a) { return a != 0; });
+    void mark_if_diverged(int committed, const std::vector<std::atomic<bool>>& applied, const std::string& what) {
+        const auto done = [](const std::atomic<bool>& a) { return a.load(std::memory_order_relaxed); };
+        const bool all = std::all_of(applied.begin(), applied.end(), done);
         if (committed == 0 || all) return;
-        const auto first = std::find(applied.begin(), applied.end(), char{1});
+        const auto first = std::find_if(applied.begin(), applied.end(), done);
         diverged_ = Divergence{steps_ + 1, first == applied.end() ? 0 : static_cast<int>(first - applied.begin()), what};
     }
 
     void check_in_step(const char* what) const {
+        pool_.check_usable(std::string("DataParallel::") + what);  // Note [stuck replicas] first: resync cannot mend that
         if (!diverged_) return;
         throw Diverged(std::string("DataParallel::") + what + ": the replicas may differ since step " +
                        std::to_string(diverged_->step) + " failed after its commit point (" + diverged_->reason +
@@ -597,15 +748,17 @@ private:
 
     template <class Optimizer>
     void resync_impl(Optimizer* optimizer) {
+        pool_.check_usable("DataParallel::resync");
         const int root = diverged_ ? diverged_->root : 0;
         std::vector<char> root_has;  // which of the root's optimizer states exist (PyTorch's None otherwise)
         if (optimizer != nullptr) {
             optimizer->prepare(world_);
-            optimizer->visit_state(root, replicas_[static_cast<std::size_t>(root)]->module,
+            optimizer->visit_state(root, core_->replicas[static_cast<std::size_t>(root)]->module,
                                    [&](const std::string&, const auto& state, const auto&) { root_has.push_back(state.numel() > 0); });
         }
-        pool_.run([&](int r) {
-            auto& rep = *replicas_[static_cast<std::size_t>(r)];
+        // Note [jobs own their state]: the job holds its own copy of `root_has`.
+        pool_.run([core = core_, root, root_has = std::move(root_has), optimizer](int r) {
+            auto& rep = *core->replicas[static_cast<std::size_t>(r)];
             const std::uint64_t next = broadcast_module(rep, root);
             if (optimizer == nullptr) return;
             std::size_t i = 0;
@@ -624,13 +777,15 @@ private:
     }
 
     template <class Optimizer>
-    void load_impl(const nn::Checkpoint& ck, Optimizer* optimizer) {
+    void load_impl(std::shared_ptr<const nn::Checkpoint> held, Optimizer* optimizer) {
+        pool_.check_usable("DataParallel::load");
+        const nn::Checkpoint& ck = *held;
         // Check everything against replica 0 before any replica changes.
         nn::check_module_fits(ck, module(), {}, true, "optimizer.");
         if (optimizer != nullptr) {
             optimizer->prepare(world_);
             std::set<std::string> states;
-            optimizer->visit_state(0, replicas_[0]->module, [&](const std::string& name, const auto&, const auto& p) {
+            optimizer->visit_state(0, core_->replicas[0]->module, [&](const std::string& name, const auto&, const auto& p) {
                 const std::string key = "optimizer." + name;
                 states.insert(key);
                 if (ck.contains(key)) ck.check_fits(key, p.value);
@@ -639,10 +794,10 @@ private:
                 if (name.rfind("optimizer.", 0) == 0 && states.count(name) == 0)
                     throw IoError(ck.label() + " has optimizer state '" + name + "' that this model's optimizer does not have");
         }
-        pool_.run([&](int r) {
-            auto& rep = *replicas_[static_cast<std::size_t>(r)];
-            nn::assign_module(ck, rep.module);  // checked above, against replica 0
-            if (optimizer != nullptr) nn::get_optimizer(ck, *optimizer, rep.module, r);
+        pool_.run([core = core_, held, optimizer](int r) {  // Note [jobs own their state]: the job owns the checkpoint
+            auto& rep = *core->replicas[static_cast<std::size_t>(r)];
+            nn::assign_module(*held, rep.module);  // checked above, against replica 0
+            if (optimizer != nullptr) nn::get_optimizer(*held, *optimizer, rep.module, r);
         });
         pending_ = 0;
         diverged_.reset();  // every replica holds the checkpoint now
@@ -664,7 +819,7 @@ private:
         return devices;
     }
 
-    void build_buckets(Replica& rep, const Device& device) {
+    static void build_buckets(Replica& rep, const Device& device, std::size_t bucket_bytes) {
         std::vector<nn::Parameter<backend>*> params;
         nn::for_each_parameter(rep.module, [&](const std::string&, nn::Parameter<backend>& p) { params.push_back(&p); });
         Bucket current;
@@ -680,7 +835,7 @@ private:
         for (auto it = params.rbegin(); it != params.rend(); ++it) {
             auto* p = *it;
             if (!current.params.empty() &&
-                static_cast<std::size_t>(elems + p->numel()) * sizeof(float) > options_.bucket_bytes)
+                static_cast<std::size_t>(elems + p->numel()) * sizeof(float) > bucket_bytes)
                 close();
             current.params.push_back(p);
             current.offsets.push_back(elems);
@@ -690,12 +845,12 @@ private:
     }
 
     void broadcast_from_first() {
-        pool_.run([&](int r) { broadcast_module(*replicas_[static_cast<std::size_t>(r)], 0); });
+        pool_.run([core = core_](int r) { broadcast_module(*core->replicas[static_cast<std::size_t>(r)], 0); });
     }
 
     // Copies `root`'s parameters and buffers into replica `rep` (on its thread, with all the others);
     // returns the number of broadcasts made, the next free site index.
-    std::uint64_t broadcast_module(Replica& rep, int root) {
+    static std::uint64_t broadcast_module(Replica& rep, int root) {
         std::uint64_t index = 0;
         const auto bcast = [&](auto& t) { rep.layer_comm->broadcast(DeviceSpan(t), root, comm::CollectiveSite::broadcast(index++)); };
         nn::walk(
@@ -703,15 +858,31 @@ private:
         return index;
     }
 
-    DataParallelOptions options_;
+    // Runs `job` on every replica; when the call returns (or gives up on a stuck replica and
+    // throws), the caller's objects that `caller` guards are gone for any replica still to read them.
+    void run_job(detail::CallerRefs& caller, ReplicaPool::Job job) {
+        struct Release {
+            detail::CallerRefs& refs;
+            ~Release() { refs.release(); }
+        } release{caller};
+        pool_.run(std::move(job));
+    }
+
+    static std::shared_ptr<Core> make_core(const DataParallelOptions& options, const std::vector<Device>& devices) {
+        auto core = std::make_shared<Core>();
+        core->options = check_options(options);
+        core->devices = check_devices(devices);
+        core->world = static_cast<int>(core->devices.size());
+        core->layer_group = std::make_unique<Group>(core->devices, options.timeout);
+        core->grad_group = std::make_unique<Group>(core->devices, options.timeout);
+        core->resources.resize(core->devices.size());
+        return core;
+    }
+
     typename K::Runtime runtime_;  // the backend's process-wide settings while replicas exist
-    std::vector<Device> devices_;
+    std::shared_ptr<Core> core_;   // Note [jobs own their state]
     int world_;
-    std::unique_ptr<Group> layer_group_;  // layer collectives (SyncBatchNorm), on the replica threads
-    std::unique_ptr<Group> grad_group_;   // gradient buckets, on the communication threads
-    std::vector<std::unique_ptr<typename K::ReplicaResources>> resources_;  // made on the replica threads
-    ReplicaPool pool_;
-    std::vector<std::unique_ptr<Replica>> replicas_;
+    ReplicaPool pool_;  // after core_: its threads are joined (or left behind) before core_ is released
     bool training_ = true;
     std::int64_t pending_ = 0;  // samples accumulated since the last step
     std::int64_t steps_ = 0;    // steps applied

@@ -57,7 +57,7 @@ public:
     }
 
     //! Blocks until all parties arrived. Throws `CollectiveAborted` after `abort()`, `Timeout`
-    //! (naming the missing ranks) when the timeout passes first.
+    //! (naming the missing ranks; its `rank()` is the first of them) when the timeout passes first.
     void arrive_and_wait(int rank) {
         std::unique_lock lock(mutex_);
         LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < parties_, "rank ", rank, " is not in a barrier of ",
@@ -93,13 +93,19 @@ public:
             if (cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
                 generation_.load(std::memory_order_relaxed) == gen && !aborted_) {
                 std::string missing;
-                for (int r = 0; r < parties_; ++r)
-                    if (!here_[static_cast<std::size_t>(r)]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+                int first_missing = -1;
+                for (int r = 0; r < parties_; ++r) {
+                    if (here_[static_cast<std::size_t>(r)]) continue;
+                    if (first_missing < 0) first_missing = r;
+                    missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+                }
+                // The Timeout is the stuck replica's failure: its rank() is the first that never
+                // arrived, not the rank of whoever waited for it.
                 abort_locked("barrier timed out after " + std::to_string(timeout_.count()) +
                                  " ms; ranks that never arrived: " + missing +
                                  " (a replica is stuck or skipped a collective; raise the timeout if the step is "
                                  "legitimately that slow)",
-                             -1, true);
+                             first_missing, true);
             }
         }
         if (generation_.load(std::memory_order_relaxed) != gen) return;
@@ -145,7 +151,7 @@ private:
 
     void throw_if_aborted() const {
         if (!aborted_) return;
-        if (timed_out_) throw Timeout(reason_);
+        if (timed_out_) throw Timeout(reason_, failed_rank_);
         throw CollectiveAborted("collective abandoned because " +
                                 (failed_rank_ >= 0 ? "rank " + std::to_string(failed_rank_) + " failed: " : std::string()) +
                                 reason_);
