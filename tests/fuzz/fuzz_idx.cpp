@@ -35,42 +35,11 @@
 #include <string>
 #include <vector>
 
+#include "scratch_file.hpp"
+
 namespace {
 
-// One scratch file per part for the whole process, rewritten for every input.
-class ScratchFile {
-public:
-    explicit ScratchFile(const char* name) {
-        fd_ = ::memfd_create(name, 0);
-        if (fd_ >= 0) {
-            path_ = "/proc/self/fd/" + std::to_string(fd_);
-        } else {  // no memfd: a file under /tmp named after this process
-            path_ = "/tmp/" + std::string(name) + "-" + std::to_string(::getpid());
-            fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
-            unlink_ = true;
-        }
-        if (fd_ < 0) {
-            std::perror("fuzz_idx: cannot make a scratch file");
-            std::abort();
-        }
-    }
-    ~ScratchFile() {
-        ::close(fd_);
-        if (unlink_) ::unlink(path_.c_str());
-    }
-    const std::string& write(const std::uint8_t* data, std::size_t size) {
-        if (::ftruncate(fd_, 0) != 0 || (size > 0 && ::pwrite(fd_, data, size, 0) != static_cast<ssize_t>(size))) {
-            std::perror("fuzz_idx: cannot write a scratch file");
-            std::abort();
-        }
-        return path_;
-    }
-
-private:
-    int fd_ = -1;
-    bool unlink_ = false;
-    std::string path_;
-};
+using lockstep::fuzz::ScratchFile;
 
 // `data` as one gzip member (what `gzip` writes), made with zlib.
 std::vector<std::uint8_t> gzip(const std::uint8_t* data, std::size_t size) {

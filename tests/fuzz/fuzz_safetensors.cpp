@@ -25,42 +25,11 @@
 #include <string>
 #include <vector>
 
+#include "scratch_file.hpp"
+
 namespace {
 
-// One scratch file for the whole process, rewritten for every input.
-class ScratchFile {
-public:
-    ScratchFile() {
-        fd_ = ::memfd_create("lockstep-fuzz-safetensors", 0);
-        if (fd_ >= 0) {
-            path_ = "/proc/self/fd/" + std::to_string(fd_);
-        } else {  // no memfd: a file under /tmp named after this process
-            path_ = "/tmp/lockstep-fuzz-safetensors-" + std::to_string(::getpid());
-            fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
-            unlink_ = true;
-        }
-        if (fd_ < 0) {
-            std::perror("fuzz_safetensors: cannot make a scratch file");
-            std::abort();
-        }
-    }
-    ~ScratchFile() {
-        ::close(fd_);
-        if (unlink_) ::unlink(path_.c_str());
-    }
-    const std::string& write(const std::uint8_t* data, std::size_t size) {
-        if (::ftruncate(fd_, 0) != 0 || (size > 0 && ::pwrite(fd_, data, size, 0) != static_cast<ssize_t>(size))) {
-            std::perror("fuzz_safetensors: cannot write the scratch file");
-            std::abort();
-        }
-        return path_;
-    }
-
-private:
-    int fd_ = -1;
-    bool unlink_ = false;
-    std::string path_;
-};
+using lockstep::fuzz::ScratchFile;
 
 [[noreturn]] void finding(const char* what, const std::string& name) {
     std::fprintf(stderr, "fuzz_safetensors: a loaded checkpoint breaks an invariant: %s (tensor '%s')\n", what, name.c_str());
@@ -111,7 +80,7 @@ void read_past_the_end(const std::vector<unsigned char>& v) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-    static ScratchFile file;
+    static ScratchFile file("lockstep-fuzz-safetensors");
     const std::string& path = file.write(data, size);
     try {
         const auto ck = lockstep::nn::Checkpoint::load(path);
