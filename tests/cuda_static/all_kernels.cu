@@ -20,6 +20,7 @@
 #include <lockstep/kernels/device/bn_kernels.cuh>
 #include <lockstep/kernels/device/launch.cuh>
 // Ops<Cuda> without <lockstep/cuda.cuh>'s communicators: the gate needs the toolkit's headers only.
+#include <lockstep/comm/cuda_group.cuh>
 #include <lockstep/kernels/cuda_ops.cuh>
 
 namespace lockstep::cuda_static {
@@ -100,6 +101,12 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     Ops::sgd_step_many(ex, sgd, kernels::SgdUpdate{});
     const kernels::CopyPiece<Cuda> pieces[] = {{&f, 0, &f, 0, 1}};
     Ops::copy_many(ex, pieces);
+}
+
+// ---- the device-local all-reduce of replicas sharing a GPU (comm::CudaGroup's local mode) -------
+void all_group_kernels(std::span<void* const> buffers) {
+    comm::NcclApi::rank_sum(0, nullptr, buffers, 1, comm::DType::f32);
+    comm::NcclApi::rank_sum(0, nullptr, buffers, 1, comm::DType::f64);
 }
 
 }  // namespace lockstep::cuda_static

@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <lockstep/kernels/device/layer_kernels.cuh>
+#include <lockstep/comm/host_communicator.hpp>
 #include <lockstep/kernels/host_ops.hpp>
 
 #include <cmath>
@@ -17,6 +18,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../test_support.hpp"
@@ -732,4 +734,59 @@ TEST_CASE("tensor tables find every item's tensor, empty tensors skipped", "[emu
     CHECK(!lk::table_item(2, 10, 4).is_vector);
     CHECK(lk::table_item(3, 10, 4).element == 9);
     CHECK(lk::table_item(7, 10, 1).element == 7);
+}
+
+// ---- the device-local all-reduce -----------------------------------------------------------------
+
+namespace {
+
+// The host group's all-reduce of `inputs` (one thread per rank): what the kernel must equal.
+template <class T>
+std::vector<std::vector<T>> host_group_sum(std::vector<std::vector<T>> inputs) {
+    auto comms = comm::HostCommunicator::create_group(static_cast<int>(inputs.size()));
+    std::vector<std::thread> threads;
+    for (std::size_t r = 0; r < inputs.size(); ++r)
+        threads.emplace_back([&, r] { comms[r].all_reduce_sum(std::span<T>(inputs[r])); });
+    for (auto& t : threads) t.join();
+    return inputs;
+}
+
+template <class T>
+void check_rank_sum(std::mt19937_64& rng) {
+    for (const auto& d : devices) {
+        for (const int ranks : {1, 2, 3, 5, 16}) {
+            for (const std::int64_t n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{17}, std::int64_t{4099}, std::int64_t{70001}}) {
+                INFO(where(d, n, 0) << " ranks=" << ranks);
+                dev::HostScratch scratch;
+                EmulatedLayerRun run{d, &scratch};
+                // Magnitudes far apart, so a sum in another order gives other bits.
+                std::vector<std::vector<T>> in(static_cast<std::size_t>(ranks));
+                std::uniform_real_distribution<double> u(-1, 1);
+                for (int r = 0; r < ranks; ++r)
+                    for (std::int64_t i = 0; i < n; ++i)
+                        in[static_cast<std::size_t>(r)].push_back(static_cast<T>(u(rng) * std::pow(10.0, (r * 7 + i) % 9 - 4)));
+                const auto want = host_group_sum(in);
+                std::vector<T*> bufs;
+                for (auto& b : in) bufs.push_back(b.data());
+                const int before = run.launches;
+                lk::rank_sum<T>(run, std::span<T* const>(bufs), n);
+                CHECK(run.launches - before == (n > 0 ? 1 : 0));  // one kernel for all ranks
+                for (int r = 0; r < ranks; ++r) CHECK(same_bits(in[static_cast<std::size_t>(r)], want[static_cast<std::size_t>(r)]));
+            }
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("emulated device-local all-reduce equals the host group's bit for bit in every buffer", "[emulation][layers]") {
+    const std::uint64_t seed = lockstep::test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    check_rank_sum<float>(rng);
+    check_rank_sum<double>(rng);
+    dev::HostScratch scratch;
+    EmulatedLayerRun run{devices[0], &scratch};
+    std::vector<float*> too_many(17, nullptr);
+    CHECK_THROWS_WITH(lk::rank_sum<float>(run, std::span<float* const>(too_many), 4), Catch::Contains("fewer replicas on each GPU"));
 }

@@ -35,6 +35,17 @@ public:
     virtual void barrier(CollectiveSite site) = 0;
     //! Collectives this rank has made so far (tests count what a layer or a step makes).
     virtual std::uint64_t collective_count() const = 0;
+
+    // Started collectives (Note [stream-ordered collectives] in comm/stream_group.hpp).
+    //! Starts summing `data` over all ranks: the result is there for the replica's work after
+    //! `join()`. Communicators that complete a collective in the call (the host's) finish it here.
+    virtual void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) { all_reduce_sum(data, site); }
+    //! Orders the replica's later work after every collective started so far.
+    virtual void join() {}
+    //! True when collectives are enqueued on the replica's streams rather than completed in the
+    //! call: the replica thread itself must then make every call, in program order (DataParallel
+    //! starts gradient buckets inline instead of on a communication thread).
+    virtual bool stream_ordered() const { return false; }
 };
 
 }  // namespace lockstep::comm

@@ -1,19 +1,29 @@
 // SPDX-License-Identifier: MIT
-//! `comm::CudaGroup`, the replica group of CUDA replicas, and the NCCL check macro. The group is
-//! declared with the interface DataParallel drives; NCCL and the device-local reduction come with
-//! issue 13, and until then building one says so.
+//! `comm::CudaGroup`, the replica group of CUDA replicas (NCCL across GPUs, one rank-order kernel
+//! where replicas share a GPU), `comm::NcclCommunicator`, a replica's handle on it, and the NCCL
+//! check macro. The group's logic is `StreamGroup` (stream_group.hpp); `NcclApi` is what it calls.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <memory>
+#include <span>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "lockstep/comm/collectives.hpp"
 #include "lockstep/comm/group.hpp"
+#include "lockstep/comm/stream_group.hpp"
 #include "lockstep/core/cuda_runtime.cuh"
 #include "lockstep/core/error.hpp"
+#include "lockstep/kernels/cuda_common.cuh"
+#include "lockstep/kernels/device/launch.cuh"
+#include "lockstep/kernels/device/layer_kernels.cuh"
 #include "lockstep/runtime/abortable_barrier.hpp"
 
 //! Throws `lockstep::DeviceError` when an NCCL call fails, with NCCL's own error string.
@@ -27,26 +37,197 @@
 
 namespace lockstep::comm {
 
-//! The group of CUDA replicas (DataParallel's default on the Cuda backend): NCCL across devices,
-//! a device-local reduction where replicas share a GPU.
-class CudaGroup {
-public:
+//! The device calls of a CUDA replica group (the `Api` of `StreamGroup`): NCCL communicators
+//! made non-blocking (`ncclConfig_t::blocking = 0`) and polled against deadlines, CUDA streams and
+//! events, and the rank-order kernel of replicas that share a GPU.
+struct NcclApi {
     using backend = Cuda;
+    using Stream = cudaStream_t;
+    using Event = cudaEvent_t;
+    using Comm = ncclComm_t;
+    using clock = std::chrono::steady_clock;
 
-    CudaGroup(const std::vector<Device>&, std::chrono::milliseconds) {
-        throw NotImplemented(
-            "comm::CudaGroup: collectives between CUDA replicas are not implemented yet (issue 13); train on the host "
-            "backend meanwhile");
+    static int device_count() { return cuda::device_count(); }
+
+    static Stream compute_stream(const Execution<Cuda>& ex, int device) {
+        LOCKSTEP_CHECK_AS(DeviceMismatch, ex.device == device && ex.stream != nullptr, "a replica of cuda:", device,
+                          " bound an execution context of cuda:", ex.device, ex.stream == nullptr ? " without a stream" : "",
+                          "; bind each replica's own resources (kernels::Ops<Cuda>::ReplicaResources)");
+        return ex.stream;
     }
 
-    int size() const noexcept { return 0; }
-    Collectives& communicator(int rank);
-    std::shared_ptr<Abortable> abortable() const { return nullptr; }
+    static void watch(Execution<Cuda>& ex, DeviceWatch* w, std::chrono::milliseconds timeout) {
+        for (auto& slot : ex.watches) {
+            if (slot == nullptr || slot == w) {
+                slot = w;
+                ex.wait_timeout_ms = std::min<std::int64_t>(ex.wait_timeout_ms, timeout.count());
+                return;
+            }
+        }
+        throw UsageError("a CUDA replica belongs to more than " + std::to_string(ex.watches.size()) + " replica groups");
+    }
+
+    static Stream make_stream(int device) {
+        cuda::DeviceGuard guard(device);
+        Stream s = nullptr;
+        LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        // Kernels are loaded before the first collective (CUDA loads lazily, and loading while a
+        // peer's NCCL kernel spins can wait on it): the group's own kernels now, on every device.
+        cudaFuncAttributes attributes{};
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<float>>));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<double>>));
+        return s;
+    }
+    static void destroy_stream(int device, Stream s, clock::time_point deadline) noexcept {
+        if (s == nullptr) return;
+        cuda::DeviceGuard guard(device);
+        while (cudaStreamQuery(s) == cudaErrorNotReady && clock::now() < deadline) std::this_thread::yield();
+        (void)cudaGetLastError();
+        (void)cudaStreamDestroy(s);
+    }
+    static Event make_event(int device) {
+        cuda::DeviceGuard guard(device);
+        Event e = nullptr;
+        LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        return e;
+    }
+    static void destroy_event(int device, Event e) noexcept {
+        if (e == nullptr) return;
+        cuda::DeviceGuard guard(device);
+        (void)cudaEventDestroy(e);
+    }
+    static void record(Event e, Stream s) { LOCKSTEP_CUDA_CHECK(cudaEventRecord(e, s)); }
+    static void wait(Stream s, Event e) { LOCKSTEP_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0)); }
+
+    static ncclDataType_t nccl_type(DType t) {
+        switch (t) {
+            case DType::f32: return ncclFloat32;
+            case DType::f64: return ncclFloat64;
+            case DType::i64: return ncclInt64;
+            default: throw UsageError("NCCL collectives take float, double or int64 buffers");
+        }
+    }
+
+    //! One communicator per device (one rank per GPU), made in one group call and polled until
+    //! ready or `deadline`.
+    static std::vector<Comm> init(const std::vector<int>& devices, clock::time_point deadline, const std::atomic<bool>& stop) {
+        const int n = static_cast<int>(devices.size());
+        ncclUniqueId id;
+        LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id));
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        std::vector<Comm> comms(devices.size(), nullptr);
+        ncclResult_t first_error = ncclSuccess;
+        {
+            cuda::DeviceGuard guard(devices[0]);
+            LOCKSTEP_NCCL_CHECK(ncclGroupStart());
+            for (int r = 0; r < n; ++r) {
+                LOCKSTEP_CUDA_CHECK(cudaSetDevice(devices[static_cast<std::size_t>(r)]));
+                const ncclResult_t res = ncclCommInitRankConfig(&comms[static_cast<std::size_t>(r)], n, id, r, &config);
+                if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
+            }
+            const ncclResult_t res = ncclGroupEnd();
+            if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
+        }
+        try {
+            if (first_error != ncclSuccess) LOCKSTEP_NCCL_CHECK(first_error);
+            for (auto& c : comms) settle(c, deadline, stop, "creating NCCL communicators");
+        } catch (...) {
+            for (auto& c : comms) abort(c);
+            throw;
+        }
+        return comms;
+    }
+
+    static void all_reduce(Comm c, void* buf, std::size_t count, DType t, Stream s, clock::time_point deadline,
+                           const std::atomic<bool>& stop) {
+        enqueued(c, ncclAllReduce(buf, buf, count, nccl_type(t), ncclSum, c, s), deadline, stop, "ncclAllReduce");
+    }
+    static void broadcast(Comm c, void* buf, std::size_t count, DType t, int root, Stream s, clock::time_point deadline,
+                          const std::atomic<bool>& stop) {
+        enqueued(c, ncclBroadcast(buf, buf, count, nccl_type(t), root, c, s), deadline, stop, "ncclBroadcast");
+    }
+
+    static void check(Comm c) {
+        ncclResult_t async = ncclSuccess;
+        LOCKSTEP_NCCL_CHECK(ncclCommGetAsyncError(c, &async));
+        if (async != ncclSuccess && async != ncclInProgress) LOCKSTEP_NCCL_CHECK(async);
+    }
+
+    static void abort(Comm c) noexcept {
+        if (c != nullptr) (void)ncclCommAbort(c);
+    }
+    static void finalize(Comm c, clock::time_point deadline) noexcept {
+        if (c == nullptr) return;
+        if (ncclCommFinalize(c) == ncclInProgress) {
+            ncclResult_t async = ncclInProgress;
+            while (ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress && clock::now() < deadline)
+                std::this_thread::yield();
+        }
+    }
+    static void destroy(Comm c) noexcept {
+        if (c == nullptr) return;
+        ncclResult_t async = ncclSuccess;
+        // A communicator whose finalize did not finish in time is aborted instead of waited for.
+        if (ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress) (void)ncclCommAbort(c);
+        else (void)ncclCommDestroy(c);
+    }
+
+    //! The device-local all-reduce: one kernel on `s` (Note [rank-order sum]).
+    static void rank_sum(int device, Stream s, std::span<void* const> buffers, std::size_t count, DType t) {
+        cuda::DeviceGuard guard(device);
+        kernels::device::DeviceRun run;
+        run.stream = s;
+        run.device = kernels::cuda_ops::device_info(device);
+        if (t == DType::f32) sum_as<float>(run, buffers, count);
+        else if (t == DType::f64) sum_as<double>(run, buffers, count);
+        else throw UsageError("an all-reduce takes float or double buffers");
+    }
+    static void copy(int device, Stream s, void* dst, const void* src, std::size_t bytes) {
+        cuda::DeviceGuard guard(device);
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+    }
+
+private:
+    template <class T>
+    static void sum_as(kernels::device::DeviceRun& run, std::span<void* const> buffers, std::size_t count) {
+        std::vector<T*> typed;
+        for (void* b : buffers) typed.push_back(static_cast<T*>(b));
+        kernels::device::layer_kernels::rank_sum<T>(run, std::span<T* const>(typed), static_cast<std::int64_t>(count));
+    }
+
+    // A non-blocking communicator's call may return ncclInProgress: poll until it settles.
+    static void enqueued(Comm c, ncclResult_t res, clock::time_point deadline, const std::atomic<bool>& stop, const char* what) {
+        if (res == ncclInProgress) settle(c, deadline, stop, what);
+        else if (res != ncclSuccess) LOCKSTEP_NCCL_CHECK(res);
+    }
+    static void settle(Comm c, clock::time_point deadline, const std::atomic<bool>& stop, const char* what) {
+        for (;;) {
+            ncclResult_t async = ncclSuccess;
+            LOCKSTEP_NCCL_CHECK(ncclCommGetAsyncError(c, &async));
+            if (async == ncclSuccess) return;
+            if (async != ncclInProgress) LOCKSTEP_NCCL_CHECK(async);
+            if (stop.load(std::memory_order_acquire))
+                throw CollectiveAborted(std::string(what) + " was abandoned: the replica group was aborted");
+            if (clock::now() >= deadline)
+                throw Timeout(std::string(what) + " did not complete within the group's timeout");
+            std::this_thread::yield();
+        }
+    }
 };
 
-inline Collectives& CudaGroup::communicator(int) {
-    throw NotImplemented("comm::CudaGroup::communicator is not implemented yet (issue 13)");
-}
+//! A CUDA replica's handle on its `CudaGroup`.
+using NcclCommunicator = StreamCommunicator<NcclApi>;
+
+//! The group of CUDA replicas, DataParallel's default on the Cuda backend (Note [stream-ordered
+//! collectives]): one NCCL communicator per replica when each replica has its own GPU, one
+//! rank-order kernel when all share one GPU; a mix of both is refused.
+class CudaGroup : public StreamGroup<NcclApi> {
+public:
+    using StreamGroup<NcclApi>::StreamGroup;
+};
 
 static_assert(GroupLike<CudaGroup>);
 

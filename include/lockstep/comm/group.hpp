@@ -20,7 +20,7 @@ namespace lockstep::comm {
 class CudaGroup;
 
 //! What DataParallel needs of a replica group: built from the replicas' devices and a timeout,
-//! one `Collectives` per rank, and something a failing replica can abort.
+//! one `Collectives` per rank, something a failing replica can abort, and `bind(rank, execution)`.
 template <class G>
 concept GroupLike = requires(G& g, const std::vector<Device>& devices, std::chrono::milliseconds timeout, int rank) {
     typename G::backend;
@@ -29,6 +29,9 @@ concept GroupLike = requires(G& g, const std::vector<Device>& devices, std::chro
     { g.size() } -> std::convertible_to<int>;
     { g.communicator(rank) } -> std::convertible_to<Collectives&>;
     { g.abortable() } -> std::convertible_to<std::shared_ptr<Abortable>>;
+    // Each replica binds its execution context to the group on its own thread, before its first
+    // collective (a CUDA group learns the replica's stream there).
+    requires requires(Execution<typename G::backend>& ex) { g.bind(rank, ex); };
 };
 
 template <class B>

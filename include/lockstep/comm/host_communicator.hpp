@@ -178,6 +178,8 @@ public:
     const HostCommunicator& communicator(int rank) const { return comms_.at(static_cast<std::size_t>(rank)); }
     //! What a replica pool aborts when a replica fails.
     std::shared_ptr<Abortable> abortable() const { return comms_[0].group_ptr(); }
+    //! Host replicas need nothing bound: a replica is its thread.
+    void bind(int, Execution<Host>&) noexcept {}
 
 private:
     static int checked_size(const std::vector<Device>& devices) {

@@ -3,7 +3,9 @@
 //! the backend's part of a replica's execution context.
 #pragma once
 
+#include <array>
 #include <concepts>
+#include <cstdint>
 #include <cstddef>
 #include <ostream>
 #include <string>
@@ -14,6 +16,7 @@
 // Opaque CUDA handle types, named here so the CUDA execution part is typed without any CUDA
 // header being reachable from the host umbrella header.
 struct CUstream_st;
+struct CUevent_st;
 struct cublasContext;
 
 namespace lockstep {
@@ -79,6 +82,19 @@ struct Execution;
 template <>
 struct Execution<Host> {};
 
+//! What a replica's host waits on its device consult while they poll (Note [stream-ordered
+//! collectives] in comm/stream_group.hpp): a group whose collectives run on the device.
+class DeviceWatch {
+public:
+    //! Throws when the group has failed (an aborted group, an asynchronous communicator error).
+    virtual void poll() = 0;
+    //! A wait of this replica passed its deadline: abort the group, naming `what`.
+    virtual void timed_out(const std::string& what) noexcept = 0;
+
+protected:
+    ~DeviceWatch() = default;
+};
+
 template <>
 struct Execution<Cuda> {
     int device = -1;                     // the replica's CUDA ordinal
@@ -92,6 +108,11 @@ struct Execution<Cuda> {
     int reduce_counter_count = 0;
     void* reduce_partials = nullptr;
     std::size_t reduce_partial_bytes = 0;
+    // Host waits for the device (a step's scalars): an event recorded on `stream`, polled until
+    // `wait_timeout_ms` passes, consulting the replica's groups (`watches`) meanwhile.
+    CUevent_st* done_event = nullptr;  // a cudaEvent_t on `device`
+    std::int64_t wait_timeout_ms = 5 * 60 * 1000;
+    std::array<DeviceWatch*, 4> watches{};
 };
 
 namespace detail {

@@ -133,6 +133,8 @@ private:
 class Event {
 public:
     Event() { LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+    //! No event yet (one is moved in later).
+    explicit Event(std::nullptr_t) noexcept {}
     Event(Event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
     Event& operator=(Event&& o) noexcept {
         if (this != &o) {

@@ -4,8 +4,11 @@
 //! the copies.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "lockstep/kernels/cuda_bn_ops.cuh"
@@ -43,6 +46,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             cuda::DeviceGuard guard(device);
             stream = cuda::Stream(device);
             try {
+                done = cuda::Event();
                 LOCKSTEP_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
                 const std::size_t counter_bytes = sizeof(unsigned int) * device::scratch_counters;
                 LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch, counter_bytes + device::scratch_partial_bytes));
@@ -72,6 +76,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             ex.reduce_counter_count = device::scratch_counters;
             ex.reduce_partials = partials;
             ex.reduce_partial_bytes = device::scratch_partial_bytes;
+            ex.done_event = done.get();
             return ex;
         }
         //! The replica's device and stream become the calling thread's (new tensors are allocated
@@ -83,6 +88,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 
         int device;
         cuda::Stream stream;
+        cuda::Event done{nullptr};  // host waits on the stream poll it (Ops<Cuda>::wait)
         cublasHandle_t blas = nullptr;
         void* workspace = nullptr;
         void* scratch = nullptr;
@@ -120,24 +126,55 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                                             static_cast<std::size_t>(count) * sizeof(T), cudaMemcpyDefault, ex.stream));
     }
 
-    //! Element `i` of `t`, on the host: waits for the replica's stream.
+    //! Element `i` of `t`, on the host: waits for the replica's stream (see `wait`).
     template <class T>
     static T read(const Ex& ex, const T_<T>& t, std::int64_t i) {
         T value{};
         LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(&value, t.data() + i, sizeof(T), cudaMemcpyDeviceToHost, ex.stream));
-        LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(ex.stream));
+        wait(ex, "reading a value from the device");
         return value;
     }
 
-    //! All of `t`'s elements on the host, in one copy: waits for the replica's stream.
+    //! All of `t`'s elements on the host, in one copy: waits for the replica's stream (see `wait`).
     template <class T>
     static std::vector<T> to_vector(const Ex& ex, const T_<T>& t) {
         std::vector<T> out(static_cast<std::size_t>(t.numel()));
         if (!out.empty()) {
             LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, ex.stream));
-            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(ex.stream));
+            wait(ex, "reading a step's results from the device");
         }
         return out;
+    }
+
+    //! Waits until the replica's stream has done everything enqueued so far, with a deadline: an
+    //! event polled until `ex.wait_timeout_ms` passes, consulting the replica's groups meanwhile
+    //! (an aborted group or an NCCL error ends the wait). Past the deadline the groups are aborted
+    //! and `Timeout` is thrown (Note [stream-ordered collectives] in comm/stream_group.hpp).
+    static void wait(const Ex& ex, const char* what) {
+        if (ex.done_event == nullptr) {  // an execution made by hand, not by ReplicaResources
+            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(ex.stream));
+            return;
+        }
+        LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.done_event, ex.stream));
+        const auto start = std::chrono::steady_clock::now();
+        const auto deadline = start + std::chrono::milliseconds(ex.wait_timeout_ms);
+        for (std::uint64_t spin = 0;; ++spin) {
+            const cudaError_t e = cudaEventQuery(ex.done_event);
+            if (e == cudaSuccess) return;
+            if (e != cudaErrorNotReady) LOCKSTEP_CUDA_CHECK(e);
+            for (DeviceWatch* w : ex.watches)
+                if (w != nullptr) w->poll();
+            if (std::chrono::steady_clock::now() >= deadline) {
+                const std::string message = std::string(what) + " on cuda:" + std::to_string(ex.device) + " took longer than " +
+                                            std::to_string(ex.wait_timeout_ms) +
+                                            " ms; a peer replica may be stuck (raise DataParallelOptions::timeout if "
+                                            "the step is legitimately that slow)";
+                for (DeviceWatch* w : ex.watches)
+                    if (w != nullptr) w->timed_out(message);
+                throw Timeout(message);
+            }
+            if (spin > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
     }
 };
 

@@ -91,7 +91,10 @@ struct StepResult {
 // through Context::mark_grad_ready; when the last parameter of a bucket is in, the bucket is
 // packed and handed to the replica's communication thread, which all-reduces it on a second
 // replica group (so it never interleaves with the SyncBatchNorm collectives of the compute
-// threads) and unpacks the sums. Every replica runs the same layers in the same order, so every
+// threads) and unpacks the sums. Where collectives are enqueued on streams (CUDA: Note
+// [stream-ordered collectives]), no second thread calls the communicator: the replica thread
+// itself starts the bucket's all-reduce there and then, on the group's communication stream, and
+// unpacks every bucket after join() once backward has ended. Every replica runs the same layers in the same order, so every
 // replica launches the same buckets in the same order. Buckets never reported (a layer that does
 // not call mark_grad_ready) are launched after backward, in bucket order. Summation is per
 // element in rank order, so bucketing changes no bit of the result.
@@ -232,6 +235,8 @@ public:
             rep.ctx.world = core->world;
             rep.ctx.comm = rep.layer_comm;
             rep.ctx.exec = core->resources[ur]->execution();
+            core->layer_group->bind(r, rep.ctx.exec);
+            core->grad_group->bind(r, rep.ctx.exec);
             rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, core->devices[ur]);
             rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, core->devices[ur]);
             nn::for_each_parameter(rep.module, [&](const std::string& name, const auto&) { rep.param_names.push_back(name); });
@@ -481,6 +486,13 @@ private:
                 b.unpack.push_back({&grad, 0, &b.flat, b.offsets[i], n});
             }
             K::copy_many(ctx.exec, b.pack);
+            if (grad_comm->stream_ordered()) {
+                // Enqueued by this thread, here, on every rank: one order everywhere; unpacked
+                // after join() in finish_buckets (Note [gradient buckets]).
+                grad_comm->start_all_reduce_sum(DeviceSpan(b.flat), comm::CollectiveSite::bucket(index));
+                reduced.fetch_add(1, std::memory_order_release);
+                return;
+            }
             auto job = [this, index] {
                 auto& bb = buckets[index];
                 grad_comm->all_reduce_sum(DeviceSpan(bb.flat), comm::CollectiveSite::bucket(index));
@@ -495,6 +507,10 @@ private:
             reduced_during_backward = reduced.load(std::memory_order_acquire);  // backward has just ended
             for (std::size_t i = 0; i < buckets.size(); ++i)
                 if (!buckets[i].launched) launch(i);
+            if (grad_comm->stream_ordered()) {
+                grad_comm->join();
+                for (auto& b : buckets) K::copy_many(ctx.exec, b.unpack);
+            }
             worker.wait();
             ctx.grad_ready = nullptr;
         }
@@ -546,9 +562,11 @@ private:
         DataParallelOptions options;
         std::vector<Device> devices;
         int world = 0;
-        std::unique_ptr<Group> layer_group;  // layer collectives (SyncBatchNorm), on the replica threads
-        std::unique_ptr<Group> grad_group;   // gradient buckets, on the communication threads
+        // Destroyed in reverse: the replicas, then the groups (a CUDA group finalizes its
+        // communicators and destroys its streams), then the replicas' resources (their streams).
         std::vector<std::unique_ptr<typename K::ReplicaResources>> resources;  // made on the replica threads
+        std::unique_ptr<Group> layer_group;  // layer collectives (SyncBatchNorm), on the replica threads
+        std::unique_ptr<Group> grad_group;   // gradient buckets (see Note [gradient buckets])
         std::vector<std::unique_ptr<Replica>> replicas;  // destroyed first: they use the groups and resources
     };
 

@@ -882,6 +882,53 @@ struct CopyTable {
     }
 };
 
+// ---- the device-local all-reduce ------------------------------------------------------------------
+
+// Note [rank-order sum]
+// Replicas that share one GPU all-reduce through one kernel (comm/stream_group.hpp, the `local`
+// mode): element i of every rank's buffer becomes b0[i] + b1[i] + ... + b{n-1}[i], summed in rank
+// order as the host group sums (Note [deterministic host all-reduce]), so the result has the same
+// bits on both backends and in every buffer. Each thread reads all ranks' element before writing
+// any, so the buffers are read and written in place.
+
+//! The most ranks one device-local all-reduce takes (their pointers travel in the parameters).
+inline constexpr int rank_max = 16;
+
+template <class T>
+struct RankSumParams {
+    T* buf[rank_max];
+    int ranks = 0;
+    long long n = 0;
+};
+
+//! buf[r][i] = sum over ranks in rank order of buf[r][i], for every r (Note [rank-order sum]).
+template <class T>
+struct RankSum {
+    using Params = RankSumParams<T>;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (long long i = first_index(w); i < p.n; i += grid_threads(w)) {
+            T acc = p.buf[0][i];
+            for (int r = 1; r < p.ranks; ++r) acc = acc + p.buf[r][i];
+            for (int r = 0; r < p.ranks; ++r) p.buf[r][i] = acc;
+        }
+    }
+};
+
+//! The device-local all-reduce of `ranks` buffers of `n` elements each, in one launch.
+template <class T, class Run>
+void rank_sum(Run& run, std::span<T* const> bufs, std::int64_t n) {
+    LOCKSTEP_CHECK_AS(UsageError, !bufs.empty() && bufs.size() <= static_cast<std::size_t>(rank_max),
+                      "a device-local all-reduce takes 1 to ", rank_max, " replicas on one GPU, got ", bufs.size(),
+                      "; put fewer replicas on each GPU");
+    if (n <= 0) return;
+    RankSumParams<T> p;
+    p.ranks = static_cast<int>(bufs.size());
+    p.n = n;
+    for (std::size_t r = 0; r < bufs.size(); ++r) p.buf[r] = bufs[r];
+    run.template map<RankSum<T>>(p, map_grid(n, run.info()));
+}
+
 // ---- GEMM calls (cuBLAS, column-major) ---------------------------------------------------------------
 
 //! One cuBLAS SGEMM, column-major: C = alpha op(A) op(B) + beta C, `batch` times with A, B and C

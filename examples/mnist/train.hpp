@@ -1,0 +1,311 @@
+// SPDX-License-Identifier: MIT
+//! The MNIST example's training, written once for both backends: `mnist_example::train<B>` loads
+//! the data, trains data-parallel, evaluates, writes metrics and checkpoints. main.cpp (host) and
+//! cuda_train.cu (the CUDA backend, built where nvcc is) instantiate it.
+#pragma once
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "idx.hpp"
+#include "net.hpp"
+
+namespace mnist_example {
+
+using lockstep::DataParallel;
+using lockstep::Shape;
+using lockstep::Tensor;
+using Clock = std::chrono::steady_clock;
+namespace nn = lockstep::nn;
+
+struct Options {
+    std::string backend = "auto";
+    int replicas = 0;
+    std::string devices;  // CUDA devices of the replicas, "0,1" or "0,0,0,0"
+    int epochs = 2;
+    std::int64_t batch = 64;
+    double lr = 0.01;
+    double momentum = 0.9;
+    std::uint64_t seed = 0;
+    bool no_shuffle = false;
+    std::int64_t steps = 0;
+    std::int64_t train_limit = 0;
+    std::string data = "/usr/share/datasets/fashion-mnist";
+    std::string init, save, resume, metrics;
+    double expect_accuracy = -1;
+    bool quiet = false;
+};
+
+// "name" or "name.gz" in dir, whichever exists.
+inline std::string find_file(const std::string& dir, const std::string& name) {
+    namespace fs = std::filesystem;
+    if (!fs::is_directory(dir)) throw mnist::DataError(dir + ": no such data directory (pass --data DIR with the IDX files)");
+    for (const auto& candidate : {fs::path(dir) / name, fs::path(dir) / (name + ".gz")})
+        if (fs::exists(candidate)) return candidate.string();
+    throw mnist::DataError((std::filesystem::path(dir) / name).string() + "[.gz]: missing in the data directory");
+}
+
+// Samples `order[begin, begin + n)` as a (n, 1, 28, 28) batch scaled to [0, 1], with labels.
+inline void make_batch(const mnist::Dataset& ds, const std::vector<std::int64_t>& order, std::int64_t begin, std::int64_t n,
+                Tensor<float>& x, std::vector<std::int64_t>& labels) {
+    x = Tensor<float>(Shape{n, 1, 28, 28}, lockstep::MemoryFormat::nchw, lockstep::Device::host(0), lockstep::uninitialized);
+    labels.resize(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t s = order[static_cast<std::size_t>(begin + i)];
+        const std::uint8_t* px = ds.pixels.data() + s * 784;
+        for (int p = 0; p < 784; ++p) x[i * 784 + p] = static_cast<float>(px[p]) / 255.0f;
+        labels[static_cast<std::size_t>(i)] = ds.labels[static_cast<std::size_t>(s)];
+    }
+}
+
+// Batch boundaries of an epoch: full batches, then the last partial one (folded into the one
+// before when it is smaller than the replica count, since every replica needs a sample).
+inline std::vector<std::int64_t> batch_starts(std::int64_t count, std::int64_t batch, int replicas) {
+    std::vector<std::int64_t> starts;
+    for (std::int64_t b = 0; b < count; b += batch) starts.push_back(b);
+    if (starts.size() > 1 && count - starts.back() < replicas) starts.pop_back();
+    starts.push_back(count);
+    return starts;
+}
+
+inline std::vector<std::int64_t> epoch_order(std::int64_t count, std::uint64_t seed, int epoch, bool shuffle) {
+    std::vector<std::int64_t> order(static_cast<std::size_t>(count));
+    std::iota(order.begin(), order.end(), 0);
+    if (shuffle) {
+        std::mt19937_64 gen(seed * 1000003u + static_cast<std::uint64_t>(epoch));
+        std::shuffle(order.begin(), order.end(), gen);
+    }
+    return order;
+}
+
+struct Eval {
+    double loss = 0, accuracy = 0;
+};
+
+// Test loss and accuracy, in chunks of 1000 images (the last folded into the one before when it
+// has fewer images than there are replicas, as in training).
+template <class B>
+Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::Dataset& test) {
+    dp.eval();
+    const auto order = epoch_order(test.count, 0, 0, false);
+    double loss = 0;
+    std::int64_t correct = 0;
+    Tensor<float> x;
+    std::vector<std::int64_t> labels;
+    const auto starts = batch_starts(test.count, 1000, dp.size());
+    for (std::size_t i = 0; i + 1 < starts.size(); ++i) {
+        const std::int64_t b = starts[i], n = starts[i + 1] - b;
+        make_batch(test, order, b, n, x, labels);
+        Tensor<float> logits;
+        if constexpr (std::is_same_v<B, lockstep::Host>) logits = dp.forward(x);
+        else logits = dp.forward(x.template to<B>(dp.devices()[0])).to_host();
+        const auto out = nn::SoftmaxCrossEntropy{}(nn::Context{}, logits, labels);
+        loss += out.sum();
+        correct += out.correct();
+    }
+    dp.train();
+    return {loss / static_cast<double>(test.count), static_cast<double>(correct) / static_cast<double>(test.count)};
+}
+
+inline std::string clock_text(double seconds) {
+    const auto s = static_cast<long>(seconds + 0.5);
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%ld:%02ld", s / 60, s % 60);
+    return buf;
+}
+
+// The integer `text` of checkpoint field `key`, in [lo, hi]: all digits (an optional '-'), no more.
+inline std::int64_t counter(const nn::Checkpoint& ck, const std::string& path, const std::string& key, std::int64_t lo,
+                     std::int64_t hi, const std::string& range) {
+    const auto it = ck.metadata.find(key);
+    if (it == ck.metadata.end())
+        throw lockstep::IoError("'" + path + "' has no '" + key + "' counter; it was not written by --save");
+    const std::string& text = it->second;
+    std::int64_t value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc() || end != text.data() + text.size() || text.empty())
+        throw lockstep::IoError("'" + path + "': '" + key + "' is \"" + text + "\", not an integer");
+    if (value < lo || value > hi)
+        throw lockstep::IoError("'" + path + "': '" + key + "' is " + text + ", outside " + range);
+    return value;
+}
+
+// A resume continues the same run only with the same data order and batches: the checkpoint's
+// seed, batch size and number of training images must be this run's.
+inline void check_same_run(const nn::Checkpoint& ck, const std::string& path, const std::string& key, const std::string& flag,
+                    const std::string& ours) {
+    const auto it = ck.metadata.find(key);
+    if (it == ck.metadata.end())
+        throw lockstep::IoError("'" + path + "' does not record its " + flag + "; it was not written by this version's --save");
+    if (it->second != ours)
+        throw lockstep::InvalidArgument("'" + path + "' was written with " + flag + " " + it->second + " but this run has " +
+                                        flag + " " + ours + ": the resumed run could not continue the same one; pass " +
+                                        flag + " " + it->second + ", or start afresh from its weights with --init");
+}
+
+//! Trains on backend `B` with one replica per entry of `devices`; the exit code.
+template <class B>
+int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
+    using Model = mnist::Net<B>;
+    const int replicas = static_cast<int>(devices.size());
+    if (!opt.save.empty()) nn::Checkpoint::check_writable(opt.save);  // before any training, not after an epoch
+    const auto train = mnist::load_idx(find_file(opt.data, "train-images-idx3-ubyte"),
+                                       find_file(opt.data, "train-labels-idx1-ubyte"), opt.train_limit);
+    const auto test = mnist::load_idx(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
+    if (train.count < replicas)
+        throw lockstep::InvalidArgument("only " + std::to_string(train.count) + " training images for " +
+                                        std::to_string(replicas) + " replicas");
+    if (test.count < replicas)
+        throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count) +
+                               " test images, fewer than the " + std::to_string(replicas) +
+                               " replicas; the test set must give every replica an image");
+
+    nn::Generator gen(opt.seed);
+    Model prototype(gen);
+    nn::Sgd<B> sgd({.lr = opt.lr, .momentum = opt.momentum});
+    std::int64_t step = 0, epoch_step = 0;
+    int start_epoch = 0;
+    std::optional<nn::Checkpoint> resume;
+    if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, true, "optimizer.");
+    if (!opt.resume.empty()) {
+        resume = nn::Checkpoint::load(opt.resume);
+        const auto& ck = *resume;
+        check_same_run(ck, opt.resume, "seed", "--seed", std::to_string(opt.seed));
+        check_same_run(ck, opt.resume, "batch", "--batch", std::to_string(opt.batch));
+        check_same_run(ck, opt.resume, "train_images", "training images (--data, --train-limit)", std::to_string(train.count));
+        const auto batches = static_cast<std::int64_t>(batch_starts(train.count, opt.batch, replicas).size()) - 1;
+        start_epoch = static_cast<int>(counter(ck, opt.resume, "epoch", 0, opt.epochs, "[0, " + std::to_string(opt.epochs) +
+                                                                                          "] for --epochs " + std::to_string(opt.epochs)));
+        epoch_step = counter(ck, opt.resume, "epoch_step", 0, batches - 1,
+                             "[0, " + std::to_string(batches - 1) + "]: an epoch of this data has " + std::to_string(batches) +
+                                 " batches");
+        step = counter(ck, opt.resume, "step", start_epoch * batches + epoch_step, INT64_MAX,
+                       "the steps its epoch and epoch_step imply (at least " +
+                           std::to_string(start_epoch * batches + epoch_step) + ")");
+    }
+    // A step whose loss or gradients are NaN or infinite is refused (lockstep::NonFinite): the run
+    // stops with the message, and nothing is saved over the last good checkpoint.
+    DataParallel<Model> dp(prototype, devices, {.check_finite = true});
+    if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
+
+    std::ofstream metrics;
+    if (!opt.metrics.empty()) {
+        metrics.open(opt.metrics, resume ? std::ios::app : std::ios::trunc);
+        if (!metrics) throw lockstep::IoError(opt.metrics + ": cannot open the metrics file for writing");
+    }
+    const auto write_metrics = [&](const nlohmann::json& line) {
+        if (opt.metrics.empty()) return;
+        metrics << line.dump() << '\n' << std::flush;
+        if (!metrics) throw lockstep::IoError(opt.metrics + ": writing the metrics failed (disk full?)");
+    };
+    const auto save = [&](int epoch, std::int64_t in_epoch) {
+        if (opt.save.empty()) return;
+        nn::Checkpoint ck = dp.checkpoint(sgd);
+        ck.metadata = {{"step", std::to_string(step)},          {"epoch", std::to_string(epoch)},
+                       {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)},
+                       {"batch", std::to_string(opt.batch)},    {"train_images", std::to_string(train.count)},
+                       {"format", "pt"}};
+        for (const auto& stale : ck.save(opt.save).removed_stale)
+            std::fprintf(stderr, "mnist: removed %s, left by an earlier save that was killed\n", stale.c_str());
+    };
+
+    const bool tty = isatty(STDOUT_FILENO) != 0 && !opt.quiet;
+    const auto t_start = Clock::now();
+    std::int64_t images = 0;
+    double train_seconds = 0;  // time in the training loops, without evaluation
+    bool stopped = false;
+    Eval last{};
+    bool evaluated = false;
+    for (int epoch = start_epoch; epoch < opt.epochs && !stopped; ++epoch) {
+        const auto order = epoch_order(train.count, opt.seed, epoch, !opt.no_shuffle);
+        const auto starts = batch_starts(train.count, opt.batch, replicas);
+        const auto total = static_cast<std::int64_t>(starts.size()) - 1;
+        const auto t_epoch = Clock::now();
+        auto t_print = t_epoch;
+        double loss_sum = 0;
+        std::int64_t loss_count = 0, epoch_images = 0;
+        Tensor<float> x;
+        std::vector<std::int64_t> labels;
+        std::int64_t b = epoch == start_epoch ? epoch_step : 0;
+        for (; b < total; ++b) {
+            if (opt.steps > 0 && step >= opt.steps) {
+                stopped = true;
+                break;
+            }
+            const std::int64_t n = starts[static_cast<std::size_t>(b + 1)] - starts[static_cast<std::size_t>(b)];
+            make_batch(train, order, starts[static_cast<std::size_t>(b)], n, x, labels);
+            const auto t0 = Clock::now();
+            lockstep::StepResult res;
+            if constexpr (std::is_same_v<B, lockstep::Host>) res = dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
+            else res = dp.train_step(x.template to<B>(devices[0]), labels, nn::SoftmaxCrossEntropy{}, sgd);
+            const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+            ++step;
+            images += n;
+            epoch_images += n;
+            loss_sum += res.loss * static_cast<double>(n);
+            loss_count += n;
+            write_metrics({{"kind", "step"}, {"step", step}, {"epoch", epoch}, {"loss", res.loss},
+                           {"images_per_s", static_cast<double>(n) / secs}});
+            const double elapsed = std::chrono::duration<double>(Clock::now() - t_epoch).count();
+            const double rate = static_cast<double>(epoch_images) / std::max(elapsed, 1e-9);
+            const double eta = static_cast<double>(train.count - starts[static_cast<std::size_t>(b + 1)]) / std::max(rate, 1e-9);
+            if (tty) {
+                const int width = 30, filled = static_cast<int>(width * (b + 1) / total);
+                std::printf("\repoch %d/%d [%s%s] %lld/%lld loss %.4f %6.0f img/s ETA %s   ", epoch + 1, opt.epochs,
+                            std::string(static_cast<std::size_t>(filled), '=').c_str(),
+                            std::string(static_cast<std::size_t>(width - filled), ' ').c_str(), static_cast<long long>(b + 1),
+                            static_cast<long long>(total), res.loss, rate, clock_text(eta).c_str());
+                std::fflush(stdout);
+            } else if (!opt.quiet && std::chrono::duration<double>(Clock::now() - t_print).count() >= 5.0) {
+                t_print = Clock::now();
+                std::printf("epoch %d/%d step %lld/%lld loss %.4f %.0f img/s ETA %s\n", epoch + 1, opt.epochs,
+                            static_cast<long long>(b + 1), static_cast<long long>(total), res.loss, rate,
+                            clock_text(eta).c_str());
+                std::fflush(stdout);
+            }
+        }
+        if (tty) std::printf("\n");
+        const double epoch_train_s = std::chrono::duration<double>(Clock::now() - t_epoch).count();
+        train_seconds += epoch_train_s;
+        const bool complete = b == total;
+        save(complete ? epoch + 1 : epoch, complete ? 0 : b);
+        if (!complete) break;
+        last = evaluate(dp, test);
+        evaluated = true;
+        const double secs = std::chrono::duration<double>(Clock::now() - t_epoch).count();
+        const double train_loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0.0;
+        if (!opt.quiet)
+            std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.4f, %.1f s, %.0f img/s training\n",
+                        epoch + 1, train_loss, last.loss, last.accuracy, secs,
+                        static_cast<double>(epoch_images) / epoch_train_s);
+        write_metrics({{"kind", "epoch"}, {"epoch", epoch}, {"train_loss", train_loss}, {"test_loss", last.loss},
+                       {"test_accuracy", last.accuracy}, {"seconds", secs}});
+    }
+    if (!evaluated) last = evaluate(dp, test);
+    const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+    std::printf("test accuracy %.4f | replicas %d | backend %s | %lld steps | %.1f s total | %.0f img/s training\n",
+                last.accuracy, replicas, std::string(B::name).c_str(), static_cast<long long>(step), total_s,
+                train_seconds > 0 ? static_cast<double>(images) / train_seconds : 0.0);
+    if (opt.expect_accuracy >= 0 && last.accuracy < opt.expect_accuracy) {
+        std::fprintf(stderr, "mnist: test accuracy %.4f is below the expected %.4f\n", last.accuracy, opt.expect_accuracy);
+        return 1;
+    }
+    return 0;
+}
+
+}  // namespace mnist_example

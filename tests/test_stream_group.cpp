@@ -1,0 +1,539 @@
+// SPDX-License-Identifier: MIT
+//! The stream group (comm/stream_group.hpp: the logic of comm::CudaGroup) driven through a
+//! recording double of its device calls, on the host: the rendezvous comes before every enqueue,
+//! every rank enqueues layer and bucket collectives in one order on its own thread and streams,
+//! an abort reaches every communicator and the group is rebuilt, teardown finalizes before it
+//! destroys. The double also does the arithmetic (a blocking rank-order "NCCL", and the
+//! device-local kernel's sum), so DataParallel over it must equal DataParallel over HostGroup.
+#include <catch2/catch.hpp>
+
+#include <lockstep/comm/stream_group.hpp>
+#include <lockstep/nn.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+using namespace lockstep;
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+// ---- the recording double ----------------------------------------------------------------------
+
+struct Call {
+    std::string op;
+    int group = -1;  // the communicators' group (init order), for communicator calls
+    int rank = -1;
+    long stream = 0;
+    long event = 0;
+    std::size_t count = 0;
+    int root = -1;
+    std::thread::id thread = std::this_thread::get_id();
+    clock_type::time_point when = clock_type::now();
+};
+
+// A blocking, rank-order "NCCL" of one set of communicators: the last rank to enqueue sums every
+// rank's buffer in rank order (as the host group does) and writes them all.
+struct Round {
+    int group = 0;
+    int n = 0;
+    std::mutex m;
+    std::condition_variable cv;
+    std::vector<void*> bufs;
+    int arrived = 0;
+    std::uint64_t generation = 0;
+    bool aborted = false;
+};
+
+struct TestComm {
+    std::shared_ptr<Round> round;
+    int rank = -1;
+};
+
+struct Log {
+    std::mutex m;
+    std::vector<Call> calls;
+    std::atomic<long> next_id{1};
+    int groups = 0;
+
+    void add(Call c) {
+        std::lock_guard lock(m);
+        calls.push_back(std::move(c));
+    }
+    std::vector<Call> snapshot() {
+        std::lock_guard lock(m);
+        return calls;
+    }
+    void clear() {
+        std::lock_guard lock(m);
+        calls.clear();
+    }
+};
+
+Log& log_of_calls() {
+    static Log l;
+    return l;
+}
+
+template <class T>
+void sum_in_rank_order(const std::vector<void*>& bufs, std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) {
+        T acc = static_cast<T*>(bufs[0])[i];
+        for (std::size_t r = 1; r < bufs.size(); ++r) acc += static_cast<T*>(bufs[r])[i];
+        for (void* b : bufs) static_cast<T*>(b)[i] = acc;
+    }
+}
+
+void sum_as(comm::DType t, const std::vector<void*>& bufs, std::size_t count) {
+    if (t == comm::DType::f32) sum_in_rank_order<float>(bufs, count);
+    else if (t == comm::DType::f64) sum_in_rank_order<double>(bufs, count);
+    else FAIL("an all-reduce of a type the group does not sum");
+}
+
+std::size_t size_of(comm::DType t) { return t == comm::DType::f32 ? 4 : 8; }
+
+struct RecordingApi {
+    using backend = Host;
+    using Stream = long;
+    using Event = long;
+    using Comm = TestComm;
+    using tp = clock_type::time_point;
+
+    static int device_count() { return 4; }
+
+    // One compute stream per thread: a replica's two groups bind the same one.
+    static Stream compute_stream(const Execution<Host>&, int) {
+        thread_local long id = 0;
+        if (id == 0) id = log_of_calls().next_id++;
+        log_of_calls().add({.op = "compute_stream", .stream = id});
+        return id;
+    }
+    static void watch(Execution<Host>&, DeviceWatch*, std::chrono::milliseconds) {}
+    static Stream make_stream(int) {
+        const long id = log_of_calls().next_id++;
+        log_of_calls().add({.op = "make_stream", .stream = id});
+        return id;
+    }
+    static void destroy_stream(int, Stream s, tp) noexcept { log_of_calls().add({.op = "destroy_stream", .stream = s}); }
+    static Event make_event(int) { return log_of_calls().next_id++; }
+    static void destroy_event(int, Event) noexcept {}
+    static void record(Event e, Stream s) { log_of_calls().add({.op = "record", .stream = s, .event = e}); }
+    static void wait(Stream s, Event e) { log_of_calls().add({.op = "wait", .stream = s, .event = e}); }
+
+    static std::vector<Comm> init(const std::vector<int>& devices, tp, const std::atomic<bool>&) {
+        auto round = std::make_shared<Round>();
+        round->n = static_cast<int>(devices.size());
+        round->bufs.resize(devices.size());
+        {
+            std::lock_guard lock(log_of_calls().m);
+            round->group = log_of_calls().groups++;
+        }
+        std::vector<Comm> comms;
+        for (int r = 0; r < round->n; ++r) {
+            comms.push_back({round, r});
+            log_of_calls().add({.op = "init", .group = round->group, .rank = r});
+        }
+        return comms;
+    }
+
+    static void all_reduce(Comm c, void* buf, std::size_t count, comm::DType t, Stream s, tp deadline,
+                           const std::atomic<bool>& stop) {
+        log_of_calls().add({.op = "all_reduce", .group = c.round->group, .rank = c.rank, .stream = s, .count = count});
+        exchange(c, buf, count, t, -1, deadline, stop);
+    }
+    static void broadcast(Comm c, void* buf, std::size_t count, comm::DType t, int root, Stream s, tp deadline,
+                          const std::atomic<bool>& stop) {
+        log_of_calls().add(
+            {.op = "broadcast", .group = c.round->group, .rank = c.rank, .stream = s, .count = count, .root = root});
+        exchange(c, buf, count, t, root, deadline, stop);
+    }
+    static void check(Comm) {}
+    static void abort(Comm c) noexcept {
+        log_of_calls().add({.op = "abort", .group = c.round->group, .rank = c.rank});
+        std::lock_guard lock(c.round->m);
+        c.round->aborted = true;
+        c.round->cv.notify_all();
+    }
+    static void finalize(Comm c, tp) noexcept { log_of_calls().add({.op = "finalize", .group = c.round->group, .rank = c.rank}); }
+    static void destroy(Comm c) noexcept { log_of_calls().add({.op = "destroy", .group = c.round->group, .rank = c.rank}); }
+
+    static void rank_sum(int, Stream s, std::span<void* const> buffers, std::size_t count, comm::DType t) {
+        log_of_calls().add({.op = "rank_sum", .stream = s, .count = count});
+        sum_as(t, std::vector<void*>(buffers.begin(), buffers.end()), count);
+    }
+    static void copy(int, Stream s, void* dst, const void* src, std::size_t bytes) {
+        log_of_calls().add({.op = "copy", .stream = s, .count = bytes});
+        std::memcpy(dst, src, bytes);
+    }
+
+private:
+    static void exchange(Comm c, void* buf, std::size_t count, comm::DType t, int root, tp deadline, const std::atomic<bool>& stop) {
+        Round& rd = *c.round;
+        std::unique_lock lock(rd.m);
+        if (rd.aborted) throw CollectiveAborted("test communicator aborted");
+        rd.bufs[static_cast<std::size_t>(c.rank)] = buf;
+        if (++rd.arrived == rd.n) {
+            if (root < 0) sum_as(t, rd.bufs, count);
+            else
+                for (int r = 0; r < rd.n; ++r)
+                    if (r != root) std::memcpy(rd.bufs[static_cast<std::size_t>(r)], rd.bufs[static_cast<std::size_t>(root)], count * size_of(t));
+            rd.arrived = 0;
+            ++rd.generation;
+            rd.cv.notify_all();
+            return;
+        }
+        const auto gen = rd.generation;
+        const auto cap = std::min(deadline, clock_type::now() + 5s);
+        while (rd.generation == gen && !rd.aborted && !stop.load())
+            if (rd.cv.wait_until(lock, cap) == std::cv_status::timeout) throw Timeout("test communicator: a peer never enqueued");
+        if (rd.generation == gen) throw CollectiveAborted("test communicator aborted");
+    }
+};
+
+using Group = comm::StreamGroup<RecordingApi>;
+
+std::vector<Device> hosts(std::initializer_list<int> ids) {
+    std::vector<Device> d;
+    for (int i : ids) d.push_back(Device::host(i));
+    return d;
+}
+
+std::vector<Call> only(const std::vector<Call>& calls, std::initializer_list<const char*> ops) {
+    std::vector<Call> out;
+    for (const auto& c : calls)
+        for (const char* op : ops)
+            if (c.op == op) out.push_back(c);
+    return out;
+}
+
+// Runs `body(rank, communicator)` on one thread per rank, each bound first; returns per-rank errors.
+template <class F>
+std::vector<std::exception_ptr> on_threads(Group& g, F body) {
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(g.size()));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < g.size(); ++r)
+        threads.emplace_back([&, r] {
+            try {
+                Execution<Host> ex;
+                g.bind(r, ex);
+                body(r, g.communicator(r));
+            } catch (...) {
+                errors[static_cast<std::size_t>(r)] = std::current_exception();
+            }
+        });
+    for (auto& t : threads) t.join();
+    return errors;
+}
+
+// ---- a model to train ----------------------------------------------------------------------------
+
+using Net = nn::Sequential<nn::Conv2d<>, nn::SyncBatchNorm<>, nn::ReLU<>, nn::MaxPool2d<>, nn::Flatten<>, nn::Linear<>>;
+
+Net make_net() {
+    nn::Generator g(5);
+    return Net(nn::Conv2d<>(2, 4, 3, {.padding = 1}, g), nn::SyncBatchNorm<>(4), nn::ReLU<>(), nn::MaxPool2d<>(2),
+               nn::Flatten<>(), nn::Linear<>(4 * 4 * 4, 5, true, g));
+}
+
+// Net whose backward throws on replica 1 while `fail` is set.
+struct Failing {
+    using backend = Host;
+    Net net = make_net();
+    std::shared_ptr<std::atomic<bool>> fail = std::make_shared<std::atomic<bool>>(false);
+    Tensor<float> forward(const nn::Context<>& ctx, Tensor<float> x) { return net.forward(ctx, std::move(x)); }
+    Tensor<float> backward(const nn::Context<>& ctx, const Tensor<float>& dy) {
+        if (ctx.rank == 1 && *fail) throw std::runtime_error("replica 1's backward failed");
+        return net.backward(ctx, dy);
+    }
+    template <class V>
+    void visit(V&& v) {
+        v.module("net", net);
+    }
+};
+
+struct Batch {
+    Tensor<float> x;
+    std::vector<std::int64_t> labels;
+};
+
+Batch make_batch(std::int64_t n, std::uint64_t seed) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<float> d(0.5f, 1.0f);
+    std::uniform_int_distribution<std::int64_t> l(0, 4);
+    Batch b{Tensor<float>(Shape{n, 2, 8, 8}), {}};
+    for (auto& v : b.x.span()) v = d(gen);
+    for (std::int64_t i = 0; i < n; ++i) b.labels.push_back(l(gen));
+    return b;
+}
+
+template <class M>
+std::vector<float> state_of(const M& m) {
+    std::vector<float> v;
+    nn::walk(
+        m, [&](const std::string&, const auto& p) { v.insert(v.end(), p.value.span().begin(), p.value.span().end()); },
+        [&](const std::string&, const auto& t) {
+            for (auto e : t.span()) v.push_back(static_cast<float>(e));
+        });
+    return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+struct Trained {
+    std::vector<double> losses;
+    std::vector<float> state;
+    bool replicas_identical = true;
+};
+
+template <class Dp>
+Trained train(Dp& dp, int steps) {
+    nn::Sgd<> sgd({.lr = 0.05, .momentum = 0.9});
+    Trained out;
+    for (int s = 0; s < steps; ++s) {
+        const auto b = make_batch(7, 100 + static_cast<std::uint64_t>(s));  // 7 over 3 replicas: uneven shards
+        out.losses.push_back(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+        for (int r = 1; r < dp.size(); ++r) out.replicas_identical &= same_bits(state_of(dp.replica(0)), state_of(dp.replica(r)));
+    }
+    out.state = state_of(dp.module());
+    return out;
+}
+
+DataParallelOptions small_buckets() {
+    DataParallelOptions o;
+    o.bucket_bytes = 256;  // several buckets, so some are enqueued while backward still runs
+    o.timeout = 5s;
+    return o;
+}
+
+}  // namespace
+
+TEST_CASE("stream group: no rank enqueues before every rank has reached the rendezvous", "[comm]") {
+    log_of_calls().clear();
+    Group g(hosts({0, 1, 2}), 5s);
+    REQUIRE(g.mode() == comm::StreamGroupMode::peer);
+    const auto t0 = clock_type::now();
+    std::vector<std::vector<float>> data(3, std::vector<float>(37));
+    const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
+        for (std::size_t i = 0; i < 37; ++i) data[static_cast<std::size_t>(r)][i] = static_cast<float>(r + 1) * 0.5f + static_cast<float>(i);
+        if (r == 2) std::this_thread::sleep_for(150ms);  // the late rank
+        c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 37, Device::host(r)), comm::CollectiveSite::user(1));
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    const auto enqueues = only(log_of_calls().snapshot(), {"all_reduce"});
+    REQUIRE(enqueues.size() == 3);
+    for (const auto& c : enqueues) CHECK(c.when - t0 >= 150ms);  // none enqueued while rank 2 was away
+    for (int r = 0; r < 3; ++r)
+        for (std::size_t i = 0; i < 37; ++i) REQUIRE(data[static_cast<std::size_t>(r)][i] == (0.5f + 1.0f) + 1.5f + 3.0f * static_cast<float>(i));
+}
+
+TEST_CASE("stream group: a collective mismatch is reported on every rank before any enqueue", "[comm]") {
+    log_of_calls().clear();
+    Group g(hosts({0, 1, 2}), 5s);
+    std::vector<std::vector<double>> data(3, std::vector<double>(8, 1.0));
+    const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
+        const std::size_t n = r == 1 ? 7 : 8;  // rank 1 reaches a different collective
+        c.all_reduce_sum(DeviceSpan<double>(data[static_cast<std::size_t>(r)].data(), n, Device::host(r)), comm::CollectiveSite::user(2));
+    });
+    for (auto& e : errors) {
+        REQUIRE(e);
+        CHECK_THROWS_AS(std::rethrow_exception(e), CollectiveMismatch);
+    }
+    CHECK(only(log_of_calls().snapshot(), {"all_reduce", "broadcast", "rank_sum"}).empty());
+}
+
+TEST_CASE("stream group: a started all-reduce runs on the communication stream behind events both ways", "[comm]") {
+    log_of_calls().clear();
+    Group g(hosts({0, 1}), 5s);
+    std::vector<std::vector<float>> data(2, std::vector<float>(5, 2.0f));
+    std::map<int, std::thread::id> thread_of;
+    std::mutex m;
+    const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
+        {
+            std::lock_guard lock(m);
+            thread_of[r] = std::this_thread::get_id();
+        }
+        c.start_all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 5, Device::host(r)), comm::CollectiveSite::bucket(0));
+        c.join();
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    const auto calls = log_of_calls().snapshot();
+    for (int r = 0; r < 2; ++r) {
+        std::vector<Call> mine;
+        for (const auto& c : calls)
+            if (c.thread == thread_of[r] && c.op != "make_stream" && c.op != "compute_stream") mine.push_back(c);
+        long compute = 0, side = 0;
+        for (const auto& c : calls)
+            if (c.thread == thread_of[r] && c.op == "compute_stream") compute = c.stream;
+        for (const auto& c : calls)
+            if (c.thread == thread_of[r] && c.op == "make_stream") side = c.stream;
+        REQUIRE(compute != 0);
+        REQUIRE(side != 0);
+        REQUIRE(mine.size() == 5);
+        CHECK((mine[0].op == "record" && mine[0].stream == compute));                          // compute work so far
+        CHECK((mine[1].op == "wait" && mine[1].stream == side && mine[1].event == mine[0].event));  // side waits for it
+        CHECK((mine[2].op == "all_reduce" && mine[2].stream == side && mine[2].rank == r));
+        CHECK((mine[3].op == "record" && mine[3].stream == side));                             // the bucket is done
+        CHECK((mine[4].op == "wait" && mine[4].stream == compute && mine[4].event == mine[3].event));  // join
+    }
+    for (auto& d : data)
+        for (float v : d) CHECK(v == 4.0f);
+}
+
+TEST_CASE("stream group: replicas on one device sum in one rank-order kernel on rank 0's stream", "[comm]") {
+    log_of_calls().clear();
+    Group g(hosts({0, 0, 0}), 5s);
+    REQUIRE(g.mode() == comm::StreamGroupMode::local);
+    std::vector<std::vector<float>> data(3);
+    std::vector<std::thread::id> thread_of(3);
+    const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
+        thread_of[static_cast<std::size_t>(r)] = std::this_thread::get_id();
+        data[static_cast<std::size_t>(r)] = {0.1f * static_cast<float>(r + 1), 1e8f, -1e8f};
+        c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 3, Device::host(0)), comm::CollectiveSite::user(3));
+        std::vector<float> b(4, static_cast<float>(r));
+        c.broadcast(DeviceSpan<float>(b.data(), 4, Device::host(0)), 2, comm::CollectiveSite::user(4));
+        for (float v : b) REQUIRE(v == 2.0f);
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    const float expect = (0.1f + 0.2f) + 0.3f;  // rank order
+    for (auto& d : data) CHECK(d[0] == expect);
+    const auto calls = log_of_calls().snapshot();
+    const auto sums = only(calls, {"rank_sum"});
+    REQUIRE(sums.size() == 1);
+    CHECK(sums[0].thread == thread_of[0]);
+    CHECK(only(calls, {"copy"}).size() == 2);  // the broadcast: root 2 to ranks 0 and 1
+    // Rank 0's stream waits for both peers' events before the kernel; each peer waits for rank 0's after.
+    std::size_t kernel = 0;
+    for (std::size_t i = 0; i < calls.size(); ++i)
+        if (calls[i].op == "rank_sum") kernel = i;
+    int waits_before = 0, waits_after = 0;
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+        if (calls[i].op != "wait") continue;
+        if (i < kernel && calls[i].thread == thread_of[0] && calls[i].stream == sums[0].stream) ++waits_before;
+        if (i > kernel && calls[i].thread != thread_of[0]) ++waits_after;
+    }
+    CHECK(waits_before == 2);
+    CHECK(waits_after >= 2);
+    CHECK(only(calls, {"init", "all_reduce"}).empty());  // no communicator on one device
+}
+
+TEST_CASE("stream group: layouts it cannot serve are refused with the devices named", "[comm]") {
+    CHECK_THROWS_WITH(Group(hosts({0, 0, 1}), 1s), Catch::Contains("{host:0, host:0, host:1}") && Catch::Contains("not supported"));
+    CHECK_THROWS_AS(Group(hosts({0, 0, 1}), 1s), NotImplemented);
+    CHECK_THROWS_WITH(Group(hosts({0, 7}), 1s), Catch::Contains("no device host:7"));
+    CHECK_THROWS_AS(Group(std::vector<Device>{Device::cuda(0)}, 1s), DeviceMismatch);
+    CHECK(Group(hosts({3}), 1s).mode() == comm::StreamGroupMode::single);
+}
+
+TEST_CASE("stream group: DataParallel over it equals DataParallel over the host group, bit for bit", "[comm][parallel]") {
+    const Net net = make_net();
+    DataParallel<Net> reference(net, 3, small_buckets());
+    const Trained want = train(reference, 3);
+    for (const bool one_device : {false, true}) {
+        DYNAMIC_SECTION((one_device ? "three replicas on one device" : "one replica per device")) {
+            log_of_calls().clear();
+            DataParallel<Net, Group> dp(net, one_device ? hosts({0, 0, 0}) : hosts({0, 1, 2}), small_buckets());
+            const Trained got = train(dp, 3);
+            CHECK(got.replicas_identical);
+            REQUIRE(got.losses.size() == want.losses.size());
+            for (std::size_t s = 0; s < got.losses.size(); ++s) CHECK(got.losses[s] == want.losses[s]);
+            CHECK(same_bits(got.state, want.state));
+            CHECK(dp.bucket_count() > 1);
+        }
+    }
+}
+
+TEST_CASE("stream group: every rank enqueues layer and bucket collectives in one order, on its own thread", "[comm][parallel]") {
+    log_of_calls().clear();
+    const Net net = make_net();
+    DataParallel<Net, Group> dp(net, hosts({0, 1, 2}), small_buckets());
+    log_of_calls().clear();
+    train(dp, 2);
+    const auto calls = only(log_of_calls().snapshot(), {"all_reduce", "broadcast"});
+    std::map<int, std::vector<Call>> by_rank;
+    for (const auto& c : calls) by_rank[c.rank].push_back(c);
+    REQUIRE(by_rank.size() == 3);
+    std::set<std::thread::id> threads;
+    for (auto& [rank, seq] : by_rank) {
+        REQUIRE(seq.size() == by_rank[0].size());
+        for (std::size_t i = 0; i < seq.size(); ++i) {
+            // The same collective (group, size) at the same position on every rank.
+            CHECK(seq[i].group == by_rank[0][i].group);
+            CHECK(seq[i].count == by_rank[0][i].count);
+            CHECK(seq[i].thread == seq[0].thread);  // one thread per rank makes every call
+        }
+        threads.insert(seq[0].thread);
+        CHECK(seq[0].thread != std::this_thread::get_id());
+    }
+    CHECK(threads.size() == 3);
+    // Buckets (the gradient group) are enqueued while backward still runs: before SyncBatchNorm's
+    // backward all-reduce (layer group) of the same step.
+    const auto& seq = by_rank[0];
+    const int layer_group = seq.front().group;  // the first collective of a step is SyncBatchNorm's forward
+    bool bucket_then_layer = false;
+    for (std::size_t i = 0; i + 1 < seq.size(); ++i)
+        if (seq[i].group != layer_group && seq[i + 1].group == layer_group) bucket_then_layer = true;
+    CHECK(bucket_then_layer);
+    CHECK(dp.overlapped_buckets(0) > 0);
+    // Layer collectives on the compute stream, buckets on another.
+    std::set<long> layer_streams, bucket_streams;
+    for (const auto& c : seq) (c.group == layer_group ? layer_streams : bucket_streams).insert(c.stream);
+    CHECK(layer_streams.size() == 1);
+    CHECK(bucket_streams.size() == 1);
+    CHECK(*layer_streams.begin() != *bucket_streams.begin());
+}
+
+TEST_CASE("stream group: a replica that throws aborts every communicator, and the next step runs on new ones", "[comm][parallel]") {
+    Failing model;
+    log_of_calls().clear();
+    DataParallel<Failing, Group> dp(model, hosts({0, 1, 2}), small_buckets());
+    const auto inits_before = only(log_of_calls().snapshot(), {"init"}).size();
+    REQUIRE(inits_before == 6);  // two groups of three
+    nn::Sgd<> sgd({.lr = 0.05});
+    const auto b = make_batch(6, 7);
+    *dp.replica(0).fail = true;  // replicas share the flag with the prototype
+    const auto t0 = clock_type::now();
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("replica 1's backward failed"));
+    CHECK(clock_type::now() - t0 < 2s);
+    const auto calls = log_of_calls().snapshot();
+    std::set<std::pair<int, int>> aborted;
+    for (const auto& c : only(calls, {"abort"})) aborted.insert({c.group, c.rank});
+    CHECK(aborted.size() == 6);  // every communicator of both groups
+    CHECK(only(calls, {"init"}).size() == inits_before + 6);  // rebuilt
+    *dp.replica(0).fail = false;
+    CHECK_NOTHROW(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+    CHECK(same_bits(state_of(dp.replica(0)), state_of(dp.replica(2))));
+}
+
+TEST_CASE("stream group: teardown finalizes every communicator, then destroys them, then the streams", "[comm][parallel]") {
+    log_of_calls().clear();
+    {
+        const Net net = make_net();
+        DataParallel<Net, Group> dp(net, hosts({0, 1}), small_buckets());
+        train(dp, 1);
+        log_of_calls().clear();
+    }
+    const auto calls = only(log_of_calls().snapshot(), {"finalize", "destroy", "destroy_stream"});
+    REQUIRE(calls.size() == 12);  // per group: 2 finalize, 2 destroy, 2 streams
+    for (int g = 0; g < 2; ++g) {
+        const std::size_t o = static_cast<std::size_t>(g) * 6;
+        CHECK(calls[o].op == "finalize");
+        CHECK(calls[o + 1].op == "finalize");
+        CHECK(calls[o + 2].op == "destroy");
+        CHECK(calls[o + 3].op == "destroy");
+        CHECK(calls[o + 4].op == "destroy_stream");
+        CHECK(calls[o + 5].op == "destroy_stream");
+        CHECK(calls[o].group == calls[o + 3].group);
+    }
+}
