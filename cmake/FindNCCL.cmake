@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
-# Finds NCCL, which ships no CMake package. Looks next to the CUDA toolkit first, then in the
-# system paths; NCCL_ROOT or the NCCL_ROOT environment variable point elsewhere.
+# Finds NCCL, which ships no CMake package. Looks next to the CUDA toolkit first, then in python3's
+# nvidia-nccl wheel, then in the system paths; NCCL_ROOT or the NCCL_ROOT environment variable
+# point elsewhere.
 #
 # Defines NCCL_FOUND, NCCL_INCLUDE_DIR, NCCL_LIBRARY, NCCL_VERSION and the target NCCL::NCCL.
 
@@ -11,9 +12,18 @@ if(CUDAToolkit_LIBRARY_ROOT)
   list(APPEND _nccl_hints "${CUDAToolkit_LIBRARY_ROOT}")
 endif()
 list(APPEND _nccl_hints /usr/local/cuda)
+# NCCL from the Python wheel (nvidia-nccl-cu13, as PyTorch installs it): site-packages/nvidia/nccl.
+find_program(_nccl_python NAMES python3)
+if(_nccl_python)
+  execute_process(COMMAND ${_nccl_python} -c "import nvidia.nccl as m; print(list(m.__path__)[0])"
+                  OUTPUT_VARIABLE _nccl_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _nccl_rc)
+  if(_nccl_rc EQUAL 0 AND _nccl_wheel)
+    list(APPEND _nccl_hints "${_nccl_wheel}")
+  endif()
+endif()
 
 find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY NAMES nccl HINTS ${_nccl_hints} PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
 
 if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
   file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_defs REGEX "^#define NCCL_(MAJOR|MINOR|PATCH)[ \t]+[0-9]+")
