@@ -226,7 +226,7 @@ std::vector<std::exception_ptr> on_threads(Group& g, F body) {
             try {
                 Execution<Host> ex;
                 g.bind(r, ex);
-                body(r, g.communicator(r));
+                body(r, g.communicator(r));  // a Group::communicator_type&, also a comm::Collectives&
             } catch (...) {
                 errors[static_cast<std::size_t>(r)] = std::current_exception();
             }
@@ -351,6 +351,21 @@ TEST_CASE("stream group: a collective mismatch is reported on every rank before 
         CHECK_THROWS_AS(std::rethrow_exception(e), CollectiveMismatch);
     }
     CHECK(only(log_of_calls().snapshot(), {"all_reduce", "broadcast", "rank_sum"}).empty());
+}
+
+TEST_CASE("stream group: 16-bit all-reduces carry their type in the tag, so fp16 against bf16 is a mismatch", "[comm]") {
+    log_of_calls().clear();
+    Group g(hosts({0, 1}), 5s);
+    std::vector<std::vector<std::uint16_t>> data(2, std::vector<std::uint16_t>(6));
+    const auto errors = on_threads(g, [&](int r, Group::communicator_type& c) {
+        c.all_reduce_sum(DeviceSpan<std::uint16_t>(data[static_cast<std::size_t>(r)].data(), 6, Device::host(r)),
+                         r == 0 ? comm::DType::f16 : comm::DType::bf16, comm::CollectiveSite::user(5));
+    });
+    for (auto& e : errors) {
+        REQUIRE(e);
+        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("all_reduce_sum<half>[6]") && Catch::Contains("all_reduce_sum<bfloat16>[6]"));
+    }
+    CHECK(only(log_of_calls().snapshot(), {"all_reduce"}).empty());
 }
 
 TEST_CASE("stream group: a started all-reduce runs on the communication stream behind events both ways", "[comm]") {

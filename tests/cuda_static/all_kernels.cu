@@ -107,6 +107,8 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
 void all_group_kernels(std::span<void* const> buffers) {
     comm::NcclApi::rank_sum(0, nullptr, buffers, 1, comm::DType::f32);
     comm::NcclApi::rank_sum(0, nullptr, buffers, 1, comm::DType::f64);
+    comm::NcclApi::rank_sum(0, nullptr, buffers, 1, comm::DType::f16);
+    comm::NcclApi::rank_sum(0, nullptr, buffers, 1, comm::DType::bf16);
 }
 
 }  // namespace lockstep::cuda_static

@@ -779,12 +779,40 @@ void check_rank_sum(std::mt19937_64& rng) {
 
 }  // namespace
 
+// 16-bit floats: every buffer holds the fp32 rank-order sum, rounded once.
+template <class H>
+void check_rank_sum_16(std::mt19937_64& rng) {
+    std::uniform_real_distribution<float> u(-4, 4);
+    for (const int ranks : {2, 3, 16}) {
+        for (const std::int64_t n : {std::int64_t{1}, std::int64_t{17}, std::int64_t{4099}}) {
+            INFO("ranks=" << ranks << " n=" << n << " bf16=" << (std::is_same_v<H, __nv_bfloat16>));
+            dev::HostScratch scratch;
+            EmulatedLayerRun run{devices[1], &scratch};
+            std::vector<std::vector<H>> in(static_cast<std::size_t>(ranks));
+            for (auto& b : in)
+                for (std::int64_t i = 0; i < n; ++i) b.push_back(dev::from_float<H>(u(rng)));
+            std::vector<H> want;
+            for (std::int64_t i = 0; i < n; ++i) {
+                float acc = dev::to_float(in[0][static_cast<std::size_t>(i)]);
+                for (int r = 1; r < ranks; ++r) acc += dev::to_float(in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)]);
+                want.push_back(dev::from_float<H>(acc));
+            }
+            std::vector<H*> bufs;
+            for (auto& b : in) bufs.push_back(b.data());
+            lk::rank_sum<H>(run, std::span<H* const>(bufs), n);
+            for (const auto& b : in) CHECK(same_bits(b, want));
+        }
+    }
+}
+
 TEST_CASE("emulated device-local all-reduce equals the host group's bit for bit in every buffer", "[emulation][layers]") {
     const std::uint64_t seed = lockstep::test::fresh_seed();
     CAPTURE(seed);
     std::mt19937_64 rng(seed);
     check_rank_sum<float>(rng);
     check_rank_sum<double>(rng);
+    check_rank_sum_16<__half>(rng);
+    check_rank_sum_16<__nv_bfloat16>(rng);
     dev::HostScratch scratch;
     EmulatedLayerRun run{devices[0], &scratch};
     std::vector<float*> too_many(17, nullptr);

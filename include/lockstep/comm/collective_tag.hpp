@@ -10,7 +10,7 @@
 namespace lockstep::comm {
 
 enum class CollectiveKind : std::uint8_t { all_reduce_sum, broadcast, barrier, phase };
-enum class DType : std::uint8_t { none, f32, f64, i64 };
+enum class DType : std::uint8_t { none, f32, f64, i64, f16, bf16 };  // f16, bf16: CUDA's __half, __nv_bfloat16
 
 template <class T>
 constexpr DType dtype_of() {
@@ -74,7 +74,7 @@ struct CollectiveTag {
 
     std::string str() const {
         static constexpr const char* kinds[] = {"all_reduce_sum", "broadcast", "barrier", "phase"};
-        static constexpr const char* types[] = {"", "<float>", "<double>", "<int64>"};
+        static constexpr const char* types[] = {"", "<float>", "<double>", "<int64>", "<half>", "<bfloat16>"};
         std::string s = kinds[static_cast<int>(kind)];
         s += types[static_cast<int>(dtype)];
         if (kind != CollectiveKind::barrier) {

@@ -5,7 +5,10 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <nccl.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <atomic>
 #include <chrono>
@@ -78,6 +81,10 @@ struct NcclApi {
             &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<float>>));
         LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
             &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<double>>));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__half>>));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__nv_bfloat16>>));
         return s;
     }
     static void destroy_stream(int device, Stream s, clock::time_point deadline) noexcept {
@@ -106,6 +113,8 @@ struct NcclApi {
             case DType::f32: return ncclFloat32;
             case DType::f64: return ncclFloat64;
             case DType::i64: return ncclInt64;
+            case DType::f16: return ncclFloat16;
+            case DType::bf16: return ncclBfloat16;
             default: throw UsageError("NCCL collectives take float, double or int64 buffers");
         }
     }
@@ -141,12 +150,22 @@ struct NcclApi {
         return comms;
     }
 
+    //! A named NVTX range around each enqueue, so Nsight shows every collective on its thread.
+    struct Range {
+        explicit Range(const char* name) noexcept { nvtxRangePushA(name); }
+        Range(const Range&) = delete;
+        Range& operator=(const Range&) = delete;
+        ~Range() { nvtxRangePop(); }
+    };
+
     static void all_reduce(Comm c, void* buf, std::size_t count, DType t, Stream s, clock::time_point deadline,
                            const std::atomic<bool>& stop) {
+        const Range range("lockstep ncclAllReduce");
         enqueued(c, ncclAllReduce(buf, buf, count, nccl_type(t), ncclSum, c, s), deadline, stop, "ncclAllReduce");
     }
     static void broadcast(Comm c, void* buf, std::size_t count, DType t, int root, Stream s, clock::time_point deadline,
                           const std::atomic<bool>& stop) {
+        const Range range("lockstep ncclBroadcast");
         enqueued(c, ncclBroadcast(buf, buf, count, nccl_type(t), root, c, s), deadline, stop, "ncclBroadcast");
     }
 
@@ -177,13 +196,16 @@ struct NcclApi {
 
     //! The device-local all-reduce: one kernel on `s` (Note [rank-order sum]).
     static void rank_sum(int device, Stream s, std::span<void* const> buffers, std::size_t count, DType t) {
+        const Range range("lockstep device-local all-reduce");
         cuda::DeviceGuard guard(device);
         kernels::device::DeviceRun run;
         run.stream = s;
         run.device = kernels::cuda_ops::device_info(device);
         if (t == DType::f32) sum_as<float>(run, buffers, count);
         else if (t == DType::f64) sum_as<double>(run, buffers, count);
-        else throw UsageError("an all-reduce takes float or double buffers");
+        else if (t == DType::f16) sum_as<__half>(run, buffers, count);
+        else if (t == DType::bf16) sum_as<__nv_bfloat16>(run, buffers, count);
+        else throw UsageError("an all-reduce takes float, double, __half or __nv_bfloat16 buffers");
     }
     static void copy(int device, Stream s, void* dst, const void* src, std::size_t bytes) {
         cuda::DeviceGuard guard(device);
@@ -220,6 +242,14 @@ private:
 
 //! A CUDA replica's handle on its `CudaGroup`.
 using NcclCommunicator = StreamCommunicator<NcclApi>;
+
+//! Sums fp16 or bf16 device data over the group in place (the tags say which type).
+inline void all_reduce_sum(NcclCommunicator& c, DeviceSpan<__half> data, CollectiveSite site) {
+    c.all_reduce_sum(data, DType::f16, site);
+}
+inline void all_reduce_sum(NcclCommunicator& c, DeviceSpan<__nv_bfloat16> data, CollectiveSite site) {
+    c.all_reduce_sum(data, DType::bf16, site);
+}
 
 //! The group of CUDA replicas, DataParallel's default on the Cuda backend (Note [stream-ordered
 //! collectives]): one NCCL communicator per replica when each replica has its own GPU, one

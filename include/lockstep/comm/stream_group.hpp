@@ -96,16 +96,29 @@ public:
     std::uint64_t collective_count() const noexcept override { return st_->rendezvous.collectives(rank_); }
     bool stream_ordered() const noexcept override { return true; }
 
-    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, -1, site, false); }
-    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { run(data, -1, site, false); }
-    void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, -1, site, true); }
-    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override { run(data, root, site, false); }
-    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override { run(data, root, site, false); }
-    void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override { run(data, root, site, false); }
+    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, -1, site, false, DType::f32); }
+    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { run(data, -1, site, false, DType::f64); }
+    void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, -1, site, true, DType::f32); }
+    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override { run(data, root, site, false, DType::f32); }
+    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override { run(data, root, site, false, DType::f64); }
+    void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override {
+        run(data, root, site, false, DType::i64);
+    }
     void barrier(CollectiveSite site) override {
         st_->rendezvous.count_collective(rank_);
         st_->rendezvous.arrive(rank_, CollectiveTag{site, CollectiveKind::barrier, DType::none, 0, -1}, nullptr);
     }
+    //! Sums 16-bit floats in place over all ranks (on CUDA: `DeviceSpan<__half>` with DType::f16,
+    //! `DeviceSpan<__nv_bfloat16>` with DType::bf16; NCCL sums them in their own precision, the
+    //! device-local group in fp32, rounding once).
+    template <class T>
+    void all_reduce_sum(DeviceSpan<T> data, DType dtype, CollectiveSite site) {
+        static_assert(sizeof(T) == 2, "the DType overload is for 16-bit floats; float and double have their own");
+        LOCKSTEP_CHECK_AS(UsageError, dtype == DType::f16 || dtype == DType::bf16,
+                          "a 16-bit all-reduce takes DType::f16 or DType::bf16");
+        run(data, -1, site, false, dtype);
+    }
+
     void join() override {
         if (!started_) return;
         auto& me = st_->ranks[static_cast<std::size_t>(rank_)];
@@ -133,7 +146,7 @@ private:
     StreamCommunicator(std::shared_ptr<State> st, int rank) : st_(std::move(st)), rank_(rank) {}
 
     template <class T>
-    void run(DeviceSpan<T> data, int root, CollectiveSite site, bool started) {
+    void run(DeviceSpan<T> data, int root, CollectiveSite site, bool started, DType dtype) {
         State& st = *st_;
         const auto ur = static_cast<std::size_t>(rank_);
         auto& me = st.ranks[ur];
@@ -151,11 +164,11 @@ private:
         const bool local = st.mode == StreamGroupMode::local;
         if (local && rank_ != 0) st.api.record(me.ready_local, s);  // this rank's buffer is final here
         const CollectiveKind kind = root >= 0 ? CollectiveKind::broadcast : CollectiveKind::all_reduce_sum;
-        const CollectiveTag tag{site, kind, dtype_of<T>(), data.size, root};
+        const CollectiveTag tag{site, kind, dtype, data.size, root};
         const int parity = st.rendezvous.arrive(rank_, tag, data.data);  // Note [stream-ordered collectives]
         if (st.size() > 1 && !data.empty()) {
             if (st.mode == StreamGroupMode::peer) {
-                enqueue_peer(data, root, s);
+                enqueue_peer(data, root, s, dtype);
             } else {
                 if (rank_ == 0) {
                     std::vector<void*> bufs(static_cast<std::size_t>(st.size()));
@@ -165,7 +178,7 @@ private:
                     }
                     const int device = st.devices[0];
                     if (root < 0) {
-                        st.api.rank_sum(device, s, std::span<void* const>(bufs), data.size, dtype_of<T>());
+                        st.api.rank_sum(device, s, std::span<void* const>(bufs), data.size, dtype);
                     } else {
                         for (int r = 0; r < st.size(); ++r)
                             if (r != root)
@@ -188,14 +201,14 @@ private:
     }
 
     template <class T>
-    void enqueue_peer(DeviceSpan<T> data, int root, Stream s) {
+    void enqueue_peer(DeviceSpan<T> data, int root, Stream s, DType dtype) {
         State& st = *st_;
         std::shared_lock lock(st.comms_mutex);  // never concurrently with abort()
         if (st.comms_aborted) throw CollectiveAborted("the replica group was aborted: " + st.abort_reason());
         const auto comm = st.comms[static_cast<std::size_t>(rank_)];
         const auto deadline = clock::now() + st.rendezvous.timeout();
-        if (root < 0) st.api.all_reduce(comm, data.data, data.size, dtype_of<T>(), s, deadline, st.aborted);
-        else st.api.broadcast(comm, data.data, data.size, dtype_of<T>(), root, s, deadline, st.aborted);
+        if (root < 0) st.api.all_reduce(comm, data.data, data.size, dtype, s, deadline, st.aborted);
+        else st.api.broadcast(comm, data.data, data.size, dtype, root, s, deadline, st.aborted);
     }
 
     template <class T>

@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include <nvtx3/nvToolsExt.h>
+
 #include "lockstep/kernels/cuda_bn_ops.cuh"
 #include "lockstep/kernels/cuda_common.cuh"
 #include "lockstep/kernels/cuda_layer_ops.cuh"
@@ -103,6 +105,15 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             blas = nullptr;
             workspace = scratch = partials = nullptr;
         }
+    };
+
+    //! A named NVTX range (Nsight Systems shows the step's forward, backward, collectives and
+    //! optimizer step on each replica thread, and their overlap with the streams' work).
+    struct Range {
+        explicit Range(const char* name) noexcept { nvtxRangePushA(name); }
+        Range(const Range&) = delete;
+        Range& operator=(const Range&) = delete;
+        ~Range() { nvtxRangePop(); }
     };
 
     //! `replicas` replicas over the visible GPUs, round-robin.

@@ -51,6 +51,11 @@ struct Ops<Host> {
         int index;
     };
 
+    //! A named range of a step for profilers (NVTX on CUDA); nothing on the host.
+    struct Range {
+        explicit Range(const char*) noexcept {}
+    };
+
     //! The devices of `replicas` host replicas: host:0, host:1, ...
     static std::vector<Device> default_devices(int replicas) {
         LOCKSTEP_CHECK(replicas > 0, "DataParallel needs at least one replica, got ", replicas);

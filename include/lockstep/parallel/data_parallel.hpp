@@ -486,6 +486,7 @@ private:
                 b.unpack.push_back({&grad, 0, &b.flat, b.offsets[i], n});
             }
             K::copy_many(ctx.exec, b.pack);
+            const typename K::Range range("lockstep gradient bucket");
             if (grad_comm->stream_ordered()) {
                 // Enqueued by this thread, here, on every rank: one order everywhere; unpacked
                 // after join() in finish_buckets (Note [gradient buckets]).
@@ -633,7 +634,11 @@ private:
                             shard_targets = Owned::own(parallel::shard_targets(rep.ctx.exec, *tp, shard, device));
                         }))
                         throw detail::caller_gone();
-                    auto out = rep.module.forward(rep.ctx, std::move(in));
+                    Tensor<float, backend> out;
+                    {
+                        const typename K::Range range("lockstep forward");
+                        out = rep.module.forward(rep.ctx, std::move(in));
+                    }
                     auto lo = call->loss.get()(rep.ctx, out, Owned::view(shard_targets));
                     out = Tensor<float, backend>();
                     if (before > 0) {  // Note [gradient accumulation]
@@ -643,7 +648,10 @@ private:
                         });
                         K::scale(rep.ctx.exec, lo.grad, static_cast<double>(batch) / static_cast<double>(after));
                     }
-                    rep.module.backward(rep.ctx, lo.grad);
+                    {
+                        const typename K::Range range("lockstep backward");
+                        rep.module.backward(rep.ctx, lo.grad);
+                    }
                     K::add(rep.ctx.exec, rep.totals, lo.totals);
                     if constexpr (Step) {
                         rep.finish_buckets();
@@ -663,7 +671,10 @@ private:
                 }
                 if constexpr (Step) {
                     call->committed.fetch_add(1, std::memory_order_relaxed);
-                    optimizer->step(rep.ctx, rep.module);
+                    {
+                        const typename K::Range range("lockstep optimizer step");
+                        optimizer->step(rep.ctx, rep.module);
+                    }
                     call->applied[ur].store(true, std::memory_order_relaxed);
                     // Note [commit point]: a replica whose optimizer threw fails the step everywhere.
                     rep.grad_comm->barrier(comm::CollectiveSite::commit(1));

@@ -889,7 +889,8 @@ struct CopyTable {
 // mode): element i of every rank's buffer becomes b0[i] + b1[i] + ... + b{n-1}[i], summed in rank
 // order as the host group sums (Note [deterministic host all-reduce]), so the result has the same
 // bits on both backends and in every buffer. Each thread reads all ranks' element before writing
-// any, so the buffers are read and written in place.
+// any, so the buffers are read and written in place. 16-bit floats (__half, __nv_bfloat16) are
+// summed in fp32 in the same order and rounded once.
 
 //! The most ranks one device-local all-reduce takes (their pointers travel in the parameters).
 inline constexpr int rank_max = 16;
@@ -908,9 +909,16 @@ struct RankSum {
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         for (long long i = first_index(w); i < p.n; i += grid_threads(w)) {
-            T acc = p.buf[0][i];
-            for (int r = 1; r < p.ranks; ++r) acc = acc + p.buf[r][i];
-            for (int r = 0; r < p.ranks; ++r) p.buf[r][i] = acc;
+            if constexpr (sizeof(T) == 2) {  // __half, __nv_bfloat16: summed in fp32, rounded once
+                float acc = to_float(p.buf[0][i]);
+                for (int r = 1; r < p.ranks; ++r) acc = acc + to_float(p.buf[r][i]);
+                const T out = from_float<T>(acc);
+                for (int r = 0; r < p.ranks; ++r) p.buf[r][i] = out;
+            } else {
+                T acc = p.buf[0][i];
+                for (int r = 1; r < p.ranks; ++r) acc = acc + p.buf[r][i];
+                for (int r = 0; r < p.ranks; ++r) p.buf[r][i] = acc;
+            }
         }
     }
 };
