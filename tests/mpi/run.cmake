@@ -1,0 +1,19 @@
+# SPDX-License-Identifier: MIT
+# Runs an MPI test under mpirun and judges each rank's own lines ("PASS rank R: ..." / "FAIL rank
+# R: ..."), not mpirun's exit code (a job that ends with MPI_Abort, or that lost a killed rank, is
+# still judged by what its ranks said). EXPECT_PASS: how many PASS lines the ranks must print.
+set(ENV{OMPI_ALLOW_RUN_AS_ROOT} 1)
+set(ENV{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM} 1)
+set(ENV{OMPI_MCA_btl_vader_single_copy_mechanism} none)  # no ptrace-based copies in containers
+set(ENV{ASAN_OPTIONS} detect_leaks=0)  # libmpi leaks at exit
+execute_process(COMMAND ${MPIEXEC} ${FLAGS} -np ${NP} ${PROGRAM} ${SCENARIO}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+message(STATUS "mpirun exit ${rc}\n${out}\n${err}")
+string(REGEX MATCHALL "PASS rank [0-9]+" passes "${out}")
+list(LENGTH passes pass_count)
+if(out MATCHES "FAIL rank")
+  message(FATAL_ERROR "a rank failed (see above)")
+endif()
+if(NOT pass_count EQUAL EXPECT_PASS)
+  message(FATAL_ERROR "${pass_count} PASS lines, expected ${EXPECT_PASS}")
+endif()
