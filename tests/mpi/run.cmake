@@ -6,6 +6,7 @@ set(ENV{OMPI_ALLOW_RUN_AS_ROOT} 1)
 set(ENV{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM} 1)
 set(ENV{OMPI_MCA_btl_vader_single_copy_mechanism} none)  # no ptrace-based copies in containers
 set(ENV{ASAN_OPTIONS} detect_leaks=0)  # libmpi leaks at exit
+string(REPLACE "!" ";" SCENARIO "${SCENARIO}")  # a scenario with arguments: "train!2"
 execute_process(COMMAND ${MPIEXEC} ${FLAGS} -np ${NP} ${PROGRAM} ${SCENARIO}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
 message(STATUS "mpirun exit ${rc}\n${out}\n${err}")

@@ -27,7 +27,7 @@ concept Reducible = dtype_of<T>() != DType::none;
 //! Which call a collective is. Every replica reaches the same sites in the same order; a
 //! different site at the same point is a `CollectiveMismatch`.
 struct CollectiveSite {
-    enum class Kind : std::uint8_t { user, layer, bucket, broadcast, commit };
+    enum class Kind : std::uint8_t { user, layer, bucket, broadcast, commit, control };
     Kind kind = Kind::user;
     std::uint64_t id = 0;   // the user's number, a layer's id, a bucket's or a tensor's index
     std::uint32_t part = 0;  // which collective of a layer (0: forward, 1: backward), which commit barrier
@@ -44,6 +44,9 @@ struct CollectiveSite {
     static constexpr CollectiveSite broadcast(std::uint64_t index) { return {Kind::broadcast, index, 0}; }
     //! The barriers of a training step around the optimizer (0: before it, 1: after it).
     static constexpr CollectiveSite commit(std::uint32_t which = 0) { return {Kind::commit, 0, which}; }
+    //! DataParallel's own exchanges between processes (0: replica counts, 1: a batch's rows, 2: a
+    //! step's totals, 3: a checkpoint's status).
+    static constexpr CollectiveSite control(std::uint32_t which) { return {Kind::control, 0, which}; }
 
     friend constexpr bool operator==(const CollectiveSite&, const CollectiveSite&) = default;
 
@@ -56,6 +59,11 @@ struct CollectiveSite {
             case Kind::bucket: return "gradient bucket " + n;
             case Kind::broadcast: return "broadcast of tensor " + n;
             case Kind::commit: return part == 0 ? "the commit barrier" : "the barrier after the optimizer step";
+            case Kind::control: {
+                static constexpr const char* what[] = {"replica counts", "a batch's rows", "a step's totals",
+                                                       "a checkpoint's status"};
+                return std::string("DataParallel's exchange of ") + (part < 4 ? what[part] : "?") + " between processes";
+            }
             default: return "user site " + n;
         }
     }

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -30,6 +31,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/collectives.hpp"
 #include "lockstep/comm/host_communicator.hpp"
+#include "lockstep/comm/process_group.hpp"
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/runtime/abortable_barrier.hpp"
@@ -448,6 +450,30 @@ private:
     std::mutex abort_mutex_;
     std::atomic<bool> aborted_{false};
     std::string abort_text_;
+};
+
+//! The processes of an MPI communicator as DataParallel's process group
+//! (`DataParallelOptions::process_group`): one MpiCommunicator per channel, each over its own
+//! duplicate of `comm`. Made by every process together (the duplicates are collective calls).
+class MpiProcessGroup final : public ProcessGroup {
+public:
+    explicit MpiProcessGroup(MPI_Comm comm = MPI_COMM_WORLD,
+                             std::chrono::milliseconds timeout = AbortableBarrier::default_timeout) {
+        for (auto& c : channels_) c = std::make_unique<MpiCommunicator>(comm, timeout);
+    }
+    int rank() const override { return channels_[0]->rank(); }
+    int size() const override { return channels_[0]->size(); }
+    Collectives& channel(Channel c) override { return *channels_.at(static_cast<std::size_t>(c)); }
+    MpiCommunicator& communicator(Channel c) { return *channels_.at(static_cast<std::size_t>(c)); }
+    void abort(const std::string& reason) noexcept override {
+        for (auto& c : channels_) c->abort(reason);
+    }
+    void set_timeout(std::chrono::milliseconds t) noexcept {
+        for (auto& c : channels_) c->set_timeout(t);
+    }
+
+private:
+    std::array<std::unique_ptr<MpiCommunicator>, 3> channels_;
 };
 
 }  // namespace lockstep::comm

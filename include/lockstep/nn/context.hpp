@@ -16,8 +16,12 @@ template <BackendTag B = Host>
 struct Context {
     using backend = B;
 
+    //! The replica's rank among all replicas (over every process) and their number.
     int rank = 0;
     int world = 1;
+    //! The replica's index among this process's replicas (its rank when one process runs them all):
+    //! what per-replica state such as an optimizer's is indexed by.
+    int local_rank = 0;
     bool training = true;
     //! The replica's group; null means a replica alone. SyncBatchNorm with `world > 1` needs it.
     comm::Collectives* comm = nullptr;

@@ -19,7 +19,7 @@ namespace lockstep::nn {
 // Note [optimizer protocol]
 // An optimizer keeps one state per replica, so replicas never share a buffer:
 //   prepare(replicas)                  makes room for that many states (before a parallel region);
-//   step(ctx, module)                  updates `module` with replica ctx.rank's state;
+//   step(ctx, module)                  updates `module` with replica ctx.local_rank's state;
 //   visit_state(rank, module, f)       calls f(name, Tensor<float, B>& state, const Parameter<B>& p)
 //                                      for every state tensor of replica `rank`, named as in
 //                                      PyTorch's optimizer state ("<parameter>.momentum_buffer");
@@ -76,10 +76,10 @@ public:
         if (static_cast<int>(states_.size()) < replicas) states_.resize(static_cast<std::size_t>(replicas));
     }
 
-    //! One update of `module`'s parameters with the state of replica `ctx.rank`.
+    //! One update of `module`'s parameters with the state of replica `ctx.local_rank`.
     template <class M>
     void step(const Context<B>& ctx, M& module) {
-        const int rank = ctx.rank;
+        const int rank = ctx.local_rank;
         LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < static_cast<int>(states_.size()), "Sgd::step for replica ", rank,
                           " without prepare(", rank + 1, ")");
         auto& state = states_[static_cast<std::size_t>(rank)];

@@ -24,6 +24,7 @@
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/collectives.hpp"
 #include "lockstep/comm/group.hpp"
+#include "lockstep/comm/process_group.hpp"
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -56,6 +57,12 @@ struct DataParallelOptions {
     //! Check the loss and the all-reduced gradients before the commit point: a step with NaN or
     //! infinity throws `NonFinite` and no replica applies it (costs a pass over the gradients).
     bool check_finite = false;
+    //! The processes this DataParallel spans (Note [hierarchical groups] in comm/process_group.hpp;
+    //! `comm::MpiProcessGroup` from `<lockstep/mpi.hpp>`); empty: this process alone. Then the
+    //! devices are this process's replicas, every process runs as many, global rank = process rank
+    //! x replicas + local rank, and train_step and forward take this process's rows of the global
+    //! batch: those of its global ranks' shards, contiguous, in global-rank order (host backend).
+    std::shared_ptr<comm::ProcessGroup> process_group = nullptr;
 };
 
 //! What one training step reports, computed identically for any split of the batch. It covers
@@ -218,8 +225,8 @@ public:
                     core->resources[ur]->enter();
                 },
                 options.cpu_binding, options.timeout) {
-        pool_.attach(core_->layer_group->abortable());
-        pool_.attach(core_->grad_group->abortable());
+        pool_.attach(core_->abortable(0));
+        pool_.attach(core_->abortable(1));
         core_->replicas.resize(static_cast<std::size_t>(world_));
         // Each replica is cloned on its own thread, so its tensors are made on its device.
         auto caller = std::make_shared<detail::CallerRefs>();  // Note [jobs own their state]
@@ -227,16 +234,15 @@ public:
             const auto ur = static_cast<std::size_t>(r);
             std::optional<Module> clone;
             if (!caller->read([&] { clone.emplace(nn::clone(*proto, core->devices[ur])); })) throw detail::caller_gone();
-            core->replicas[ur] = std::make_unique<Replica>(std::move(*clone), *core->resources[ur],
-                                                           core->layer_group->communicator(r),
-                                                           core->grad_group->communicator(r));
+            core->replicas[ur] = std::make_unique<Replica>(std::move(*clone), *core->resources[ur], core->layer(r),
+                                                           core->grad(r));
             auto& rep = *core->replicas[ur];
-            rep.ctx.rank = r;
-            rep.ctx.world = core->world;
+            rep.ctx.rank = core->first_rank + r;
+            rep.ctx.local_rank = r;
+            rep.ctx.world = core->global_world;
             rep.ctx.comm = rep.layer_comm;
             rep.ctx.exec = core->resources[ur]->execution();
-            core->layer_group->bind(r, rep.ctx.exec);
-            core->grad_group->bind(r, rep.ctx.exec);
+            core->bind(r, rep.ctx.exec);
             rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, core->devices[ur]);
             rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, core->devices[ur]);
             nn::for_each_parameter(rep.module, [&](const std::string& name, const auto&) { rep.param_names.push_back(name); });
@@ -308,9 +314,9 @@ public:
             detail::CallerRefs caller;  // x
         };
         auto call = std::make_shared<Call>();
-        call->shards = parallel::shard_ranges(x.dim(0), world_);
+        const std::int64_t batch = global_rows(x.dim(0), "forward", call->shards);
         call->outs.resize(static_cast<std::size_t>(world_));
-        run_job(call->caller, [core = core_, call, xp = &x, training = training_, batch = x.dim(0)](int r) {
+        run_job(call->caller, [core = core_, call, xp = &x, training = training_, batch](int r) {
             const auto ur = static_cast<std::size_t>(r);
             auto& rep = *core->replicas[ur];
             rep.ctx.training = training;
@@ -367,10 +373,14 @@ public:
     }
 
     //! Writes the model (and the optimizer's state) to `path` atomically.
-    nn::Checkpoint::SaveReport save(const std::string& path) const { return checkpoint().save(path); }
+    //! Across processes (`process_group`), global rank 0's process alone writes, and every
+    //! process returns when it has, or throws the same `IoError` when it failed.
+    nn::Checkpoint::SaveReport save(const std::string& path) const {
+        return save_once([&] { return checkpoint().save(path); });
+    }
     template <class Optimizer>
     nn::Checkpoint::SaveReport save(const std::string& path, Optimizer& optimizer) const {
-        return checkpoint(optimizer).save(path);
+        return save_once([&] { return checkpoint(optimizer).save(path); });
     }
 
     //! Loads a checkpoint into every replica (and the optimizer's state of every replica). Every
@@ -568,7 +578,30 @@ private:
         std::vector<std::unique_ptr<typename K::ReplicaResources>> resources;  // made on the replica threads
         std::unique_ptr<Group> layer_group;  // layer collectives (SyncBatchNorm), on the replica threads
         std::unique_ptr<Group> grad_group;   // gradient buckets (see Note [gradient buckets])
+        // Across processes (options.process_group): these instead of the two groups above.
+        std::shared_ptr<comm::ProcessGroup> procs;
+        std::unique_ptr<comm::HierarchicalGroup> layer_hier, grad_hier;
+        int first_rank = 0;    // global rank of this process's replica 0
+        int global_world = 0;  // replicas over all processes
         std::vector<std::unique_ptr<Replica>> replicas;  // destroyed first: they use the groups and resources
+
+        comm::Collectives& layer(int r) {
+            if (layer_hier) return layer_hier->communicator(r);
+            return layer_group->communicator(r);
+        }
+        comm::Collectives& grad(int r) {
+            if (grad_hier) return grad_hier->communicator(r);
+            return grad_group->communicator(r);
+        }
+        std::shared_ptr<Abortable> abortable(int which) const {
+            if (layer_hier) return which == 0 ? layer_hier->abortable() : grad_hier->abortable();
+            return which == 0 ? layer_group->abortable() : grad_group->abortable();
+        }
+        void bind(int r, Execution<backend>& ex) {
+            if (!layer_group) return;
+            layer_group->bind(r, ex);
+            grad_group->bind(r, ex);
+        }
     };
 
     // One step or micro-batch on every replica (see Notes [step order] and [gradient accumulation]).
@@ -589,7 +622,8 @@ private:
         LOCKSTEP_CHECK_AS(ShapeError, rows == x.dim(0), what, ": ", rows,
                           std::is_same_v<View, std::span<const std::int64_t>> ? " labels" : " target rows", " for a batch of ",
                           x.dim(0), "; pass one per sample");
-        const std::int64_t batch = x.dim(0);
+        std::vector<parallel::ShardRange> shards;
+        const std::int64_t batch = global_rows(x.dim(0), what, shards);  // the global batch
         const std::int64_t before = pending_, after = pending_ + batch;
         if constexpr (Step) optimizer->prepare(world_);
         // The call's state, owned by this call and by the job (Note [jobs own their state]).
@@ -606,7 +640,7 @@ private:
         };
         using Owned = detail::OwnedShard<Shard>;
         auto call = std::make_shared<Call>(world_, loss);
-        call->shards = parallel::shard_ranges(batch, world_);
+        call->shards = std::move(shards);
         const std::int64_t step_number = steps_ + 1;
         try {
             run_job(call->caller, [core = core_, call, xp = &x, tp = &targets, optimizer, before, after, batch,
@@ -711,6 +745,13 @@ private:
             for (int r = 0; r < world_; ++r) {  // rank order: the same bits for any run
                 total += call->sums[static_cast<std::size_t>(r)];
                 correct += call->corrects[static_cast<std::size_t>(r)];
+            }
+            if (core_->procs) {  // then over the processes, in process order
+                std::vector<double> totals{total, correct};
+                core_->procs->channel(comm::ProcessGroup::control)
+                    .all_reduce_sum(DeviceSpan<double>::host(totals), comm::CollectiveSite::control(2));
+                total = totals[0];
+                correct = totals[1];
             }
             result.loss = total / static_cast<double>(after);
             result.correct = static_cast<std::int64_t>(correct);
@@ -832,6 +873,68 @@ private:
         diverged_.reset();  // every replica holds the checkpoint now
     }
 
+    // The global batch size for `rows` rows in this process, and the shards of this process's
+    // replicas as ranges of its own rows. Across processes: one exchange of every process's row
+    // count, so every process checks every process's count and all throw the same error.
+    std::int64_t global_rows(std::int64_t rows, const char* what, std::vector<parallel::ShardRange>& mine) const {
+        if (!core_->procs) {
+            mine = parallel::shard_ranges(rows, world_);
+            return rows;
+        }
+        auto& procs = *core_->procs;
+        const int P = procs.size();
+        std::vector<double> counts(static_cast<std::size_t>(P), 0.0);
+        counts[static_cast<std::size_t>(procs.rank())] = static_cast<double>(rows);
+        procs.channel(comm::ProcessGroup::control).all_reduce_sum(DeviceSpan<double>::host(counts), comm::CollectiveSite::control(1));
+        std::int64_t batch = 0;
+        for (const double c : counts) batch += static_cast<std::int64_t>(c);
+        const auto all = parallel::shard_ranges(batch, core_->global_world);
+        for (int q = 0; q < P; ++q) {
+            std::int64_t want = 0;
+            for (int l = 0; l < world_; ++l) want += all[static_cast<std::size_t>(q * world_ + l)].count;
+            LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(counts[static_cast<std::size_t>(q)]) == want, "DataParallel::",
+                              what, ": process ", q, " passed ", static_cast<std::int64_t>(counts[static_cast<std::size_t>(q)]),
+                              " rows, but its ", world_, " replicas' shards of the global batch of ", batch, " hold ", want,
+                              "; pass each process the rows of its global ranks (contiguous, in global-rank order: "
+                              "parallel::shard_ranges(batch, replicas x processes))");
+        }
+        const std::int64_t offset = all[static_cast<std::size_t>(core_->first_rank)].begin;
+        mine.assign(all.begin() + core_->first_rank, all.begin() + core_->first_rank + world_);
+        for (auto& s : mine) s.begin -= offset;
+        return batch;
+    }
+
+    // `write` on global rank 0's process only, then its outcome to every process (Note
+    // [hierarchical groups]): every process returns, or all throw the same IoError.
+    template <class Write>
+    nn::Checkpoint::SaveReport save_once(Write&& write) const {
+        if (!core_->procs) return write();
+        auto& procs = *core_->procs;
+        nn::Checkpoint::SaveReport report;
+        std::string failure;
+        if (procs.rank() == 0) {
+            try {
+                report = write();
+            } catch (const std::exception& e) {
+                failure = e.what();
+                if (failure.empty()) failure = "the checkpoint could not be written";
+            }
+        }
+        std::vector<std::int64_t> status(1 + 1024, 0);  // length, then the message's bytes
+        if (procs.rank() == 0) {
+            status[0] = static_cast<std::int64_t>(std::min<std::size_t>(failure.size(), 1024));
+            for (std::size_t i = 0; i < static_cast<std::size_t>(status[0]); ++i)
+                status[1 + i] = static_cast<unsigned char>(failure[i]);
+        }
+        procs.channel(comm::ProcessGroup::control).broadcast(DeviceSpan<std::int64_t>::host(status), 0, comm::CollectiveSite::control(3));
+        if (status[0] > 0) {
+            std::string message;
+            for (std::int64_t i = 0; i < status[0]; ++i) message += static_cast<char>(status[static_cast<std::size_t>(1 + i)]);
+            throw IoError(procs.rank() == 0 ? message : "process 0 failed to write the checkpoint: " + message);
+        }
+        return report;
+    }
+
     static DataParallelOptions check_options(const DataParallelOptions& o) {
         LOCKSTEP_CHECK(o.bucket_bytes > 0, "DataParallelOptions::bucket_bytes must be positive");
         LOCKSTEP_CHECK(!o.clip_grad_norm || *o.clip_grad_norm > 0, "DataParallelOptions::clip_grad_norm must be positive, got ",
@@ -902,9 +1005,31 @@ private:
         core->options = check_options(options);
         core->devices = check_devices(devices);
         core->world = static_cast<int>(core->devices.size());
-        core->layer_group = std::make_unique<Group>(core->devices, options.timeout);
-        core->grad_group = std::make_unique<Group>(core->devices, options.timeout);
+        core->global_world = core->world;
         core->resources.resize(core->devices.size());
+        if (!options.process_group) {
+            core->layer_group = std::make_unique<Group>(core->devices, options.timeout);
+            core->grad_group = std::make_unique<Group>(core->devices, options.timeout);
+            return core;
+        }
+        if constexpr (!std::same_as<backend, Host>)
+            throw NotImplemented("DataParallel across processes runs host replicas for now; on CUDA, run one process "
+                                 "with all its GPUs");
+        auto& procs = *options.process_group;
+        core->procs = options.process_group;
+        // Every process must run as many replicas: all see the same sums, so all agree or all throw.
+        const auto L = static_cast<double>(core->world);
+        std::vector<double> counts{L, L * L};
+        procs.channel(comm::ProcessGroup::control).all_reduce_sum(DeviceSpan<double>::host(counts), comm::CollectiveSite::control(0));
+        const double P = procs.size();
+        LOCKSTEP_CHECK_AS(UsageError, counts[1] * P == counts[0] * counts[0], "DataParallel across ", procs.size(),
+                          " processes: they run different replica counts (", counts[0], " replicas in all, ", L,
+                          " in process ", procs.rank(), "); every process must run the same number (the same "
+                          "--replicas or --devices on every rank)");
+        core->first_rank = procs.rank() * core->world;
+        core->global_world = procs.size() * core->world;
+        core->layer_hier = std::make_unique<comm::HierarchicalGroup>(core->world, core->procs, comm::ProcessGroup::layer, options.timeout);
+        core->grad_hier = std::make_unique<comm::HierarchicalGroup>(core->world, core->procs, comm::ProcessGroup::gradients, options.timeout);
         return core;
     }
 

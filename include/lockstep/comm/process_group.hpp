@@ -1,0 +1,176 @@
+// SPDX-License-Identifier: MIT
+//! `ProcessGroup` (the processes one DataParallel spans, each running some of its replicas) and
+//! `HierarchicalGroup`: replicas = processes x threads, threads meeting in the process's
+//! SharedTensor and one leader thread per process running the process-level collective.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/comm/collectives.hpp"
+#include "lockstep/comm/shared_tensor.hpp"
+#include "lockstep/core/device_span.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/runtime/abortable_barrier.hpp"
+
+namespace lockstep::comm {
+
+//! The processes a DataParallel spans (`DataParallelOptions::process_group`; the MPI one is
+//! `comm::MpiProcessGroup` in `<lockstep/mpi.hpp>`). Its collectives are on host buffers and made
+//! by one thread of each process at a time, per channel; channels never mix their messages.
+class ProcessGroup {
+public:
+    //! Channels: the layer collectives, the gradient buckets, and the step's own exchanges (the
+    //! batch's row counts, the step's totals, a checkpoint's status), made by the calling thread.
+    enum Channel : int { layer = 0, gradients = 1, control = 2 };
+
+    virtual ~ProcessGroup() = default;
+    //! This process's rank among the group's processes, and their number.
+    virtual int rank() const = 0;
+    virtual int size() const = 0;
+    virtual Collectives& channel(Channel c) = 0;
+    //! Tells every other process that this one failed, from any thread.
+    virtual void abort(const std::string& reason) noexcept = 0;
+};
+
+// Note [hierarchical groups]
+// Replicas = processes x threads, global rank = process rank x local replicas + local rank. A
+// collective is: the threads of a process meet in the process's SharedTensor (tag check); the
+// leader (local rank 0) sums the local buffers in local rank order into its own and runs the
+// process-level collective on it (tags checked across processes, sums in process rank order);
+// the other threads then copy the leader's result. So a group of P processes with one replica
+// each adds exactly as a HostGroup of P threads (bit-identical), and a process running all
+// replicas adds as a HostGroup; other groupings add the same values in another order. A failure
+// aborts the process's SharedTensor and tells the other processes (ProcessGroup::abort): every
+// replica of every process fails its step. The process-level communicator stays failed: a
+// multi-process DataParallel does not continue after a failed step.
+
+//! One replica's handle on a `HierarchicalGroup` (Note [hierarchical groups]).
+class HierarchicalCommunicator final : public Collectives {
+public:
+    HierarchicalCommunicator(std::shared_ptr<SharedTensor> local, std::shared_ptr<ProcessGroup> processes,
+                             ProcessGroup::Channel channel, int local_rank)
+        : local_(std::move(local)), procs_(std::move(processes)), channel_(channel), l_(local_rank) {}
+
+    int rank() const noexcept override { return procs_->rank() * local_->world_size() + l_; }
+    int size() const noexcept override { return procs_->size() * local_->world_size(); }
+    std::uint64_t collective_count() const noexcept override { return local_->collectives(l_); }
+
+    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { reduce(data, site); }
+    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { reduce(data, site); }
+    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override { bcast(data, root, site); }
+    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override { bcast(data, root, site); }
+    void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override { bcast(data, root, site); }
+    void barrier(CollectiveSite site) override {
+        local_->count_collective(l_);
+        const CollectiveTag tag{site, CollectiveKind::barrier, DType::none, 0, -1};
+        local_->arrive(l_, tag, nullptr);
+        if (l_ == 0) procs_->channel(channel_).barrier(site);
+        local_->arrive(l_, phase(tag, 1), nullptr);
+    }
+
+private:
+    template <class T>
+    void check_buffer(const DeviceSpan<T>& data, const char* what) const {
+        LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size, " elements");
+        if (data.device.kind != Device::Kind::host) [[unlikely]]
+            throw DeviceMismatch(std::string(what) + ": a multi-process group moves host memory, got a buffer on " +
+                                 data.device.str());
+    }
+
+    template <class T>
+    void reduce(DeviceSpan<T> data, CollectiveSite site) {
+        check_buffer(data, "all_reduce_sum");
+        local_->count_collective(l_);
+        const CollectiveTag tag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1};
+        const int parity = local_->arrive(l_, tag, data.data);
+        const int n = local_->world_size();
+        if (l_ == 0 && !data.empty()) {
+            for (int r = 1; r < n; ++r) {  // local rank order, in place (each element read before written)
+                const T* b = static_cast<const T*>(local_->buffer(parity, r));
+                for (std::size_t i = 0; i < data.size; ++i) data.data[i] += b[i];
+            }
+            procs_->channel(channel_).all_reduce_sum(data, site);
+        }
+        share_from_leader(tag, parity, data);
+    }
+
+    template <class T>
+    void bcast(DeviceSpan<T> data, int root, CollectiveSite site) {
+        check_buffer(data, "broadcast");
+        LOCKSTEP_CHECK(root >= 0 && root < size(), "broadcast root ", root, " is outside a group of ", size());
+        local_->count_collective(l_);
+        const int n = local_->world_size();
+        const CollectiveTag tag{site, CollectiveKind::broadcast, dtype_of<T>(), data.size, root};
+        const int parity = local_->arrive(l_, tag, data.data);
+        const int root_process = root / n, root_local = root % n;
+        if (l_ == 0 && !data.empty()) {
+            if (procs_->rank() == root_process && root_local != 0)
+                std::memcpy(data.data, local_->buffer(parity, root_local), data.size * sizeof(T));
+            procs_->channel(channel_).broadcast(data, root_process, site);
+        }
+        share_from_leader(tag, parity, data);
+    }
+
+    // After the leader's process-level collective: every other thread copies the leader's buffer.
+    template <class T>
+    void share_from_leader(const CollectiveTag& tag, int parity, DeviceSpan<T> data) {
+        local_->arrive(l_, phase(tag, 1), data.data);
+        if (l_ != 0 && !data.empty())
+            std::memcpy(data.data, local_->buffer(parity, 0), data.size * sizeof(T));
+        local_->arrive(l_, phase(tag, 2), data.data);  // the leader's buffer is read by now
+    }
+
+    static CollectiveTag phase(CollectiveTag tag, std::uint64_t step) {
+        tag.kind = CollectiveKind::phase;
+        tag.root = static_cast<std::int32_t>(step);
+        return tag;
+    }
+
+    std::shared_ptr<SharedTensor> local_;
+    std::shared_ptr<ProcessGroup> procs_;
+    ProcessGroup::Channel channel_;
+    int l_;
+};
+
+//! The replicas of this process in a group that spans processes (Note [hierarchical groups]).
+class HierarchicalGroup {
+public:
+    HierarchicalGroup(int local_replicas, std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel,
+                      std::chrono::milliseconds timeout)
+        : local_(std::make_shared<SharedTensor>(local_replicas, timeout)),
+          abortable_(std::make_shared<Aborter>(local_, processes)) {
+        LOCKSTEP_CHECK(processes != nullptr, "a hierarchical group needs a process group");
+        for (int r = 0; r < local_replicas; ++r) comms_.emplace_back(local_, processes, channel, r);
+    }
+
+    int size() const noexcept { return static_cast<int>(comms_.size()); }
+    HierarchicalCommunicator& communicator(int local_rank) { return comms_.at(static_cast<std::size_t>(local_rank)); }
+    //! Aborts the process's threads and tells the other processes.
+    std::shared_ptr<Abortable> abortable() const { return abortable_; }
+
+private:
+    struct Aborter final : Abortable {
+        Aborter(std::shared_ptr<SharedTensor> l, std::shared_ptr<ProcessGroup> p) : local(std::move(l)), procs(std::move(p)) {}
+        void abort(const std::string& reason, int failed_rank) noexcept override {
+            local->abort(reason, failed_rank);
+            procs->abort("process " + std::to_string(procs->rank()) + ": " + reason);
+        }
+        void reset() override { local->reset(); }
+        std::shared_ptr<SharedTensor> local;
+        std::shared_ptr<ProcessGroup> procs;
+    };
+
+    std::shared_ptr<SharedTensor> local_;
+    std::shared_ptr<Aborter> abortable_;
+    std::vector<HierarchicalCommunicator> comms_;
+};
+
+}  // namespace lockstep::comm
