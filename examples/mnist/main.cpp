@@ -4,13 +4,20 @@
 //! and saves checkpoints. The training itself is train.hpp.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <charconv>
+#include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "train.hpp"
+
+#if defined(LOCKSTEP_EXAMPLE_MPI)
+#include <lockstep/mpi.hpp>
+#endif
 
 #if defined(LOCKSTEP_EXAMPLE_CUDA)
 // cuda_train.cu, compiled by nvcc.
@@ -47,6 +54,13 @@ std::vector<int> parse_devices(const std::string& text) {
     return out;
 }
 
+// The processes of this run: several when started by mpirun (or another MPI launcher).
+int launched_processes() {
+    for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"})
+        if (const char* v = std::getenv(name)) return std::max(1, std::atoi(v));
+    return 1;
+}
+
 // The backend and the replicas' devices the options ask for, checked against this machine.
 int run(const Options& opt) {
     // A malformed --devices is reported as such, whatever else is wrong.
@@ -57,9 +71,23 @@ int run(const Options& opt) {
         if (!opt.devices.empty())
             throw lockstep::UsageError("--devices names CUDA devices, but this run trains on the host backend; count host "
                                        "replicas with --replicas N");
-        return mnist_example::train<lockstep::Host>(opt, lockstep::kernels::Ops<lockstep::Host>::default_devices(
-                                                             opt.replicas > 0 ? opt.replicas : 2));
+        const auto devices = lockstep::kernels::Ops<lockstep::Host>::default_devices(opt.replicas > 0 ? opt.replicas : 2);
+        if (launched_processes() > 1) {
+#if defined(LOCKSTEP_EXAMPLE_MPI)
+            // mpirun -np P: P processes, each with --replicas host replicas (see README, "Several processes").
+            static lockstep::mpi::Environment env;
+            auto procs = std::make_shared<lockstep::comm::MpiProcessGroup>(MPI_COMM_WORLD, std::chrono::minutes(5));
+            return mnist_example::train<lockstep::Host>(opt, devices, procs);
+#else
+            throw lockstep::UsageError("started as one of " + std::to_string(launched_processes()) +
+                                       " MPI processes, but this build has no MPI (install libopenmpi-dev and rebuild)");
+#endif
+        }
+        return mnist_example::train<lockstep::Host>(opt, devices);
     }
+    if (launched_processes() > 1)
+        throw lockstep::NotImplemented("--backend cuda under mpirun: multi-process runs train host replicas for now; run one "
+                                       "process with all its GPUs, or pass --backend host");
 #if !defined(LOCKSTEP_EXAMPLE_CUDA)
     throw lockstep::UsageError("--backend cuda: this build has no CUDA backend (nvcc and NCCL were not found when it was "
                                "configured); use --backend host");

@@ -60,6 +60,18 @@ inline std::string find_file(const std::string& dir, const std::string& name) {
     throw mnist::DataError((std::filesystem::path(dir) / name).string() + "[.gz]: missing in the data directory");
 }
 
+// This process's rows [first, first + count) of a global batch of n rows: all of them in one
+// process; across processes, those of its replicas' global ranks (DataParallelOptions::process_group).
+template <class Dp>
+std::pair<std::int64_t, std::int64_t> my_rows(const Dp& dp, std::int64_t n) {
+    const auto& procs = dp.process_group();
+    if (!procs) return {0, n};
+    const auto all = lockstep::parallel::shard_ranges(n, dp.global_size());
+    const auto first = static_cast<std::size_t>(procs->rank() * dp.size());
+    const auto last = first + static_cast<std::size_t>(dp.size()) - 1;
+    return {all[first].begin, all[last].begin + all[last].count - all[first].begin};
+}
+
 // Samples `order[begin, begin + n)` as a (n, 1, 28, 28) batch scaled to [0, 1], with labels.
 inline void make_batch(const mnist::Dataset& ds, const std::vector<std::int64_t>& order, std::int64_t begin, std::int64_t n,
                 Tensor<float>& x, std::vector<std::int64_t>& labels) {
@@ -107,10 +119,11 @@ Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::Dataset& test) {
     std::int64_t correct = 0;
     Tensor<float> x;
     std::vector<std::int64_t> labels;
-    const auto starts = batch_starts(test.count, 1000, dp.size());
+    const auto starts = batch_starts(test.count, 1000, dp.global_size());
     for (std::size_t i = 0; i + 1 < starts.size(); ++i) {
         const std::int64_t b = starts[i], n = starts[i + 1] - b;
-        make_batch(test, order, b, n, x, labels);
+        const auto [first, count] = my_rows(dp, n);
+        make_batch(test, order, b + first, count, x, labels);
         Tensor<float> logits;
         if constexpr (std::is_same_v<B, lockstep::Host>) logits = dp.forward(x);
         else logits = dp.forward(x.template to<B>(dp.devices()[0])).to_host();
@@ -119,6 +132,13 @@ Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::Dataset& test) {
         correct += out.correct();
     }
     dp.train();
+    if (const auto& procs = dp.process_group()) {  // this process's rows' sums, then over all processes
+        std::vector<double> sums{loss, static_cast<double>(correct)};
+        procs->channel(lockstep::comm::ProcessGroup::control)
+            .all_reduce_sum(lockstep::DeviceSpan<double>::host(sums), lockstep::comm::CollectiveSite::user(1));
+        loss = sums[0];
+        correct = static_cast<std::int64_t>(sums[1]);
+    }
     return {loss / static_cast<double>(test.count), static_cast<double>(correct) / static_cast<double>(test.count)};
 }
 
@@ -158,11 +178,15 @@ inline void check_same_run(const nn::Checkpoint& ck, const std::string& path, co
                                         flag + " " + it->second + ", or start afresh from its weights with --init");
 }
 
-//! Trains on backend `B` with one replica per entry of `devices`; the exit code.
+//! Trains on backend `B` with one replica per entry of `devices` in this process, over the
+//! processes of `procs` when there is one (run by mpirun); the exit code.
 template <class B>
-int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
+int train(const Options& opt, const std::vector<lockstep::Device>& devices,
+          std::shared_ptr<lockstep::comm::ProcessGroup> procs = nullptr) {
     using Model = mnist::Net<B>;
-    const int replicas = static_cast<int>(devices.size());
+    const int processes = procs ? procs->size() : 1;
+    const int replicas = static_cast<int>(devices.size()) * processes;  // over all processes
+    const bool leader = !procs || procs->rank() == 0;  // prints and writes metrics
     if (!opt.save.empty()) nn::Checkpoint::check_writable(opt.save);  // before any training, not after an epoch
     const auto train = mnist::load_idx(find_file(opt.data, "train-images-idx3-ubyte"),
                                        find_file(opt.data, "train-labels-idx1-ubyte"), opt.train_limit);
@@ -200,16 +224,16 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
     }
     // A step whose loss or gradients are NaN or infinite is refused (lockstep::NonFinite): the run
     // stops with the message, and nothing is saved over the last good checkpoint.
-    DataParallel<Model> dp(prototype, devices, {.check_finite = true});
+    DataParallel<Model> dp(prototype, devices, {.check_finite = true, .process_group = procs});
     if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
 
     std::ofstream metrics;
-    if (!opt.metrics.empty()) {
+    if (!opt.metrics.empty() && leader) {
         metrics.open(opt.metrics, resume ? std::ios::app : std::ios::trunc);
         if (!metrics) throw lockstep::IoError(opt.metrics + ": cannot open the metrics file for writing");
     }
     const auto write_metrics = [&](const nlohmann::json& line) {
-        if (opt.metrics.empty()) return;
+        if (opt.metrics.empty() || !leader) return;
         metrics << line.dump() << '\n' << std::flush;
         if (!metrics) throw lockstep::IoError(opt.metrics + ": writing the metrics failed (disk full?)");
     };
@@ -220,11 +244,12 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
                        {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)},
                        {"batch", std::to_string(opt.batch)},    {"train_images", std::to_string(train.count)},
                        {"format", "pt"}};
-        for (const auto& stale : ck.save(opt.save).removed_stale)
+        for (const auto& stale : dp.save(ck, opt.save).removed_stale)
             std::fprintf(stderr, "mnist: removed %s, left by an earlier save that was killed\n", stale.c_str());
     };
 
-    const bool tty = isatty(STDOUT_FILENO) != 0 && !opt.quiet;
+    const bool tty = isatty(STDOUT_FILENO) != 0 && !opt.quiet && leader;
+    const bool quiet = opt.quiet || !leader;
     const auto t_start = Clock::now();
     std::int64_t images = 0;
     double train_seconds = 0;  // time in the training loops, without evaluation
@@ -248,7 +273,8 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
                 break;
             }
             const std::int64_t n = starts[static_cast<std::size_t>(b + 1)] - starts[static_cast<std::size_t>(b)];
-            make_batch(train, order, starts[static_cast<std::size_t>(b)], n, x, labels);
+            const auto [first, count] = my_rows(dp, n);
+            make_batch(train, order, starts[static_cast<std::size_t>(b)] + first, count, x, labels);
             const auto t0 = Clock::now();
             lockstep::StepResult res;
             if constexpr (std::is_same_v<B, lockstep::Host>) res = dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
@@ -271,7 +297,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
                             std::string(static_cast<std::size_t>(width - filled), ' ').c_str(), static_cast<long long>(b + 1),
                             static_cast<long long>(total), res.loss, rate, clock_text(eta).c_str());
                 std::fflush(stdout);
-            } else if (!opt.quiet && std::chrono::duration<double>(Clock::now() - t_print).count() >= 5.0) {
+            } else if (!quiet && std::chrono::duration<double>(Clock::now() - t_print).count() >= 5.0) {
                 t_print = Clock::now();
                 std::printf("epoch %d/%d step %lld/%lld loss %.4f %.0f img/s ETA %s\n", epoch + 1, opt.epochs,
                             static_cast<long long>(b + 1), static_cast<long long>(total), res.loss, rate,
@@ -289,7 +315,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
         evaluated = true;
         const double secs = std::chrono::duration<double>(Clock::now() - t_epoch).count();
         const double train_loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0.0;
-        if (!opt.quiet)
+        if (!quiet)
             std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.4f, %.1f s, %.0f img/s training\n",
                         epoch + 1, train_loss, last.loss, last.accuracy, secs,
                         static_cast<double>(epoch_images) / epoch_train_s);
@@ -298,8 +324,10 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices) {
     }
     if (!evaluated) last = evaluate(dp, test);
     const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-    std::printf("test accuracy %.4f | replicas %d | backend %s | %lld steps | %.1f s total | %.0f img/s training\n",
-                last.accuracy, replicas, std::string(B::name).c_str(), static_cast<long long>(step), total_s,
+    if (leader)
+        std::printf("test accuracy %.4f | replicas %d%s | backend %s | %lld steps | %.1f s total | %.0f img/s training\n",
+                last.accuracy, replicas, procs ? (" over " + std::to_string(processes) + " processes").c_str() : "",
+                std::string(B::name).c_str(), static_cast<long long>(step), total_s,
                 train_seconds > 0 ? static_cast<double>(images) / train_seconds : 0.0);
     if (opt.expect_accuracy >= 0 && last.accuracy < opt.expect_accuracy) {
         std::fprintf(stderr, "mnist: test accuracy %.4f is below the expected %.4f\n", last.accuracy, opt.expect_accuracy);

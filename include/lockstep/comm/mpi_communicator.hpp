@@ -279,7 +279,10 @@ private:
                 detail_note();
                 throw Timeout(failure_, first);
             }
-            if (spin > 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
+            // MPI progresses a transfer only inside its calls: poll without sleeping for a while
+            // (a long message moves in fragments), then let other threads run between polls.
+            if (spin > 100000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+            else if ((spin & 63) == 63) std::this_thread::yield();
         }
     }
 
@@ -371,14 +374,15 @@ private:
             else MPI_Irecv(p, static_cast<int>(count), mpi_type<T>(), peer, tag, comm_, &reqs.back());
         };
         if (data.size * n <= whole_limit) {  // every rank sums every operand
-            std::vector<T> others(data.size * n);
+            std::unique_ptr<T[]> others_buf(new T[data.size * n]);  // every element is received or copied
+            T* others = others_buf.get();
             for (int r = 0; r < size_; ++r)
-                if (r != rank_) post(false, others.data() + static_cast<std::size_t>(r) * data.size, data.size, r, tag_data);
+                if (r != rank_) post(false, others + static_cast<std::size_t>(r) * data.size, data.size, r, tag_data);
             for (int r = 0; r < size_; ++r)
                 if (r != rank_) post(true, data.data, data.size, r, tag_data);
             wait_all(reqs, who, "all_reduce_sum");
-            std::copy(data.data, data.data + data.size, others.data() + me * data.size);
-            sum_rank_order(others.data(), n, data.size, 0, data.size, data.data);
+            std::copy(data.data, data.data + data.size, others + me * data.size);
+            sum_rank_order(others, n, data.size, 0, data.size, data.data);
             return;
         }
         // By slices: slice r of every rank goes to rank r, which sums it and sends the sum to all.
@@ -386,26 +390,28 @@ private:
         for (int r = 0; r < size_; ++r) slices[static_cast<std::size_t>(r)] = HostCommunicator::slice(data.size, size_, r);
         const auto [lo, hi] = slices[me];
         const std::size_t len = hi - lo;
-        std::vector<T> parts(len * n);
+        std::unique_ptr<T[]> parts_buf(new T[len * n]);  // every element is received or copied
+        T* parts = parts_buf.get();
         for (int r = 0; r < size_; ++r)
-            if (r != rank_) post(false, parts.data() + static_cast<std::size_t>(r) * len, len, r, tag_data);
+            if (r != rank_) post(false, parts + static_cast<std::size_t>(r) * len, len, r, tag_data);
         for (int r = 0; r < size_; ++r) {
             const auto [rlo, rhi] = slices[static_cast<std::size_t>(r)];
             if (r != rank_) post(true, data.data + rlo, rhi - rlo, r, tag_data);
         }
         wait_all(reqs, who, "all_reduce_sum");
         reqs.clear(), who.clear();
-        std::copy(data.data + lo, data.data + hi, parts.data() + me * len);
-        std::vector<T> sum(len);
-        sum_rank_order(parts.data(), n, len, 0, len, sum.data());
+        std::copy(data.data + lo, data.data + hi, parts + me * len);
+        std::unique_ptr<T[]> sum_buf(new T[len]);
+        T* sum = sum_buf.get();
+        sum_rank_order(parts, n, len, 0, len, sum);
         for (int r = 0; r < size_; ++r) {
             const auto [rlo, rhi] = slices[static_cast<std::size_t>(r)];
             if (r != rank_) post(false, data.data + rlo, rhi - rlo, r, tag_gather);
         }
         for (int r = 0; r < size_; ++r)
-            if (r != rank_) post(true, sum.data(), len, r, tag_gather);
+            if (r != rank_) post(true, sum, len, r, tag_gather);
         wait_all(reqs, who, "all_reduce_sum");
-        std::copy(sum.begin(), sum.end(), data.data + lo);
+        std::copy(sum, sum + len, data.data + lo);
     }
 
     // out[i - lo] = rows[0][i] + rows[1][i] + ... in rank order, for i in [lo, hi).

@@ -382,6 +382,15 @@ public:
     nn::Checkpoint::SaveReport save(const std::string& path, Optimizer& optimizer) const {
         return save_once([&] { return checkpoint(optimizer).save(path); });
     }
+    //! Writes `ck` (say `checkpoint(optimizer)` with metadata added) as `save` does: once, by
+    //! process 0, when the object spans processes.
+    nn::Checkpoint::SaveReport save(const nn::Checkpoint& ck, const std::string& path) const {
+        return save_once([&] { return ck.save(path); });
+    }
+    //! The processes this object spans (null: this process alone).
+    const std::shared_ptr<comm::ProcessGroup>& process_group() const noexcept { return core_->procs; }
+    //! Replicas over all processes (`size()` on one process).
+    int global_size() const noexcept { return core_->global_world; }
 
     //! Loads a checkpoint into every replica (and the optimizer's state of every replica). Every
     //! tensor is checked against the model first: a checkpoint of another model throws `IoError`
