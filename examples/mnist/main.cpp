@@ -64,7 +64,7 @@ int launched_processes() {
 // The backend and the replicas' devices the options ask for, checked against this machine.
 int run(const Options& opt) {
     // A malformed --devices is reported as such, whatever else is wrong.
-    const std::vector<int> listed = opt.devices.empty() ? std::vector<int>{} : parse_devices(opt.devices);
+    const std::vector<int> listed = opt.devices_given ? parse_devices(opt.devices) : std::vector<int>{};
     const int gpus = mnist_cuda_device_count();
     const std::string backend = opt.backend == "auto" ? (gpus > 0 || !listed.empty() ? "cuda" : "host") : opt.backend;
     if (backend == "host") {
@@ -105,8 +105,13 @@ int run(const Options& opt) {
         if (opt.replicas > 0 && opt.replicas != static_cast<int>(devices.size()))
             throw lockstep::UsageError("--replicas " + std::to_string(opt.replicas) + " but --devices lists " +
                                        std::to_string(devices.size()) + "; --devices gives one replica per entry, so pass one of them");
-    } else {
-        const int n = opt.replicas > 0 ? opt.replicas : gpus;  // round-robin over the visible GPUs
+    } else {  // round-robin over the visible GPUs: one per GPU, or all on the one GPU there is
+        const int n = opt.replicas > 0 ? opt.replicas : gpus;
+        if (n > gpus && gpus > 1)
+            throw lockstep::UsageError("--replicas " + std::to_string(n) + " over " + std::to_string(gpus) +
+                                       " GPUs would put two replicas on some GPUs and one on others, which a replica "
+                                       "group does not take; use at most " + std::to_string(gpus) +
+                                       " replicas, or --devices 0,0,0,0 for several on one GPU");
         for (int r = 0; r < n; ++r) devices.push_back(Device::cuda(r % gpus));
     }
     return mnist_train_cuda(opt, devices);
@@ -157,6 +162,7 @@ int main(int argc, char** argv) {
     app.add_flag("--quiet", opt.quiet, "print only the final line");
     try {
         app.parse(argc, argv);
+        opt.devices_given = app.count("--devices") > 0;
     } catch (const CLI::ParseError& e) {
         const int rc = app.exit(e);
         return rc == 0 ? 0 : 2;

@@ -37,6 +37,7 @@ struct Options {
     std::string backend = "auto";
     int replicas = 0;
     std::string devices;  // CUDA devices of the replicas, "0,1" or "0,0,0,0"
+    bool devices_given = false;  // --devices was passed (an empty list is an error, not "not given")
     int epochs = 2;
     std::int64_t batch = 64;
     double lr = 0.01;

@@ -129,11 +129,15 @@ struct NcclApi {
         config.blocking = 0;
         std::vector<Comm> comms(devices.size(), nullptr);
         ncclResult_t first_error = ncclSuccess;
+        cudaError_t device_error = cudaSuccess;
         {
             cuda::DeviceGuard guard(devices[0]);
             LOCKSTEP_NCCL_CHECK(ncclGroupStart());
-            for (int r = 0; r < n; ++r) {
-                LOCKSTEP_CUDA_CHECK(cudaSetDevice(devices[static_cast<std::size_t>(r)]));
+            // Nothing throws between the group's start and end (an open group would defer every
+            // later NCCL call of this thread): errors are kept and raised after ncclGroupEnd.
+            for (int r = 0; r < n && device_error == cudaSuccess; ++r) {
+                device_error = cudaSetDevice(devices[static_cast<std::size_t>(r)]);
+                if (device_error != cudaSuccess) break;
                 const ncclResult_t res = ncclCommInitRankConfig(&comms[static_cast<std::size_t>(r)], n, id, r, &config);
                 if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
             }
@@ -141,6 +145,7 @@ struct NcclApi {
             if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
         }
         try {
+            LOCKSTEP_CUDA_CHECK(device_error);
             if (first_error != ncclSuccess) LOCKSTEP_NCCL_CHECK(first_error);
             for (auto& c : comms) settle(c, deadline, stop, "creating NCCL communicators");
         } catch (...) {
@@ -189,8 +194,9 @@ struct NcclApi {
     static void destroy(Comm c) noexcept {
         if (c == nullptr) return;
         ncclResult_t async = ncclSuccess;
-        // A communicator whose finalize did not finish in time is aborted instead of waited for.
-        if (ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress) (void)ncclCommAbort(c);
+        // A communicator whose finalize did not finish in time, or that holds an error, is
+        // aborted instead of destroyed.
+        if (ncclCommGetAsyncError(c, &async) != ncclSuccess || async != ncclSuccess) (void)ncclCommAbort(c);
         else (void)ncclCommDestroy(c);
     }
 

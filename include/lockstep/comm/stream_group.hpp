@@ -48,9 +48,12 @@ namespace lockstep::comm {
 //   more than one replica) are refused when the group is made.
 // - Failures: abort() (a replica threw, the pool gave up on one, a wait passed its deadline)
 //   aborts the rendezvous and calls the Api's abort on every communicator of the group, once,
-//   never concurrently with an enqueue. The pool then calls reset(), which builds new
-//   communicators: the next step runs on a fresh group. If that fails, every later collective
-//   throws a `DeviceError` saying why, and the object must be rebuilt.
+//   never concurrently with an enqueue. The pool then calls reset(), which marks them for
+//   rebuilding and, in local mode, orders every rank's streams after rank 0's (whose reduction
+//   may still write its peers' buffers); the next step's first collective builds new
+//   communicators, so the failing call returns at once and the next step runs on a fresh group.
+//   If that build fails, every later collective throws a `DeviceError` saying why, and the
+//   object must be made anew.
 // - A replica's host waits on its device (the step's scalars) poll an event against the group's
 //   timeout and consult the group meanwhile (`DeviceWatch`): never an unbounded synchronize.
 // - Teardown: every communicator is finalized (polled against a deadline) and destroyed, then the
@@ -203,6 +206,7 @@ private:
     template <class T>
     void enqueue_peer(DeviceSpan<T> data, int root, Stream s, DType dtype) {
         State& st = *st_;
+        st.rebuild_if_needed();
         std::shared_lock lock(st.comms_mutex);  // never concurrently with abort()
         if (st.comms_aborted) throw CollectiveAborted("the replica group was aborted: " + st.abort_reason());
         const auto comm = st.comms[static_cast<std::size_t>(rank_)];
@@ -263,21 +267,54 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         comms_aborted = true;
     }
 
+    // After a failed call, with every replica out of it (the pool calls this before it rethrows):
+    // the communicators are rebuilt at the next collective (`rebuild_if_needed`), not here, so the
+    // failing call returns at once. In local mode rank 0 may have enqueued a reduction that writes
+    // its peers' buffers before the abort reached them: every rank's streams wait for rank 0's.
     void reset() override {
         rendezvous.reset();
-        std::unique_lock lock(comms_mutex);
-        if (comms_aborted) {
-            comms.clear();
+        {
+            std::unique_lock lock(comms_mutex);
+            if (comms_aborted) rebuild = true;
+        }
+        if (mode == StreamGroupMode::local && local_done_made) {
             try {
-                comms = api.init(devices, clock::now() + rendezvous.timeout(), aborted_never);
-                comms_aborted = false;
-            } catch (const std::exception& e) {
-                unusable = std::string("rebuilding its communicators after a failed step failed: ") + e.what();
+                const Stream firsts[] = {ranks[0].compute, ranks[0].comm};
+                for (const Stream& s0 : firsts) {
+                    api.record(local_done, s0);
+                    for (auto& k : ranks)
+                        if (k.bound) {
+                            api.wait(k.compute, local_done);
+                            api.wait(k.comm, local_done);
+                        }
+                }
+            } catch (...) {  // a failed device: the next call reports it
             }
         }
         std::lock_guard rl(reason_mutex);
         reason_text.clear();
         aborted.store(false, std::memory_order_release);
+    }
+
+    // Peer mode, at a collective after a failed one: new communicators for every rank, made once
+    // (by whichever rank gets here first; the others find them made).
+    void rebuild_if_needed() {
+        {
+            std::shared_lock lock(comms_mutex);  // the common case: peers may be enqueueing
+            if (!rebuild) return;
+        }
+        std::unique_lock lock(comms_mutex);
+        if (!rebuild) return;
+        rebuild = false;
+        comms.clear();
+        try {
+            comms = api.init(devices, clock::now() + rendezvous.timeout(), aborted);
+            comms_aborted = false;
+        } catch (const std::exception& e) {
+            unusable = std::string("rebuilding its communicators after a failed step failed: ") + e.what();
+            throw DeviceError("this replica group cannot run collectives any more: " + unusable +
+                              "; destroy the DataParallel object and make a new one");
+        }
     }
 
     void check_usable() const {
@@ -324,6 +361,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     mutable std::shared_mutex comms_mutex;  // enqueues (shared) against abort, reset, teardown
     std::vector<typename Api::Comm> comms;  // peer mode: one per rank
     bool comms_aborted = false;
+    bool rebuild = false;  // aborted communicators to replace at the next collective
     std::string unusable;  // why collectives cannot run any more (empty: they can)
 
     std::atomic<bool> aborted{false};
@@ -341,6 +379,9 @@ class StreamGroup {
     using clock = std::chrono::steady_clock;
 
 public:
+    //! The most replicas one GPU holds in a group (the rank-order kernel's table).
+    static constexpr std::size_t max_replicas_per_device = 16;
+
     using backend = typename Api::backend;
     using communicator_type = StreamCommunicator<Api>;
 
@@ -398,7 +439,12 @@ private:
         }
         if (devices.size() == 1) return StreamGroupMode::single;
         const auto same = [&](const Device& d) { return d.index == devices[0].index; };
-        if (std::all_of(devices.begin(), devices.end(), same)) return StreamGroupMode::local;
+        if (std::all_of(devices.begin(), devices.end(), same)) {
+            LOCKSTEP_CHECK_AS(NotImplemented, devices.size() <= max_replicas_per_device, devices.size(),
+                              " replicas on ", devices[0], ": one GPU takes at most ", max_replicas_per_device,
+                              " replicas of a group (their buffers are summed by one kernel); use fewer");
+            return StreamGroupMode::local;
+        }
         std::vector<int> seen;
         for (const auto& d : devices) {
             if (std::find(seen.begin(), seen.end(), d.index) != seen.end())

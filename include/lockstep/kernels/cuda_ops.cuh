@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -29,8 +30,14 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 
     // ---- replicas ----------------------------------------------------------------------------
 
-    //! Nothing process-wide to hold on CUDA.
-    struct Runtime {};
+    //! Process-wide, while replicas exist: asks CUDA to load every kernel of the program when it
+    //! initializes (CUDA_MODULE_LOADING=EAGER, unless the environment says otherwise). CUDA loads
+    //! kernels lazily by default, and loading one can wait for the device while a peer's NCCL
+    //! kernel spins. This takes effect only if CUDA is not initialized yet in the process: set
+    //! CUDA_MODULE_LOADING=EAGER in the environment to be sure (scripts/gpu-check.sh does).
+    struct Runtime {
+        Runtime() noexcept { (void)::setenv("CUDA_MODULE_LOADING", "EAGER", 0); }
+    };
 
     //! What a replica owns on its GPU: a non-blocking compute stream, a cuBLAS handle bound to it
     //! with its own workspace, and the reducing kernels' scratch (tickets zeroed once, then left at
@@ -116,11 +123,15 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
         ~Range() { nvtxRangePop(); }
     };
 
-    //! `replicas` replicas over the visible GPUs, round-robin.
+    //! `replicas` replicas over the visible GPUs, round-robin: one per GPU, or all on the one GPU
+    //! there is (a group takes no mix of both: Note [stream-ordered collectives]).
     static std::vector<Device> default_devices(int replicas) {
         LOCKSTEP_CHECK(replicas > 0, "DataParallel needs at least one replica, got ", replicas);
         const int gpus = cuda::device_count();
         LOCKSTEP_CHECK_AS(DeviceMismatch, gpus > 0, "DataParallel on CUDA found no GPU; use the host backend");
+        LOCKSTEP_CHECK_AS(NotImplemented, replicas <= gpus || gpus == 1, replicas, " replicas over ", gpus,
+                          " GPUs would put two on some GPUs and one on others, which a replica group does not "
+                          "take; use at most ", gpus, " replicas, or list the devices (all on one GPU: cuda:0, cuda:0, ...)");
         std::vector<Device> d;
         for (int r = 0; r < replicas; ++r) d.push_back(Device::cuda(r % gpus));
         return d;

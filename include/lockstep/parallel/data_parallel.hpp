@@ -423,8 +423,9 @@ public:
         resync_impl(&optimizer);
     }
 
-    //! Gradient buckets of the last training step that replica `rank` had finished all-reducing
-    //! before its backward pass ended: the all-reduce work that overlapped backward.
+    //! Gradient buckets of the last training step whose all-reduce replica `rank` had finished
+    //! (host groups) or enqueued on the device (stream-ordered groups, CUDA) before its backward
+    //! pass ended: the all-reduce work that overlapped backward.
     std::size_t overlapped_buckets(int rank) const {
         return core_->replicas.at(static_cast<std::size_t>(rank))->reduced_during_backward;
     }
@@ -571,6 +572,10 @@ private:
         // resets a group with a thread still inside it.
         void unwind() noexcept {
             worker.wait_quietly();
+            try {  // stream-ordered groups: later work on this replica waits for what was started
+                grad_comm->join();
+            } catch (...) {
+            }
             ctx.grad_ready = nullptr;
         }
     };
