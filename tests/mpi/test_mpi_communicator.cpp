@@ -19,18 +19,14 @@
 #include <thread>
 #include <vector>
 
+#include "mpi_test_support.hpp"
+
 using namespace lockstep;
 using namespace std::chrono_literals;
 
 namespace {
 
-int rank_ = -1;
-int failures = 0;
-void expect(bool ok, const std::string& what) {
-    std::printf("%s rank %d: %s\n", ok ? "PASS" : "FAIL", rank_, what.c_str());
-    std::fflush(stdout);
-    if (!ok) ++failures;
-}
+using lockstep::test::mpi::expect;
 
 // Rank r's operand: the same on every process, so each can compute the expected sum itself.
 template <class T>
@@ -156,7 +152,7 @@ int killed(comm::MpiCommunicator& c) {
 
 int main(int argc, char** argv) {
     mpi::Environment env(&argc, &argv);
-    rank_ = env.rank();
+    lockstep::test::mpi::rank() = env.rank();
     const std::string what = argc > 1 ? argv[1] : "collectives";
     try {
         comm::MpiCommunicator c(MPI_COMM_WORLD, 20s);
@@ -170,5 +166,5 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
     if (what == "silent") MPI_Barrier(MPI_COMM_WORLD);  // every rank has printed before ~Environment ends the job
-    return failures == 0 ? 0 : 1;
+    return lockstep::test::mpi::failures() == 0 ? 0 : 1;
 }

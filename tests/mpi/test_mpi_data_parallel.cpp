@@ -10,6 +10,8 @@
 //!                  process 0 and loaded by all; an unwritable path fails on every process with
 //!                  one message.
 //!   replicas       process r runs r + 1 replicas: every process refuses, with the same message
+//!   throw          2 replicas per process; global rank 3 (process 1's replica 1) throws in
+//!                  backward: every process's step fails within the timeout, naming global rank 3
 #include <lockstep/mpi.hpp>
 #include <lockstep/nn.hpp>
 
@@ -23,18 +25,14 @@
 #include <string>
 #include <vector>
 
+#include "mpi_test_support.hpp"
+
 using namespace lockstep;
 using namespace std::chrono_literals;
 
 namespace {
 
-int rank_ = -1;
-int failures = 0;
-void expect(bool ok, const std::string& what) {
-    std::printf("%s rank %d: %s\n", ok ? "PASS" : "FAIL", rank_, what.c_str());
-    std::fflush(stdout);
-    if (!ok) ++failures;
-}
+using lockstep::test::mpi::expect;
 
 using Net = nn::Sequential<nn::Conv2d<>, nn::SyncBatchNorm<>, nn::ReLU<>, nn::MaxPool2d<>, nn::Flatten<>, nn::Linear<>>;
 
@@ -162,6 +160,43 @@ int train(comm::MpiProcessGroup& world, int L) {
     return 0;
 }
 
+// Net whose backward throws on global rank 3.
+struct Failing {
+    using backend = Host;
+    Net net = make_net();
+    Tensor<float> forward(const nn::Context<>& ctx, Tensor<float> x) { return net.forward(ctx, std::move(x)); }
+    Tensor<float> backward(const nn::Context<>& ctx, const Tensor<float>& dy) {
+        if (ctx.rank == 3) throw std::runtime_error("global rank 3 failed in backward");
+        return net.backward(ctx, dy);
+    }
+    template <class V>
+    void visit(V&& v) {
+        v.module("net", net);
+    }
+};
+
+int throws(comm::MpiProcessGroup& world) {
+    DataParallelOptions o;
+    o.process_group = std::shared_ptr<comm::ProcessGroup>(&world, [](comm::ProcessGroup*) {});
+    o.timeout = 10s;
+    DataParallel<Failing> dp(Failing{}, 2, o);
+    nn::Sgd<> sgd({.lr = 0.05});
+    const auto b = make_batch(4 * world.size(), 3);
+    const auto mine = rows(b, 4 * world.rank(), 4);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string message;
+    try {
+        (void)dp.train_step(mine.x, mine.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    } catch (const std::exception& e) {
+        message = e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    expect(message.find("global rank 3") != std::string::npos && s < 5.0,
+           "a replica that throws fails the step on every process in " + std::to_string(s) + " s, naming global rank 3 (" +
+               message.substr(0, 140) + ")");
+    return 0;
+}
+
 int replicas(comm::MpiProcessGroup& world) {
     DataParallelOptions o;
     o.process_group = std::shared_ptr<comm::ProcessGroup>(&world, [](comm::ProcessGroup*) {});
@@ -180,15 +215,16 @@ int replicas(comm::MpiProcessGroup& world) {
 
 int main(int argc, char** argv) {
     mpi::Environment env(&argc, &argv);
-    rank_ = env.rank();
+    lockstep::test::mpi::rank() = env.rank();
     const std::string what = argc > 1 ? argv[1] : "train";
     try {
         comm::MpiProcessGroup world(MPI_COMM_WORLD, 20s);
         if (what == "train") train(world, argc > 2 ? std::stoi(argv[2]) : 1);
         else if (what == "replicas") replicas(world);
+        else if (what == "throw") throws(world);
         else expect(false, "unknown scenario " + what);
     } catch (const std::exception& e) {
         expect(false, std::string("unexpected exception: ") + e.what());
     }
-    return failures == 0 ? 0 : 1;
+    return lockstep::test::mpi::failures() == 0 ? 0 : 1;
 }

@@ -161,7 +161,16 @@ private:
         Aborter(std::shared_ptr<SharedTensor> l, std::shared_ptr<ProcessGroup> p) : local(std::move(l)), procs(std::move(p)) {}
         void abort(const std::string& reason, int failed_rank) noexcept override {
             local->abort(reason, failed_rank);
-            procs->abort("process " + std::to_string(procs->rank()) + ": " + reason);
+            try {  // the other processes learn the failing replica's global rank
+                const int p = procs->rank();
+                std::string who = "process " + std::to_string(p);
+                if (failed_rank >= 0)
+                    who = "global rank " + std::to_string(p * local->world_size() + failed_rank) + " (" + who + ", replica " +
+                          std::to_string(failed_rank) + ")";
+                procs->abort(who + ": " + reason);
+            } catch (...) {
+                procs->abort(reason);
+            }
         }
         void reset() override { local->reset(); }
         std::shared_ptr<SharedTensor> local;
