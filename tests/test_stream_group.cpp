@@ -410,17 +410,18 @@ TEST_CASE("stream group: replicas on one device sum in one rank-order kernel on 
     log_of_calls().clear();
     Group g(hosts({0, 0, 0}), 5s);
     REQUIRE(g.mode() == comm::StreamGroupMode::local);
-    std::vector<std::vector<float>> data(3);
+    std::vector<std::vector<float>> data(3), broadcast(3);
     std::vector<std::thread::id> thread_of(3);
-    const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
-        thread_of[static_cast<std::size_t>(r)] = std::this_thread::get_id();
-        data[static_cast<std::size_t>(r)] = {0.1f * static_cast<float>(r + 1), 1e8f, -1e8f};
-        c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 3, Device::host(0)), comm::CollectiveSite::user(3));
-        std::vector<float> b(4, static_cast<float>(r));
-        c.broadcast(DeviceSpan<float>(b.data(), 4, Device::host(0)), 2, comm::CollectiveSite::user(4));
-        for (float v : b) REQUIRE(v == 2.0f);
+    const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {  // no assertion here: Catch2 is single-threaded
+        const auto ur = static_cast<std::size_t>(r);
+        thread_of[ur] = std::this_thread::get_id();
+        data[ur] = {0.1f * static_cast<float>(r + 1), 1e8f, -1e8f};
+        c.all_reduce_sum(DeviceSpan<float>(data[ur].data(), 3, Device::host(0)), comm::CollectiveSite::user(3));
+        broadcast[ur].assign(4, static_cast<float>(r));
+        c.broadcast(DeviceSpan<float>(broadcast[ur].data(), 4, Device::host(0)), 2, comm::CollectiveSite::user(4));
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
+    for (const auto& b : broadcast) CHECK(b == std::vector<float>(4, 2.0f));
     const float expect = (0.1f + 0.2f) + 0.3f;  // rank order
     for (auto& d : data) CHECK(d[0] == expect);
     const auto calls = log_of_calls().snapshot();

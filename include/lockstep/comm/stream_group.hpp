@@ -168,6 +168,9 @@ private:
         if (local && rank_ != 0) st.api.record(me.ready_local, s);  // this rank's buffer is final here
         const CollectiveKind kind = root >= 0 ? CollectiveKind::broadcast : CollectiveKind::all_reduce_sum;
         const CollectiveTag tag{site, kind, dtype, data.size, root};
+        // Communicators aborted by a failed step are rebuilt here, before this rank arrives: no rank
+        // can then be inside an enqueue of this collective, holding the communicators.
+        if (st.mode == StreamGroupMode::peer) st.rebuild_if_needed();
         const int parity = st.rendezvous.arrive(rank_, tag, data.data);  // Note [stream-ordered collectives]
         if (st.size() > 1 && !data.empty()) {
             if (st.mode == StreamGroupMode::peer) {
@@ -206,7 +209,6 @@ private:
     template <class T>
     void enqueue_peer(DeviceSpan<T> data, int root, Stream s, DType dtype) {
         State& st = *st_;
-        st.rebuild_if_needed();
         std::shared_lock lock(st.comms_mutex);  // never concurrently with abort()
         if (st.comms_aborted) throw CollectiveAborted("the replica group was aborted: " + st.abort_reason());
         const auto comm = st.comms[static_cast<std::size_t>(rank_)];
@@ -296,8 +298,8 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         aborted.store(false, std::memory_order_release);
     }
 
-    // Peer mode, at a collective after a failed one: new communicators for every rank, made once
-    // (by whichever rank gets here first; the others find them made).
+    // Peer mode, at a collective after a failed one, before the rendezvous: new communicators
+    // for every rank, made once (by whichever rank gets here first; the others find them made).
     void rebuild_if_needed() {
         {
             std::shared_lock lock(comms_mutex);  // the common case: peers may be enqueueing

@@ -6,11 +6,13 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <vector>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "lockstep/core/backend.hpp"
@@ -155,6 +157,40 @@ private:
     cudaEvent_t event_ = nullptr;
 };
 
+//! How long a host wait on the device may last where no replica group says (a DataParallel
+//! replica's step waits through Ops<Cuda>::wait, with its group's timeout).
+inline std::chrono::milliseconds& default_wait_timeout() noexcept {
+    static std::chrono::milliseconds t{std::chrono::minutes(5)};
+    return t;
+}
+
+//! Waits for `event` with a deadline: polled, never an unbounded cudaEventSynchronize. Throws
+//! `Timeout` naming `what` past it.
+inline void wait_event(cudaEvent_t event, const char* what, std::chrono::milliseconds timeout = default_wait_timeout()) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (std::uint64_t spin = 0;; ++spin) {
+        const cudaError_t e = cudaEventQuery(event);
+        if (e == cudaSuccess) return;
+        if (e != cudaErrorNotReady) LOCKSTEP_CUDA_CHECK(e);
+        if (std::chrono::steady_clock::now() >= deadline)
+            throw Timeout(std::string(what) + " did not finish on the device within " + std::to_string(timeout.count()) +
+                          " ms (the device is stuck or busy with other work)");
+        if (spin > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+}
+
+//! Waits for everything enqueued on `stream` so far, with a deadline (see `wait_event`).
+inline void wait_stream(cudaStream_t stream, const char* what, std::chrono::milliseconds timeout = default_wait_timeout()) {
+    cudaEvent_t event = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    struct Release {
+        cudaEvent_t e;
+        ~Release() { (void)cudaEventDestroy(e); }
+    } release{event};
+    LOCKSTEP_CUDA_CHECK(cudaEventRecord(event, stream));
+    wait_event(event, what, timeout);
+}
+
 //! The stream a replica thread allocates and launches on. Each replica thread sets it once
 //! (DataParallel does); threads that never set it use the legacy default stream.
 inline cudaStream_t& current_stream() noexcept {
@@ -237,7 +273,7 @@ inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKi
     if (bytes == 0) return;
     cuda::DeviceGuard guard(device);
     LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, cuda::current_stream()));
-    LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream()));
+    cuda::wait_stream(cuda::current_stream(), "a copy between the host and a GPU, or between GPUs");
 }
 
 template <>

@@ -93,7 +93,10 @@ public:
         const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ && cudaSetDevice(device_) == cudaSuccess;
         for (Slot& s : slots_) {
             if (s.done != nullptr) {
-                (void)cudaEventSynchronize(s.done);
+                try {  // its copy has read the slot before the slot goes
+                    cuda::wait_event(s.done, "an upload of labels at teardown");
+                } catch (...) {
+                }
                 (void)cudaEventDestroy(s.done);
             }
             if (s.host != nullptr) (void)cudaFreeHost(s.host);
@@ -117,7 +120,7 @@ public:
         Slot& s = slots_[static_cast<std::size_t>(next_)];
         next_ = (next_ + 1) % slots;
         if (s.done == nullptr) LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
-        else LOCKSTEP_CUDA_CHECK(cudaEventSynchronize(s.done));  // the slot's last copy has read it
+        else cuda::wait_event(s.done, "the previous upload of labels");  // the slot's last copy has read it
         if (s.capacity < labels.size()) {
             if (s.host != nullptr) LOCKSTEP_CUDA_CHECK(cudaFreeHost(s.host));
             s.host = nullptr;

@@ -64,7 +64,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 LOCKSTEP_CUBLAS_CHECK(cublasCreate(&blas));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetStream(blas, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
-                LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(stream.get()));  // once, at creation: the tickets are zero
+                cuda::wait_stream(stream.get(), "zeroing a replica's scratch");  // once, at creation: the tickets are zero
             } catch (...) {
                 release();
                 throw;
@@ -105,7 +105,12 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 
     private:
         void release() noexcept {
-            if (stream.get() != nullptr) (void)cudaStreamSynchronize(stream.get());
+            if (stream.get() != nullptr) {
+                try {  // the stream's work must be done before its handles go: bounded, then released anyway
+                    cuda::wait_stream(stream.get(), "a replica's last work at teardown");
+                } catch (...) {
+                }
+            }
             if (blas != nullptr) (void)cublasDestroy(blas);
             if (workspace != nullptr) (void)cudaFree(workspace);
             if (scratch != nullptr) (void)cudaFree(scratch);
@@ -174,7 +179,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     //! and `Timeout` is thrown (Note [stream-ordered collectives] in comm/stream_group.hpp).
     static void wait(const Ex& ex, const char* what) {
         if (ex.done_event == nullptr) {  // an execution made by hand, not by ReplicaResources
-            LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(ex.stream));
+            cuda::wait_stream(ex.stream, what, std::chrono::milliseconds(ex.wait_timeout_ms));
             return;
         }
         LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.done_event, ex.stream));
