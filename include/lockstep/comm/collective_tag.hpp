@@ -99,4 +99,12 @@ struct CollectiveTag {
     }
 };
 
+//! The tag of inner barrier `step` of the collective tagged `tag` (a collective that crosses its
+//! group's barrier more than once checks each crossing).
+inline CollectiveTag phase(CollectiveTag tag, std::uint64_t step) {
+    tag.kind = CollectiveKind::phase;
+    tag.root = static_cast<std::int32_t>(step);
+    return tag;
+}
+
 }  // namespace lockstep::comm

@@ -8,7 +8,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nccl.h>
-#include <nvtx3/nvToolsExt.h>
 
 #include <atomic>
 #include <chrono>
@@ -156,12 +155,7 @@ struct NcclApi {
     }
 
     //! A named NVTX range around each enqueue, so Nsight shows every collective on its thread.
-    struct Range {
-        explicit Range(const char* name) noexcept { nvtxRangePushA(name); }
-        Range(const Range&) = delete;
-        Range& operator=(const Range&) = delete;
-        ~Range() { nvtxRangePop(); }
-    };
+    using Range = cuda::NvtxRange;
 
     static void all_reduce(Comm c, void* buf, std::size_t count, DType t, Stream s, clock::time_point deadline,
                            const std::atomic<bool>& stop) {

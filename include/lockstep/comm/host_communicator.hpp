@@ -19,6 +19,26 @@
 
 namespace lockstep::comm {
 
+//! out[i] = bufs[0][i] + bufs[1][i] + ... in rank order, for i in [lo, hi): the one summation of
+//! every host-side all-reduce (Note [deterministic host all-reduce]), so the host group, the MPI
+//! communicator and the hierarchical group give the same bits. One block at a time through a
+//! local accumulator: `out` may be one of the buffers, read before it is written.
+template <class T>
+void sum_in_rank_order(const std::vector<const T*>& bufs, T* out, std::size_t lo, std::size_t hi) {
+    constexpr std::size_t block = 1024;
+    alignas(64) T acc[block];
+    for (std::size_t b = lo; b < hi; b += block) {
+        const std::size_t len = std::min(block, hi - b);
+        const T* b0 = bufs[0] + b;
+        for (std::size_t i = 0; i < len; ++i) acc[i] = b0[i];
+        for (std::size_t r = 1; r < bufs.size(); ++r) {
+            const T* br = bufs[r] + b;
+            for (std::size_t i = 0; i < len; ++i) acc[i] += br[i];
+        }
+        std::memcpy(out + b, acc, len * sizeof(T));
+    }
+}
+
 // Note [deterministic host all-reduce]
 // Reduce-scatter then all-gather over the replicas' own buffers: rank r sums slice r of every
 // buffer in rank order (b0 + b1 + ... + b{n-1}) and writes it into its own buffer; then every
@@ -104,7 +124,7 @@ private:
         for (int r = 0; r < n; ++r) bufs[static_cast<std::size_t>(r)] = static_cast<const T*>(group_->buffer(parity, r));
 
         const auto [lo, hi] = slice(data.size, n, rank_);
-        reduce_slice(bufs, data.data, lo, hi);
+        sum_in_rank_order(bufs, data.data, lo, hi);
         group_->arrive(rank_, phase(tag, 1), data.data);
         for (int r = 0; r < n; ++r) {
             if (r == rank_) continue;
@@ -127,12 +147,6 @@ private:
         group_->arrive(rank_, phase(tag, 1), data.data);
     }
 
-    static CollectiveTag phase(CollectiveTag tag, std::uint64_t step) {
-        tag.kind = CollectiveKind::phase;
-        tag.root = static_cast<std::int32_t>(step);
-        return tag;
-    }
-
     template <class T>
     void check_buffer(const DeviceSpan<T>& data, const char* what) const {
         LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size,
@@ -140,24 +154,6 @@ private:
         if (data.device.kind != Device::Kind::host) [[unlikely]]
             throw DeviceMismatch(std::string(what) + ": a HostCommunicator moves host memory, got a buffer on " +
                                  data.device.str() + "; use the CUDA backend's group for device buffers");
-    }
-
-    // Sums slice [lo, hi) of all buffers in rank order into `out`, one block at a time through a
-    // local accumulator: `out` is one of the buffers, so it is read before it is written.
-    template <class T>
-    static void reduce_slice(const std::vector<const T*>& bufs, T* out, std::size_t lo, std::size_t hi) {
-        constexpr std::size_t block = 1024;
-        alignas(64) T acc[block];
-        for (std::size_t b = lo; b < hi; b += block) {
-            const std::size_t len = std::min(block, hi - b);
-            const T* b0 = bufs[0] + b;
-            for (std::size_t i = 0; i < len; ++i) acc[i] = b0[i];
-            for (std::size_t r = 1; r < bufs.size(); ++r) {
-                const T* br = bufs[r] + b;
-                for (std::size_t i = 0; i < len; ++i) acc[i] += br[i];
-            }
-            std::memcpy(out + b, acc, len * sizeof(T));
-        }
     }
 
     std::shared_ptr<SharedTensor> group_;

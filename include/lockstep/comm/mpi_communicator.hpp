@@ -382,7 +382,7 @@ private:
                 if (r != rank_) post(true, data.data, data.size, r, tag_data);
             wait_all(reqs, who, "all_reduce_sum");
             std::copy(data.data, data.data + data.size, others + me * data.size);
-            sum_rank_order(others, n, data.size, 0, data.size, data.data);
+            sum_rows(others, n, data.size, data.data);
             return;
         }
         // By slices: slice r of every rank goes to rank r, which sums it and sends the sum to all.
@@ -403,7 +403,7 @@ private:
         std::copy(data.data + lo, data.data + hi, parts + me * len);
         std::unique_ptr<T[]> sum_buf(new T[len]);
         T* sum = sum_buf.get();
-        sum_rank_order(parts, n, len, 0, len, sum);
+        sum_rows(parts, n, len, sum);
         for (int r = 0; r < size_; ++r) {
             const auto [rlo, rhi] = slices[static_cast<std::size_t>(r)];
             if (r != rank_) post(false, data.data + rlo, rhi - rlo, r, tag_gather);
@@ -414,14 +414,12 @@ private:
         std::copy(sum, sum + len, data.data + lo);
     }
 
-    // out[i - lo] = rows[0][i] + rows[1][i] + ... in rank order, for i in [lo, hi).
+    // The rows of `n` operands of `len` elements each, back to back, summed in rank order into `out`.
     template <class T>
-    static void sum_rank_order(const T* rows, std::size_t n, std::size_t stride, std::size_t lo, std::size_t hi, T* out) {
-        for (std::size_t i = lo; i < hi; ++i) {
-            T acc = rows[i];
-            for (std::size_t r = 1; r < n; ++r) acc += rows[r * stride + i];
-            out[i - lo] = acc;
-        }
+    static void sum_rows(const T* rows, std::size_t n, std::size_t len, T* out) {
+        std::vector<const T*> bufs(n);
+        for (std::size_t r = 0; r < n; ++r) bufs[r] = rows + r * len;
+        sum_in_rank_order(bufs, out, 0, len);
     }
 
     template <class T>

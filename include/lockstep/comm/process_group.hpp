@@ -15,6 +15,7 @@
 
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/collectives.hpp"
+#include "lockstep/comm/host_communicator.hpp"
 #include "lockstep/comm/shared_tensor.hpp"
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
@@ -93,10 +94,9 @@ private:
         const int parity = local_->arrive(l_, tag, data.data);
         const int n = local_->world_size();
         if (l_ == 0 && !data.empty()) {
-            for (int r = 1; r < n; ++r) {  // local rank order, in place (each element read before written)
-                const T* b = static_cast<const T*>(local_->buffer(parity, r));
-                for (std::size_t i = 0; i < data.size; ++i) data.data[i] += b[i];
-            }
+            std::vector<const T*> bufs(static_cast<std::size_t>(n));  // local rank order; bufs[0] is data
+            for (int r = 0; r < n; ++r) bufs[static_cast<std::size_t>(r)] = static_cast<const T*>(local_->buffer(parity, r));
+            sum_in_rank_order(bufs, data.data, 0, data.size);
             procs_->channel(channel_).all_reduce_sum(data, site);
         }
         share_from_leader(tag, parity, data);
@@ -126,12 +126,6 @@ private:
         if (l_ != 0 && !data.empty())
             std::memcpy(data.data, local_->buffer(parity, 0), data.size * sizeof(T));
         local_->arrive(l_, phase(tag, 2), data.data);  // the leader's buffer is read by now
-    }
-
-    static CollectiveTag phase(CollectiveTag tag, std::uint64_t step) {
-        tag.kind = CollectiveKind::phase;
-        tag.root = static_cast<std::int32_t>(step);
-        return tag;
     }
 
     std::shared_ptr<SharedTensor> local_;

@@ -193,10 +193,7 @@ private:
                     }
                     st.api.record(st.local_done, s);
                 }
-                CollectiveTag after = tag;
-                after.kind = CollectiveKind::phase;
-                after.root = 1;
-                st.rendezvous.arrive(rank_, after, data.data);
+                st.rendezvous.arrive(rank_, phase(tag, 1), data.data);
                 if (rank_ != 0) st.api.wait(s, st.local_done);
             }
         }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <chrono>
 #include <cstddef>
@@ -164,20 +165,38 @@ inline std::chrono::milliseconds& default_wait_timeout() noexcept {
     return t;
 }
 
-//! Waits for `event` with a deadline: polled, never an unbounded cudaEventSynchronize. Throws
-//! `Timeout` naming `what` past it.
-inline void wait_event(cudaEvent_t event, const char* what, std::chrono::milliseconds timeout = default_wait_timeout()) {
+//! The one way the host waits for the device: polls `event` until it completes, calling `poll()`
+//! each round (it may throw, ending the wait), and `expired()` (which must throw) once `timeout`
+//! has passed. Never an unbounded cudaEventSynchronize.
+template <class Poll, class Expired>
+void poll_event(cudaEvent_t event, std::chrono::milliseconds timeout, Poll&& poll, Expired&& expired) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (std::uint64_t spin = 0;; ++spin) {
         const cudaError_t e = cudaEventQuery(event);
         if (e == cudaSuccess) return;
         if (e != cudaErrorNotReady) LOCKSTEP_CUDA_CHECK(e);
-        if (std::chrono::steady_clock::now() >= deadline)
-            throw Timeout(std::string(what) + " did not finish on the device within " + std::to_string(timeout.count()) +
-                          " ms (the device is stuck or busy with other work)");
+        poll();
+        if (std::chrono::steady_clock::now() >= deadline) expired();
         if (spin > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
 }
+
+//! Waits for `event` with a deadline (`poll_event`); throws `Timeout` naming `what` past it.
+inline void wait_event(cudaEvent_t event, const char* what, std::chrono::milliseconds timeout = default_wait_timeout()) {
+    poll_event(event, timeout, [] {}, [&] {
+        throw Timeout(std::string(what) + " did not finish on the device within " + std::to_string(timeout.count()) +
+                      " ms (the device is stuck or busy with other work)");
+    });
+}
+
+//! A named NVTX range for the scope's lifetime (Nsight Systems shows it on the calling thread).
+class NvtxRange {
+public:
+    explicit NvtxRange(const char* name) noexcept { nvtxRangePushA(name); }
+    NvtxRange(const NvtxRange&) = delete;
+    NvtxRange& operator=(const NvtxRange&) = delete;
+    ~NvtxRange() { nvtxRangePop(); }
+};
 
 //! Waits for everything enqueued on `stream` so far, with a deadline (see `wait_event`).
 inline void wait_stream(cudaStream_t stream, const char* what, std::chrono::milliseconds timeout = default_wait_timeout()) {

@@ -12,8 +12,6 @@
 #include <thread>
 #include <vector>
 
-#include <nvtx3/nvToolsExt.h>
-
 #include "lockstep/kernels/cuda_bn_ops.cuh"
 #include "lockstep/kernels/cuda_common.cuh"
 #include "lockstep/kernels/cuda_layer_ops.cuh"
@@ -121,12 +119,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 
     //! A named NVTX range (Nsight Systems shows the step's forward, backward, collectives and
     //! optimizer step on each replica thread, and their overlap with the streams' work).
-    struct Range {
-        explicit Range(const char* name) noexcept { nvtxRangePushA(name); }
-        Range(const Range&) = delete;
-        Range& operator=(const Range&) = delete;
-        ~Range() { nvtxRangePop(); }
-    };
+    using Range = cuda::NvtxRange;
 
     //! `replicas` replicas over the visible GPUs, round-robin: one per GPU, or all on the one GPU
     //! there is (a group takes no mix of both: Note [stream-ordered collectives]).
@@ -183,15 +176,13 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             return;
         }
         LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.done_event, ex.stream));
-        const auto start = std::chrono::steady_clock::now();
-        const auto deadline = start + std::chrono::milliseconds(ex.wait_timeout_ms);
-        for (std::uint64_t spin = 0;; ++spin) {
-            const cudaError_t e = cudaEventQuery(ex.done_event);
-            if (e == cudaSuccess) return;
-            if (e != cudaErrorNotReady) LOCKSTEP_CUDA_CHECK(e);
-            for (DeviceWatch* w : ex.watches)
-                if (w != nullptr) w->poll();
-            if (std::chrono::steady_clock::now() >= deadline) {
+        cuda::poll_event(
+            ex.done_event, std::chrono::milliseconds(ex.wait_timeout_ms),
+            [&] {
+                for (DeviceWatch* w : ex.watches)
+                    if (w != nullptr) w->poll();
+            },
+            [&] {
                 const std::string message = std::string(what) + " on cuda:" + std::to_string(ex.device) + " took longer than " +
                                             std::to_string(ex.wait_timeout_ms) +
                                             " ms; a peer replica may be stuck (raise DataParallelOptions::timeout if "
@@ -199,9 +190,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 for (DeviceWatch* w : ex.watches)
                     if (w != nullptr) w->timed_out(message);
                 throw Timeout(message);
-            }
-            if (spin > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
-        }
+            });
     }
 };
 
