@@ -18,6 +18,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -373,16 +374,19 @@ private:
             if (send) MPI_Isend(p, static_cast<int>(count), mpi_type<T>(), peer, tag, comm_, &reqs.back());
             else MPI_Irecv(p, static_cast<int>(count), mpi_type<T>(), peer, tag, comm_, &reqs.back());
         };
+        // Operands arrive in this communicator's scratch buffer (kept between calls: no page
+        // faults on fresh memory for every bucket); this rank's own operand is read in place, and
+        // the sum is written over it (sum_in_rank_order reads each block before writing it).
+        std::vector<const T*> bufs(n);
         if (data.size * n <= whole_limit) {  // every rank sums every operand
-            std::unique_ptr<T[]> others_buf(new T[data.size * n]);  // every element is received or copied
-            T* others = others_buf.get();
+            T* others = scratch<T>(data.size * n);  // slot r: rank r's operand (slot `me` unused)
             for (int r = 0; r < size_; ++r)
                 if (r != rank_) post(false, others + static_cast<std::size_t>(r) * data.size, data.size, r, tag_data);
             for (int r = 0; r < size_; ++r)
                 if (r != rank_) post(true, data.data, data.size, r, tag_data);
             wait_all(reqs, who, "all_reduce_sum");
-            std::copy(data.data, data.data + data.size, others + me * data.size);
-            sum_rows(others, n, data.size, data.data);
+            for (std::size_t r = 0; r < n; ++r) bufs[r] = r == me ? data.data : others + r * data.size;
+            sum_in_rank_order(bufs, data.data, 0, data.size);
             return;
         }
         // By slices: slice r of every rank goes to rank r, which sums it and sends the sum to all.
@@ -390,8 +394,7 @@ private:
         for (int r = 0; r < size_; ++r) slices[static_cast<std::size_t>(r)] = HostCommunicator::slice(data.size, size_, r);
         const auto [lo, hi] = slices[me];
         const std::size_t len = hi - lo;
-        std::unique_ptr<T[]> parts_buf(new T[len * n]);  // every element is received or copied
-        T* parts = parts_buf.get();
+        T* parts = scratch<T>(len * n);  // slot r: rank r's part of this rank's slice (slot `me` unused)
         for (int r = 0; r < size_; ++r)
             if (r != rank_) post(false, parts + static_cast<std::size_t>(r) * len, len, r, tag_data);
         for (int r = 0; r < size_; ++r) {
@@ -400,26 +403,27 @@ private:
         }
         wait_all(reqs, who, "all_reduce_sum");
         reqs.clear(), who.clear();
-        std::copy(data.data + lo, data.data + hi, parts + me * len);
-        std::unique_ptr<T[]> sum_buf(new T[len]);
-        T* sum = sum_buf.get();
-        sum_rows(parts, n, len, sum);
+        for (std::size_t r = 0; r < n; ++r) bufs[r] = r == me ? data.data + lo : parts + r * len;
+        sum_in_rank_order(bufs, data.data + lo, 0, len);  // this rank's slice, summed in place
         for (int r = 0; r < size_; ++r) {
             const auto [rlo, rhi] = slices[static_cast<std::size_t>(r)];
             if (r != rank_) post(false, data.data + rlo, rhi - rlo, r, tag_gather);
         }
         for (int r = 0; r < size_; ++r)
-            if (r != rank_) post(true, sum, len, r, tag_gather);
+            if (r != rank_) post(true, data.data + lo, len, r, tag_gather);
         wait_all(reqs, who, "all_reduce_sum");
-        std::copy(sum, sum + len, data.data + lo);
     }
 
-    // The rows of `n` operands of `len` elements each, back to back, summed in rank order into `out`.
+    // `count` elements of scratch memory, reused by every collective of this communicator (one
+    // thread at a time makes them).
     template <class T>
-    static void sum_rows(const T* rows, std::size_t n, std::size_t len, T* out) {
-        std::vector<const T*> bufs(n);
-        for (std::size_t r = 0; r < n; ++r) bufs[r] = rows + r * len;
-        sum_in_rank_order(bufs, out, 0, len);
+    T* scratch(std::size_t count) {
+        const std::size_t bytes = count * sizeof(T);
+        if (bytes > scratch_bytes_) {
+            scratch_.reset(new std::byte[bytes]);  // aligned for any T the collectives move
+            scratch_bytes_ = bytes;
+        }
+        return reinterpret_cast<T*>(scratch_.get());
     }
 
     template <class T>
@@ -454,6 +458,8 @@ private:
     std::mutex abort_mutex_;
     std::atomic<bool> aborted_{false};
     std::string abort_text_;
+    std::unique_ptr<std::byte[]> scratch_;
+    std::size_t scratch_bytes_ = 0;
 };
 
 //! The processes of an MPI communicator as DataParallel's process group
