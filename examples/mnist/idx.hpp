@@ -1,12 +1,21 @@
 // SPDX-License-Identifier: MIT
-//! Reading MNIST-style IDX files (gzipped or not) with every check a corrupt file can fail.
+//! Reading MNIST-style IDX files (gzipped or not) with every check a corrupt file can fail, the
+//! images read from the file when they are needed (`mnist::IdxSource`).
 #pragma once
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mnist {
@@ -16,16 +25,10 @@ struct DataError : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-//! Images as bytes (n x rows x cols) and their labels.
-struct Dataset {
-    std::int64_t count = 0, rows = 0, cols = 0;
-    std::vector<std::uint8_t> pixels;
-    std::vector<std::int64_t> labels;
-};
-
 namespace detail {
 
-// Whole content of a file, inflated if it is gzip (zlib reads plain files unchanged).
+// Whole content of a file, inflated if it is gzip (zlib reads plain files unchanged): for the
+// labels file, one byte per sample.
 inline std::vector<std::uint8_t> read_all(const std::string& path) {
     gzFile f = gzopen(path.c_str(), "rb");
     if (f == nullptr) throw DataError(path + ": cannot open (missing file or directory?)");
@@ -50,52 +53,177 @@ inline std::vector<std::uint8_t> read_all(const std::string& path) {
     return data;
 }
 
-inline std::uint32_t be32(const std::vector<std::uint8_t>& d, std::size_t at) {
-    return (std::uint32_t{d[at]} << 24) | (std::uint32_t{d[at + 1]} << 16) | (std::uint32_t{d[at + 2]} << 8) | d[at + 3];
+inline std::uint32_t be32(const std::uint8_t* d) {
+    return (std::uint32_t{d[0]} << 24) | (std::uint32_t{d[1]} << 16) | (std::uint32_t{d[2]} << 8) | d[3];
+}
+
+// An open file descriptor, closed with the object.
+struct Fd {
+    int fd = -1;
+    Fd() = default;
+    explicit Fd(int f) : fd(f) {}
+    Fd(Fd&& o) noexcept : fd(std::exchange(o.fd, -1)) {}
+    Fd& operator=(Fd&& o) noexcept {
+        if (this != &o) {
+            if (fd >= 0) ::close(fd);
+            fd = std::exchange(o.fd, -1);
+        }
+        return *this;
+    }
+    ~Fd() {
+        if (fd >= 0) ::close(fd);
+    }
+};
+
+inline std::string errno_text() { return std::strerror(errno); }
+
+// Exactly `n` bytes at `offset` of `fd`, or a DataError naming `path`.
+inline void read_at(int fd, const std::string& path, std::uint8_t* out, std::size_t n, std::int64_t offset) {
+    while (n > 0) {
+        const ssize_t got = ::pread(fd, out, n, static_cast<off_t>(offset));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0)
+            throw DataError(path + ": reading " + std::to_string(n) + " bytes at offset " + std::to_string(offset) + " failed (" +
+                            (got < 0 ? errno_text() : std::string("the file is shorter than it was")) + ")");
+        out += got;
+        n -= static_cast<std::size_t>(got);
+        offset += got;
+    }
+}
+
+// The images file uncompressed, for reads at any offset: the file itself when it is plain, else
+// an anonymous temporary file (gone when closed) holding its inflated content, written in
+// chunks: never the whole file in memory. Returns the descriptor and the uncompressed size.
+inline std::pair<Fd, std::int64_t> open_uncompressed(const std::string& path) {
+    Fd plain(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (plain.fd < 0) throw DataError(path + ": cannot open (" + errno_text() + "; missing file or directory?)");
+    std::uint8_t magic[2] = {0, 0};
+    const ssize_t got = ::pread(plain.fd, magic, 2, 0);
+    if (got != 2 || magic[0] != 0x1f || magic[1] != 0x8b) {
+        struct stat st {};
+        if (::fstat(plain.fd, &st) != 0) throw DataError(path + ": cannot stat (" + errno_text() + ")");
+        if (!S_ISREG(st.st_mode)) throw DataError(path + ": not a regular file");
+        return {std::move(plain), static_cast<std::int64_t>(st.st_size)};
+    }
+    std::FILE* tmp = std::tmpfile();
+    if (tmp == nullptr)
+        throw DataError(path + ": cannot make a temporary file to inflate it into (" + errno_text() +
+                        "); set TMPDIR to a writable directory, or gunzip the data files");
+    Fd out(::dup(::fileno(tmp)));
+    std::fclose(tmp);  // `out` keeps the (unlinked) file open
+    if (out.fd < 0) throw DataError(path + ": cannot duplicate a file descriptor (" + errno_text() + ")");
+    const int zfd = ::dup(plain.fd);
+    gzFile f = zfd < 0 ? nullptr : gzdopen(zfd, "rb");
+    if (f == nullptr) {
+        if (zfd >= 0) ::close(zfd);
+        throw DataError(path + ": cannot open it as gzip");
+    }
+    std::int64_t size = 0;
+    std::vector<std::uint8_t> buf(std::size_t{1} << 16);
+    const auto fail = [&](const std::string& why) {
+        gzclose(f);
+        throw DataError(path + ": " + why);
+    };
+    for (;;) {
+        const int n = gzread(f, buf.data(), static_cast<unsigned>(buf.size()));
+        if (n < 0) {
+            int err = 0;
+            fail("corrupt compressed data (" + std::string(gzerror(f, &err)) + ")");
+        }
+        if (n == 0) break;
+        for (std::size_t done = 0; done < static_cast<std::size_t>(n);) {
+            const ssize_t w = ::pwrite(out.fd, buf.data() + done, static_cast<std::size_t>(n) - done, static_cast<off_t>(size));
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0)
+                fail("writing its inflated copy to a temporary file failed (" + errno_text() +
+                     "); free space in TMPDIR, or gunzip the data files");
+            done += static_cast<std::size_t>(w);
+            size += w;
+        }
+        if (size > (std::int64_t{1} << 31)) fail("larger than 2 GiB; not an MNIST-style file");
+    }
+    gzclose(f);
+    return {std::move(out), size};
 }
 
 }  // namespace detail
 
-//! Reads an images file (magic 0x803) and a labels file (magic 0x801); `limit` > 0 keeps the
-//! first `limit` samples.
-inline Dataset load_idx(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0) {
-    const auto img = detail::read_all(images_path);
-    const auto lab = detail::read_all(labels_path);
-    if (img.size() < 16 || detail::be32(img, 0) != 0x803)
-        throw DataError(images_path + ": bad magic (not an IDX image file of unsigned bytes, 0x00000803)");
-    if (lab.size() < 8 || detail::be32(lab, 0) != 0x801)
-        throw DataError(labels_path + ": bad magic (not an IDX label file of unsigned bytes, 0x00000801)");
-    Dataset ds;
-    ds.count = detail::be32(img, 4);
-    ds.rows = detail::be32(img, 8);
-    ds.cols = detail::be32(img, 12);
-    std::int64_t pixels = 0;  // the header's three 32-bit sizes can overflow 64 bits together
-    if (__builtin_mul_overflow(ds.count, ds.rows, &pixels) || __builtin_mul_overflow(pixels, ds.cols, &pixels))
-        throw DataError(images_path + ": header says " + std::to_string(ds.count) + " images of " + std::to_string(ds.rows) +
-                        "x" + std::to_string(ds.cols) + ", more than any file holds");
-    if (ds.rows == 0 || ds.cols == 0 || static_cast<std::int64_t>(img.size()) - 16 != pixels)
-        throw DataError(images_path + ": header says " + std::to_string(ds.count) + " images of " + std::to_string(ds.rows) +
-                        "x" + std::to_string(ds.cols) + " but the file holds " + std::to_string(img.size() - 16) +
-                        " pixel bytes (truncated or corrupt)");
-    const std::int64_t nlabels = detail::be32(lab, 4);
-    if (static_cast<std::int64_t>(lab.size()) - 8 != nlabels)
-        throw DataError(labels_path + ": header says " + std::to_string(nlabels) + " labels but the file holds " +
-                        std::to_string(lab.size() - 8) + " (truncated or corrupt)");
-    if (nlabels != ds.count)
-        throw DataError(labels_path + ": " + std::to_string(nlabels) + " labels for " + std::to_string(ds.count) +
-                        " images in " + images_path);
-    if (ds.rows != 28 || ds.cols != 28)
-        throw DataError(images_path + ": images are " + std::to_string(ds.rows) + "x" + std::to_string(ds.cols) +
-                        "; this network takes 28x28");
-    if (limit > 0 && limit < ds.count) ds.count = limit;
-    ds.pixels.assign(img.begin() + 16, img.begin() + 16 + ds.count * ds.rows * ds.cols);
-    ds.labels.resize(static_cast<std::size_t>(ds.count));
-    for (std::int64_t i = 0; i < ds.count; ++i) {
-        const int l = lab[8 + static_cast<std::size_t>(i)];
-        if (l > 9) throw DataError(labels_path + ": label " + std::to_string(l) + " of sample " + std::to_string(i) + " is not a digit class 0-9");
-        ds.labels[static_cast<std::size_t>(i)] = l;
+//! An MNIST-style data set (an IDX images file of unsigned bytes, magic 0x803, and its labels
+//! file, magic 0x801; gzipped or not) opened for reading the images of given samples when they
+//! are needed: each process of a multi-process run reads only the rows it trains on. Opening
+//! checks every header field against the files' sizes and every label; the labels (one byte per
+//! sample) stay in memory, the images in the file (a gzipped one is inflated into an anonymous
+//! temporary file first). Reads may come from several threads.
+class IdxSource {
+public:
+    //! `limit` > 0 keeps the first `limit` samples.
+    IdxSource(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0)
+        : path_(images_path) {
+        auto [fd, size] = detail::open_uncompressed(images_path);
+        fd_ = std::move(fd);
+        const auto lab = detail::read_all(labels_path);
+        std::uint8_t header[16] = {};
+        if (size >= 16) detail::read_at(fd_.fd, images_path, header, 16, 0);
+        if (size < 16 || detail::be32(header) != 0x803)
+            throw DataError(images_path + ": bad magic (not an IDX image file of unsigned bytes, 0x00000803)");
+        if (lab.size() < 8 || detail::be32(lab.data()) != 0x801)
+            throw DataError(labels_path + ": bad magic (not an IDX label file of unsigned bytes, 0x00000801)");
+        count_ = detail::be32(header + 4);
+        rows_ = detail::be32(header + 8);
+        cols_ = detail::be32(header + 12);
+        std::int64_t pixels = 0;  // the header's three 32-bit sizes can overflow 64 bits together
+        if (__builtin_mul_overflow(count_, rows_, &pixels) || __builtin_mul_overflow(pixels, cols_, &pixels))
+            throw DataError(images_path + ": header says " + std::to_string(count_) + " images of " + std::to_string(rows_) +
+                            "x" + std::to_string(cols_) + ", more than any file holds");
+        if (rows_ == 0 || cols_ == 0 || size - 16 != pixels)
+            throw DataError(images_path + ": header says " + std::to_string(count_) + " images of " + std::to_string(rows_) +
+                            "x" + std::to_string(cols_) + " but the file holds " + std::to_string(size - 16) +
+                            " pixel bytes (truncated or corrupt)");
+        const std::int64_t nlabels = detail::be32(lab.data() + 4);
+        if (static_cast<std::int64_t>(lab.size()) - 8 != nlabels)
+            throw DataError(labels_path + ": header says " + std::to_string(nlabels) + " labels but the file holds " +
+                            std::to_string(lab.size() - 8) + " (truncated or corrupt)");
+        if (nlabels != count_)
+            throw DataError(labels_path + ": " + std::to_string(nlabels) + " labels for " + std::to_string(count_) +
+                            " images in " + images_path);
+        if (rows_ != 28 || cols_ != 28)
+            throw DataError(images_path + ": images are " + std::to_string(rows_) + "x" + std::to_string(cols_) +
+                            "; this network takes 28x28");
+        if (limit > 0 && limit < count_) count_ = limit;
+        labels_.assign(lab.begin() + 8, lab.begin() + 8 + count_);
+        for (std::int64_t i = 0; i < count_; ++i)
+            if (labels_[static_cast<std::size_t>(i)] > 9)
+                throw DataError(labels_path + ": label " + std::to_string(labels_[static_cast<std::size_t>(i)]) + " of sample " +
+                                std::to_string(i) + " is not a digit class 0-9");
     }
-    return ds;
-}
+
+    //! Samples, and each image's height and width.
+    std::int64_t count() const noexcept { return count_; }
+    std::int64_t rows() const noexcept { return rows_; }
+    std::int64_t cols() const noexcept { return cols_; }
+    std::int64_t image_bytes() const noexcept { return rows_ * cols_; }
+
+    //! Sample `i`'s label, 0-9.
+    std::int64_t label(std::int64_t i) const { return labels_.at(static_cast<std::size_t>(i)); }
+
+    //! Reads the images of samples [first, first + n) into `out` (n x rows x cols bytes), from the file.
+    void read_images(std::int64_t first, std::int64_t n, std::uint8_t* out) const {
+        if (first < 0 || n < 0 || first + n > count_)
+            throw std::out_of_range("images [" + std::to_string(first) + ", " + std::to_string(first + n) + ") of a data set of " +
+                                    std::to_string(count_));
+        detail::read_at(fd_.fd, path_, out, static_cast<std::size_t>(n * image_bytes()), 16 + first * image_bytes());
+        read_ += n;
+    }
+
+    //! Images read from the file so far.
+    std::int64_t images_read() const noexcept { return read_.load(std::memory_order_relaxed); }
+
+private:
+    std::string path_;
+    detail::Fd fd_;
+    std::int64_t count_ = 0, rows_ = 0, cols_ = 0;
+    std::vector<std::uint8_t> labels_;
+    mutable std::atomic<std::int64_t> read_{0};
+};
 
 }  // namespace mnist

@@ -61,6 +61,14 @@ inline std::string find_file(const std::string& dir, const std::string& name) {
     throw mnist::DataError((std::filesystem::path(dir) / name).string() + "[.gz]: missing in the data directory");
 }
 
+// Note [each process reads its rows]
+// The data sets are opened, not loaded (mnist::IdxSource): the labels (one byte per sample) are
+// kept, the images stay in their files. Every process computes the same global order of an epoch
+// (the same seed) and the same batch boundaries; for each step it reads, from the files, only
+// the images of its own rows of the global batch (my_rows: those of its replicas' global ranks),
+// and evaluation reads only its rows of each test chunk. A gzipped file is inflated once into an
+// anonymous temporary file, in chunks, so that rows can be read at any offset.
+
 // This process's rows [first, first + count) of a global batch of n rows: all of them in one
 // process; across processes, those of its replicas' global ranks (DataParallelOptions::process_group).
 template <class Dp>
@@ -73,16 +81,26 @@ std::pair<std::int64_t, std::int64_t> my_rows(const Dp& dp, std::int64_t n) {
     return {all[first].begin, all[last].begin + all[last].count - all[first].begin};
 }
 
-// Samples `order[begin, begin + n)` as a (n, 1, 28, 28) batch scaled to [0, 1], with labels.
-inline void make_batch(const mnist::Dataset& ds, const std::vector<std::int64_t>& order, std::int64_t begin, std::int64_t n,
-                Tensor<float>& x, std::vector<std::int64_t>& labels) {
+// Samples `order[begin, begin + n)` as a (n, 1, 28, 28) batch scaled to [0, 1], with labels: their
+// images read from the data file now, runs of consecutive samples in one read (Note [each
+// process reads its rows]).
+inline void make_batch(const mnist::IdxSource& ds, const std::vector<std::int64_t>& order, std::int64_t begin, std::int64_t n,
+                       Tensor<float>& x, std::vector<std::int64_t>& labels) {
     x = Tensor<float>(Shape{n, 1, 28, 28}, lockstep::MemoryFormat::nchw, lockstep::Device::host(0), lockstep::uninitialized);
     labels.resize(static_cast<std::size_t>(n));
-    for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t bytes = ds.image_bytes();
+    std::vector<std::uint8_t> px(static_cast<std::size_t>(n * bytes));
+    for (std::int64_t i = 0; i < n;) {
         const std::int64_t s = order[static_cast<std::size_t>(begin + i)];
-        const std::uint8_t* px = ds.pixels.data() + s * 784;
-        for (int p = 0; p < 784; ++p) x[i * 784 + p] = static_cast<float>(px[p]) / 255.0f;
-        labels[static_cast<std::size_t>(i)] = ds.labels[static_cast<std::size_t>(s)];
+        std::int64_t run = 1;
+        while (i + run < n && order[static_cast<std::size_t>(begin + i + run)] == s + run) ++run;
+        ds.read_images(s, run, px.data() + i * bytes);
+        i += run;
+    }
+    for (std::int64_t i = 0; i < n; ++i) {
+        const std::uint8_t* p = px.data() + i * bytes;
+        for (std::int64_t k = 0; k < bytes; ++k) x[i * bytes + k] = static_cast<float>(p[k]) / 255.0f;
+        labels[static_cast<std::size_t>(i)] = ds.label(order[static_cast<std::size_t>(begin + i)]);
     }
 }
 
@@ -113,14 +131,14 @@ struct Eval {
 // Test loss and accuracy, in chunks of 1000 images (the last folded into the one before when it
 // has fewer images than there are replicas, as in training).
 template <class B>
-Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::Dataset& test) {
+Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::IdxSource& test) {
     dp.eval();
-    const auto order = epoch_order(test.count, 0, 0, false);
+    const auto order = epoch_order(test.count(), 0, 0, false);
     double loss = 0;
     std::int64_t correct = 0;
     Tensor<float> x;
     std::vector<std::int64_t> labels;
-    const auto starts = batch_starts(test.count, 1000, dp.global_size());
+    const auto starts = batch_starts(test.count(), 1000, dp.global_size());
     for (std::size_t i = 0; i + 1 < starts.size(); ++i) {
         const std::int64_t b = starts[i], n = starts[i + 1] - b;
         const auto [first, count] = my_rows(dp, n);
@@ -140,7 +158,7 @@ Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::Dataset& test) {
         loss = sums[0];
         correct = static_cast<std::int64_t>(sums[1]);
     }
-    return {loss / static_cast<double>(test.count), static_cast<double>(correct) / static_cast<double>(test.count)};
+    return {loss / static_cast<double>(test.count()), static_cast<double>(correct) / static_cast<double>(test.count())};
 }
 
 inline std::string clock_text(double seconds) {
@@ -189,14 +207,15 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     const int replicas = static_cast<int>(devices.size()) * processes;  // over all processes
     const bool leader = !procs || procs->rank() == 0;  // prints and writes metrics
     if (!opt.save.empty()) nn::Checkpoint::check_writable(opt.save);  // before any training, not after an epoch
-    const auto train = mnist::load_idx(find_file(opt.data, "train-images-idx3-ubyte"),
-                                       find_file(opt.data, "train-labels-idx1-ubyte"), opt.train_limit);
-    const auto test = mnist::load_idx(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
-    if (train.count < replicas)
-        throw lockstep::InvalidArgument("only " + std::to_string(train.count) + " training images for " +
+    // Note [each process reads its rows]: the images stay in the files until a step needs them.
+    const mnist::IdxSource train(find_file(opt.data, "train-images-idx3-ubyte"), find_file(opt.data, "train-labels-idx1-ubyte"),
+                                 opt.train_limit);
+    const mnist::IdxSource test(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
+    if (train.count() < replicas)
+        throw lockstep::InvalidArgument("only " + std::to_string(train.count()) + " training images for " +
                                         std::to_string(replicas) + " replicas");
-    if (test.count < replicas)
-        throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count) +
+    if (test.count() < replicas)
+        throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count()) +
                                " test images, fewer than the " + std::to_string(replicas) +
                                " replicas; the test set must give every replica an image");
 
@@ -212,8 +231,8 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         const auto& ck = *resume;
         check_same_run(ck, opt.resume, "seed", "--seed", std::to_string(opt.seed));
         check_same_run(ck, opt.resume, "batch", "--batch", std::to_string(opt.batch));
-        check_same_run(ck, opt.resume, "train_images", "training images (--data, --train-limit)", std::to_string(train.count));
-        const auto batches = static_cast<std::int64_t>(batch_starts(train.count, opt.batch, replicas).size()) - 1;
+        check_same_run(ck, opt.resume, "train_images", "training images (--data, --train-limit)", std::to_string(train.count()));
+        const auto batches = static_cast<std::int64_t>(batch_starts(train.count(), opt.batch, replicas).size()) - 1;
         start_epoch = static_cast<int>(counter(ck, opt.resume, "epoch", 0, opt.epochs, "[0, " + std::to_string(opt.epochs) +
                                                                                           "] for --epochs " + std::to_string(opt.epochs)));
         epoch_step = counter(ck, opt.resume, "epoch_step", 0, batches - 1,
@@ -243,7 +262,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         nn::Checkpoint ck = dp.checkpoint(sgd);
         ck.metadata = {{"step", std::to_string(step)},          {"epoch", std::to_string(epoch)},
                        {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)},
-                       {"batch", std::to_string(opt.batch)},    {"train_images", std::to_string(train.count)},
+                       {"batch", std::to_string(opt.batch)},    {"train_images", std::to_string(train.count())},
                        {"format", "pt"}};
         for (const auto& stale : dp.save(ck, opt.save).removed_stale)
             std::fprintf(stderr, "mnist: removed %s, left by an earlier save that was killed\n", stale.c_str());
@@ -257,9 +276,10 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     bool stopped = false;
     Eval last{};
     bool evaluated = false;
+    std::int64_t evaluations = 0;
     for (int epoch = start_epoch; epoch < opt.epochs && !stopped; ++epoch) {
-        const auto order = epoch_order(train.count, opt.seed, epoch, !opt.no_shuffle);
-        const auto starts = batch_starts(train.count, opt.batch, replicas);
+        const auto order = epoch_order(train.count(), opt.seed, epoch, !opt.no_shuffle);
+        const auto starts = batch_starts(train.count(), opt.batch, replicas);
         const auto total = static_cast<std::int64_t>(starts.size()) - 1;
         const auto t_epoch = Clock::now();
         auto t_print = t_epoch;
@@ -290,7 +310,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
                            {"images_per_s", static_cast<double>(n) / secs}});
             const double elapsed = std::chrono::duration<double>(Clock::now() - t_epoch).count();
             const double rate = static_cast<double>(epoch_images) / std::max(elapsed, 1e-9);
-            const double eta = static_cast<double>(train.count - starts[static_cast<std::size_t>(b + 1)]) / std::max(rate, 1e-9);
+            const double eta = static_cast<double>(train.count() - starts[static_cast<std::size_t>(b + 1)]) / std::max(rate, 1e-9);
             if (tty) {
                 const int width = 30, filled = static_cast<int>(width * (b + 1) / total);
                 std::printf("\repoch %d/%d [%s%s] %lld/%lld loss %.4f %6.0f img/s ETA %s   ", epoch + 1, opt.epochs,
@@ -313,6 +333,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         save(complete ? epoch + 1 : epoch, complete ? 0 : b);
         if (!complete) break;
         last = evaluate(dp, test);
+        ++evaluations;
         evaluated = true;
         const double secs = std::chrono::duration<double>(Clock::now() - t_epoch).count();
         const double train_loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0.0;
@@ -323,7 +344,18 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         write_metrics({{"kind", "epoch"}, {"epoch", epoch}, {"train_loss", train_loss}, {"test_loss", last.loss},
                        {"test_accuracy", last.accuracy}, {"seconds", secs}});
     }
-    if (!evaluated) last = evaluate(dp, test);
+    if (!evaluated) {
+        last = evaluate(dp, test);
+        ++evaluations;
+    }
+    {  // Note [each process reads its rows]: what each process read, against what the run used
+        std::vector<double> read(static_cast<std::size_t>(processes), 0.0);
+        read[static_cast<std::size_t>(procs ? procs->rank() : 0)] = static_cast<double>(train.images_read() + test.images_read());
+        if (procs)
+            procs->channel(lockstep::comm::ProcessGroup::control)
+                .all_reduce_sum(lockstep::DeviceSpan<double>::host(read), lockstep::comm::CollectiveSite::user(2));
+        write_metrics({{"kind", "data"}, {"images_read", read}, {"images_used", images + evaluations * test.count()}});
+    }
     const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
     if (leader)
         std::printf("test accuracy %.4f | replicas %d%s | backend %s | %lld steps | %.1f s total | %.0f img/s training\n",

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: MIT
-//! libFuzzer target for the MNIST example's IDX reader, `mnist::load_idx` (examples/mnist/idx.hpp),
-//! on plain and gzipped files.
+//! libFuzzer target for the MNIST example's IDX reader, `mnist::IdxSource` (examples/mnist/idx.hpp),
+//! on plain and gzipped files: opening them, then reading every image.
 //!
 //! An input is an images file and a labels file with a small frame around them:
 //!   byte 0      flags: bit 0 gzips the images part and bit 1 the labels part before they are
 //!               written (so mutations reach the IDX checks behind a valid gzip stream); bits 2-3
-//!               pick load_idx's `limit`: 0, 1, 2 or -1
+//!               pick the reader's `limit`: 0, 1, 2 or -1
 //!   bytes 1-2   length of the images part, little-endian (cut to what the input holds)
 //!   then        the images part, and the labels part (the rest of the input)
 //! A part that is not gzipped by the flags is written as it is: the reader inflates whatever starts
@@ -61,14 +61,25 @@ std::vector<std::uint8_t> gzip(const std::uint8_t* data, std::size_t size) {
     std::abort();
 }
 
-// What `load_idx` promises about a data set it returns.
-void check_loaded(const mnist::Dataset& ds, std::int64_t limit) {
-    if (ds.rows != 28 || ds.cols != 28) finding("images are not 28x28");
-    if (ds.count < 0 || (limit > 0 && ds.count > limit)) finding("count is negative or beyond the limit");
-    if (ds.pixels.size() != static_cast<std::size_t>(ds.count) * 28 * 28) finding("pixel bytes differ from count x 28 x 28");
-    if (ds.labels.size() != static_cast<std::size_t>(ds.count)) finding("label count differs from image count");
-    for (const auto l : ds.labels)
-        if (l < 0 || l > 9) finding("a label outside 0-9");
+// What `IdxSource` promises about a data set it opens: every image can be read, in one read or one
+// by one with the same bytes, and every label is a class. Returns the images.
+std::vector<std::uint8_t> check_opened(const mnist::IdxSource& ds, std::int64_t limit) {
+    if (ds.rows() != 28 || ds.cols() != 28 || ds.image_bytes() != 28 * 28) finding("images are not 28x28");
+    if (ds.count() < 0 || (limit > 0 && ds.count() > limit)) finding("count is negative or beyond the limit");
+    std::vector<std::uint8_t> all(static_cast<std::size_t>(ds.count() * ds.image_bytes()));
+    ds.read_images(0, ds.count(), all.data());
+    std::vector<std::uint8_t> one(static_cast<std::size_t>(ds.image_bytes()));
+    for (std::int64_t i = 0; i < ds.count(); ++i) {
+        ds.read_images(i, 1, one.data());
+        if (!std::equal(one.begin(), one.end(), all.begin() + i * ds.image_bytes())) finding("an image read alone differs");
+        if (ds.label(i) < 0 || ds.label(i) > 9) finding("a label outside 0-9");
+    }
+    try {
+        ds.read_images(ds.count(), 1, one.data());
+        finding("an image past the end was read");
+    } catch (const std::out_of_range&) {
+    }
+    return all;
 }
 
 // The self-test's planted defect: a heap copy of `v` and a read one element past its end (not
@@ -111,9 +122,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const std::string images_path = write(images, (flags & 1) != 0, data, images_size);
     const std::string labels_path = write(labels, (flags & 2) != 0, data + images_size, size - images_size);
     try {
-        const auto ds = mnist::load_idx(images_path, labels_path, limit);
-        check_loaded(ds, limit);
-        if (self_test()) read_past_the_end(ds.pixels);
+        const mnist::IdxSource ds(images_path, labels_path, limit);
+        const auto pixels = check_opened(ds, limit);
+        if (self_test()) read_past_the_end(pixels);
     } catch (const mnist::DataError&) {
         // a refused file: the expected outcome
     }

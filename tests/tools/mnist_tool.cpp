@@ -8,6 +8,8 @@
 //!   mnist_tool other-model FILE                  writes a checkpoint of a different model
 //!   mnist_tool set-metadata IN OUT KEY VALUE     a copy of checkpoint IN with metadata KEY = VALUE
 //!   mnist_tool mkfifo PATH                       makes a FIFO at PATH
+//!   mnist_tool data METRICS.jsonl P              the run's P processes read every image it used
+//!                                                once, each about its 1/P share (not the data set)
 #include <sys/stat.h>
 
 #include <lockstep/nn.hpp>
@@ -160,6 +162,40 @@ int other_model(const std::string& path) {
     return 0;
 }
 
+// The "data" line of a run's metrics: every image the run used (trained on or evaluated) was read
+// from the files exactly once over all processes, each process reading its share: at most
+// used / P + one image per batch (shards differ by one row) and never the whole data set.
+int check_data(const std::string& path, int processes) {
+    std::ifstream in(path);
+    if (!in) throw std::runtime_error("cannot read " + path);
+    std::string line;
+    nlohmann::json data;
+    while (std::getline(in, line)) {
+        const auto j = nlohmann::json::parse(line);
+        if (j.at("kind") == "data") data = j;
+    }
+    if (data.is_null()) throw std::runtime_error(path + " has no \"data\" line");
+    const auto read = data.at("images_read").get<std::vector<double>>();
+    const auto used = data.at("images_used").get<double>();
+    const double steps = static_cast<double>(losses(path).size());
+    double sum = 0;
+    for (const double r : read) sum += r;
+    if (static_cast<int>(read.size()) != processes || sum != used || used <= 0) {
+        std::fprintf(stderr, "%zu processes read %.0f images in all; the run used %.0f (want %d processes reading each once)\n",
+                     read.size(), sum, used, processes);
+        return 1;
+    }
+    const double share = used / processes + steps + 20;  // + one row per training batch and per test chunk
+    for (std::size_t p = 0; p < read.size(); ++p) {
+        if (read[p] > share) {
+            std::fprintf(stderr, "process %zu read %.0f images, more than its share %.0f of %.0f\n", p, read[p], share, used);
+            return 1;
+        }
+        std::printf("process %zu read %.0f of the %.0f images used\n", p, read[p], used);
+    }
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -171,6 +207,7 @@ int main(int argc, char** argv) {
         if (a.size() == 2 && a[0] == "other-model") return other_model(a[1]);
         if (a.size() == 5 && a[0] == "set-metadata") return set_metadata(a[1], a[2], a[3], a[4]);
         if (a.size() == 2 && a[0] == "mkfifo") return make_fifo(a[1]);
+        if (a.size() == 3 && a[0] == "data") return check_data(a[1], std::stoi(a[2]));
         std::fprintf(stderr, "usage: see the comment at the top of mnist_tool.cpp\n");
         return 2;
     } catch (const std::exception& e) {
