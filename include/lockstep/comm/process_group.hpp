@@ -92,6 +92,7 @@ private:
         local_->count_collective(l_);
         const CollectiveTag tag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1};
         const int parity = local_->arrive(l_, tag, data.data);
+        const void* leader = local_->buffer(parity, 0);  // read before the next crossing may rewrite the slot
         const int n = local_->world_size();
         if (l_ == 0 && !data.empty()) {
             std::vector<const T*> bufs(static_cast<std::size_t>(n));  // local rank order; bufs[0] is data
@@ -99,7 +100,7 @@ private:
             sum_in_rank_order(bufs, data.data, 0, data.size);
             procs_->channel(channel_).all_reduce_sum(data, site);
         }
-        share_from_leader(tag, parity, data);
+        share_from_leader(tag, leader, data);
     }
 
     template <class T>
@@ -110,21 +111,23 @@ private:
         const int n = local_->world_size();
         const CollectiveTag tag{site, CollectiveKind::broadcast, dtype_of<T>(), data.size, root};
         const int parity = local_->arrive(l_, tag, data.data);
+        const void* leader = local_->buffer(parity, 0);  // read before the next crossing may rewrite the slot
         const int root_process = root / n, root_local = root % n;
         if (l_ == 0 && !data.empty()) {
             if (procs_->rank() == root_process && root_local != 0)
                 std::memcpy(data.data, local_->buffer(parity, root_local), data.size * sizeof(T));
             procs_->channel(channel_).broadcast(data, root_process, site);
         }
-        share_from_leader(tag, parity, data);
+        share_from_leader(tag, leader, data);
     }
 
-    // After the leader's process-level collective: every other thread copies the leader's buffer.
+    // After the leader's process-level collective: every other thread copies the leader's buffer
+    // (`leader`, taken from the first crossing's slot: the third crossing rewrites that slot).
     template <class T>
-    void share_from_leader(const CollectiveTag& tag, int parity, DeviceSpan<T> data) {
+    void share_from_leader(const CollectiveTag& tag, const void* leader, DeviceSpan<T> data) {
         local_->arrive(l_, phase(tag, 1), data.data);
         if (l_ != 0 && !data.empty())
-            std::memcpy(data.data, local_->buffer(parity, 0), data.size * sizeof(T));
+            std::memcpy(data.data, leader, data.size * sizeof(T));
         local_->arrive(l_, phase(tag, 2), data.data);  // the leader's buffer is read by now
     }
 
