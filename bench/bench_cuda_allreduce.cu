@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
             std::vector<int> idx;
             for (const auto& d : w.devices) idx.push_back(d.index);
             static const std::atomic<bool> never{false};
-            w.bare_comms = Api::init(idx, clock_type::now() + std::chrono::seconds(60), never);
+            w.bare_comms = Api::init(idx, Api::unique_id(), 0, static_cast<int>(idx.size()), clock_type::now() + std::chrono::seconds(60), never);
         }
         w.res.resize(static_cast<std::size_t>(n));
         w.ex.resize(static_cast<std::size_t>(n));

@@ -11,11 +11,13 @@
 #include <lockstep/nn.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <stdexcept>
 #include <mutex>
 #include <random>
 #include <set>
@@ -130,18 +132,33 @@ struct RecordingApi {
     static void record(Event e, Stream s) { log_of_calls().add({.op = "record", .stream = s, .event = e}); }
     static void wait(Stream s, Event e) { log_of_calls().add({.op = "wait", .stream = s, .event = e}); }
 
-    static std::vector<Comm> init(const std::vector<int>& devices, tp, const std::atomic<bool>&) {
-        auto round = std::make_shared<Round>();
-        round->n = static_cast<int>(devices.size());
-        round->bufs.resize(devices.size());
+    // Unique ids name rounds: communicators made from one id (by one group, or by the groups of
+    // several "processes") meet in one round.
+    using UniqueId = std::array<long, 2>;
+    static UniqueId unique_id() { return {0x1d, log_of_calls().next_id++}; }
+
+    static std::vector<Comm> init(const std::vector<int>& devices, const UniqueId& id, int first_rank, int ranks, tp,
+                                  const std::atomic<bool>&) {
+        static std::mutex registry_mutex;
+        static std::map<UniqueId, std::shared_ptr<Round>> registry;
+        std::shared_ptr<Round> round;
         {
-            std::lock_guard lock(log_of_calls().m);
-            round->group = log_of_calls().groups++;
+            std::lock_guard lock(registry_mutex);
+            auto& slot = registry[id];
+            if (!slot) {
+                slot = std::make_shared<Round>();
+                slot->n = ranks;
+                slot->bufs.resize(static_cast<std::size_t>(ranks));
+                std::lock_guard log_lock(log_of_calls().m);
+                slot->group = log_of_calls().groups++;
+            }
+            round = slot;
         }
+        if (round->n != ranks) throw std::logic_error("test communicators of one id with different clique sizes");
         std::vector<Comm> comms;
-        for (int r = 0; r < round->n; ++r) {
-            comms.push_back({round, r});
-            log_of_calls().add({.op = "init", .group = round->group, .rank = r});
+        for (int r = 0; r < static_cast<int>(devices.size()); ++r) {
+            comms.push_back({round, first_rank + r});
+            log_of_calls().add({.op = "init", .group = round->group, .rank = first_rank + r});
         }
         return comms;
     }
@@ -554,4 +571,289 @@ TEST_CASE("stream group: teardown finalizes every communicator, then destroys th
         CHECK(calls[o + 5].op == "destroy_stream");
         CHECK(calls[o].group == calls[o + 3].group);
     }
+}
+
+// ---- across processes ----------------------------------------------------------------------------
+// "Processes" as threads of this one: each has its own ProcessGroup and its own DataParallel or
+// group, as under mpirun. The channels are host groups of P ranks; agree() is a rendezvous that
+// compares tags; abort() reaches the others as an MPI abort message would (their waits on the
+// channels and agree throw, check_peers throws).
+
+namespace {
+
+struct ThreadWorld {
+    explicit ThreadWorld(int processes) : P(processes) {
+        std::vector<Device> devices;
+        for (int p = 0; p < P; ++p) devices.push_back(Device::host(p));
+        for (auto& g : channels) g = std::make_unique<comm::HostGroup>(devices, 5s);
+        for (auto& a : agreements) a = std::make_shared<comm::SharedTensor>(P, 5s);
+    }
+    int P;
+    std::array<std::unique_ptr<comm::HostGroup>, 3> channels;
+    std::array<std::shared_ptr<comm::SharedTensor>, 3> agreements;
+    std::mutex m;
+    std::string failure;  // the first abort's text
+    int failed = -1;
+    std::atomic<int> agrees{0};
+};
+
+class ThreadProcessGroup final : public comm::ProcessGroup {
+public:
+    ThreadProcessGroup(std::shared_ptr<ThreadWorld> w, int p) : w_(std::move(w)), p_(p) {}
+    int rank() const override { return p_; }
+    int size() const override { return w_->P; }
+    comm::Collectives& channel(Channel c) override { return w_->channels[static_cast<std::size_t>(c)]->communicator(p_); }
+    void agree(Channel c, const comm::CollectiveTag& tag) override {
+        ++w_->agrees;
+        w_->agreements[static_cast<std::size_t>(c)]->arrive(p_, tag, nullptr);
+    }
+    void check_peers() override {
+        std::lock_guard lock(w_->m);
+        if (w_->failed >= 0 && w_->failed != p_) throw CollectiveAborted("process " + std::to_string(w_->failed) + " failed: " + w_->failure);
+    }
+    void abort(const std::string& reason) noexcept override {
+        {
+            std::lock_guard lock(w_->m);
+            if (w_->failed >= 0) return;
+            w_->failed = p_;
+            w_->failure = reason;
+        }
+        for (auto& a : w_->agreements) a->abort("process " + std::to_string(p_) + " failed: " + reason, -1);
+        for (auto& g : w_->channels) g->abortable()->abort("process " + std::to_string(p_) + " failed: " + reason, -1);
+    }
+
+private:
+    std::shared_ptr<ThreadWorld> w_;
+    int p_;
+};
+
+// Runs `body(p, process_group)` for every process on its own thread; returns per-process errors.
+template <class F>
+std::vector<std::exception_ptr> as_processes(int P, F body) {
+    auto world = std::make_shared<ThreadWorld>(P);
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(P));
+    std::vector<std::thread> threads;
+    for (int p = 0; p < P; ++p)
+        threads.emplace_back([&, p] {
+            try {
+                body(p, std::make_shared<ThreadProcessGroup>(world, p));
+            } catch (...) {
+                errors[static_cast<std::size_t>(p)] = std::current_exception();
+            }
+        });
+    for (auto& t : threads) t.join();
+    return errors;
+}
+
+// train() for one process of P: this process's rows of each global batch.
+template <class Dp>
+Trained train_part(Dp& dp, int steps, int P, int p) {
+    nn::Sgd<> sgd({.lr = 0.05, .momentum = 0.9});
+    Trained out;
+    const int L = dp.size();
+    for (int s = 0; s < steps; ++s) {
+        const auto b = make_batch(7, 100 + static_cast<std::uint64_t>(s));
+        const auto shards = parallel::shard_ranges(7, P * L);
+        const std::int64_t begin = shards[static_cast<std::size_t>(p * L)].begin;
+        const auto& last = shards[static_cast<std::size_t>(p * L + L - 1)];
+        const std::int64_t rows = last.begin + last.count - begin;
+        Tensor<float> x(Shape{rows, 2, 8, 8});
+        const std::int64_t per = 2 * 8 * 8;
+        std::copy(b.x.span().begin() + begin * per, b.x.span().begin() + (begin + rows) * per, x.span().begin());
+        const std::vector<std::int64_t> labels(b.labels.begin() + begin, b.labels.begin() + begin + rows);
+        out.losses.push_back(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+        for (int r = 1; r < L; ++r) out.replicas_identical &= same_bits(state_of(dp.replica(0)), state_of(dp.replica(r)));
+    }
+    out.state = state_of(dp.module());
+    return out;
+}
+
+DataParallelOptions across(std::shared_ptr<comm::ProcessGroup> procs) {
+    DataParallelOptions o = small_buckets();
+    o.process_group = std::move(procs);
+    return o;
+}
+
+// Runs `body(rank, communicator)` on one thread per rank of group `g`, each bound first, aborting
+// the group when a rank throws (as DataParallel's pool does); returns per-rank errors.
+template <class F>
+std::vector<std::exception_ptr> on_threads_aborting(Group& g, F body) {
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(g.size()));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < g.size(); ++r)
+        threads.emplace_back([&, r] {
+            try {
+                Execution<Host> ex;
+                g.bind(r, ex);
+                body(r, g.communicator(r));
+            } catch (const std::exception& e) {
+                errors[static_cast<std::size_t>(r)] = std::current_exception();
+                g.abortable()->abort(e.what(), r);
+            }
+        });
+    for (auto& t : threads) t.join();
+    return errors;
+}
+
+}  // namespace
+
+TEST_CASE("stream group across processes: 2 processes x 2 GPUs equal 4 GPUs in one process, bit for bit", "[comm][parallel]") {
+    const Net net = make_net();
+    DataParallel<Net> reference(net, 4, small_buckets());
+    const Trained want = train(reference, 3);
+    std::vector<Trained> got(2);
+    log_of_calls().clear();
+    const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        DataParallel<Net, Group> dp(net, hosts({0, 1}), across(procs));
+        got[static_cast<std::size_t>(p)] = train_part(dp, 3, 2, p);
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    // One clique of 4 ranks per group, its ranks the global ones: 0, 1 from process 0, 2, 3 from process 1.
+    std::map<int, std::set<int>> cliques;
+    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) cliques[c.group].insert(c.rank);
+    REQUIRE(cliques.size() == 2);
+    for (auto& [group, ranks] : cliques) CHECK(ranks == std::set<int>{0, 1, 2, 3});
+    for (const auto& g : got) {
+        CHECK(g.replicas_identical);
+        REQUIRE(g.losses.size() == want.losses.size());
+        // The step's loss is summed per process, then over the processes: another order than one
+        // process's four replicas, so its last bits may differ; the model's do not.
+        for (std::size_t s = 0; s < g.losses.size(); ++s) CHECK(g.losses[s] == Approx(want.losses[s]).epsilon(1e-14));
+        CHECK(same_bits(g.state, want.state));
+    }
+}
+
+TEST_CASE("stream group across processes: replicas sharing a GPU sum locally, then over the processes", "[comm][parallel]") {
+    // The same grouping as the host's hierarchical group: (a0 + a1) + (a2 + a3), bit for bit.
+    std::vector<Trained> want(2), got(2);
+    const Net net = make_net();
+    auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        DataParallel<Net> dp(net, 2, across(procs));
+        want[static_cast<std::size_t>(p)] = train_part(dp, 3, 2, p);
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    log_of_calls().clear();
+    errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        DataParallel<Net, Group> dp(net, hosts({0, 0}), across(procs));
+        got[static_cast<std::size_t>(p)] = train_part(dp, 3, 2, p);
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    // Local rank 0 of each process alone holds a communicator, of the 2 processes.
+    std::map<int, std::set<int>> cliques;
+    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) cliques[c.group].insert(c.rank);
+    REQUIRE(cliques.size() == 2);
+    for (auto& [group, ranks] : cliques) CHECK(ranks == std::set<int>{0, 1});
+    CHECK_FALSE(only(log_of_calls().snapshot(), {"rank_sum"}).empty());
+    for (int p = 0; p < 2; ++p) {
+        const auto& g = got[static_cast<std::size_t>(p)];
+        const auto& w = want[static_cast<std::size_t>(p)];
+        CHECK(g.replicas_identical);
+        for (std::size_t s = 0; s < g.losses.size(); ++s) CHECK(g.losses[s] == w.losses[s]);
+        CHECK(same_bits(g.state, w.state));
+    }
+    CHECK(same_bits(got[0].state, got[1].state));
+}
+
+TEST_CASE("stream group across processes: a mismatch between processes is caught before any enqueue", "[comm]") {
+    log_of_calls().clear();
+    std::vector<std::vector<std::exception_ptr>> rank_errors(2);
+    const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(hosts({0, 1}), 5s, procs, comm::ProcessGroup::gradients);
+        std::vector<std::vector<float>> data(2, std::vector<float>(8, 1.0f));
+        rank_errors[static_cast<std::size_t>(p)] = on_threads_aborting(g, [&](int r, comm::Collectives& c) {
+            const std::size_t n = p == 1 ? 7 : 8;  // both replicas of process 1 agree with each other
+            c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), n, Device::host(r)), comm::CollectiveSite::user(3));
+        });
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    for (int p = 0; p < 2; ++p) {
+        const auto& e = rank_errors[static_cast<std::size_t>(p)];
+        REQUIRE(e[0]);  // the leader: the processes' tags differ
+        CHECK_THROWS_WITH(std::rethrow_exception(e[0]),
+                          Catch::Contains("all_reduce_sum<float>[8]") && Catch::Contains("all_reduce_sum<float>[7]"));
+        REQUIRE(e[1]);  // its peer: the group was aborted
+        CHECK_THROWS_AS(std::rethrow_exception(e[1]), CollectiveAborted);
+    }
+    CHECK(only(log_of_calls().snapshot(), {"all_reduce", "broadcast", "rank_sum"}).empty());
+}
+
+TEST_CASE("stream group across processes: processes that lay out their replicas differently are refused alike", "[comm]") {
+    const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(p == 0 ? hosts({0, 1}) : hosts({0, 0}), 5s, procs, comm::ProcessGroup::layer);
+    });
+    for (auto& e : errors) {
+        REQUIRE(e);
+        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("differently (2 on as many GPUs, 2 on one GPU, by process)"));
+    }
+    const auto counts = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(p == 0 ? hosts({0, 1}) : hosts({0, 1, 2}), 5s, procs, comm::ProcessGroup::layer);
+    });
+    for (auto& e : counts) {
+        REQUIRE(e);
+        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("differently (2 on as many GPUs, 3 on as many GPUs, by process)"));
+    }
+}
+
+TEST_CASE("stream group across processes: a failing replica fails every process's step, naming its global rank", "[comm][parallel]") {
+    Failing model;
+    *model.fail = true;  // global rank 1 (process 0, replica 1) throws; every replica shares the flag
+    std::vector<std::string> what(2);
+    std::vector<char> later_failed(2, 0);  // not vector<bool>: each process writes its own element
+    std::vector<clock_type::duration> took(2);
+    std::atomic<int> first_done{0};
+    const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        DataParallel<Failing, Group> dp(model, hosts({0, 1}), across(procs));
+        nn::Sgd<> sgd({.lr = 0.05});
+        const auto b = make_batch(4, 9);  // one row per global rank
+        Tensor<float> x(Shape{2, 2, 8, 8});
+        std::copy(b.x.span().begin() + p * 2 * 128, b.x.span().begin() + (p + 1) * 2 * 128, x.span().begin());
+        const std::vector<std::int64_t> labels(b.labels.begin() + p * 2, b.labels.begin() + (p + 1) * 2);
+        const auto t0 = clock_type::now();
+        try {
+            dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
+        } catch (const std::exception& e) {
+            what[static_cast<std::size_t>(p)] = e.what();
+        }
+        took[static_cast<std::size_t>(p)] = clock_type::now() - t0;
+        if (++first_done == 2) *model.fail = false;
+        while (first_done.load() < 2) std::this_thread::yield();
+        try {  // the group is not rebuilt across processes: the next step fails at once
+            dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
+        } catch (const std::exception&) {
+            later_failed[static_cast<std::size_t>(p)] = 1;
+        }
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    CHECK_THAT(what[0], Catch::Contains("replica 1's backward failed"));
+    CHECK_THAT(what[1], Catch::Contains("global rank 1 (process 0, replica 1)") && Catch::Contains("replica 1's backward failed"));
+    for (int p = 0; p < 2; ++p) {
+        CHECK(took[static_cast<std::size_t>(p)] < 2s);
+        CHECK(later_failed[static_cast<std::size_t>(p)]);
+    }
+}
+
+TEST_CASE("stream group across processes: a replica's wait on its GPU learns of another process's failure", "[comm]") {
+    std::vector<std::string> seen(2);
+    std::atomic<int> made{0};
+    const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(hosts({0, 1}), 5s, procs, comm::ProcessGroup::layer);
+        ++made;
+        while (made.load() < 2) std::this_thread::yield();
+        if (p == 1) {
+            g.abortable()->abort("replica 0 ran out of memory", 0);
+            return;
+        }
+        const auto until = clock_type::now() + 2s;
+        while (clock_type::now() < until) {  // as cuda::poll_event consults the watch between polls
+            try {
+                g.communicator(1).poll();
+            } catch (const CollectiveAborted& e) {
+                seen[0] = e.what();
+                break;
+            }
+            std::this_thread::sleep_for(1ms);
+        }
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    CHECK_THAT(seen[0], Catch::Contains("global rank 2 (process 1, replica 0)") && Catch::Contains("ran out of memory"));
 }

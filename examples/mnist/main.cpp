@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,8 @@
 
 #if defined(LOCKSTEP_EXAMPLE_CUDA)
 // cuda_train.cu, compiled by nvcc.
-int mnist_train_cuda(const mnist_example::Options& opt, const std::vector<lockstep::Device>& devices);
+int mnist_train_cuda(const mnist_example::Options& opt, const std::vector<lockstep::Device>& devices,
+                     std::shared_ptr<lockstep::comm::ProcessGroup> procs);
 int mnist_cuda_device_count();
 #else
 inline int mnist_cuda_device_count() { return 0; }
@@ -61,6 +63,25 @@ int launched_processes() {
     return 1;
 }
 
+// This process's index among the processes of the run on its machine (mpirun's local rank).
+int local_process_index() {
+    for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK"})
+        if (const char* v = std::getenv(name)) return std::max(0, std::atoi(v));
+    return 0;
+}
+
+// The processes of this run when mpirun started several (README, "Several processes"); null when alone.
+std::shared_ptr<lockstep::comm::ProcessGroup> launched_process_group() {
+    if (launched_processes() <= 1) return nullptr;
+#if defined(LOCKSTEP_EXAMPLE_MPI)
+    static lockstep::mpi::Environment env;
+    return std::make_shared<lockstep::comm::MpiProcessGroup>(MPI_COMM_WORLD, std::chrono::minutes(5));
+#else
+    throw lockstep::UsageError("started as one of " + std::to_string(launched_processes()) +
+                               " MPI processes, but this build has no MPI (install libopenmpi-dev and rebuild)");
+#endif
+}
+
 // The backend and the replicas' devices the options ask for, checked against this machine.
 int run(const Options& opt) {
     // A malformed --devices is reported as such, whatever else is wrong.
@@ -72,22 +93,9 @@ int run(const Options& opt) {
             throw lockstep::UsageError("--devices names CUDA devices, but this run trains on the host backend; count host "
                                        "replicas with --replicas N");
         const auto devices = lockstep::kernels::Ops<lockstep::Host>::default_devices(opt.replicas > 0 ? opt.replicas : 2);
-        if (launched_processes() > 1) {
-#if defined(LOCKSTEP_EXAMPLE_MPI)
-            // mpirun -np P: P processes, each with --replicas host replicas (see README, "Several processes").
-            static lockstep::mpi::Environment env;
-            auto procs = std::make_shared<lockstep::comm::MpiProcessGroup>(MPI_COMM_WORLD, std::chrono::minutes(5));
-            return mnist_example::train<lockstep::Host>(opt, devices, procs);
-#else
-            throw lockstep::UsageError("started as one of " + std::to_string(launched_processes()) +
-                                       " MPI processes, but this build has no MPI (install libopenmpi-dev and rebuild)");
-#endif
-        }
-        return mnist_example::train<lockstep::Host>(opt, devices);
+        // mpirun -np P: P processes, each with --replicas host replicas.
+        return mnist_example::train<lockstep::Host>(opt, devices, launched_process_group());
     }
-    if (launched_processes() > 1)
-        throw lockstep::NotImplemented("--backend cuda under mpirun: multi-process runs train host replicas for now; run one "
-                                       "process with all its GPUs, or pass --backend host");
 #if !defined(LOCKSTEP_EXAMPLE_CUDA)
     throw lockstep::UsageError("--backend cuda: this build has no CUDA backend (nvcc and NCCL were not found when it was "
                                "configured); use --backend host");
@@ -106,15 +114,19 @@ int run(const Options& opt) {
             throw lockstep::UsageError("--replicas " + std::to_string(opt.replicas) + " but --devices lists " +
                                        std::to_string(devices.size()) + "; --devices gives one replica per entry, so pass one of them");
     } else {  // round-robin over the visible GPUs: one per GPU, or all on the one GPU there is
-        const int n = opt.replicas > 0 ? opt.replicas : gpus;
+        // Under mpirun, one replica per process by default, the processes of a machine taking its
+        // GPUs in turn from their local rank on.
+        const bool several = launched_processes() > 1;
+        const int n = opt.replicas > 0 ? opt.replicas : several ? 1 : gpus;
         if (n > gpus && gpus > 1)
             throw lockstep::UsageError("--replicas " + std::to_string(n) + " over " + std::to_string(gpus) +
                                        " GPUs would put two replicas on some GPUs and one on others, which a replica "
                                        "group does not take; use at most " + std::to_string(gpus) +
                                        " replicas, or --devices 0,0,0,0 for several on one GPU");
-        for (int r = 0; r < n; ++r) devices.push_back(Device::cuda(r % gpus));
+        const int first = several && gpus > 1 ? local_process_index() * n : 0;
+        for (int r = 0; r < n; ++r) devices.push_back(Device::cuda((first + r) % gpus));
     }
-    return mnist_train_cuda(opt, devices);
+    return mnist_train_cuda(opt, devices, launched_process_group());
 #endif
 }
 

@@ -199,7 +199,7 @@ void nccl_on_one_gpu() {
     kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
     res.enter();
     const auto ex = res.execution();
-    auto comms = Api::init({0}, deadline(), never);
+    auto comms = Api::init({0}, Api::unique_id(), 0, 1, deadline(), never);
     expect(comms.size() == 1 && comms[0] != nullptr, "NCCL: a non-blocking communicator is made and ready");
     Tensor<float, Host> h(Shape{1000});
     for (std::int64_t i = 0; i < 1000; ++i) h[i] = static_cast<float>(i) * 0.25f;
@@ -214,7 +214,7 @@ void nccl_on_one_gpu() {
     expect(std::memcmp(back.data(), h.data(), 1000 * sizeof(float)) == 0, "NCCL: a 1-rank all-reduce leaves the data as it was");
     Api::check(comms[0]);
     Api::abort(comms[0]);
-    comms = Api::init({0}, deadline(), never);
+    comms = Api::init({0}, Api::unique_id(), 0, 1, deadline(), never);
     Api::all_reduce(comms[0], f.data(), 1000, comm::DType::f32, ex.stream, deadline(), never);
     kernels::Ops<Cuda>::wait(ex, "the NCCL test");
     const auto t0 = std::chrono::steady_clock::now();

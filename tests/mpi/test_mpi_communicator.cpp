@@ -75,6 +75,18 @@ int collectives(comm::MpiCommunicator& c) {
     expect(message.find("MPI rank 0 reached all_reduce_sum<float>[4] at user site 7 but MPI rank 1 reached "
                         "all_reduce_sum<float>[5]") != std::string::npos,
            "a tag mismatch throws CollectiveMismatch on every rank, naming both collectives (" + message.substr(0, 60) + "...)");
+    c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 0), comm::CollectiveKind::all_reduce_sum, comm::DType::f32, 12, -1});
+    expect(true, "agree() returns when every rank presents the same tag");
+    message.clear();
+    try {  // the tag check alone, for collectives whose data NCCL moves
+        c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 1), comm::CollectiveKind::all_reduce_sum, comm::DType::f32,
+                                    c.rank() == 0 ? 12u : 13u, -1});
+    } catch (const CollectiveMismatch& e) {
+        message = e.what();
+    }
+    expect(message.find("all_reduce_sum<float>[12] at layer 4 (backward) but MPI rank 1 reached all_reduce_sum<float>[13]") !=
+               std::string::npos,
+           "agree() throws CollectiveMismatch on every rank (" + message.substr(0, 60) + "...)");
     check_sum<float>(c, 33);  // the communicator works after a mismatch
     expect(c.collective_count() == 13, "collective_count counts every call (" + std::to_string(c.collective_count()) + ")");
     return 0;
@@ -94,9 +106,26 @@ int aborted(comm::MpiCommunicator& c) {
         return 0;
     }
     const auto t0 = std::chrono::steady_clock::now();
+    std::string polled;
+    int polled_who = -2;
+    std::thread watcher([&] {  // as a replica's wait on its GPU consults the process group
+        while (std::chrono::steady_clock::now() - t0 < 5s) {
+            try {
+                c.check_peers();
+            } catch (const CollectiveAborted& e) {
+                polled = e.what();
+                polled_who = e.rank();
+                return;
+            }
+            std::this_thread::sleep_for(1ms);
+        }
+    });
+    watcher.join();
+    expect(polled_who == 1 && polled.find("out of memory") != std::string::npos,
+           "check_peers() on another thread learns of rank 1's abort (" + polled + ")");
     std::string message;
     int who = -2;
-    try {
+    try {  // the message check_peers took is kept: the collective fails the same way
         std::vector<float> w(16, 1.0f);
         c.all_reduce_sum(std::span<float>(w));
     } catch (const CollectiveAborted& e) {

@@ -44,8 +44,9 @@ struct CollectiveSite {
     static constexpr CollectiveSite broadcast(std::uint64_t index) { return {Kind::broadcast, index, 0}; }
     //! The barriers of a training step around the optimizer (0: before it, 1: after it).
     static constexpr CollectiveSite commit(std::uint32_t which = 0) { return {Kind::commit, 0, which}; }
-    //! DataParallel's own exchanges between processes (0: replica counts, 1: a batch's rows, 2: a
-    //! step's totals, 3: a checkpoint's status).
+    //! Exchanges between processes outside the replicas' collectives: DataParallel's (0: replica
+    //! counts, 1: a batch's rows, 2: a step's totals, 3: a checkpoint's status) and a stream
+    //! group's setup across processes (4: the replicas' layout, 5: the NCCL unique id).
     static constexpr CollectiveSite control(std::uint32_t which) { return {Kind::control, 0, which}; }
 
     friend constexpr bool operator==(const CollectiveSite&, const CollectiveSite&) = default;
@@ -61,8 +62,9 @@ struct CollectiveSite {
             case Kind::commit: return part == 0 ? "the commit barrier" : "the barrier after the optimizer step";
             case Kind::control: {
                 static constexpr const char* what[] = {"replica counts", "a batch's rows", "a step's totals",
-                                                       "a checkpoint's status"};
-                return std::string("DataParallel's exchange of ") + (part < 4 ? what[part] : "?") + " between processes";
+                                                       "a checkpoint's status", "a replica group's layout",
+                                                       "a replica group's NCCL unique id"};
+                return std::string("the exchange of ") + (part < 6 ? what[part] : "?") + " between processes";
             }
             default: return "user site " + n;
         }

@@ -118,12 +118,20 @@ struct NcclApi {
         }
     }
 
-    //! One communicator per device (one rank per GPU), made in one group call and polled until
-    //! ready or `deadline`.
-    static std::vector<Comm> init(const std::vector<int>& devices, clock::time_point deadline, const std::atomic<bool>& stop) {
-        const int n = static_cast<int>(devices.size());
-        ncclUniqueId id;
+    using UniqueId = ncclUniqueId;
+    static UniqueId unique_id() {
+        UniqueId id;
         LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id));
+        return id;
+    }
+
+    //! The communicators of ranks `first_rank`.. of a clique of `ranks` made from `id`, one per
+    //! device in `devices` (one rank per GPU), in one group call, polled until ready or
+    //! `deadline`. Across processes every process calls this with the same id (Note [stream
+    //! groups across processes]).
+    static std::vector<Comm> init(const std::vector<int>& devices, const UniqueId& id, int first_rank, int ranks,
+                                  clock::time_point deadline, const std::atomic<bool>& stop) {
+        const int n = static_cast<int>(devices.size());
         ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
         config.blocking = 0;
         std::vector<Comm> comms(devices.size(), nullptr);
@@ -137,7 +145,7 @@ struct NcclApi {
             for (int r = 0; r < n && device_error == cudaSuccess; ++r) {
                 device_error = cudaSetDevice(devices[static_cast<std::size_t>(r)]);
                 if (device_error != cudaSuccess) break;
-                const ncclResult_t res = ncclCommInitRankConfig(&comms[static_cast<std::size_t>(r)], n, id, r, &config);
+                const ncclResult_t res = ncclCommInitRankConfig(&comms[static_cast<std::size_t>(r)], ranks, id, first_rank + r, &config);
                 if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
             }
             const ncclResult_t res = ncclGroupEnd();

@@ -218,6 +218,20 @@ public:
             if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
     }
 
+    //! Checks that every rank reached the same collective (`tag`), as each collective does first
+    //! (step 1 of Note [MPI collectives]): all ranks throw the same `CollectiveMismatch` when they
+    //! did not, `CollectiveAborted` when a rank failed, `Timeout` naming the silent ranks. For a
+    //! collective whose data moves elsewhere (NCCL across processes).
+    void agree(const CollectiveTag& tag) { exchange_tags(tag); }
+
+    //! From any thread: throws `CollectiveAborted` naming the failed rank once another rank's
+    //! abort message has arrived (a replica's wait on its GPU consults this while it polls).
+    void check_peers() {
+        std::string text;
+        int source = -1;
+        if (peer_aborted(text, source)) throw CollectiveAborted(text, source);
+    }
+
     //! Why this communicator failed (empty while it works).
     const std::string& failure() const noexcept { return failure_; }
 
@@ -287,18 +301,37 @@ private:
         }
     }
 
+    // Any thread: whether another rank's abort message has arrived (`text`, `source`: what it
+    // said, who sent it). The message is taken with a matched probe, so two threads never both
+    // receive it, and kept, so every thread that polls later sees the same.
+    bool peer_aborted(std::string& text, int& source) {
+        std::lock_guard lock(peer_mutex_);
+        if (peer_failure_.empty()) {
+            int flag = 0;
+            MPI_Message message;
+            MPI_Status status;
+            MPI_Improbe(MPI_ANY_SOURCE, tag_abort, comm_, &flag, &message, &status);
+            if (flag == 0) return false;
+            int len = 0;
+            MPI_Get_count(&status, MPI_CHAR, &len);
+            std::string got(static_cast<std::size_t>(std::max(len, 0)), '\0');
+            MPI_Mrecv(got.data(), len, MPI_CHAR, &message, MPI_STATUS_IGNORE);
+            peer_source_ = status.MPI_SOURCE;
+            peer_failure_ = "MPI rank " + std::to_string(peer_source_) + " failed: " + got;
+        }
+        text = peer_failure_;
+        source = peer_source_;
+        return true;
+    }
+
+    // The collective's own thread: an abort message cancels `reqs` and fails the communicator.
     void poll_abort(std::vector<MPI_Request>& reqs) {
-        int flag = 0;
-        MPI_Status status;
-        MPI_Iprobe(MPI_ANY_SOURCE, tag_abort, comm_, &flag, &status);
-        if (flag == 0) return;
-        int len = 0;
-        MPI_Get_count(&status, MPI_CHAR, &len);
-        std::string text(static_cast<std::size_t>(std::max(len, 0)), '\0');
-        MPI_Recv(text.data(), len, MPI_CHAR, status.MPI_SOURCE, tag_abort, comm_, MPI_STATUS_IGNORE);
+        std::string text;
+        int source = -1;
+        if (!peer_aborted(text, source)) return;
         cancel(reqs);
-        fail("MPI rank " + std::to_string(status.MPI_SOURCE) + " failed: " + text);
-        throw CollectiveAborted(failure_, status.MPI_SOURCE);
+        fail(text);
+        throw CollectiveAborted(failure_, source);
     }
 
     static void cancel(std::vector<MPI_Request>& reqs) noexcept {
@@ -460,6 +493,9 @@ private:
     std::string abort_text_;
     std::unique_ptr<std::byte[]> scratch_;
     std::size_t scratch_bytes_ = 0;
+    std::mutex peer_mutex_;      // the abort message of another rank, taken by whichever thread polls first
+    std::string peer_failure_;
+    int peer_source_ = -1;
 };
 
 //! The processes of an MPI communicator as DataParallel's process group
@@ -477,6 +513,10 @@ public:
     MpiCommunicator& communicator(Channel c) { return *channels_.at(static_cast<std::size_t>(c)); }
     void abort(const std::string& reason) noexcept override {
         for (auto& c : channels_) c->abort(reason);
+    }
+    void agree(Channel c, const CollectiveTag& tag) override { communicator(c).agree(tag); }
+    void check_peers() override {
+        for (auto& c : channels_) c->check_peers();
     }
     void set_timeout(std::chrono::milliseconds t) noexcept {
         for (auto& c : channels_) c->set_timeout(t);

@@ -37,6 +37,13 @@ public:
     virtual int rank() const = 0;
     virtual int size() const = 0;
     virtual Collectives& channel(Channel c) = 0;
+    //! Checks on `c` that every process reached the collective `tag` (whose data moves on
+    //! another path, e.g. NCCL): every process throws the same `CollectiveMismatch` when they did
+    //! not, `CollectiveAborted` when one failed. Made by one thread of each process, as channels are.
+    virtual void agree(Channel c, const CollectiveTag& tag) = 0;
+    //! From any thread: throws `CollectiveAborted` naming the process once another process has
+    //! failed (`abort`); returns otherwise. A replica's host waits on its GPU consult it.
+    virtual void check_peers() = 0;
     //! Tells every other process that this one failed, from any thread.
     virtual void abort(const std::string& reason) noexcept = 0;
 };

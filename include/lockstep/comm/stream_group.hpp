@@ -6,10 +6,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -19,6 +21,7 @@
 
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/collectives.hpp"
+#include "lockstep/comm/process_group.hpp"
 #include "lockstep/comm/shared_tensor.hpp"
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/device_span.hpp"
@@ -58,6 +61,7 @@ namespace lockstep::comm {
 //   timeout and consult the group meanwhile (`DeviceWatch`): never an unbounded synchronize.
 // - Teardown: every communicator is finalized (polled against a deadline) and destroyed, then the
 //   group's streams and events; the replicas' compute streams go after (DataParallel's Core).
+// - Across processes (made with a ProcessGroup): Note [stream groups across processes].
 //
 // The Api (NcclApi in cuda_group.cuh; doubles in tests/test_stream_group.cpp) provides:
 //   using backend, Stream, Event, Comm;
@@ -67,13 +71,42 @@ namespace lockstep::comm {
 //   Stream make_stream(int device);  void destroy_stream(int device, Stream, deadline) noexcept;
 //   Event make_event(int device);    void destroy_event(int device, Event) noexcept;
 //   void record(Event, Stream);  void wait(Stream, Event);
-//   std::vector<Comm> init(const std::vector<int>& devices, deadline, const std::atomic<bool>& stop);
+//   using UniqueId;  UniqueId unique_id();   (trivially copyable: ncclUniqueId)
+//   std::vector<Comm> init(const std::vector<int>& devices, const UniqueId&, int first_rank, int ranks,
+//                          deadline, const std::atomic<bool>& stop);
+//       (the communicators of ranks first_rank.. of `ranks` on `devices`, in one group call)
 //   void all_reduce(Comm, void*, std::size_t count, DType, Stream, deadline, stop);
 //   void broadcast(Comm, void*, std::size_t count, DType, int root, Stream, deadline, stop);
 //   void check(Comm);                  (throws on an asynchronous error of the communicator)
 //   void abort(Comm) noexcept;  void finalize(Comm, deadline) noexcept;  void destroy(Comm) noexcept;
 //   void rank_sum(int device, Stream, std::span<void* const> buffers, std::size_t count, DType);
 //   void copy(int device, Stream, void* dst, const void* src, std::size_t bytes);
+
+// Note [stream groups across processes]
+// A stream group made with a ProcessGroup spans processes: this process's replicas are ranks
+// first_rank = process rank x L .. + L - 1 of P x L (L replicas in every process, laid out the
+// same way: checked when the group is made, every process throwing the same UsageError).
+// - Setup: process 0 makes the NCCL unique id and broadcasts it over the process group (MPI);
+//   every process then creates its communicators in one group call (ncclCommInitRankConfig).
+// - Layouts. `peer` (one replica per GPU): every replica holds a communicator of all P x L ranks,
+//   its rank the global one. `local` (all L replicas on one GPU) and `single`: local rank 0 alone
+//   holds a communicator, of the P processes. A collective sums the process's buffers in local
+//   rank order with the device-local kernel (local mode), all-reduces rank 0's buffer over the
+//   processes with NCCL, and copies the result to the other local buffers, all on rank 0's
+//   stream; the others wait for its event as in one process. A broadcast from global rank g
+//   goes from local rank g % L of process g / L to its rank 0, over the processes, then to
+//   every local buffer.
+// - Rendezvous before enqueue, across processes too: after the local rendezvous, local rank 0
+//   checks the collective's tag with every process (ProcessGroup::agree, a small MPI exchange
+//   with deadlines, which also receives abort messages), and a second local rendezvous lets the
+//   replicas enqueue. So no replica enters NCCL unless every replica of every process reached
+//   the same collective; a mismatch throws CollectiveMismatch everywhere instead of hanging.
+// - Failures: abort() also tells the other processes (ProcessGroup::abort), naming the failing
+//   global rank; their next agree, or their replicas' waits on the GPU (DeviceWatch::poll consults
+//   ProcessGroup::check_peers), throw CollectiveAborted naming it, and their own abort() aborts
+//   their communicators, so a kernel waiting for a peer that is gone is ended too. A dead process
+//   is caught by the deadlines (agree's, the event waits'). The group is not rebuilt: after a
+//   failed step every later collective throws, as a multi-process DataParallel ends there.
 
 //! How a stream group's ranks exchange data (Note [stream-ordered collectives]).
 enum class StreamGroupMode { single, peer, local };
@@ -94,8 +127,9 @@ class StreamCommunicator final : public Collectives, public DeviceWatch {
     using clock = std::chrono::steady_clock;
 
 public:
-    int rank() const noexcept override { return rank_; }
-    int size() const noexcept override { return st_->size(); }
+    //! The global rank (across processes) and the number of ranks of the group.
+    int rank() const noexcept override { return st_->first_rank + rank_; }
+    int size() const noexcept override { return st_->global; }
     std::uint64_t collective_count() const noexcept override { return st_->rendezvous.collectives(rank_); }
     bool stream_ordered() const noexcept override { return true; }
 
@@ -108,8 +142,14 @@ public:
         run(data, root, site, false, DType::i64);
     }
     void barrier(CollectiveSite site) override {
+        st_->check_usable();
         st_->rendezvous.count_collective(rank_);
-        st_->rendezvous.arrive(rank_, CollectiveTag{site, CollectiveKind::barrier, DType::none, 0, -1}, nullptr);
+        const CollectiveTag tag{site, CollectiveKind::barrier, DType::none, 0, -1};
+        st_->rendezvous.arrive(rank_, tag, nullptr);
+        if (st_->procs) {
+            if (rank_ == 0) st_->procs->agree(st_->channel, tag);
+            st_->rendezvous.arrive(rank_, phase(tag, 1), nullptr);
+        }
     }
     //! Sums 16-bit floats in place over all ranks (on CUDA: `DeviceSpan<__half>` with DType::f16,
     //! `DeviceSpan<__nv_bfloat16>` with DType::bf16; NCCL sums them in their own precision, the
@@ -133,14 +173,17 @@ public:
     void poll() override {
         if (st_->aborted.load(std::memory_order_acquire)) [[unlikely]]
             throw CollectiveAborted("the replica group was aborted: " + st_->abort_reason());
-        if (st_->mode != StreamGroupMode::peer) return;
+        if (st_->procs) st_->procs->check_peers();
+        if (!st_->holds_comm(rank_)) return;
         std::shared_lock lock(st_->comms_mutex);
-        if (!st_->comms_aborted) st_->api.check(st_->comms[static_cast<std::size_t>(rank_)]);
+        if (!st_->comms_aborted && !st_->comms.empty()) st_->api.check(st_->comm_of(rank_));
     }
     void timed_out(const std::string& what) noexcept override { st_->abort(what, rank_); }
 
-    //! The group's mode (single, peer or local).
+    //! The group's mode (single, peer or local) in this process.
     StreamGroupMode mode() const noexcept { return st_->mode; }
+    //! This replica's rank among the replicas of its process.
+    int local_rank() const noexcept { return rank_; }
 
 private:
     friend class StreamGroup<Api>;
@@ -156,6 +199,7 @@ private:
         LOCKSTEP_CHECK_AS(UsageError, me.bound, "rank ", rank_, " of a stream group made a collective before its replica was "
                           "bound to it (StreamGroup::bind)");
         check_buffer(data, root >= 0 ? "broadcast" : "all_reduce_sum");
+        LOCKSTEP_CHECK(root < st.global, "broadcast root ", root, " is outside a group of ", st.global);
         st.check_usable();
         st.rendezvous.count_collective(rank_);
         Stream s = me.compute;
@@ -172,29 +216,24 @@ private:
         // can then be inside an enqueue of this collective, holding the communicators.
         if (st.mode == StreamGroupMode::peer) st.rebuild_if_needed();
         const int parity = st.rendezvous.arrive(rank_, tag, data.data);  // Note [stream-ordered collectives]
-        if (st.size() > 1 && !data.empty()) {
+        // Rank 0 of a local group takes every rank's buffer now: a later crossing rewrites these slots.
+        std::vector<void*> bufs;
+        if (rank_ == 0 && st.mode != StreamGroupMode::peer)
+            for (int r = 0; r < st.size(); ++r) bufs.push_back(st.rendezvous.buffer(parity, r));
+        int next_phase = 1;
+        if (st.procs) {  // Note [stream groups across processes]
+            if (rank_ == 0) st.procs->agree(st.channel, tag);
+            st.rendezvous.arrive(rank_, phase(tag, next_phase++), data.data);
+        }
+        if (st.global > 1 && !data.empty()) {
             if (st.mode == StreamGroupMode::peer) {
-                enqueue_peer(data, root, s, dtype);
+                enqueue_nccl(data.data, data.size, root, s, dtype);
             } else {
-                if (rank_ == 0) {
-                    std::vector<void*> bufs(static_cast<std::size_t>(st.size()));
-                    for (int r = 0; r < st.size(); ++r) {
-                        bufs[static_cast<std::size_t>(r)] = st.rendezvous.buffer(parity, r);
-                        if (r != 0) st.api.wait(s, st.ranks[static_cast<std::size_t>(r)].ready_local);
-                    }
-                    const int device = st.devices[0];
-                    if (root < 0) {
-                        st.api.rank_sum(device, s, std::span<void* const>(bufs), data.size, dtype);
-                    } else {
-                        for (int r = 0; r < st.size(); ++r)
-                            if (r != root)
-                                st.api.copy(device, s, bufs[static_cast<std::size_t>(r)], bufs[static_cast<std::size_t>(root)],
-                                            data.size * sizeof(T));
-                    }
-                    st.api.record(st.local_done, s);
+                if (rank_ == 0) reduce_on_rank0(bufs, data, root, s, dtype);
+                if (local) {
+                    st.rendezvous.arrive(rank_, phase(tag, next_phase), data.data);
+                    if (rank_ != 0) st.api.wait(s, st.local_done);
                 }
-                st.rendezvous.arrive(rank_, phase(tag, 1), data.data);
-                if (rank_ != 0) st.api.wait(s, st.local_done);
             }
         }
         if (started) {
@@ -203,15 +242,49 @@ private:
         }
     }
 
+    // Local and single modes, on local rank 0 after the rendezvous: every local buffer is read and
+    // written on rank 0's stream, behind the other ranks' events; across processes rank 0's buffer
+    // also goes through NCCL (Note [stream groups across processes]).
     template <class T>
-    void enqueue_peer(DeviceSpan<T> data, int root, Stream s, DType dtype) {
+    void reduce_on_rank0(const std::vector<void*>& bufs, DeviceSpan<T> data, int root, Stream s, DType dtype) {
+        State& st = *st_;
+        const int n = st.size();
+        const std::size_t bytes = data.size * sizeof(T);
+        for (int r = 1; r < n; ++r) st.api.wait(s, st.ranks[static_cast<std::size_t>(r)].ready_local);
+        const int device = st.devices[0];
+        const auto copy_out = [&](int except) {  // rank 0's buffer to every other local buffer
+            for (int r = 1; r < n; ++r)
+                if (r != except) st.api.copy(device, s, bufs[static_cast<std::size_t>(r)], bufs[0], bytes);
+        };
+        if (root < 0) {
+            if (n > 1) st.api.rank_sum(device, s, std::span<void* const>(bufs), data.size, dtype);
+            if (st.procs) {
+                enqueue_nccl(data.data, data.size, -1, s, dtype);
+                copy_out(-1);
+            }
+        } else if (!st.procs) {
+            for (int r = 0; r < n; ++r)
+                if (r != root) st.api.copy(device, s, bufs[static_cast<std::size_t>(r)], bufs[static_cast<std::size_t>(root)], bytes);
+        } else {
+            const int root_process = root / n, root_local = root % n;
+            const bool mine = st.procs->rank() == root_process;
+            if (mine && root_local != 0) st.api.copy(device, s, bufs[0], bufs[static_cast<std::size_t>(root_local)], bytes);
+            enqueue_nccl(data.data, data.size, root_process, s, dtype);
+            copy_out(mine ? root_local : -1);
+        }
+        if (n > 1) st.api.record(st.local_done, s);
+    }
+
+    // This rank's communicator: an all-reduce (root < 0) or a broadcast from NCCL rank `root`.
+    void enqueue_nccl(void* data, std::size_t count, int root, Stream s, DType dtype) {
         State& st = *st_;
         std::shared_lock lock(st.comms_mutex);  // never concurrently with abort()
-        if (st.comms_aborted) throw CollectiveAborted("the replica group was aborted: " + st.abort_reason());
-        const auto comm = st.comms[static_cast<std::size_t>(rank_)];
+        if (st.comms_aborted || st.comms.empty())
+            throw CollectiveAborted("the replica group was aborted: " + st.abort_reason());
+        const auto comm = st.comm_of(rank_);
         const auto deadline = clock::now() + st.rendezvous.timeout();
-        if (root < 0) st.api.all_reduce(comm, data.data, data.size, dtype, s, deadline, st.aborted);
-        else st.api.broadcast(comm, data.data, data.size, dtype, root, s, deadline, st.aborted);
+        if (root < 0) st.api.all_reduce(comm, data, count, dtype, s, deadline, st.aborted);
+        else st.api.broadcast(comm, data, count, dtype, root, s, deadline, st.aborted);
     }
 
     template <class T>
@@ -247,11 +320,21 @@ struct StreamCommunicator<Api>::State final : public Abortable {
 
     State(std::vector<int> devs, StreamGroupMode m, std::chrono::milliseconds timeout)
         : rendezvous(static_cast<int>(devs.size()), timeout), devices(std::move(devs)), mode(m),
-          ranks(devices.size()) {}
+          ranks(devices.size()), global(static_cast<int>(devices.size())) {}
 
     ~State() override { teardown(); }
 
     int size() const noexcept { return static_cast<int>(devices.size()); }
+
+    // Which local ranks hold a communicator: all in peer mode; across processes in the other
+    // modes, local rank 0 (Note [stream groups across processes]).
+    bool holds_comm(int r) const noexcept { return mode == StreamGroupMode::peer || (procs != nullptr && r == 0); }
+    typename Api::Comm comm_of(int r) const { return comms[mode == StreamGroupMode::peer ? static_cast<std::size_t>(r) : 0]; }
+
+    // Peer mode in one process: a communicator per rank, from a fresh unique id.
+    std::vector<typename Api::Comm> make_comms(clock::time_point deadline, const std::atomic<bool>& stop) {
+        return api.init(devices, api.unique_id(), 0, size(), deadline, stop);
+    }
 
     void abort(const std::string& reason, int failed_rank) noexcept override {
         {
@@ -260,10 +343,14 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         }
         aborted.store(true, std::memory_order_release);  // an enqueue polling NCCL gives up now
         rendezvous.abort(reason, failed_rank);
-        std::unique_lock lock(comms_mutex);
-        if (comms_aborted || comms.empty()) return;
-        for (auto& c : comms) api.abort(c);
-        comms_aborted = true;
+        {
+            std::unique_lock lock(comms_mutex);
+            if (!comms_aborted && !comms.empty()) {
+                for (auto& c : comms) api.abort(c);
+                comms_aborted = true;
+            }
+        }
+        if (procs) tell_processes(reason, failed_rank);  // after: this process's kernels end first
     }
 
     // After a failed call, with every replica out of it (the pool calls this before it rethrows):
@@ -274,7 +361,11 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         rendezvous.reset();
         {
             std::unique_lock lock(comms_mutex);
-            if (comms_aborted) rebuild = true;
+            if (procs) {  // Note [stream groups across processes]: not rebuilt
+                if (unusable.empty()) unusable = "a step failed across processes (" + abort_reason() + ")";
+            } else if (comms_aborted) {
+                rebuild = true;
+            }
         }
         if (mode == StreamGroupMode::local && local_done_made) {
             try {
@@ -307,7 +398,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         rebuild = false;
         comms.clear();
         try {
-            comms = api.init(devices, clock::now() + rendezvous.timeout(), aborted);
+            comms = make_comms(clock::now() + rendezvous.timeout(), aborted);
             comms_aborted = false;
         } catch (const std::exception& e) {
             unusable = std::string("rebuilding its communicators after a failed step failed: ") + e.what();
@@ -321,6 +412,20 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         if (!unusable.empty()) [[unlikely]]
             throw DeviceError("this replica group cannot run collectives any more: " + unusable +
                               "; destroy the DataParallel object and make a new one");
+    }
+
+    // The other processes learn the failing replica's global rank.
+    void tell_processes(const std::string& reason, int failed_rank) noexcept {
+        try {
+            const int p = procs->rank();
+            std::string who = "process " + std::to_string(p);
+            if (failed_rank >= 0)
+                who = "global rank " + std::to_string(first_rank + failed_rank) + " (" + who + ", replica " +
+                      std::to_string(failed_rank) + ")";
+            procs->abort(who + ": " + reason);
+        } catch (...) {
+            procs->abort(reason);
+        }
     }
 
     std::string abort_reason() const {
@@ -354,11 +459,16 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     std::vector<int> devices;  // device of each rank
     StreamGroupMode mode;
     std::vector<Rank> ranks;
+    // Across processes (Note [stream groups across processes]); otherwise null, 0 and size().
+    std::shared_ptr<ProcessGroup> procs;
+    ProcessGroup::Channel channel = ProcessGroup::layer;
+    int first_rank = 0;  // global rank of local rank 0
+    int global;          // ranks over every process
     Event local_done{};  // local mode: rank 0's reduction is done
     bool local_done_made = false;
 
     mutable std::shared_mutex comms_mutex;  // enqueues (shared) against abort, reset, teardown
-    std::vector<typename Api::Comm> comms;  // peer mode: one per rank
+    std::vector<typename Api::Comm> comms;  // peer mode: one per rank; across processes otherwise: rank 0's
     bool comms_aborted = false;
     bool rebuild = false;  // aborted communicators to replace at the next collective
     std::string unusable;  // why collectives cannot run any more (empty: they can)
@@ -386,9 +496,57 @@ public:
 
     StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout = AbortableBarrier::default_timeout)
         : st_(std::make_shared<State>(device_indices(devices), choose_mode(devices), timeout)) {
-        if (st_->mode == StreamGroupMode::peer) st_->comms = st_->api.init(st_->devices, clock::now() + timeout, st_->aborted_never);
-        comms_.reserve(devices.size());
-        for (int r = 0; r < st_->size(); ++r) comms_.push_back(communicator_type(st_, r));
+        if (st_->mode == StreamGroupMode::peer) st_->comms = st_->make_comms(clock::now() + timeout, st_->aborted_never);
+        make_communicators();
+    }
+
+    //! A group spanning the processes of `processes` (Note [stream groups across processes]):
+    //! `devices` are this process's replicas, laid out as in every other process. Made by every
+    //! process together; `channel` carries its setup and its tag checks. Null `processes`: one
+    //! process, as the constructor above.
+    StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout,
+                std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel)
+        : st_(std::make_shared<State>(device_indices(devices), choose_mode(devices), timeout)) {
+        State& st = *st_;
+        if (processes == nullptr) {
+            if (st.mode == StreamGroupMode::peer) st.comms = st.make_comms(clock::now() + timeout, st.aborted_never);
+            make_communicators();
+            return;
+        }
+        Collectives& link = processes->channel(channel);
+        const int P = processes->size(), p = processes->rank(), L = st.size();
+        const bool peer = st.mode == StreamGroupMode::peer;
+        // Every process must lay out its replicas alike: all see every layout, so all agree or all
+        // throw the same error.
+        std::vector<double> layout(2 * static_cast<std::size_t>(P), 0.0);  // replicas, then 1 for peer mode, by process
+        layout[static_cast<std::size_t>(p)] = L;
+        layout[static_cast<std::size_t>(P + p)] = peer ? 1.0 : 0.0;
+        link.all_reduce_sum(DeviceSpan<double>::host(layout), CollectiveSite::control(4));
+        std::string list;
+        bool alike = true;
+        for (int q = 0; q < P; ++q) {
+            const double lq = layout[static_cast<std::size_t>(q)], pq = layout[static_cast<std::size_t>(P + q)];
+            alike = alike && lq == layout[0] && pq == layout[static_cast<std::size_t>(P)];
+            list += (q ? ", " : "") + std::to_string(static_cast<long long>(lq)) +
+                    (pq != 0 ? " on as many GPUs" : lq > 1 ? " on one GPU" : "");
+        }
+        LOCKSTEP_CHECK_AS(UsageError, alike, "a replica group across ", P, " processes: they lay out their replicas "
+                          "differently (", list, ", by process); every process must run as many replicas, laid out alike "
+                          "(one per GPU, or all on one GPU)");
+        st.procs = std::move(processes);
+        st.channel = channel;
+        st.first_rank = p * L;
+        st.global = P * L;
+        typename Api::UniqueId id{};
+        if (p == 0) id = st.api.unique_id();
+        std::array<std::int64_t, (sizeof(id) + 7) / 8> words{};
+        std::memcpy(words.data(), &id, sizeof(id));
+        link.broadcast(DeviceSpan<std::int64_t>::host(std::span<std::int64_t>(words)), 0, CollectiveSite::control(5));
+        std::memcpy(&id, words.data(), sizeof(id));
+        const auto deadline = clock::now() + timeout;
+        if (peer) st.comms = st.api.init(st.devices, id, st.first_rank, st.global, deadline, st.aborted_never);
+        else st.comms = st.api.init(std::vector<int>{st.devices[0]}, id, p, P, deadline, st.aborted_never);
+        make_communicators();
     }
     StreamGroup(const StreamGroup&) = delete;
     StreamGroup& operator=(const StreamGroup&) = delete;
@@ -396,7 +554,11 @@ public:
     int size() const noexcept { return st_->size(); }
     communicator_type& communicator(int rank) { return comms_.at(static_cast<std::size_t>(rank)); }
     std::shared_ptr<Abortable> abortable() const { return st_; }
+    //! The group's mode (single, peer or local) in this process.
     StreamGroupMode mode() const noexcept { return st_->mode; }
+    //! Global rank of this process's first replica, and the ranks over every process.
+    int first_rank() const noexcept { return st_->first_rank; }
+    int global_size() const noexcept { return st_->global; }
 
     //! Binds rank `rank` to its replica's execution context, on the replica's thread (its device
     //! current): makes the rank's communication stream and events, and lets the replica's host
@@ -420,6 +582,11 @@ public:
     }
 
 private:
+    void make_communicators() {
+        comms_.reserve(static_cast<std::size_t>(st_->size()));
+        for (int r = 0; r < st_->size(); ++r) comms_.push_back(communicator_type(st_, r));
+    }
+
     static std::vector<int> device_indices(const std::vector<Device>& devices) {
         std::vector<int> out;
         for (const auto& d : devices) out.push_back(d.index);

@@ -61,7 +61,9 @@ struct DataParallelOptions {
     //! `comm::MpiProcessGroup` from `<lockstep/mpi.hpp>`); empty: this process alone. Then the
     //! devices are this process's replicas, every process runs as many, global rank = process rank
     //! x replicas + local rank, and train_step and forward take this process's rows of the global
-    //! batch: those of its global ranks' shards, contiguous, in global-rank order (host backend).
+    //! batch: those of its global ranks' shards, contiguous, in global-rank order. Host replicas
+    //! meet as in Note [hierarchical groups]; CUDA replicas through NCCL across processes (Note
+    //! [stream groups across processes] in comm/stream_group.hpp).
     std::shared_ptr<comm::ProcessGroup> process_group = nullptr;
 };
 
@@ -1026,9 +1028,6 @@ private:
             core->grad_group = std::make_unique<Group>(core->devices, options.timeout);
             return core;
         }
-        if constexpr (!std::same_as<backend, Host>)
-            throw NotImplemented("DataParallel across processes runs host replicas for now; on CUDA, run one process "
-                                 "with all its GPUs");
         auto& procs = *options.process_group;
         core->procs = options.process_group;
         // Every process must run as many replicas: all see the same sums, so all agree or all throw.
@@ -1042,8 +1041,19 @@ private:
                           "--replicas or --devices on every rank)");
         core->first_rank = procs.rank() * core->world;
         core->global_world = procs.size() * core->world;
-        core->layer_hier = std::make_unique<comm::HierarchicalGroup>(core->world, core->procs, comm::ProcessGroup::layer, options.timeout);
-        core->grad_hier = std::make_unique<comm::HierarchicalGroup>(core->world, core->procs, comm::ProcessGroup::gradients, options.timeout);
+        if constexpr (std::constructible_from<Group, const std::vector<Device>&, std::chrono::milliseconds,
+                                              std::shared_ptr<comm::ProcessGroup>, comm::ProcessGroup::Channel>) {
+            // A group that spans processes itself (a CUDA group: NCCL across processes, Note
+            // [stream groups across processes]).
+            core->layer_group = std::make_unique<Group>(core->devices, options.timeout, core->procs, comm::ProcessGroup::layer);
+            core->grad_group = std::make_unique<Group>(core->devices, options.timeout, core->procs, comm::ProcessGroup::gradients);
+        } else if constexpr (std::same_as<backend, Host>) {
+            core->layer_hier = std::make_unique<comm::HierarchicalGroup>(core->world, core->procs, comm::ProcessGroup::layer, options.timeout);
+            core->grad_hier = std::make_unique<comm::HierarchicalGroup>(core->world, core->procs, comm::ProcessGroup::gradients, options.timeout);
+        } else {
+            throw NotImplemented("DataParallel across processes needs a replica group that spans processes; this group "
+                                 "type has no constructor taking a ProcessGroup");
+        }
         return core;
     }
 
