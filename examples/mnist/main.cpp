@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "train.hpp"
@@ -83,7 +85,7 @@ std::shared_ptr<lockstep::comm::ProcessGroup> launched_process_group() {
 }
 
 // The backend and the replicas' devices the options ask for, checked against this machine.
-int run(const Options& opt) {
+std::pair<std::string, std::vector<Device>> plan(const Options& opt) {
     // A malformed --devices is reported as such, whatever else is wrong.
     const std::vector<int> listed = opt.devices_given ? parse_devices(opt.devices) : std::vector<int>{};
     const int gpus = mnist_cuda_device_count();
@@ -92,9 +94,8 @@ int run(const Options& opt) {
         if (!opt.devices.empty())
             throw lockstep::UsageError("--devices names CUDA devices, but this run trains on the host backend; count host "
                                        "replicas with --replicas N");
-        const auto devices = lockstep::kernels::Ops<lockstep::Host>::default_devices(opt.replicas > 0 ? opt.replicas : 2);
-        // mpirun -np P: P processes, each with --replicas host replicas.
-        return mnist_example::train<lockstep::Host>(opt, devices, launched_process_group());
+        // Under mpirun: each process with --replicas host replicas.
+        return {backend, lockstep::kernels::Ops<lockstep::Host>::default_devices(opt.replicas > 0 ? opt.replicas : 2)};
     }
 #if !defined(LOCKSTEP_EXAMPLE_CUDA)
     throw lockstep::UsageError("--backend cuda: this build has no CUDA backend (nvcc and NCCL were not found when it was "
@@ -126,7 +127,28 @@ int run(const Options& opt) {
         const int first = several && gpus > 1 ? local_process_index() * n : 0;
         for (int r = 0; r < n; ++r) devices.push_back(Device::cuda((first + r) % gpus));
     }
-    return mnist_train_cuda(opt, devices, launched_process_group());
+    return {backend, devices};
+#endif
+}
+
+int run(const Options& opt) {
+    // Under mpirun, MPI first: every process checks its own options and devices, then all learn
+    // whether any failed and exit with the same message (mnist_example::agree_on_setup).
+    const auto procs = launched_process_group();
+    std::pair<std::string, std::vector<Device>> chosen;
+    std::exception_ptr failure;
+    try {
+        chosen = plan(opt);
+    } catch (...) {
+        failure = std::current_exception();
+    }
+    mnist_example::agree_on_setup(procs, failure);
+    const auto& [backend, devices] = chosen;
+    if (backend == "host") return mnist_example::train<lockstep::Host>(opt, devices, procs);
+#if defined(LOCKSTEP_EXAMPLE_CUDA)
+    return mnist_train_cuda(opt, devices, procs);
+#else
+    throw lockstep::UsageError("--backend cuda: this build has no CUDA backend");  // plan() refused it already
 #endif
 }
 

@@ -13,11 +13,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -197,6 +200,70 @@ inline void check_same_run(const nn::Checkpoint& ck, const std::string& path, co
                                         flag + " " + it->second + ", or start afresh from its weights with --init");
 }
 
+// The checkpoint of --resume, checked against this run, and the counters it continues from.
+inline void load_resume(const Options& opt, const mnist::IdxSource& train, int replicas, std::optional<nn::Checkpoint>& resume,
+                        int& start_epoch, std::int64_t& epoch_step, std::int64_t& step) {
+    resume = nn::Checkpoint::load(opt.resume);
+    const auto& ck = *resume;
+    check_same_run(ck, opt.resume, "seed", "--seed", std::to_string(opt.seed));
+    check_same_run(ck, opt.resume, "batch", "--batch", std::to_string(opt.batch));
+    check_same_run(ck, opt.resume, "train_images", "training images (--data, --train-limit)", std::to_string(train.count()));
+    const auto batches = static_cast<std::int64_t>(batch_starts(train.count(), opt.batch, replicas).size()) - 1;
+    start_epoch = static_cast<int>(counter(ck, opt.resume, "epoch", 0, opt.epochs, "[0, " + std::to_string(opt.epochs) +
+                                                                                      "] for --epochs " + std::to_string(opt.epochs)));
+    epoch_step = counter(ck, opt.resume, "epoch_step", 0, batches - 1,
+                         "[0, " + std::to_string(batches - 1) + "]: an epoch of this data has " + std::to_string(batches) +
+                             " batches");
+    step = counter(ck, opt.resume, "step", start_epoch * batches + epoch_step, INT64_MAX,
+                   "the steps its epoch and epoch_step imply (at least " + std::to_string(start_epoch * batches + epoch_step) +
+                       ")");
+}
+
+//! The error every process of a run reports when one of them failed to set up.
+struct SetupError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+//! After each process has checked its own setup (options, devices, data files, checkpoints),
+//! which needs no collective: every process learns whether any failed, and then all throw the
+//! same SetupError naming the first failed process and quoting its error, so that under mpirun
+//! every rank exits with the same message and none waits in a collective for one that left.
+//! With no process group, `failure` is rethrown as it is.
+inline void agree_on_setup(const std::shared_ptr<lockstep::comm::ProcessGroup>& procs, const std::exception_ptr& failure) {
+    if (!procs) {
+        if (failure) std::rethrow_exception(failure);
+        return;
+    }
+    std::string text;
+    if (failure) {
+        try {
+            std::rethrow_exception(failure);
+        } catch (const std::exception& e) {
+            text = e.what();
+        } catch (...) {
+            text = "an exception that is not a std::exception";
+        }
+    }
+    auto& control = procs->channel(lockstep::comm::ProcessGroup::control);
+    std::vector<double> failed(static_cast<std::size_t>(procs->size()), 0.0);
+    failed[static_cast<std::size_t>(procs->rank())] = failure ? 1.0 : 0.0;
+    control.all_reduce_sum(lockstep::DeviceSpan<double>::host(failed), lockstep::comm::CollectiveSite::user(3));
+    const auto first = std::find(failed.begin(), failed.end(), 1.0);
+    if (first == failed.end()) return;
+    const int who = static_cast<int>(first - failed.begin());
+    const auto count = std::count(failed.begin(), failed.end(), 1.0);
+    std::vector<std::int64_t> message(1 + 1024, 0);  // length, then the bytes
+    if (procs->rank() == who) {
+        message[0] = static_cast<std::int64_t>(std::min<std::size_t>(text.size(), 1024));
+        for (std::size_t i = 0; i < static_cast<std::size_t>(message[0]); ++i) message[1 + i] = static_cast<unsigned char>(text[i]);
+    }
+    control.broadcast(lockstep::DeviceSpan<std::int64_t>::host(message), who, lockstep::comm::CollectiveSite::user(4));
+    std::string quoted;
+    for (std::int64_t i = 0; i < message[0]; ++i) quoted += static_cast<char>(message[static_cast<std::size_t>(1 + i)]);
+    throw SetupError("process " + std::to_string(who) + " of " + std::to_string(procs->size()) +
+                     (count > 1 ? " (and " + std::to_string(count - 1) + " more)" : std::string()) + ": " + quoted);
+}
+
 //! Trains on backend `B` with one replica per entry of `devices` in this process, over the
 //! processes of `procs` when there is one (run by mpirun); the exit code.
 template <class B>
@@ -206,42 +273,38 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     const int processes = procs ? procs->size() : 1;
     const int replicas = static_cast<int>(devices.size()) * processes;  // over all processes
     const bool leader = !procs || procs->rank() == 0;  // prints and writes metrics
-    if (!opt.save.empty()) nn::Checkpoint::check_writable(opt.save);  // before any training, not after an epoch
-    // Note [each process reads its rows]: the images stay in the files until a step needs them.
-    const mnist::IdxSource train(find_file(opt.data, "train-images-idx3-ubyte"), find_file(opt.data, "train-labels-idx1-ubyte"),
-                                 opt.train_limit);
-    const mnist::IdxSource test(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
-    if (train.count() < replicas)
-        throw lockstep::InvalidArgument("only " + std::to_string(train.count()) + " training images for " +
-                                        std::to_string(replicas) + " replicas");
-    if (test.count() < replicas)
-        throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count()) +
-                               " test images, fewer than the " + std::to_string(replicas) +
-                               " replicas; the test set must give every replica an image");
-
     nn::Generator gen(opt.seed);
     Model prototype(gen);
     nn::Sgd<B> sgd({.lr = opt.lr, .momentum = opt.momentum});
     std::int64_t step = 0, epoch_step = 0;
     int start_epoch = 0;
     std::optional<nn::Checkpoint> resume;
-    if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, true, "optimizer.");
-    if (!opt.resume.empty()) {
-        resume = nn::Checkpoint::load(opt.resume);
-        const auto& ck = *resume;
-        check_same_run(ck, opt.resume, "seed", "--seed", std::to_string(opt.seed));
-        check_same_run(ck, opt.resume, "batch", "--batch", std::to_string(opt.batch));
-        check_same_run(ck, opt.resume, "train_images", "training images (--data, --train-limit)", std::to_string(train.count()));
-        const auto batches = static_cast<std::int64_t>(batch_starts(train.count(), opt.batch, replicas).size()) - 1;
-        start_epoch = static_cast<int>(counter(ck, opt.resume, "epoch", 0, opt.epochs, "[0, " + std::to_string(opt.epochs) +
-                                                                                          "] for --epochs " + std::to_string(opt.epochs)));
-        epoch_step = counter(ck, opt.resume, "epoch_step", 0, batches - 1,
-                             "[0, " + std::to_string(batches - 1) + "]: an epoch of this data has " + std::to_string(batches) +
-                                 " batches");
-        step = counter(ck, opt.resume, "step", start_epoch * batches + epoch_step, INT64_MAX,
-                       "the steps its epoch and epoch_step imply (at least " +
-                           std::to_string(start_epoch * batches + epoch_step) + ")");
+    std::optional<mnist::IdxSource> train_data, test_data;
+    std::exception_ptr setup_failure;
+    try {  // this process's own checks, then agree_on_setup
+        // Before any training, not after an epoch; process 0 alone writes checkpoints.
+        if (!opt.save.empty() && leader) nn::Checkpoint::check_writable(opt.save);
+        // Note [each process reads its rows]: the images stay in the files until a step needs them.
+        train_data.emplace(find_file(opt.data, "train-images-idx3-ubyte"), find_file(opt.data, "train-labels-idx1-ubyte"),
+                           opt.train_limit);
+        test_data.emplace(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
+        const auto& train = *train_data;
+        const auto& test = *test_data;
+        if (train.count() < replicas)
+            throw lockstep::InvalidArgument("only " + std::to_string(train.count()) + " training images for " +
+                                            std::to_string(replicas) + " replicas");
+        if (test.count() < replicas)
+            throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count()) +
+                                   " test images, fewer than the " + std::to_string(replicas) +
+                                   " replicas; the test set must give every replica an image");
+        if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, true, "optimizer.");
+        if (!opt.resume.empty()) load_resume(opt, train, replicas, resume, start_epoch, epoch_step, step);
+    } catch (...) {
+        setup_failure = std::current_exception();
     }
+    agree_on_setup(procs, setup_failure);
+    const auto& train = *train_data;
+    const auto& test = *test_data;
     // A step whose loss or gradients are NaN or infinite is refused (lockstep::NonFinite): the run
     // stops with the message, and nothing is saved over the last good checkpoint.
     DataParallel<Model> dp(prototype, devices, {.check_finite = true, .process_group = procs});

@@ -206,7 +206,7 @@ int replicas(comm::MpiProcessGroup& world) {
     } catch (const UsageError& e) {
         message = e.what();
     }
-    expect(message.find("they run different replica counts") != std::string::npos,
+    expect(message.find("they run different replica counts (1, 2, by process)") != std::string::npos,
            "processes with different replica counts all refuse (" + message.substr(0, 80) + ")");
     return 0;
 }

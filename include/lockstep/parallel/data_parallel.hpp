@@ -11,6 +11,7 @@
 #include <concepts>
 #include <cstdint>
 #include <map>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -1030,15 +1031,20 @@ private:
         }
         auto& procs = *options.process_group;
         core->procs = options.process_group;
-        // Every process must run as many replicas: all see the same sums, so all agree or all throw.
-        const auto L = static_cast<double>(core->world);
-        std::vector<double> counts{L, L * L};
+        // Every process must run as many replicas: all see every count, so all agree or all throw
+        // the same error.
+        std::vector<double> counts(static_cast<std::size_t>(procs.size()), 0.0);
+        counts[static_cast<std::size_t>(procs.rank())] = core->world;
         procs.channel(comm::ProcessGroup::control).all_reduce_sum(DeviceSpan<double>::host(counts), comm::CollectiveSite::control(0));
-        const double P = procs.size();
-        LOCKSTEP_CHECK_AS(UsageError, counts[1] * P == counts[0] * counts[0], "DataParallel across ", procs.size(),
-                          " processes: they run different replica counts (", counts[0], " replicas in all, ", L,
-                          " in process ", procs.rank(), "); every process must run the same number (the same "
-                          "--replicas or --devices on every rank)");
+        if (std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<>()) != counts.end()) {
+            std::string list;
+            for (std::size_t p = 0; p < counts.size(); ++p)
+                list += (p ? ", " : "") + std::to_string(static_cast<long long>(counts[p]));
+            throw UsageError("DataParallel across " + std::to_string(procs.size()) +
+                             " processes: they run different replica counts (" + list +
+                             ", by process); every process must run the same number (the same --replicas or --devices "
+                             "on every rank)");
+        }
         core->first_rank = procs.rank() * core->world;
         core->global_world = procs.size() * core->world;
         if constexpr (std::constructible_from<Group, const std::vector<Device>&, std::chrono::milliseconds,

@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: MIT
+# Runs CMD (a ;-list, an mpirun of NP processes) and checks that the run fails and that every
+# process printed the same one-line error: NP lines starting with PREFIX on stderr, all equal,
+# matching EXPECT. So no process was killed by mpirun before it could say why, and none said
+# something else.
+execute_process(COMMAND ${CMD} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "the run succeeded; expected every process to fail\nstdout: ${out}\nstderr: ${err}")
+endif()
+string(REPLACE "\n" ";" lines "${err}")
+set(errors "")
+foreach(line IN LISTS lines)
+  string(FIND "${line}" "${PREFIX}" at)
+  if(at EQUAL 0)
+    list(APPEND errors "${line}")
+  endif()
+endforeach()
+list(LENGTH errors n)
+if(NOT n EQUAL NP)
+  message(FATAL_ERROR "${n} processes printed an error, expected ${NP}:\n${err}")
+endif()
+list(REMOVE_DUPLICATES errors)
+list(LENGTH errors distinct)
+if(NOT distinct EQUAL 1)
+  message(FATAL_ERROR "the processes printed different errors:\n${err}")
+endif()
+if(NOT errors MATCHES "${EXPECT}")
+  message(FATAL_ERROR "the error does not match '${EXPECT}':\n${errors}")
+endif()
+message(STATUS "${NP} processes, one error: ${errors}")
