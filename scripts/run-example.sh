@@ -23,4 +23,6 @@ fi
 # mpirun refuses root unless told; --oversubscribe lets a small machine run more processes than
 # cores, --bind-to none keeps the replica threads free to spread.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-exec mpirun --oversubscribe --bind-to none -np "$processes" build/release/examples/mnist --backend host "$@"
+backend=(--backend host)  # the host unless the arguments choose
+for arg in "$@"; do [[ $arg == --backend* ]] && backend=(); done
+exec mpirun --oversubscribe --bind-to none -np "$processes" build/release/examples/mnist "${backend[@]}" "$@"

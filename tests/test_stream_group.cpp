@@ -134,6 +134,13 @@ struct RecordingApi {
 
     // Unique ids name rounds: communicators made from one id (by one group, or by the groups of
     // several "processes") meet in one round.
+    // The machine of the calling "process" (as_processes gives each its own unless told otherwise).
+    static int& test_machine() {
+        thread_local int m = 0;
+        return m;
+    }
+    static std::uint32_t machine_id() { return static_cast<std::uint32_t>(test_machine()); }
+
     using UniqueId = std::array<long, 2>;
     static UniqueId unique_id() { return {0x1d, log_of_calls().next_id++}; }
 
@@ -577,7 +584,9 @@ TEST_CASE("stream group: teardown finalizes every communicator, then destroys th
 // "Processes" as threads of this one: each has its own ProcessGroup and its own DataParallel or
 // group, as under mpirun. The channels are host groups of P ranks; agree() is a rendezvous that
 // compares tags; abort() reaches the others as an MPI abort message would (their waits on the
-// channels and agree throw, check_peers throws).
+// channels and agree throw, check_peers throws). Like an MPI message taken from any source,
+// check_peers gives the newest abort of another process, which may be one passed on: the
+// exception carries the sender's process rank, as MpiCommunicator's do.
 
 namespace {
 
@@ -592,8 +601,7 @@ struct ThreadWorld {
     std::array<std::unique_ptr<comm::HostGroup>, 3> channels;
     std::array<std::shared_ptr<comm::SharedTensor>, 3> agreements;
     std::mutex m;
-    std::string failure;  // the first abort's text
-    int failed = -1;
+    std::vector<std::pair<int, std::string>> aborts;  // (process, text), in order
     std::atomic<int> agrees{0};
 };
 
@@ -609,32 +617,44 @@ public:
     }
     void check_peers() override {
         std::lock_guard lock(w_->m);
-        if (w_->failed >= 0 && w_->failed != p_) throw CollectiveAborted("process " + std::to_string(w_->failed) + " failed: " + w_->failure);
+        for (auto it = w_->aborts.rbegin(); it != w_->aborts.rend(); ++it)
+            if (it->first != p_) {
+                seen_ = true;
+                throw CollectiveAborted("process " + std::to_string(it->first) + " failed: " + it->second, it->first);
+            }
+    }
+    std::chrono::milliseconds timeout() const noexcept override { return 5s; }
+    bool peer_failed() const noexcept override {
+        std::lock_guard lock(w_->m);
+        return seen_;
     }
     void abort(const std::string& reason) noexcept override {
         {
             std::lock_guard lock(w_->m);
-            if (w_->failed >= 0) return;
-            w_->failed = p_;
-            w_->failure = reason;
+            for (const auto& a : w_->aborts)
+                if (a.first == p_) return;  // once per process, as MpiCommunicator::abort
+            w_->aborts.emplace_back(p_, reason);
         }
-        for (auto& a : w_->agreements) a->abort("process " + std::to_string(p_) + " failed: " + reason, -1);
-        for (auto& g : w_->channels) g->abortable()->abort("process " + std::to_string(p_) + " failed: " + reason, -1);
+        for (auto& a : w_->agreements) a->abort("process " + std::to_string(p_) + " failed: " + reason, p_);
+        for (auto& g : w_->channels) g->abortable()->abort("process " + std::to_string(p_) + " failed: " + reason, p_);
     }
 
 private:
     std::shared_ptr<ThreadWorld> w_;
     int p_;
+    mutable bool seen_ = false;  // an abort of another process was delivered here (under w_->m)
 };
 
 // Runs `body(p, process_group)` for every process on its own thread; returns per-process errors.
+// Each process on a machine of its own, unless `one_machine`.
 template <class F>
-std::vector<std::exception_ptr> as_processes(int P, F body) {
+std::vector<std::exception_ptr> as_processes(int P, F body, bool one_machine = false) {
     auto world = std::make_shared<ThreadWorld>(P);
     std::vector<std::exception_ptr> errors(static_cast<std::size_t>(P));
     std::vector<std::thread> threads;
     for (int p = 0; p < P; ++p)
         threads.emplace_back([&, p] {
+            RecordingApi::test_machine() = one_machine ? 7 : 100 + p;
             try {
                 body(p, std::make_shared<ThreadProcessGroup>(world, p));
             } catch (...) {
@@ -792,6 +812,27 @@ TEST_CASE("stream group across processes: processes that lay out their replicas 
         REQUIRE(e);
         CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("differently (2 on as many GPUs, 3 on as many GPUs, by process)"));
     }
+    // Two processes of one machine on one GPU: NCCL would refuse it; refused by all, naming the GPU.
+    const auto shared = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(p == 0 ? hosts({0, 1}) : hosts({2, 1}), 5s, procs, comm::ProcessGroup::layer);
+    }, true);
+    for (auto& e : shared) {
+        REQUIRE(e);
+        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("processes 0 and 1 both use GPU 1 of one machine"));
+    }
+    CHECK_FALSE(as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {  // GPUs of their own: fine
+        Group g(p == 0 ? hosts({0, 1}) : hosts({2, 3}), 5s, procs, comm::ProcessGroup::layer);
+    }, true)[0]);
+    // A layout one process refuses (a mix) is refused by every process alike, none left waiting.
+    const auto t0 = clock_type::now();
+    const auto mixed = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(p == 0 ? hosts({0, 1}) : hosts({0, 0, 1}), 5s, procs, comm::ProcessGroup::layer);
+    });
+    CHECK(clock_type::now() - t0 < 2s);
+    for (auto& e : mixed) {
+        REQUIRE(e);
+        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("process 1 of 2: replicas on {host:0, host:0, host:1}"));
+    }
 }
 
 TEST_CASE("stream group across processes: a failing replica fails every process's step, naming its global rank", "[comm][parallel]") {
@@ -856,4 +897,65 @@ TEST_CASE("stream group across processes: a replica's wait on its GPU learns of 
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     CHECK_THAT(seen[0], Catch::Contains("global rank 2 (process 1, replica 0)") && Catch::Contains("ran out of memory"));
+}
+
+TEST_CASE("stream group across processes: a process passing on another's failure names no replica of its own", "[comm]") {
+    std::vector<std::string> seen(3);
+    std::atomic<int> step{0};
+    const auto errors = as_processes(3, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(hosts({0, 1}), 5s, procs, comm::ProcessGroup::layer);
+        const auto wait_for = [&](int s) {
+            while (step.load() < s) std::this_thread::yield();
+        };
+        ++step;
+        wait_for(3);
+        if (p == 0) {  // replica 1 of process 0, global rank 1, fails
+            g.abortable()->abort("replica 1 ran out of memory", 1);
+            ++step;
+            return;
+        }
+        wait_for(4);
+        if (p == 1) {  // learns of it as a replica's wait would, and its pool aborts its group with the sender's rank
+            try {
+                g.communicator(0).poll();
+            } catch (const CollectiveAborted& e) {
+                seen[1] = e.what();
+                g.abortable()->abort(e.message(), e.rank());
+            }
+            ++step;
+            return;
+        }
+        wait_for(5);
+        try {  // the newest abort is process 1's, passing process 0's on
+            g.communicator(0).poll();
+        } catch (const CollectiveAborted& e) {
+            seen[2] = e.what();
+        }
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    CHECK_THAT(seen[1], Catch::Contains("global rank 1 (process 0, replica 1)"));
+    CHECK_THAT(seen[2], Catch::StartsWith("[rank 1] process 1 failed: process 1: "));  // no replica of process 1 named
+    CHECK_THAT(seen[2], Catch::Contains("global rank 1 (process 0, replica 1)") && Catch::Contains("ran out of memory"));
+    CHECK_THAT(seen[2], !Catch::Contains("(process 1, replica"));
+}
+
+TEST_CASE("stream group across processes: replicas waiting for their leader's exchange wait as long as the processes may", "[comm]") {
+    // The group's own timeout is 200 ms; process 1 comes 500 ms late. Process 0's rank 0 waits for
+    // it in agree (the process group's timeout), its rank 1 for rank 0: neither gives up, and no
+    // local replica is blamed for a late process.
+    std::vector<std::vector<std::exception_ptr>> rank_errors(2);
+    std::vector<std::vector<std::vector<float>>> data(2, std::vector<std::vector<float>>(2, std::vector<float>(4, 1.0f)));
+    const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        Group g(hosts({0, 1}), 200ms, procs, comm::ProcessGroup::layer);
+        auto& mine = data[static_cast<std::size_t>(p)];
+        if (p == 1) std::this_thread::sleep_for(500ms);
+        rank_errors[static_cast<std::size_t>(p)] = on_threads_aborting(g, [&](int r, comm::Collectives& c) {
+            c.all_reduce_sum(DeviceSpan<float>(mine[static_cast<std::size_t>(r)].data(), 4, Device::host(r)), comm::CollectiveSite::user(8));
+        });
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    for (const auto& per_process : data)
+        for (const auto& v : per_process) CHECK(v[0] == 4.0f);
+    for (auto& per_process : rank_errors)
+        for (auto& e : per_process) CHECK_FALSE(e);
 }

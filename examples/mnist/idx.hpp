@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -105,13 +106,14 @@ inline std::pair<Fd, std::int64_t> open_uncompressed(const std::string& path) {
         if (!S_ISREG(st.st_mode)) throw DataError(path + ": not a regular file");
         return {std::move(plain), static_cast<std::int64_t>(st.st_size)};
     }
-    std::FILE* tmp = std::tmpfile();
-    if (tmp == nullptr)
-        throw DataError(path + ": cannot make a temporary file to inflate it into (" + errno_text() +
+    const char* env = std::getenv("TMPDIR");
+    const std::string dir = env != nullptr && *env != '\0' ? env : "/tmp";
+    std::string name = dir + "/lockstep-idx-XXXXXX";
+    Fd out(::mkstemp(name.data()));
+    if (out.fd < 0)
+        throw DataError(path + ": cannot make a temporary file in " + dir + " to inflate it into (" + errno_text() +
                         "); set TMPDIR to a writable directory, or gunzip the data files");
-    Fd out(::dup(::fileno(tmp)));
-    std::fclose(tmp);  // `out` keeps the (unlinked) file open
-    if (out.fd < 0) throw DataError(path + ": cannot duplicate a file descriptor (" + errno_text() + ")");
+    ::unlink(name.c_str());  // anonymous from now on: gone when closed, whatever happens
     const int zfd = ::dup(plain.fd);
     gzFile f = zfd < 0 ? nullptr : gzdopen(zfd, "rb");
     if (f == nullptr) {

@@ -69,8 +69,11 @@ inline std::string find_file(const std::string& dir, const std::string& name) {
 // kept, the images stay in their files. Every process computes the same global order of an epoch
 // (the same seed) and the same batch boundaries; for each step it reads, from the files, only
 // the images of its own rows of the global batch (my_rows: those of its replicas' global ranks),
-// and evaluation reads only its rows of each test chunk. A gzipped file is inflated once into an
-// anonymous temporary file, in chunks, so that rows can be read at any offset.
+// and evaluation reads only its rows of each test chunk. A gzipped file cannot be read at an
+// offset: each process inflates it once, in 64 KiB chunks (never whole in memory), into an
+// anonymous temporary file in TMPDIR, and reads its rows from there. So with gzipped files every
+// process still reads the compressed file through once; with plain IDX files (gunzip them) a
+// process reads nothing but the header, the labels and its rows.
 
 // This process's rows [first, first + count) of a global batch of n rows: all of them in one
 // process; across processes, those of its replicas' global ranks (DataParallelOptions::process_group).
@@ -226,42 +229,16 @@ struct SetupError : std::runtime_error {
 
 //! After each process has checked its own setup (options, devices, data files, checkpoints),
 //! which needs no collective: every process learns whether any failed, and then all throw the
-//! same SetupError naming the first failed process and quoting its error, so that under mpirun
-//! every rank exits with the same message and none waits in a collective for one that left.
-//! With no process group, `failure` is rethrown as it is.
+//! same SetupError naming the first failed process and quoting its error (comm::agreed_failure),
+//! so that under mpirun every rank exits with the same message and none waits in a collective
+//! for one that left. With no process group, `failure` is rethrown as it is.
 inline void agree_on_setup(const std::shared_ptr<lockstep::comm::ProcessGroup>& procs, const std::exception_ptr& failure) {
     if (!procs) {
         if (failure) std::rethrow_exception(failure);
         return;
     }
-    std::string text;
-    if (failure) {
-        try {
-            std::rethrow_exception(failure);
-        } catch (const std::exception& e) {
-            text = e.what();
-        } catch (...) {
-            text = "an exception that is not a std::exception";
-        }
-    }
-    auto& control = procs->channel(lockstep::comm::ProcessGroup::control);
-    std::vector<double> failed(static_cast<std::size_t>(procs->size()), 0.0);
-    failed[static_cast<std::size_t>(procs->rank())] = failure ? 1.0 : 0.0;
-    control.all_reduce_sum(lockstep::DeviceSpan<double>::host(failed), lockstep::comm::CollectiveSite::user(3));
-    const auto first = std::find(failed.begin(), failed.end(), 1.0);
-    if (first == failed.end()) return;
-    const int who = static_cast<int>(first - failed.begin());
-    const auto count = std::count(failed.begin(), failed.end(), 1.0);
-    std::vector<std::int64_t> message(1 + 1024, 0);  // length, then the bytes
-    if (procs->rank() == who) {
-        message[0] = static_cast<std::int64_t>(std::min<std::size_t>(text.size(), 1024));
-        for (std::size_t i = 0; i < static_cast<std::size_t>(message[0]); ++i) message[1 + i] = static_cast<unsigned char>(text[i]);
-    }
-    control.broadcast(lockstep::DeviceSpan<std::int64_t>::host(message), who, lockstep::comm::CollectiveSite::user(4));
-    std::string quoted;
-    for (std::int64_t i = 0; i < message[0]; ++i) quoted += static_cast<char>(message[static_cast<std::size_t>(1 + i)]);
-    throw SetupError("process " + std::to_string(who) + " of " + std::to_string(procs->size()) +
-                     (count > 1 ? " (and " + std::to_string(count - 1) + " more)" : std::string()) + ": " + quoted);
+    const std::string agreed = lockstep::comm::agreed_failure(*procs, lockstep::comm::ProcessGroup::control, failure);
+    if (!agreed.empty()) throw SetupError(agreed);
 }
 
 //! Trains on backend `B` with one replica per entry of `devices` in this process, over the

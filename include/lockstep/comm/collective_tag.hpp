@@ -46,7 +46,8 @@ struct CollectiveSite {
     static constexpr CollectiveSite commit(std::uint32_t which = 0) { return {Kind::commit, 0, which}; }
     //! Exchanges between processes outside the replicas' collectives: DataParallel's (0: replica
     //! counts, 1: a batch's rows, 2: a step's totals, 3: a checkpoint's status) and a stream
-    //! group's setup across processes (4: the replicas' layout, 5: the NCCL unique id).
+    //! group's setup across processes (4: the replicas' layout, 5: the NCCL unique id), and any
+    //! process's failure to set up (6: which failed, 7: the first one's message).
     static constexpr CollectiveSite control(std::uint32_t which) { return {Kind::control, 0, which}; }
 
     friend constexpr bool operator==(const CollectiveSite&, const CollectiveSite&) = default;
@@ -63,8 +64,9 @@ struct CollectiveSite {
             case Kind::control: {
                 static constexpr const char* what[] = {"replica counts", "a batch's rows", "a step's totals",
                                                        "a checkpoint's status", "a replica group's layout",
-                                                       "a replica group's NCCL unique id"};
-                return std::string("the exchange of ") + (part < 6 ? what[part] : "?") + " between processes";
+                                                       "a replica group's NCCL unique id", "setup failures",
+                                                       "a setup failure's message"};
+                return std::string("the exchange of ") + (part < 8 ? what[part] : "?") + " between processes";
             }
             default: return "user site " + n;
         }

@@ -8,10 +8,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nccl.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -116,6 +118,16 @@ struct NcclApi {
             case DType::bf16: return ncclBfloat16;
             default: throw UsageError("NCCL collectives take float, double or int64 buffers");
         }
+    }
+
+    //! This machine, as processes across it see it: a hash of its host name (NCCL refuses one GPU
+    //! in two ranks of a communicator; processes of one machine must not share a GPU).
+    static std::uint32_t machine_id() {
+        char name[256] = {};
+        if (gethostname(name, sizeof name - 1) != 0) return 0;
+        std::uint32_t h = 2166136261u;  // FNV-1a
+        for (const char* c = name; *c != '\0'; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 16777619u;
+        return h;
     }
 
     using UniqueId = ncclUniqueId;

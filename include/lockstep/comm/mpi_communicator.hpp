@@ -18,6 +18,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -54,13 +55,21 @@ inline void note_failure(const std::string& why) {
     std::lock_guard lock(failure_mutex());
     if (failure_slot().empty()) failure_slot() = why;
 }
+//! Whether a rank aborted (this one or another): MPI_Finalize then gets a deadline.
+inline std::atomic<bool>& aborted_somewhere() {
+    static std::atomic<bool> flag{false};
+    return flag;
+}
 }  // namespace detail
 
 //! MPI for the lifetime of the object: `MPI_Init_thread` asking `MPI_THREAD_MULTIPLE` (an abort
 //! reaches peers from whichever thread fails), unless MPI is initialized already, in which case
 //! the level it provides is checked. Finalizes MPI if it initialized it. If a collective timed out
 //! waiting for a silent rank (one that died), MPI_Finalize could wait for it forever: the
-//! destructor then says so on stderr and ends the job with MPI_Abort, the last resort.
+//! destructor then says so on stderr and ends the job with MPI_Abort, the last resort. After an
+//! abort (of this rank or another), MPI_Finalize runs against a deadline (`finalize_timeout`):
+//! a rank that aborted may never reach it (a replica left stuck), and past the deadline the job
+//! is ended the same way.
 class Environment {
 public:
     Environment() : Environment(nullptr, nullptr) {}
@@ -97,8 +106,34 @@ public:
         }
         int finalized = 0;
         MPI_Finalized(&finalized);
-        if (owner_ && finalized == 0) MPI_Finalize();
+        if (!owner_ || finalized != 0) return;
+        if (!detail::aborted_somewhere().load()) {
+            MPI_Finalize();
+            return;
+        }
+        std::mutex m;
+        std::condition_variable cv;
+        bool done = false;
+        std::thread watchdog([&] {
+            std::unique_lock lock(m);
+            if (cv.wait_for(lock, finalize_timeout_, [&] { return done; })) return;
+            std::fprintf(stderr, "lockstep: rank %d: MPI_Finalize did not return within %lld ms after a rank aborted (a rank "
+                         "that failed never reached it); ending the MPI job with MPI_Abort\n", rank_,
+                         static_cast<long long>(finalize_timeout_.count()));
+            std::fflush(stderr);
+            MPI_Abort(MPI_COMM_WORLD, 2);
+        });
+        MPI_Finalize();
+        {
+            std::lock_guard lock(m);
+            done = true;
+        }
+        cv.notify_all();
+        watchdog.join();
     }
+
+    //! How long MPI_Finalize may take after a rank aborted (default 60 s).
+    void set_finalize_timeout(std::chrono::milliseconds t) noexcept { finalize_timeout_ = t; }
 
     //! This process's rank in MPI_COMM_WORLD, and the number of processes.
     int rank() const noexcept { return rank_; }
@@ -117,6 +152,7 @@ private:
     }
     bool owner_ = false;
     int rank_ = 0, size_ = 1;
+    std::chrono::milliseconds finalize_timeout_{60000};
 };
 
 }  // namespace lockstep::mpi
@@ -198,8 +234,10 @@ public:
     //! throw from now on.
     void abort(const std::string& reason) noexcept {
         std::lock_guard lock(abort_mutex_);
-        if (aborted_.exchange(true)) return;
-        abort_text_ = reason.substr(0, 400);
+        if (aborted_.load(std::memory_order_relaxed)) return;
+        abort_text_ = reason.substr(0, 400);  // written once, before the flag that publishes it
+        aborted_.store(true, std::memory_order_release);
+        mpi::detail::aborted_somewhere() = true;
         std::vector<MPI_Request> sends;
         for (int r = 0; r < size_; ++r) {
             if (r == rank_) continue;
@@ -232,6 +270,10 @@ public:
         if (peer_aborted(text, source)) throw CollectiveAborted(text, source);
     }
 
+    //! From any thread: whether a failure reached this rank from elsewhere (another rank's abort
+    //! message, or a peer that never answered), as opposed to one of this rank's own.
+    bool peer_failed() const noexcept { return peer_failed_.load(std::memory_order_acquire); }
+
     //! Why this communicator failed (empty while it works).
     const std::string& failure() const noexcept { return failure_; }
 
@@ -261,7 +303,8 @@ private:
 
     void check_usable() const {
         if (!failure_.empty()) throw CollectiveAborted("this MPI communicator failed earlier: " + failure_);
-        if (aborted_.load()) throw CollectiveAborted("this rank aborted its MPI communicator: " + abort_text_);
+        if (aborted_.load(std::memory_order_acquire))
+            throw CollectiveAborted("this rank aborted its MPI communicator: " + abort_text_);
     }
 
     // Waits for `reqs` until the deadline, polling for abort messages; `who[i]` is the peer of
@@ -288,6 +331,7 @@ private:
                 for (const int r : missing) silent += (silent.empty() ? " " : ", ") + std::to_string(r);
                 const int first = missing.empty() ? -1 : missing.front();
                 cancel(reqs);
+                peer_failed_.store(true, std::memory_order_release);
                 fail("MPI rank " + std::to_string(rank_) + " waited " + std::to_string(timeout_.count()) + " ms in " + what +
                      " for rank(s)" + silent + " that never answered (a rank is stuck, skipped a collective or died; raise "
                      "the timeout if the step is legitimately that slow)");
@@ -318,6 +362,8 @@ private:
             MPI_Mrecv(got.data(), len, MPI_CHAR, &message, MPI_STATUS_IGNORE);
             peer_source_ = status.MPI_SOURCE;
             peer_failure_ = "MPI rank " + std::to_string(peer_source_) + " failed: " + got;
+            peer_failed_.store(true, std::memory_order_release);
+            mpi::detail::aborted_somewhere() = true;
         }
         text = peer_failure_;
         source = peer_source_;
@@ -496,6 +542,7 @@ private:
     std::mutex peer_mutex_;      // the abort message of another rank, taken by whichever thread polls first
     std::string peer_failure_;
     int peer_source_ = -1;
+    std::atomic<bool> peer_failed_{false};
 };
 
 //! The processes of an MPI communicator as DataParallel's process group
@@ -517,6 +564,10 @@ public:
     void agree(Channel c, const CollectiveTag& tag) override { communicator(c).agree(tag); }
     void check_peers() override {
         for (auto& c : channels_) c->check_peers();
+    }
+    std::chrono::milliseconds timeout() const noexcept override { return channels_[0]->timeout(); }
+    bool peer_failed() const noexcept override {
+        return std::any_of(channels_.begin(), channels_.end(), [](const auto& c) { return c->peer_failed(); });
     }
     void set_timeout(std::chrono::milliseconds t) noexcept {
         for (auto& c : channels_) c->set_timeout(t);

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,9 +45,74 @@ public:
     //! From any thread: throws `CollectiveAborted` naming the process once another process has
     //! failed (`abort`); returns otherwise. A replica's host waits on its GPU consult it.
     virtual void check_peers() = 0;
+    //! From any thread: whether a failure reached this process from another (an abort message
+    //! received, a process that never answered). A process passing such a failure on does not
+    //! name one of its own replicas as the failing one.
+    virtual bool peer_failed() const noexcept = 0;
+    //! How long a collective of this group may wait for another process: the local replicas that
+    //! wait for their leader's process-level collective wait that much longer, so the process
+    //! that is late is the one named, not the leader.
+    virtual std::chrono::milliseconds timeout() const noexcept = 0;
     //! Tells every other process that this one failed, from any thread.
     virtual void abort(const std::string& reason) noexcept = 0;
 };
+
+//! After each process's own checks, which need no collective (options, devices, files): every
+//! process learns whether any failed. Returns "" when none did, else the same text on every
+//! process, "process q of P: <q's error>" for the first failed process q (", and k more" when
+//! others failed too), for every process to throw, so that none waits in a collective for one
+//! that left. `failure`: this process's error, or null. On `channel`, sites control(6) and (7).
+inline std::string agreed_failure(ProcessGroup& procs, ProcessGroup::Channel channel, const std::exception_ptr& failure) {
+    std::string text;
+    if (failure) {
+        try {
+            std::rethrow_exception(failure);
+        } catch (const Error& e) {
+            text = e.message();
+        } catch (const std::exception& e) {
+            text = e.what();
+        } catch (...) {
+            text = "an exception that is not a std::exception";
+        }
+        if (text.empty()) text = "an error without a message";
+    }
+    Collectives& link = procs.channel(channel);
+    std::vector<double> failed(static_cast<std::size_t>(procs.size()), 0.0);
+    failed[static_cast<std::size_t>(procs.rank())] = failure ? 1.0 : 0.0;
+    link.all_reduce_sum(DeviceSpan<double>::host(failed), CollectiveSite::control(6));
+    const auto first = std::find(failed.begin(), failed.end(), 1.0);
+    if (first == failed.end()) return {};
+    const int who = static_cast<int>(first - failed.begin());
+    const auto more = std::count(failed.begin(), failed.end(), 1.0) - 1;
+    std::vector<std::int64_t> message(1 + 1024, 0);  // length, then the bytes
+    if (procs.rank() == who) {
+        message[0] = static_cast<std::int64_t>(std::min<std::size_t>(text.size(), 1024));
+        for (std::size_t i = 0; i < static_cast<std::size_t>(message[0]); ++i) message[1 + i] = static_cast<unsigned char>(text[i]);
+    }
+    link.broadcast(DeviceSpan<std::int64_t>::host(message), who, CollectiveSite::control(7));
+    std::string quoted;
+    for (std::int64_t i = 0; i < message[0]; ++i) quoted += static_cast<char>(message[static_cast<std::size_t>(1 + i)]);
+    return "process " + std::to_string(who) + " of " + std::to_string(procs.size()) +
+           (more > 0 ? " (and " + std::to_string(more) + " more)" : std::string()) + ": " + quoted;
+}
+
+//! Tells the other processes of `procs` that this one failed: the failing replica's global rank
+//! when the failure started on `failed_rank` (a replica of this process, `local_replicas` in
+//! all); the reason alone when it came from another process (ProcessGroup::peer_failed), whose
+//! own message named its replica already: then `failed_rank` is that process's rank, not a
+//! replica here.
+inline void tell_processes(ProcessGroup& procs, int local_replicas, const std::string& reason, int failed_rank) noexcept {
+    try {
+        const int p = procs.rank();
+        std::string who = "process " + std::to_string(p);
+        if (failed_rank >= 0 && failed_rank < local_replicas && !procs.peer_failed())
+            who = "global rank " + std::to_string(p * local_replicas + failed_rank) + " (" + who + ", replica " +
+                  std::to_string(failed_rank) + ")";
+        procs.abort(who + ": " + reason);
+    } catch (...) {
+        procs.abort(reason);
+    }
+}
 
 // Note [hierarchical groups]
 // Replicas = processes x threads, global rank = process rank x local replicas + local rank. A
@@ -81,7 +147,7 @@ public:
         const CollectiveTag tag{site, CollectiveKind::barrier, DType::none, 0, -1};
         local_->arrive(l_, tag, nullptr);
         if (l_ == 0) procs_->channel(channel_).barrier(site);
-        local_->arrive(l_, phase(tag, 1), nullptr);
+        local_->arrive(l_, phase(tag, 1), nullptr, procs_->timeout());
     }
 
 private:
@@ -132,7 +198,7 @@ private:
     // (`leader`, taken from the first crossing's slot: the third crossing rewrites that slot).
     template <class T>
     void share_from_leader(const CollectiveTag& tag, const void* leader, DeviceSpan<T> data) {
-        local_->arrive(l_, phase(tag, 1), data.data);
+        local_->arrive(l_, phase(tag, 1), data.data, procs_->timeout());  // the leader is in the process-level collective
         if (l_ != 0 && !data.empty())
             std::memcpy(data.data, leader, data.size * sizeof(T));
         local_->arrive(l_, phase(tag, 2), data.data);  // the leader's buffer is read by now
@@ -165,16 +231,7 @@ private:
         Aborter(std::shared_ptr<SharedTensor> l, std::shared_ptr<ProcessGroup> p) : local(std::move(l)), procs(std::move(p)) {}
         void abort(const std::string& reason, int failed_rank) noexcept override {
             local->abort(reason, failed_rank);
-            try {  // the other processes learn the failing replica's global rank
-                const int p = procs->rank();
-                std::string who = "process " + std::to_string(p);
-                if (failed_rank >= 0)
-                    who = "global rank " + std::to_string(p * local->world_size() + failed_rank) + " (" + who + ", replica " +
-                          std::to_string(failed_rank) + ")";
-                procs->abort(who + ": " + reason);
-            } catch (...) {
-                procs->abort(reason);
-            }
+            tell_processes(*procs, local->world_size(), reason, failed_rank);
         }
         void reset() override { local->reset(); }
         std::shared_ptr<SharedTensor> local;

@@ -40,14 +40,15 @@ public:
     std::chrono::milliseconds timeout() const noexcept { return barrier_.timeout(); }
 
     //! Publishes `tag` and `buffer` for `rank`, waits for every rank and checks that all tags
-    //! agree. Returns the crossing's parity, to pass to `buffer()`.
-    int arrive(int rank, const CollectiveTag& tag, void* buffer) {
+    //! agree. Returns the crossing's parity, to pass to `buffer()`. `extra` lengthens the wait
+    //! (a rank known to be in a slower collective of its own, e.g. the process-level one).
+    int arrive(int rank, const CollectiveTag& tag, void* buffer, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
         LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < world_size(), "rank ", rank,
                           " is not a member of a group of ", world_size());
         const int parity = static_cast<int>(crossings_[static_cast<std::size_t>(rank)]++ & 1u);
         auto& slots = slots_[static_cast<std::size_t>(parity)];
         slots[static_cast<std::size_t>(rank)] = Slot{tag, buffer};
-        barrier_.arrive_and_wait(rank);
+        barrier_.arrive_and_wait(rank, extra);
         for (std::size_t r = 1; r < slots.size(); ++r) {
             if (slots[r].tag != slots[0].tag) [[unlikely]] {
                 throw CollectiveMismatch("replicas reached different collectives: rank 0 reached " +

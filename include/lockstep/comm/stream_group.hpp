@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -72,6 +73,7 @@ namespace lockstep::comm {
 //   Event make_event(int device);    void destroy_event(int device, Event) noexcept;
 //   void record(Event, Stream);  void wait(Stream, Event);
 //   using UniqueId;  UniqueId unique_id();   (trivially copyable: ncclUniqueId)
+//   std::uint32_t machine_id();             (the same on every process of a machine: its host name's hash)
 //   std::vector<Comm> init(const std::vector<int>& devices, const UniqueId&, int first_rank, int ranks,
 //                          deadline, const std::atomic<bool>& stop);
 //       (the communicators of ranks first_rank.. of `ranks` on `devices`, in one group call)
@@ -84,8 +86,11 @@ namespace lockstep::comm {
 
 // Note [stream groups across processes]
 // A stream group made with a ProcessGroup spans processes: this process's replicas are ranks
-// first_rank = process rank x L .. + L - 1 of P x L (L replicas in every process, laid out the
-// same way: checked when the group is made, every process throwing the same UsageError).
+// first_rank = process rank x L .. + L - 1 of P x L. When the group is made, every process sees
+// every process's layout and all throw the same UsageError unless: each runs L replicas laid out
+// alike, and no GPU serves two processes of one machine (NCCL refuses a GPU twice in a
+// communicator; Api::machine_id tells the machines apart). A layout one process refuses on its
+// own (a mix) is refused by all alike too (comm::agreed_failure), before anything waits on it.
 // - Setup: process 0 makes the NCCL unique id and broadcasts it over the process group (MPI);
 //   every process then creates its communicators in one group call (ncclCommInitRankConfig).
 // - Layouts. `peer` (one replica per GPU): every replica holds a communicator of all P x L ranks,
@@ -101,8 +106,12 @@ namespace lockstep::comm {
 //   with deadlines, which also receives abort messages), and a second local rendezvous lets the
 //   replicas enqueue. So no replica enters NCCL unless every replica of every process reached
 //   the same collective; a mismatch throws CollectiveMismatch everywhere instead of hanging.
+//   While rank 0 is in agree (bounded by the process group's timeout), the others wait for it
+//   at the second crossing that much longer than the group's timeout: a late process is named
+//   by agree's Timeout, not rank 0 by the local barrier's.
 // - Failures: abort() also tells the other processes (ProcessGroup::abort), naming the failing
-//   global rank; their next agree, or their replicas' waits on the GPU (DeviceWatch::poll consults
+//   global rank when the failure started here (comm::tell_processes; a failure passed on from
+//   another process is sent on without naming a replica here); their next agree, or their replicas' waits on the GPU (DeviceWatch::poll consults
 //   ProcessGroup::check_peers), throw CollectiveAborted naming it, and their own abort() aborts
 //   their communicators, so a kernel waiting for a peer that is gone is ended too. A dead process
 //   is caught by the deadlines (agree's, the event waits'). The group is not rebuilt: after a
@@ -148,7 +157,7 @@ public:
         st_->rendezvous.arrive(rank_, tag, nullptr);
         if (st_->procs) {
             if (rank_ == 0) st_->procs->agree(st_->channel, tag);
-            st_->rendezvous.arrive(rank_, phase(tag, 1), nullptr);
+            st_->rendezvous.arrive(rank_, phase(tag, 1), nullptr, st_->procs->timeout());
         }
     }
     //! Sums 16-bit floats in place over all ranks (on CUDA: `DeviceSpan<__half>` with DType::f16,
@@ -223,7 +232,9 @@ private:
         int next_phase = 1;
         if (st.procs) {  // Note [stream groups across processes]
             if (rank_ == 0) st.procs->agree(st.channel, tag);
-            st.rendezvous.arrive(rank_, phase(tag, next_phase++), data.data);
+            // Rank 0 may wait in agree for as long as the process group allows: the others wait
+            // that much longer here, so that a late process is named, not rank 0.
+            st.rendezvous.arrive(rank_, phase(tag, next_phase++), data.data, st.procs->timeout());
         }
         if (st.global > 1 && !data.empty()) {
             if (st.mode == StreamGroupMode::peer) {
@@ -414,18 +425,9 @@ struct StreamCommunicator<Api>::State final : public Abortable {
                               "; destroy the DataParallel object and make a new one");
     }
 
-    // The other processes learn the failing replica's global rank.
+    // The other processes learn the failing replica's global rank (comm::tell_processes).
     void tell_processes(const std::string& reason, int failed_rank) noexcept {
-        try {
-            const int p = procs->rank();
-            std::string who = "process " + std::to_string(p);
-            if (failed_rank >= 0)
-                who = "global rank " + std::to_string(first_rank + failed_rank) + " (" + who + ", replica " +
-                      std::to_string(failed_rank) + ")";
-            procs->abort(who + ": " + reason);
-        } catch (...) {
-            procs->abort(reason);
-        }
+        comm::tell_processes(*procs, size(), reason, failed_rank);
     }
 
     std::string abort_reason() const {
@@ -506,7 +508,7 @@ public:
     //! process, as the constructor above.
     StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout,
                 std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel)
-        : st_(std::make_shared<State>(device_indices(devices), choose_mode(devices), timeout)) {
+        : st_(make_state(devices, timeout, processes.get(), channel)) {
         State& st = *st_;
         if (processes == nullptr) {
             if (st.mode == StreamGroupMode::peer) st.comms = st.make_comms(clock::now() + timeout, st.aborted_never);
@@ -516,23 +518,46 @@ public:
         Collectives& link = processes->channel(channel);
         const int P = processes->size(), p = processes->rank(), L = st.size();
         const bool peer = st.mode == StreamGroupMode::peer;
-        // Every process must lay out its replicas alike: all see every layout, so all agree or all
-        // throw the same error.
-        std::vector<double> layout(2 * static_cast<std::size_t>(P), 0.0);  // replicas, then 1 for peer mode, by process
-        layout[static_cast<std::size_t>(p)] = L;
-        layout[static_cast<std::size_t>(P + p)] = peer ? 1.0 : 0.0;
+        // Every process must lay out its replicas alike, and no GPU may serve two processes of a
+        // machine (NCCL refuses a duplicate GPU): all see every layout, so all agree or all throw
+        // the same error.
+        const auto Pz = static_cast<std::size_t>(P), pz = static_cast<std::size_t>(p);
+        std::vector<double> layout(5 * Pz, 0.0);  // by process: replicas, peer mode, machine, GPUs 0-31, 32-63
+        layout[pz] = L;
+        layout[Pz + pz] = peer ? 1.0 : 0.0;
+        layout[2 * Pz + pz] = static_cast<double>(st.api.machine_id());
+        std::uint32_t mask[2] = {0, 0};
+        for (const int d : st.devices)
+            if (d >= 0 && d < 64) mask[d / 32] |= std::uint32_t{1} << (d % 32);
+        layout[3 * Pz + pz] = mask[0];
+        layout[4 * Pz + pz] = mask[1];
         link.all_reduce_sum(DeviceSpan<double>::host(layout), CollectiveSite::control(4));
         std::string list;
         bool alike = true;
-        for (int q = 0; q < P; ++q) {
-            const double lq = layout[static_cast<std::size_t>(q)], pq = layout[static_cast<std::size_t>(P + q)];
-            alike = alike && lq == layout[0] && pq == layout[static_cast<std::size_t>(P)];
+        for (std::size_t q = 0; q < Pz; ++q) {
+            const double lq = layout[q], pq = layout[Pz + q];
+            alike = alike && lq == layout[0] && pq == layout[Pz];
             list += (q ? ", " : "") + std::to_string(static_cast<long long>(lq)) +
                     (pq != 0 ? " on as many GPUs" : lq > 1 ? " on one GPU" : "");
         }
         LOCKSTEP_CHECK_AS(UsageError, alike, "a replica group across ", P, " processes: they lay out their replicas "
                           "differently (", list, ", by process); every process must run as many replicas, laid out alike "
                           "(one per GPU, or all on one GPU)");
+        for (std::size_t q = 0; q < Pz; ++q)
+            for (std::size_t r = q + 1; r < Pz; ++r) {
+                if (layout[2 * Pz + q] != layout[2 * Pz + r]) continue;  // other machines
+                for (int half = 0; half < 2; ++half) {
+                    const auto shared = static_cast<std::uint32_t>(layout[(3 + half) * Pz + q]) &
+                                        static_cast<std::uint32_t>(layout[(3 + half) * Pz + r]);
+                    if (shared == 0) continue;
+                    const int d = 32 * half + std::countr_zero(shared);
+                    throw UsageError("a replica group across " + std::to_string(P) + " processes: processes " + std::to_string(q) +
+                                     " and " + std::to_string(r) + " both use GPU " + std::to_string(d) +
+                                     " of one machine, which NCCL refuses; give each process of a machine GPUs of its own "
+                                     "(mpirun with at most as many processes per machine as GPUs, or --devices lists "
+                                     "that do not overlap)");
+                }
+            }
         st.procs = std::move(processes);
         st.channel = channel;
         st.first_rank = p * L;
@@ -582,6 +607,23 @@ public:
     }
 
 private:
+    // The group's state; across processes, a layout one process refuses is refused by all alike
+    // (comm::agreed_failure) rather than leave the others waiting in the layout exchange.
+    static std::shared_ptr<State> make_state(const std::vector<Device>& devices, std::chrono::milliseconds timeout,
+                                             ProcessGroup* procs, ProcessGroup::Channel channel) {
+        if (procs == nullptr) return std::make_shared<State>(device_indices(devices), choose_mode(devices), timeout);
+        std::exception_ptr failure;
+        StreamGroupMode mode = StreamGroupMode::single;
+        try {
+            mode = choose_mode(devices);
+        } catch (...) {
+            failure = std::current_exception();
+        }
+        const std::string agreed = agreed_failure(*procs, channel, failure);
+        if (!agreed.empty()) throw UsageError("a replica group across processes: " + agreed);
+        return std::make_shared<State>(device_indices(devices), mode, timeout);
+    }
+
     void make_communicators() {
         comms_.reserve(static_cast<std::size_t>(st_->size()));
         for (int r = 0; r < st_->size(); ++r) comms_.push_back(communicator_type(st_, r));

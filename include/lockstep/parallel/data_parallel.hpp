@@ -1019,8 +1019,20 @@ private:
 
     static std::shared_ptr<Core> make_core(const DataParallelOptions& options, const std::vector<Device>& devices) {
         auto core = std::make_shared<Core>();
-        core->options = check_options(options);
-        core->devices = check_devices(devices);
+        if (!options.process_group) {
+            core->options = check_options(options);
+            core->devices = check_devices(devices);
+        } else {  // every process refuses alike (comm::agreed_failure), none waits for one that left
+            std::exception_ptr failure;
+            try {
+                core->options = check_options(options);
+                core->devices = check_devices(devices);
+            } catch (...) {
+                failure = std::current_exception();
+            }
+            const std::string agreed = comm::agreed_failure(*options.process_group, comm::ProcessGroup::control, failure);
+            if (!agreed.empty()) throw UsageError("DataParallel across processes: " + agreed);
+        }
         core->world = static_cast<int>(core->devices.size());
         core->global_world = core->world;
         core->resources.resize(core->devices.size());

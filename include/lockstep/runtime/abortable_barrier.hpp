@@ -57,8 +57,9 @@ public:
     }
 
     //! Blocks until all parties arrived. Throws `CollectiveAborted` after `abort()`, `Timeout`
-    //! (naming the missing ranks; its `rank()` is the first of them) when the timeout passes first.
-    void arrive_and_wait(int rank) {
+    //! (naming the missing ranks; its `rank()` is the first of them) when the timeout (plus
+    //! `extra`: a party known to be busy elsewhere for up to that long) passes first.
+    void arrive_and_wait(int rank, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
         std::unique_lock lock(mutex_);
         LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < parties_, "rank ", rank, " is not in a barrier of ",
                           parties_, " parties");
@@ -88,7 +89,8 @@ public:
             }
         }
         lock.lock();
-        const auto deadline = clock::now() + timeout_;
+        const auto waited = timeout_ + extra;
+        const auto deadline = clock::now() + waited;
         while (generation_.load(std::memory_order_relaxed) == gen && !aborted_) {
             if (cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
                 generation_.load(std::memory_order_relaxed) == gen && !aborted_) {
@@ -101,7 +103,7 @@ public:
                 }
                 // The Timeout is the stuck replica's failure: its rank() is the first that never
                 // arrived, not the rank of whoever waited for it.
-                abort_locked("barrier timed out after " + std::to_string(timeout_.count()) +
+                abort_locked("barrier timed out after " + std::to_string(waited.count()) +
                                  " ms; ranks that never arrived: " + missing +
                                  " (a replica is stuck or skipped a collective; raise the timeout if the step is "
                                  "legitimately that slow)",
