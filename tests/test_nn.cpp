@@ -700,6 +700,24 @@ TEST_CASE("Where lockstep is built with oneDNN, oneDNN serves host convolutions"
     CHECK(kernels::dnnl_conv::plans_made() == before + 1);  // made once per shape
     CHECK(kernels::detail::host_conv_engine().forward != nullptr);
 }
+
+TEST_CASE("Where lockstep is built with oneDNN, its matmul serves the linear layers", "[nn]") {
+    // Note [oneDNN matmul for linear layers]; the results themselves are checked against fp64 loops
+    // and finite differences by the Linear tests above, which run on this path in this build.
+    const long before = kernels::dnnl_conv::matmuls_made();
+    nn::Generator g(3);
+    nn::Linear<> fc(40, 6, true, g);
+    nn::Context<> ctx;
+    Tensor<float> x(Shape{5, 40});
+    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = 0.01f * static_cast<float>(i % 37) - 0.2f;
+    const auto y = fc.forward(ctx, x);
+    CHECK(kernels::dnnl_conv::matmuls_made() == before + 1);
+    (void)fc.forward(ctx, x);
+    CHECK(kernels::dnnl_conv::matmuls_made() == before + 1);  // made once per shape on a thread
+    (void)fc.backward(ctx, y);
+    CHECK(kernels::dnnl_conv::matmuls_made() == before + 3);  // backward-weights and backward-data
+    CHECK(kernels::detail::host_conv_engine().gemm != nullptr);
+}
 #endif
 
 // ---- checkpoint files that break the format, and paths a save must not destroy ----

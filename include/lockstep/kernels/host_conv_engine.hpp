@@ -3,6 +3,7 @@
 //! serves the host backend's convolutions, and `FreshOnCopy`, the per-layer state it keeps.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "lockstep/kernels/ops.hpp"
@@ -41,7 +42,7 @@ private:
 // every unit, and host_dnnl.hpp fills them in when any unit of the program includes it.
 
 //! A convolution library's entry points; each returns false for a shape it declines (the im2col
-//! path runs instead).
+//! path, or OpenBLAS, runs instead).
 struct HostConvEngine {
     bool (*forward)(FreshOnCopy& state, const ConvGeometry& g, const float* x, const float* weight, const float* bias,
                     float* y) = nullptr;
@@ -49,6 +50,10 @@ struct HostConvEngine {
                      float* weight_grad, float* bias_grad, float* dx) = nullptr;
     //! Run once on each replica thread (oneDNN: one OpenMP thread there).
     void (*enter_thread)() = nullptr;
+    //! C = op(A) op(B) + beta C, row-major float (as blas::gemm, alpha 1): the linear layers'
+    //! products (Note [oneDNN matmul for linear layers]).
+    bool (*gemm)(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
+                 std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) = nullptr;
 };
 
 inline HostConvEngine& host_conv_engine() {

@@ -168,7 +168,7 @@ struct Ops<Host> {
     static void linear_forward(const Ex&, const T_<float>& x, const T_<float>& weight, const T_<float>* bias, T_<float>& y,
                                bool relu, T_<std::uint8_t>* mask) {
         const std::int64_t N = x.dim(0), in = x.dim(1), out = weight.dim(0);
-        blas::gemm(false, true, N, out, in, 1.0f, x.data(), in, weight.data(), in, 0.0f, y.data(), out);
+        linear_gemm(false, true, N, out, in, x.data(), in, weight.data(), in, 0.0f, y.data(), out);
         if (bias == nullptr && !relu) return;
         float* LOCKSTEP_RESTRICT p = y.data();
         const float* LOCKSTEP_RESTRICT b = bias != nullptr ? bias->data() : nullptr;
@@ -193,11 +193,20 @@ struct Ops<Host> {
             host::mask_into(dy.data(), mask->data(), masked, N * out);
             g = masked;
         }
-        blas::gemm(true, false, out, in, N, 1.0f, g, out, x.data(), in, 1.0f, weight_grad.data(), in);
+        linear_gemm(true, false, out, in, N, g, out, x.data(), in, 1.0f, weight_grad.data(), in);
         if (bias_grad != nullptr)
             for (std::int64_t n = 0; n < N; ++n)
                 for (std::int64_t o = 0; o < out; ++o) (*bias_grad)[o] += g[n * out + o];
-        blas::gemm(false, false, N, in, out, 1.0f, g, out, weight.data(), in, 0.0f, dx.data(), in);
+        linear_gemm(false, false, N, in, out, g, out, weight.data(), in, 0.0f, dx.data(), in);
+    }
+
+    // The linear layers' products: oneDNN's matmul where the program has it (Note [oneDNN matmul
+    // for linear layers]), else OpenBLAS.
+    static void linear_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
+                            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+        if (const auto hook = detail::host_conv_engine().gemm; hook != nullptr && hook(trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc))
+            return;
+        blas::gemm(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
     }
 
     // ---- activations and pooling --------------------------------------------------------------
