@@ -4,18 +4,22 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -92,29 +96,10 @@ inline void read_at(int fd, const std::string& path, std::uint8_t* out, std::siz
     }
 }
 
-// The images file uncompressed, for reads at any offset: the file itself when it is plain, else
-// an anonymous temporary file (gone when closed) holding its inflated content, written in
-// chunks: never the whole file in memory. Returns the descriptor and the uncompressed size.
-inline std::pair<Fd, std::int64_t> open_uncompressed(const std::string& path) {
-    Fd plain(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (plain.fd < 0) throw DataError(path + ": cannot open (" + errno_text() + "; missing file or directory?)");
-    std::uint8_t magic[2] = {0, 0};
-    const ssize_t got = ::pread(plain.fd, magic, 2, 0);
-    if (got != 2 || magic[0] != 0x1f || magic[1] != 0x8b) {
-        struct stat st {};
-        if (::fstat(plain.fd, &st) != 0) throw DataError(path + ": cannot stat (" + errno_text() + ")");
-        if (!S_ISREG(st.st_mode)) throw DataError(path + ": not a regular file");
-        return {std::move(plain), static_cast<std::int64_t>(st.st_size)};
-    }
-    const char* env = std::getenv("TMPDIR");
-    const std::string dir = env != nullptr && *env != '\0' ? env : "/tmp";
-    std::string name = dir + "/lockstep-idx-XXXXXX";
-    Fd out(::mkstemp(name.data()));
-    if (out.fd < 0)
-        throw DataError(path + ": cannot make a temporary file in " + dir + " to inflate it into (" + errno_text() +
-                        "); set TMPDIR to a writable directory, or gunzip the data files");
-    ::unlink(name.c_str());  // anonymous from now on: gone when closed, whatever happens
-    const int zfd = ::dup(plain.fd);
+// Inflates the gzip file `path` (open as `in`) into `out` from offset 0, in 64 KiB chunks; returns
+// the inflated size.
+inline std::int64_t inflate_into(const std::string& path, int in, int out) {
+    const int zfd = ::dup(in);
     gzFile f = zfd < 0 ? nullptr : gzdopen(zfd, "rb");
     if (f == nullptr) {
         if (zfd >= 0) ::close(zfd);
@@ -134,7 +119,7 @@ inline std::pair<Fd, std::int64_t> open_uncompressed(const std::string& path) {
         }
         if (n == 0) break;
         for (std::size_t done = 0; done < static_cast<std::size_t>(n);) {
-            const ssize_t w = ::pwrite(out.fd, buf.data() + done, static_cast<std::size_t>(n) - done, static_cast<off_t>(size));
+            const ssize_t w = ::pwrite(out, buf.data() + done, static_cast<std::size_t>(n) - done, static_cast<off_t>(size));
             if (w < 0 && errno == EINTR) continue;
             if (w <= 0)
                 fail("writing its inflated copy to a temporary file failed (" + errno_text() +
@@ -145,6 +130,97 @@ inline std::pair<Fd, std::int64_t> open_uncompressed(const std::string& path) {
         if (size > (std::int64_t{1} << 31)) fail("larger than 2 GiB; not an MNIST-style file");
     }
     gzclose(f);
+    return size;
+}
+
+inline std::string temp_dir() {
+    const char* env = std::getenv("TMPDIR");
+    return env != nullptr && *env != '\0' ? env : "/tmp";
+}
+
+using Opened = std::pair<Fd, std::int64_t>;  // a descriptor and the uncompressed size
+
+// The inflated copy of gzip file `path` (open as `fd`) that the processes of this machine share:
+// TMPDIR/lockstep-idx-<key>.raw, the key a hash of the file's device, inode, size, modification
+// time and gzip trailer (CRC-32 and length of the content). The first process to want it makes
+// it under an exclusive lock (flock on a .lock file beside it, polled against 10 minutes),
+// writing a temporary name that it renames into place, so no reader sees a partial copy; the
+// others open it. Empty when the shared copy cannot be had (the caller inflates its own).
+inline std::optional<Opened> shared_copy(const std::string& path, int fd, bool& inflated) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 18) return std::nullopt;
+    std::uint8_t trailer[8] = {};
+    if (::pread(fd, trailer, 8, st.st_size - 8) != 8) return std::nullopt;
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+    const auto mix = [&](const void* p, std::size_t n) {
+        for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<const std::uint8_t*>(p)[i]) * 1099511628211ull;
+    };
+    mix(&st.st_dev, sizeof st.st_dev);
+    mix(&st.st_ino, sizeof st.st_ino);
+    mix(&st.st_size, sizeof st.st_size);
+    mix(&st.st_mtim.tv_sec, sizeof st.st_mtim.tv_sec);
+    mix(&st.st_mtim.tv_nsec, sizeof st.st_mtim.tv_nsec);
+    mix(trailer, sizeof trailer);
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+    const std::string name = temp_dir() + "/lockstep-idx-" + hex + ".raw";
+    const auto open_made = [&]() -> std::optional<Opened> {
+        Fd made(::open(name.c_str(), O_RDONLY | O_CLOEXEC));
+        struct stat ms {};
+        if (made.fd < 0 || ::fstat(made.fd, &ms) != 0) return std::nullopt;
+        return Opened{std::move(made), static_cast<std::int64_t>(ms.st_size)};
+    };
+    if (auto made = open_made()) return made;
+    Fd lock(::open((name + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));
+    if (lock.fd < 0) return std::nullopt;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+    while (::flock(lock.fd, LOCK_EX | LOCK_NB) != 0) {
+        if ((errno != EWOULDBLOCK && errno != EINTR) || std::chrono::steady_clock::now() > deadline) return std::nullopt;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (auto made = open_made()) return made;  // made while this process waited
+    std::string part = name + ".XXXXXX";
+    Fd out(::mkstemp(part.data()));
+    if (out.fd < 0) return std::nullopt;
+    std::int64_t size = 0;
+    try {
+        size = inflate_into(path, fd, out.fd);
+        inflated = true;
+    } catch (...) {
+        ::unlink(part.c_str());
+        throw;
+    }
+    ::fchmod(out.fd, 0644);
+    if (::rename(part.c_str(), name.c_str()) != 0) ::unlink(part.c_str());  // this process's copy still serves it
+    return Opened{std::move(out), size};  // the lock is released as `lock` closes
+}
+
+// The images file uncompressed, for reads at any offset: the file itself when it is plain, else
+// an inflated copy, written in chunks (never the whole file in memory): the one the machine's
+// processes share (`share`), or failing that an anonymous temporary file of this process's own.
+// `inflated` says whether this call inflated the file (not when it found the shared copy made).
+inline Opened open_uncompressed(const std::string& path, bool share, bool& inflated) {
+    Fd plain(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (plain.fd < 0) throw DataError(path + ": cannot open (" + errno_text() + "; missing file or directory?)");
+    std::uint8_t magic[2] = {0, 0};
+    const ssize_t got = ::pread(plain.fd, magic, 2, 0);
+    if (got != 2 || magic[0] != 0x1f || magic[1] != 0x8b) {
+        struct stat st {};
+        if (::fstat(plain.fd, &st) != 0) throw DataError(path + ": cannot stat (" + errno_text() + ")");
+        if (!S_ISREG(st.st_mode)) throw DataError(path + ": not a regular file");
+        return {std::move(plain), static_cast<std::int64_t>(st.st_size)};
+    }
+    if (share)
+        if (auto copy = shared_copy(path, plain.fd, inflated)) return std::move(*copy);
+    const std::string dir = temp_dir();
+    std::string name = dir + "/lockstep-idx-XXXXXX";
+    Fd out(::mkstemp(name.data()));
+    if (out.fd < 0)
+        throw DataError(path + ": cannot make a temporary file in " + dir + " to inflate it into (" + errno_text() +
+                        "); set TMPDIR to a writable directory, or gunzip the data files");
+    ::unlink(name.c_str());  // anonymous from now on: gone when closed, whatever happens
+    const std::int64_t size = inflate_into(path, plain.fd, out.fd);
+    inflated = true;
     return {std::move(out), size};
 }
 
@@ -154,14 +230,17 @@ inline std::pair<Fd, std::int64_t> open_uncompressed(const std::string& path) {
 //! file, magic 0x801; gzipped or not) opened for reading the images of given samples when they
 //! are needed: each process of a multi-process run reads only the rows it trains on. Opening
 //! checks every header field against the files' sizes and every label; the labels (one byte per
-//! sample) stay in memory, the images in the file (a gzipped one is inflated into an anonymous
-//! temporary file first). Reads may come from several threads.
+//! sample) stay in memory, the images in the file (a gzipped one is first inflated into a copy
+//! the machine's processes share). Reads may come from several threads.
 class IdxSource {
 public:
-    //! `limit` > 0 keeps the first `limit` samples.
-    IdxSource(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0)
+    //! `limit` > 0 keeps the first `limit` samples. `share_inflated`: a gzipped images file is
+    //! inflated once per machine into a copy its processes share (detail::shared_copy), else
+    //! into an anonymous file of this object's own.
+    IdxSource(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0,
+              bool share_inflated = true)
         : path_(images_path) {
-        auto [fd, size] = detail::open_uncompressed(images_path);
+        auto [fd, size] = detail::open_uncompressed(images_path, share_inflated, inflated_);
         fd_ = std::move(fd);
         const auto lab = detail::read_all(labels_path);
         std::uint8_t header[16] = {};
@@ -217,6 +296,9 @@ public:
         read_ += n;
     }
 
+    //! Whether opening inflated the gzipped images file here (not when a shared copy was there).
+    bool inflated() const noexcept { return inflated_; }
+
     //! Images read from the file so far.
     std::int64_t images_read() const noexcept { return read_.load(std::memory_order_relaxed); }
 
@@ -226,6 +308,7 @@ private:
     std::int64_t count_ = 0, rows_ = 0, cols_ = 0;
     std::vector<std::uint8_t> labels_;
     mutable std::atomic<std::int64_t> read_{0};
+    bool inflated_ = false;
 };
 
 }  // namespace mnist

@@ -70,10 +70,11 @@ inline std::string find_file(const std::string& dir, const std::string& name) {
 // (the same seed) and the same batch boundaries; for each step it reads, from the files, only
 // the images of its own rows of the global batch (my_rows: those of its replicas' global ranks),
 // and evaluation reads only its rows of each test chunk. A gzipped file cannot be read at an
-// offset: each process inflates it once, in 64 KiB chunks (never whole in memory), into an
-// anonymous temporary file in TMPDIR, and reads its rows from there. So with gzipped files every
-// process still reads the compressed file through once; with plain IDX files (gunzip them) a
-// process reads nothing but the header, the labels and its rows.
+// offset: it is inflated once per machine, in 64 KiB chunks (never whole in memory), into a copy
+// in TMPDIR that the machine's processes share (the first one makes it under a lock, the others,
+// and later runs, open it), and rows are read from there. So with gzipped files one process per
+// machine reads the compressed file through once; with plain IDX files (gunzip them) no process
+// reads more than the header, the labels and its rows.
 
 // This process's rows [first, first + count) of a global batch of n rows: all of them in one
 // process; across processes, those of its replicas' global ranks (DataParallelOptions::process_group).
@@ -389,12 +390,17 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         ++evaluations;
     }
     {  // Note [each process reads its rows]: what each process read, against what the run used
-        std::vector<double> read(static_cast<std::size_t>(processes), 0.0);
-        read[static_cast<std::size_t>(procs ? procs->rank() : 0)] = static_cast<double>(train.images_read() + test.images_read());
+        const auto P = static_cast<std::size_t>(processes), p = static_cast<std::size_t>(procs ? procs->rank() : 0);
+        std::vector<double> read(2 * P, 0.0);  // images read, then gzipped files inflated, by process
+        read[p] = static_cast<double>(train.images_read() + test.images_read());
+        read[P + p] = static_cast<double>(train.inflated()) + static_cast<double>(test.inflated());
         if (procs)
             procs->channel(lockstep::comm::ProcessGroup::control)
                 .all_reduce_sum(lockstep::DeviceSpan<double>::host(read), lockstep::comm::CollectiveSite::user(2));
-        write_metrics({{"kind", "data"}, {"images_read", read}, {"images_used", images + evaluations * test.count()}});
+        write_metrics({{"kind", "data"},
+                       {"images_read", std::vector<double>(read.begin(), read.begin() + static_cast<std::ptrdiff_t>(P))},
+                       {"files_inflated", std::vector<double>(read.begin() + static_cast<std::ptrdiff_t>(P), read.end())},
+                       {"images_used", images + evaluations * test.count()}});
     }
     const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
     if (leader)

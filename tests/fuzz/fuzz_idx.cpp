@@ -122,7 +122,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const std::string images_path = write(images, (flags & 1) != 0, data, images_size);
     const std::string labels_path = write(labels, (flags & 2) != 0, data + images_size, size - images_size);
     try {
-        const mnist::IdxSource ds(images_path, labels_path, limit);
+        const mnist::IdxSource ds(images_path, labels_path, limit, false);  // no shared copies of fuzz inputs in TMPDIR
         const auto pixels = check_opened(ds, limit);
         if (self_test()) read_past_the_end(pixels);
     } catch (const mnist::DataError&) {

@@ -9,7 +9,8 @@
 //!   mnist_tool set-metadata IN OUT KEY VALUE     a copy of checkpoint IN with metadata KEY = VALUE
 //!   mnist_tool mkfifo PATH                       makes a FIFO at PATH
 //!   mnist_tool data METRICS.jsonl P              the run's P processes read every image it used
-//!                                                once, each about its 1/P share (not the data set)
+//!                                                once, each about its 1/P share (not the data set),
+//!                                                and inflated each gzipped file at most once
 #include <sys/stat.h>
 
 #include <lockstep/nn.hpp>
@@ -183,6 +184,13 @@ int check_data(const std::string& path, int processes) {
     if (static_cast<int>(read.size()) != processes || sum != used || used <= 0) {
         std::fprintf(stderr, "%zu processes read %.0f images in all; the run used %.0f (want %d processes reading each once)\n",
                      read.size(), sum, used, processes);
+        return 1;
+    }
+    const auto inflated = data.at("files_inflated").get<std::vector<double>>();
+    double inflations = 0;
+    for (const double f : inflated) inflations += f;
+    if (inflations > 2) {  // the two images files, once for the machine (0 when a copy was there)
+        std::fprintf(stderr, "the processes inflated %.0f gzipped files; the machine's copy serves them all\n", inflations);
         return 1;
     }
     const double share = used / processes + steps + 20;  // + one row per training batch and per test chunk
