@@ -240,9 +240,10 @@ std::vector<Call> only(const std::vector<Call>& calls, std::initializer_list<con
     return out;
 }
 
-// Runs `body(rank, communicator)` on one thread per rank, each bound first; returns per-rank errors.
+// Runs `body(rank, communicator)` on one thread per rank, each bound first; returns per-rank
+// errors. With `abort_on_error`, a rank that throws aborts the group, as DataParallel's pool does.
 template <class F>
-std::vector<std::exception_ptr> on_threads(Group& g, F body) {
+std::vector<std::exception_ptr> on_threads(Group& g, F body, bool abort_on_error = false) {
     std::vector<std::exception_ptr> errors(static_cast<std::size_t>(g.size()));
     std::vector<std::thread> threads;
     for (int r = 0; r < g.size(); ++r)
@@ -251,8 +252,9 @@ std::vector<std::exception_ptr> on_threads(Group& g, F body) {
                 Execution<Host> ex;
                 g.bind(r, ex);
                 body(r, g.communicator(r));  // a Group::communicator_type&, also a comm::Collectives&
-            } catch (...) {
+            } catch (const std::exception& e) {
                 errors[static_cast<std::size_t>(r)] = std::current_exception();
+                if (abort_on_error) g.abortable()->abort(e.what(), r);
             }
         });
     for (auto& t : threads) t.join();
@@ -694,27 +696,6 @@ DataParallelOptions across(std::shared_ptr<comm::ProcessGroup> procs) {
     return o;
 }
 
-// Runs `body(rank, communicator)` on one thread per rank of group `g`, each bound first, aborting
-// the group when a rank throws (as DataParallel's pool does); returns per-rank errors.
-template <class F>
-std::vector<std::exception_ptr> on_threads_aborting(Group& g, F body) {
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(g.size()));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < g.size(); ++r)
-        threads.emplace_back([&, r] {
-            try {
-                Execution<Host> ex;
-                g.bind(r, ex);
-                body(r, g.communicator(r));
-            } catch (const std::exception& e) {
-                errors[static_cast<std::size_t>(r)] = std::current_exception();
-                g.abortable()->abort(e.what(), r);
-            }
-        });
-    for (auto& t : threads) t.join();
-    return errors;
-}
-
 }  // namespace
 
 TEST_CASE("stream group across processes: 2 processes x 2 GPUs equal 4 GPUs in one process, bit for bit", "[comm][parallel]") {
@@ -780,10 +761,10 @@ TEST_CASE("stream group across processes: a mismatch between processes is caught
     const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
         Group g(hosts({0, 1}), 5s, procs, comm::ProcessGroup::gradients);
         std::vector<std::vector<float>> data(2, std::vector<float>(8, 1.0f));
-        rank_errors[static_cast<std::size_t>(p)] = on_threads_aborting(g, [&](int r, comm::Collectives& c) {
+        rank_errors[static_cast<std::size_t>(p)] = on_threads(g, [&](int r, comm::Collectives& c) {
             const std::size_t n = p == 1 ? 7 : 8;  // both replicas of process 1 agree with each other
             c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), n, Device::host(r)), comm::CollectiveSite::user(3));
-        });
+        }, true);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     for (int p = 0; p < 2; ++p) {
@@ -949,9 +930,9 @@ TEST_CASE("stream group across processes: replicas waiting for their leader's ex
         Group g(hosts({0, 1}), 200ms, procs, comm::ProcessGroup::layer);
         auto& mine = data[static_cast<std::size_t>(p)];
         if (p == 1) std::this_thread::sleep_for(500ms);
-        rank_errors[static_cast<std::size_t>(p)] = on_threads_aborting(g, [&](int r, comm::Collectives& c) {
+        rank_errors[static_cast<std::size_t>(p)] = on_threads(g, [&](int r, comm::Collectives& c) {
             c.all_reduce_sum(DeviceSpan<float>(mine[static_cast<std::size_t>(r)].data(), 4, Device::host(r)), comm::CollectiveSite::user(8));
-        });
+        }, true);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     for (const auto& per_process : data)
