@@ -139,7 +139,8 @@ struct RecordingApi {
         thread_local int m = 0;
         return m;
     }
-    static std::uint32_t machine_id() { return static_cast<std::uint32_t>(test_machine()); }
+    // A GPU's identity: its machine's and its number there.
+    static std::uint64_t device_key(int device) { return static_cast<std::uint64_t>(test_machine()) * 1000 + static_cast<std::uint64_t>(device); }
 
     using UniqueId = std::array<long, 2>;
     static UniqueId unique_id() { return {0x1d, log_of_calls().next_id++}; }
@@ -255,6 +256,9 @@ std::vector<std::exception_ptr> on_threads(Group& g, F body, bool abort_on_error
             } catch (const std::exception& e) {
                 errors[static_cast<std::size_t>(r)] = std::current_exception();
                 if (abort_on_error) g.abortable()->abort(e.what(), r);
+            } catch (...) {
+                errors[static_cast<std::size_t>(r)] = std::current_exception();
+                if (abort_on_error) g.abortable()->abort("an exception that is not a std::exception", r);
             }
         });
     for (auto& t : threads) t.join();
@@ -620,15 +624,15 @@ public:
     void check_peers() override {
         std::lock_guard lock(w_->m);
         for (auto it = w_->aborts.rbegin(); it != w_->aborts.rend(); ++it)
-            if (it->first != p_) {
-                seen_ = true;
+            if (it->first != p_)
                 throw CollectiveAborted("process " + std::to_string(it->first) + " failed: " + it->second, it->first);
-            }
     }
     std::chrono::milliseconds timeout() const noexcept override { return 5s; }
+    // Once another process has aborted: its message reaches this one through check_peers, agree
+    // or a channel's wait, whichever comes first, as with MPI.
     bool peer_failed() const noexcept override {
         std::lock_guard lock(w_->m);
-        return seen_;
+        return std::any_of(w_->aborts.begin(), w_->aborts.end(), [&](const auto& a) { return a.first != p_; });
     }
     void abort(const std::string& reason) noexcept override {
         {
@@ -644,7 +648,6 @@ public:
 private:
     std::shared_ptr<ThreadWorld> w_;
     int p_;
-    mutable bool seen_ = false;  // an abort of another process was delivered here (under w_->m)
 };
 
 // Runs `body(p, process_group)` for every process on its own thread; returns per-process errors.
@@ -799,7 +802,7 @@ TEST_CASE("stream group across processes: processes that lay out their replicas 
     }, true);
     for (auto& e : shared) {
         REQUIRE(e);
-        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("processes 0 and 1 both use GPU 1 of one machine"));
+        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("processes 0 and 1 use the same GPU (this process's host:1"));
     }
     CHECK_FALSE(as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {  // GPUs of their own: fine
         Group g(p == 0 ? hosts({0, 1}) : hosts({2, 3}), 5s, procs, comm::ProcessGroup::layer);

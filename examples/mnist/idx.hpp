@@ -140,17 +140,29 @@ inline std::string temp_dir() {
 
 using Opened = std::pair<Fd, std::int64_t>;  // a descriptor and the uncompressed size
 
-// The inflated copy of gzip file `path` (open as `fd`) that the processes of this machine share:
-// TMPDIR/lockstep-idx-<key>.raw, the key a hash of the file's device, inode, size, modification
-// time and gzip trailer (CRC-32 and length of the content). The first process to want it makes
-// it under an exclusive lock (flock on a .lock file beside it, polled against 10 minutes),
-// writing a temporary name that it renames into place, so no reader sees a partial copy; the
-// others open it. Empty when the shared copy cannot be had (the caller inflates its own).
+// The inflated copy of gzip file `path` (open as `fd`) that this user's processes on this machine
+// share: TMPDIR/lockstep-<uid>/idx-<key>.raw, in a directory of the user's own (mode 0700; one
+// that is not, or is not a directory, means no sharing), the key a hash of the file's device,
+// inode, size, modification time and gzip trailer (CRC-32 and length of the content). A copy is
+// used only if it is a regular file of this user's, not writable by others, whose size agrees
+// with the trailer. The first process to want it makes it under an exclusive lock (flock on a
+// .lock file beside it, polled for at most 2 minutes, less than a process group's timeout),
+// inflating into a temporary name, syncing it and renaming it into place, so no reader sees a
+// partial copy; the others open it. Empty when the shared copy cannot be had: the caller then
+// inflates a copy of its own.
 inline std::optional<Opened> shared_copy(const std::string& path, int fd, bool& inflated) {
     struct stat st {};
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 18) return std::nullopt;
     std::uint8_t trailer[8] = {};
     if (::pread(fd, trailer, 8, st.st_size - 8) != 8) return std::nullopt;
+    const std::uint32_t length = std::uint32_t{trailer[4]} | (std::uint32_t{trailer[5]} << 8) |
+                                 (std::uint32_t{trailer[6]} << 16) | (std::uint32_t{trailer[7]} << 24);
+    const uid_t me = ::getuid();
+    const std::string dir = temp_dir() + "/lockstep-" + std::to_string(me);
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return std::nullopt;
+    struct stat ds {};
+    if (::lstat(dir.c_str(), &ds) != 0 || !S_ISDIR(ds.st_mode) || ds.st_uid != me || (ds.st_mode & 077) != 0)
+        return std::nullopt;
     std::uint64_t h = 1469598103934665603ull;  // FNV-1a
     const auto mix = [&](const void* p, std::size_t n) {
         for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<const std::uint8_t*>(p)[i]) * 1099511628211ull;
@@ -163,17 +175,20 @@ inline std::optional<Opened> shared_copy(const std::string& path, int fd, bool& 
     mix(trailer, sizeof trailer);
     char hex[17];
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-    const std::string name = temp_dir() + "/lockstep-idx-" + hex + ".raw";
+    const std::string name = dir + "/idx-" + hex + ".raw";
     const auto open_made = [&]() -> std::optional<Opened> {
-        Fd made(::open(name.c_str(), O_RDONLY | O_CLOEXEC));
+        Fd made(::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
         struct stat ms {};
         if (made.fd < 0 || ::fstat(made.fd, &ms) != 0) return std::nullopt;
+        if (!S_ISREG(ms.st_mode) || ms.st_uid != me || (ms.st_mode & 022) != 0 ||
+            static_cast<std::uint32_t>(ms.st_size) != length)
+            return std::nullopt;
         return Opened{std::move(made), static_cast<std::int64_t>(ms.st_size)};
     };
     if (auto made = open_made()) return made;
-    Fd lock(::open((name + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));
+    Fd lock(::open((name + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (lock.fd < 0) return std::nullopt;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
     while (::flock(lock.fd, LOCK_EX | LOCK_NB) != 0) {
         if ((errno != EWOULDBLOCK && errno != EINTR) || std::chrono::steady_clock::now() > deadline) return std::nullopt;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -190,8 +205,9 @@ inline std::optional<Opened> shared_copy(const std::string& path, int fd, bool& 
         ::unlink(part.c_str());
         throw;
     }
-    ::fchmod(out.fd, 0644);
-    if (::rename(part.c_str(), name.c_str()) != 0) ::unlink(part.c_str());  // this process's copy still serves it
+    // Whole on disk before it has its name; replaces a copy that was refused above.
+    if (::fchmod(out.fd, 0600) != 0 || ::fsync(out.fd) != 0 || ::rename(part.c_str(), name.c_str()) != 0)
+        ::unlink(part.c_str());  // this process's copy still serves it
     return Opened{std::move(out), size};  // the lock is released as `lock` closes
 }
 

@@ -8,9 +8,10 @@
 //!   mnist_tool other-model FILE                  writes a checkpoint of a different model
 //!   mnist_tool set-metadata IN OUT KEY VALUE     a copy of checkpoint IN with metadata KEY = VALUE
 //!   mnist_tool mkfifo PATH                       makes a FIFO at PATH
-//!   mnist_tool data METRICS.jsonl P              the run's P processes read every image it used
+//!   mnist_tool data METRICS.jsonl P [N]          the run's P processes read every image it used
 //!                                                once, each about its 1/P share (not the data set),
-//!                                                and inflated each gzipped file at most once
+//!                                                and inflated each gzipped file at most once (with
+//!                                                N: exactly N inflations over all processes)
 #include <sys/stat.h>
 
 #include <lockstep/nn.hpp>
@@ -166,7 +167,7 @@ int other_model(const std::string& path) {
 // The "data" line of a run's metrics: every image the run used (trained on or evaluated) was read
 // from the files exactly once over all processes, each process reading its share: at most
 // used / P + one image per batch (shards differ by one row) and never the whole data set.
-int check_data(const std::string& path, int processes) {
+int check_data(const std::string& path, int processes, int want_inflations) {
     std::ifstream in(path);
     if (!in) throw std::runtime_error("cannot read " + path);
     std::string line;
@@ -189,8 +190,12 @@ int check_data(const std::string& path, int processes) {
     const auto inflated = data.at("files_inflated").get<std::vector<double>>();
     double inflations = 0;
     for (const double f : inflated) inflations += f;
-    if (inflations > 2) {  // the two images files, once for the machine (0 when a copy was there)
-        std::fprintf(stderr, "the processes inflated %.0f gzipped files; the machine's copy serves them all\n", inflations);
+    // The two images files, once for the machine (none when a copy was there already).
+    if (inflations > 2 || (want_inflations >= 0 && inflations != want_inflations)) {
+        std::fprintf(stderr, "the processes inflated %.0f gzipped files (by process: ", inflations);
+        for (const double f : inflated) std::fprintf(stderr, "%.0f ", f);
+        std::fprintf(stderr, "); expected %d: one process makes the machine's copy of each, the others use it\n",
+                     want_inflations >= 0 ? want_inflations : 2);
         return 1;
     }
     const double share = used / processes + steps + 20;  // + one row per training batch and per test chunk
@@ -215,7 +220,8 @@ int main(int argc, char** argv) {
         if (a.size() == 2 && a[0] == "other-model") return other_model(a[1]);
         if (a.size() == 5 && a[0] == "set-metadata") return set_metadata(a[1], a[2], a[3], a[4]);
         if (a.size() == 2 && a[0] == "mkfifo") return make_fifo(a[1]);
-        if (a.size() == 3 && a[0] == "data") return check_data(a[1], std::stoi(a[2]));
+        if (a.size() == 3 && a[0] == "data") return check_data(a[1], std::stoi(a[2]), -1);
+        if (a.size() == 4 && a[0] == "data") return check_data(a[1], std::stoi(a[2]), std::stoi(a[3]));
         std::fprintf(stderr, "usage: see the comment at the top of mnist_tool.cpp\n");
         return 2;
     } catch (const std::exception& e) {

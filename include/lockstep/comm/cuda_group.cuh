@@ -8,7 +8,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nccl.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -120,14 +119,15 @@ struct NcclApi {
         }
     }
 
-    //! This machine, as processes across it see it: a hash of its host name (NCCL refuses one GPU
-    //! in two ranks of a communicator; processes of one machine must not share a GPU).
-    static std::uint32_t machine_id() {
-        char name[256] = {};
-        if (gethostname(name, sizeof name - 1) != 0) return 0;
-        std::uint32_t h = 2166136261u;  // FNV-1a
-        for (const char* c = name; *c != '\0'; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 16777619u;
-        return h;
+    //! The GPU's identity across processes (NCCL refuses one GPU in two ranks of a
+    //! communicator): a hash of its UUID below 2^52, so that it travels exactly as a double,
+    //! whatever number each process gives the GPU (CUDA_VISIBLE_DEVICES).
+    static std::uint64_t device_key(int device) {
+        cudaDeviceProp prop{};
+        LOCKSTEP_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+        std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+        for (const char c : prop.uuid.bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+        return h & ((std::uint64_t{1} << 52) - 1);
     }
 
     using UniqueId = ncclUniqueId;

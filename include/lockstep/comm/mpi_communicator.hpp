@@ -18,7 +18,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -67,9 +66,9 @@ inline std::atomic<bool>& aborted_somewhere() {
 //! the level it provides is checked. Finalizes MPI if it initialized it. If a collective timed out
 //! waiting for a silent rank (one that died), MPI_Finalize could wait for it forever: the
 //! destructor then says so on stderr and ends the job with MPI_Abort, the last resort. After an
-//! abort (of this rank or another), MPI_Finalize runs against a deadline (`finalize_timeout`):
-//! a rank that aborted may never reach it (a replica left stuck), and past the deadline the job
-//! is ended the same way.
+//! abort (of this rank or another, even one whose message this rank never read), the ranks
+//! first meet in a barrier polled against a deadline (`finalize_timeout`), since a rank that
+//! aborted may never reach MPI_Finalize; past the deadline the job is ended the same way.
 class Environment {
 public:
     Environment() : Environment(nullptr, nullptr) {}
@@ -107,29 +106,26 @@ public:
         int finalized = 0;
         MPI_Finalized(&finalized);
         if (!owner_ || finalized != 0) return;
-        if (!detail::aborted_somewhere().load()) {
-            MPI_Finalize();
-            return;
+        if (detail::aborted_somewhere().load()) {
+            // A rank that failed may never reach MPI_Finalize (a replica left stuck): every rank
+            // first meets the others in a nonblocking barrier polled against the deadline, and
+            // finalizes only if all came; otherwise it ends the job, from this thread.
+            MPI_Request barrier = MPI_REQUEST_NULL;
+            MPI_Ibarrier(MPI_COMM_WORLD, &barrier);
+            const auto until = std::chrono::steady_clock::now() + finalize_timeout_;
+            int done = 0;
+            while (MPI_Test(&barrier, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done == 0 &&
+                   std::chrono::steady_clock::now() < until)
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            if (done == 0) {
+                std::fprintf(stderr, "lockstep: rank %d: after a rank aborted, not every rank reached the end within %lld ms "
+                             "(a rank that failed is stuck); ending the MPI job with MPI_Abort\n", rank_,
+                             static_cast<long long>(finalize_timeout_.count()));
+                std::fflush(stderr);
+                MPI_Abort(MPI_COMM_WORLD, 2);
+            }
         }
-        std::mutex m;
-        std::condition_variable cv;
-        bool done = false;
-        std::thread watchdog([&] {
-            std::unique_lock lock(m);
-            if (cv.wait_for(lock, finalize_timeout_, [&] { return done; })) return;
-            std::fprintf(stderr, "lockstep: rank %d: MPI_Finalize did not return within %lld ms after a rank aborted (a rank "
-                         "that failed never reached it); ending the MPI job with MPI_Abort\n", rank_,
-                         static_cast<long long>(finalize_timeout_.count()));
-            std::fflush(stderr);
-            MPI_Abort(MPI_COMM_WORLD, 2);
-        });
         MPI_Finalize();
-        {
-            std::lock_guard lock(m);
-            done = true;
-        }
-        cv.notify_all();
-        watchdog.join();
     }
 
     //! How long MPI_Finalize may take after a rank aborted (default 60 s).
@@ -199,6 +195,14 @@ public:
     ~MpiCommunicator() override {
         int finalized = 0;
         MPI_Finalized(&finalized);
+        if (finalized == 0) {  // an abort message nobody read still bounds MPI_Finalize (mpi::Environment)
+            try {
+                std::string text;
+                int source = -1;
+                (void)peer_aborted(text, source);
+            } catch (...) {
+            }
+        }
         if (finalized == 0 && failure_.empty()) MPI_Comm_free(&comm_);
     }
 

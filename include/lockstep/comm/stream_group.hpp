@@ -73,7 +73,7 @@ namespace lockstep::comm {
 //   Event make_event(int device);    void destroy_event(int device, Event) noexcept;
 //   void record(Event, Stream);  void wait(Stream, Event);
 //   using UniqueId;  UniqueId unique_id();   (trivially copyable: ncclUniqueId)
-//   std::uint32_t machine_id();             (the same on every process of a machine: its host name's hash)
+//   std::uint64_t device_key(int device);  (the GPU's identity across processes, below 2^52: its UUID's hash)
 //   std::vector<Comm> init(const std::vector<int>& devices, const UniqueId&, int first_rank, int ranks,
 //                          deadline, const std::atomic<bool>& stop);
 //       (the communicators of ranks first_rank.. of `ranks` on `devices`, in one group call)
@@ -88,8 +88,9 @@ namespace lockstep::comm {
 // A stream group made with a ProcessGroup spans processes: this process's replicas are ranks
 // first_rank = process rank x L .. + L - 1 of P x L. When the group is made, every process sees
 // every process's layout and all throw the same UsageError unless: each runs L replicas laid out
-// alike, and no GPU serves two processes of one machine (NCCL refuses a GPU twice in a
-// communicator; Api::machine_id tells the machines apart). A layout one process refuses on its
+// alike, and no GPU serves two processes (NCCL refuses a GPU twice in a communicator;
+// Api::device_key identifies GPUs across processes, whatever each one's numbering, e.g. under
+// CUDA_VISIBLE_DEVICES). A layout one process refuses on its
 // own (a mix) is refused by all alike too (comm::agreed_failure), before anything waits on it.
 // - Setup: process 0 makes the NCCL unique id and broadcasts it over the process group (MPI);
 //   every process then creates its communicators in one group call (ncclCommInitRankConfig).
@@ -518,19 +519,13 @@ public:
         Collectives& link = processes->channel(channel);
         const int P = processes->size(), p = processes->rank(), L = st.size();
         const bool peer = st.mode == StreamGroupMode::peer;
-        // Every process must lay out its replicas alike, and no GPU may serve two processes of a
-        // machine (NCCL refuses a duplicate GPU): all see every layout, so all agree or all throw
-        // the same error.
+        // Every process must lay out its replicas alike, and no GPU may serve two processes (NCCL
+        // refuses a GPU twice in a communicator): all see every layout and every GPU's identity, so
+        // all agree or all throw the same error.
         const auto Pz = static_cast<std::size_t>(P), pz = static_cast<std::size_t>(p);
-        std::vector<double> layout(5 * Pz, 0.0);  // by process: replicas, peer mode, machine, GPUs 0-31, 32-63
+        std::vector<double> layout(2 * Pz, 0.0);  // by process: replicas, then 1 for peer mode
         layout[pz] = L;
         layout[Pz + pz] = peer ? 1.0 : 0.0;
-        layout[2 * Pz + pz] = static_cast<double>(st.api.machine_id());
-        std::uint32_t mask[2] = {0, 0};
-        for (const int d : st.devices)
-            if (d >= 0 && d < 64) mask[d / 32] |= std::uint32_t{1} << (d % 32);
-        layout[3 * Pz + pz] = mask[0];
-        layout[4 * Pz + pz] = mask[1];
         link.all_reduce_sum(DeviceSpan<double>::host(layout), CollectiveSite::control(4));
         std::string list;
         bool alike = true;
@@ -543,21 +538,22 @@ public:
         LOCKSTEP_CHECK_AS(UsageError, alike, "a replica group across ", P, " processes: they lay out their replicas "
                           "differently (", list, ", by process); every process must run as many replicas, laid out alike "
                           "(one per GPU, or all on one GPU)");
-        for (std::size_t q = 0; q < Pz; ++q)
-            for (std::size_t r = q + 1; r < Pz; ++r) {
-                if (layout[2 * Pz + q] != layout[2 * Pz + r]) continue;  // other machines
-                for (int half = 0; half < 2; ++half) {
-                    const auto shared = static_cast<std::uint32_t>(layout[(3 + half) * Pz + q]) &
-                                        static_cast<std::uint32_t>(layout[(3 + half) * Pz + r]);
-                    if (shared == 0) continue;
-                    const int d = 32 * half + std::countr_zero(shared);
-                    throw UsageError("a replica group across " + std::to_string(P) + " processes: processes " + std::to_string(q) +
-                                     " and " + std::to_string(r) + " both use GPU " + std::to_string(d) +
-                                     " of one machine, which NCCL refuses; give each process of a machine GPUs of its own "
-                                     "(mpirun with at most as many processes per machine as GPUs, or --devices lists "
-                                     "that do not overlap)");
+        // The GPUs each process's communicators use: every replica's in peer mode, else local rank 0's.
+        const std::size_t K = peer ? static_cast<std::size_t>(L) : 1;
+        std::vector<double> keys(Pz * K, 0.0);
+        for (std::size_t i = 0; i < K; ++i) keys[pz * K + i] = static_cast<double>(st.api.device_key(st.devices[i]));
+        link.all_reduce_sum(DeviceSpan<double>::host(keys), CollectiveSite::control(4));
+        for (std::size_t i = 0; i < keys.size(); ++i)
+            for (std::size_t j = i + 1; j < keys.size(); ++j)
+                if (keys[i] == keys[j] && i / K != j / K) {
+                    const int d = st.devices[pz == i / K ? i % K : pz == j / K ? j % K : 0];
+                    throw UsageError("a replica group across " + std::to_string(P) + " processes: processes " +
+                                     std::to_string(i / K) + " and " + std::to_string(j / K) +
+                                     " use the same GPU (this process's " + Device{device_kind_of<backend>(), d}.str() +
+                                     " if it is one of them), which NCCL refuses; give each process GPUs of its own "
+                                     "(at most as many processes per machine as GPUs, --devices lists that do not "
+                                     "overlap, or CUDA_VISIBLE_DEVICES per process)");
                 }
-            }
         st.procs = std::move(processes);
         st.channel = channel;
         st.first_rank = p * L;

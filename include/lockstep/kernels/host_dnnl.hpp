@@ -305,8 +305,11 @@ inline void single_thread() { omp_set_num_threads(1); }
 // backward-weights (128 x 12544 x N, accumulating) at 1.1-1.4x OpenBLAS's rate. So the linear
 // layers' three products go through matmul primitives (the accumulation as a sum post-op).
 // Primitives are made once per shape on each thread that runs them (a replica's thread), kept
-// in a small thread-local cache, and run on a thread-local stream: nothing is shared between
-// replicas. The transposes are strides of plain row-major memory, so nothing is reordered.
+// in a thread-local cache of the 16 most recently used (a network's linear layers need 3 per
+// batch shape, and an epoch has two shapes), and run on a thread-local stream: nothing is
+// shared between replicas. The transposes are strides of plain row-major memory, so nothing is
+// reordered.
+
 //! Matmul primitives made so far in this process (tests check that oneDNN served a linear layer).
 inline std::atomic<long>& matmuls_made() {
     static std::atomic<long> count{0};
@@ -330,10 +333,14 @@ inline bool gemm_hook(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n
         dnnl::memory::desc a, b, c;
         dnnl::matmul prim;
     };
-    thread_local std::vector<Entry> cache;  // most recent last
-    thread_local dnnl::stream stream(engine());
+    thread_local std::vector<Entry> cache;  // most recently used last
     try {
+        thread_local dnnl::stream stream(engine());
         auto it = std::find_if(cache.begin(), cache.end(), [&](const Entry& e) { return e.key == key; });
+        if (it != cache.end() && it + 1 != cache.end()) {  // a hit: now the most recent
+            std::rotate(it, it + 1, cache.end());
+            it = cache.end() - 1;
+        }
         if (it == cache.end()) {
             using dims = dnnl::memory::dims;
             Entry e{key, dnnl::memory::desc(dims{m, k}, dt::f32, trans_a ? dims{1, lda} : dims{lda, 1}),
@@ -347,7 +354,7 @@ inline bool gemm_hook(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n
             }
             e.prim = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(e.a, e.b, e.c), attr, engine()));
             ++matmuls_made();
-            if (cache.size() >= 8) cache.erase(cache.begin());
+            if (cache.size() >= 16) cache.erase(cache.begin());  // the least recently used
             cache.push_back(std::move(e));
             it = cache.end() - 1;
         }
