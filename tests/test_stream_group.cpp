@@ -327,14 +327,25 @@ struct Trained {
     bool replicas_identical = true;
 };
 
+// Trains `dp` for `steps` steps on batches of 7 (uneven shards over 3 replicas); across P
+// processes, as process p, on this process's rows of each global batch.
 template <class Dp>
-Trained train(Dp& dp, int steps) {
+Trained train(Dp& dp, int steps, int P = 1, int p = 0) {
     nn::Sgd<> sgd({.lr = 0.05, .momentum = 0.9});
     Trained out;
+    const int L = dp.size();
     for (int s = 0; s < steps; ++s) {
-        const auto b = make_batch(7, 100 + static_cast<std::uint64_t>(s));  // 7 over 3 replicas: uneven shards
-        out.losses.push_back(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
-        for (int r = 1; r < dp.size(); ++r) out.replicas_identical &= same_bits(state_of(dp.replica(0)), state_of(dp.replica(r)));
+        const auto b = make_batch(7, 100 + static_cast<std::uint64_t>(s));
+        const auto shards = parallel::shard_ranges(7, P * L);
+        const std::int64_t begin = shards[static_cast<std::size_t>(p * L)].begin;
+        const auto& last = shards[static_cast<std::size_t>(p * L + L - 1)];
+        const std::int64_t rows = last.begin + last.count - begin;
+        Tensor<float> x(Shape{rows, 2, 8, 8});
+        const std::int64_t per = 2 * 8 * 8;
+        std::copy(b.x.span().begin() + begin * per, b.x.span().begin() + (begin + rows) * per, x.span().begin());
+        const std::vector<std::int64_t> labels(b.labels.begin() + begin, b.labels.begin() + begin + rows);
+        out.losses.push_back(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+        for (int r = 1; r < L; ++r) out.replicas_identical &= same_bits(state_of(dp.replica(0)), state_of(dp.replica(r)));
     }
     out.state = state_of(dp.module());
     return out;
@@ -670,27 +681,11 @@ std::vector<std::exception_ptr> as_processes(int P, F body, bool one_machine = f
     return errors;
 }
 
-// train() for one process of P: this process's rows of each global batch.
-template <class Dp>
-Trained train_part(Dp& dp, int steps, int P, int p) {
-    nn::Sgd<> sgd({.lr = 0.05, .momentum = 0.9});
-    Trained out;
-    const int L = dp.size();
-    for (int s = 0; s < steps; ++s) {
-        const auto b = make_batch(7, 100 + static_cast<std::uint64_t>(s));
-        const auto shards = parallel::shard_ranges(7, P * L);
-        const std::int64_t begin = shards[static_cast<std::size_t>(p * L)].begin;
-        const auto& last = shards[static_cast<std::size_t>(p * L + L - 1)];
-        const std::int64_t rows = last.begin + last.count - begin;
-        Tensor<float> x(Shape{rows, 2, 8, 8});
-        const std::int64_t per = 2 * 8 * 8;
-        std::copy(b.x.span().begin() + begin * per, b.x.span().begin() + (begin + rows) * per, x.span().begin());
-        const std::vector<std::int64_t> labels(b.labels.begin() + begin, b.labels.begin() + begin + rows);
-        out.losses.push_back(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
-        for (int r = 1; r < L; ++r) out.replicas_identical &= same_bits(state_of(dp.replica(0)), state_of(dp.replica(r)));
-    }
-    out.state = state_of(dp.module());
-    return out;
+// The ranks of the communicators made so far, by clique (the double's group of an init).
+std::map<int, std::set<int>> ranks_by_clique() {
+    std::map<int, std::set<int>> cliques;
+    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) cliques[c.group].insert(c.rank);
+    return cliques;
 }
 
 DataParallelOptions across(std::shared_ptr<comm::ProcessGroup> procs) {
@@ -709,14 +704,13 @@ TEST_CASE("stream group across processes: 2 processes x 2 GPUs equal 4 GPUs in o
     log_of_calls().clear();
     const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
         DataParallel<Net, Group> dp(net, hosts({0, 1}), across(procs));
-        got[static_cast<std::size_t>(p)] = train_part(dp, 3, 2, p);
+        got[static_cast<std::size_t>(p)] = train(dp, 3, 2, p);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     // One clique of 4 ranks per group, its ranks the global ones: 0, 1 from process 0, 2, 3 from process 1.
-    std::map<int, std::set<int>> cliques;
-    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) cliques[c.group].insert(c.rank);
+    const auto cliques = ranks_by_clique();
     REQUIRE(cliques.size() == 2);
-    for (auto& [group, ranks] : cliques) CHECK(ranks == std::set<int>{0, 1, 2, 3});
+    for (const auto& [group, ranks] : cliques) CHECK(ranks == std::set<int>{0, 1, 2, 3});
     for (const auto& g : got) {
         CHECK(g.replicas_identical);
         REQUIRE(g.losses.size() == want.losses.size());
@@ -733,20 +727,19 @@ TEST_CASE("stream group across processes: replicas sharing a GPU sum locally, th
     const Net net = make_net();
     auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
         DataParallel<Net> dp(net, 2, across(procs));
-        want[static_cast<std::size_t>(p)] = train_part(dp, 3, 2, p);
+        want[static_cast<std::size_t>(p)] = train(dp, 3, 2, p);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     log_of_calls().clear();
     errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
         DataParallel<Net, Group> dp(net, hosts({0, 0}), across(procs));
-        got[static_cast<std::size_t>(p)] = train_part(dp, 3, 2, p);
+        got[static_cast<std::size_t>(p)] = train(dp, 3, 2, p);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     // Local rank 0 of each process alone holds a communicator, of the 2 processes.
-    std::map<int, std::set<int>> cliques;
-    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) cliques[c.group].insert(c.rank);
+    const auto cliques = ranks_by_clique();
     REQUIRE(cliques.size() == 2);
-    for (auto& [group, ranks] : cliques) CHECK(ranks == std::set<int>{0, 1});
+    for (const auto& [group, ranks] : cliques) CHECK(ranks == std::set<int>{0, 1});
     CHECK_FALSE(only(log_of_calls().snapshot(), {"rank_sum"}).empty());
     for (int p = 0; p < 2; ++p) {
         const auto& g = got[static_cast<std::size_t>(p)];

@@ -32,32 +32,6 @@ struct DataError : std::runtime_error {
 
 namespace detail {
 
-// Whole content of a file, inflated if it is gzip (zlib reads plain files unchanged): for the
-// labels file, one byte per sample.
-inline std::vector<std::uint8_t> read_all(const std::string& path) {
-    gzFile f = gzopen(path.c_str(), "rb");
-    if (f == nullptr) throw DataError(path + ": cannot open (missing file or directory?)");
-    std::vector<std::uint8_t> data;
-    std::uint8_t buf[1 << 16];
-    for (;;) {
-        const int n = gzread(f, buf, sizeof buf);
-        if (n < 0) {
-            int err = 0;
-            const std::string msg = gzerror(f, &err);
-            gzclose(f);
-            throw DataError(path + ": corrupt compressed data (" + msg + ")");
-        }
-        if (n == 0) break;
-        data.insert(data.end(), buf, buf + n);
-        if (data.size() > (std::size_t{1} << 31)) {
-            gzclose(f);
-            throw DataError(path + ": larger than 2 GiB; not an MNIST-style file");
-        }
-    }
-    gzclose(f);
-    return data;
-}
-
 inline std::uint32_t be32(const std::uint8_t* d) {
     return (std::uint32_t{d[0]} << 24) | (std::uint32_t{d[1]} << 16) | (std::uint32_t{d[2]} << 8) | d[3];
 }
@@ -96,8 +70,43 @@ inline void read_at(int fd, const std::string& path, std::uint8_t* out, std::siz
     }
 }
 
-// Inflates the gzip file `path` (open as `in`) into `out` from offset 0, in 64 KiB chunks; returns
-// the inflated size.
+// Reads gzip file `f` (opened for `path`; zlib reads a plain file unchanged) in 64 KiB chunks,
+// passing each to `sink(bytes, n)`, and closes it; refuses corrupt data and files over 2 GiB.
+// Returns the size read.
+template <class Sink>
+std::int64_t inflate_chunks(const std::string& path, gzFile f, Sink&& sink) {
+    if (f == nullptr) throw DataError(path + ": cannot open (missing file or directory?)");
+    std::int64_t size = 0;
+    std::vector<std::uint8_t> buf(std::size_t{1} << 16);
+    try {
+        for (;;) {
+            const int n = gzread(f, buf.data(), static_cast<unsigned>(buf.size()));
+            if (n < 0) {
+                int err = 0;
+                throw DataError(path + ": corrupt compressed data (" + std::string(gzerror(f, &err)) + ")");
+            }
+            if (n == 0) break;
+            sink(buf.data(), static_cast<std::size_t>(n));
+            size += n;
+            if (size > (std::int64_t{1} << 31)) throw DataError(path + ": larger than 2 GiB; not an MNIST-style file");
+        }
+    } catch (...) {
+        gzclose(f);
+        throw;
+    }
+    gzclose(f);
+    return size;
+}
+
+// Whole content of a file, inflated if it is gzip: for the labels file, one byte per sample.
+inline std::vector<std::uint8_t> read_all(const std::string& path) {
+    std::vector<std::uint8_t> data;
+    inflate_chunks(path, gzopen(path.c_str(), "rb"),
+                   [&](const std::uint8_t* bytes, std::size_t n) { data.insert(data.end(), bytes, bytes + n); });
+    return data;
+}
+
+// Inflates the gzip file `path` (open as `in`) into `out` from offset 0; returns the inflated size.
 inline std::int64_t inflate_into(const std::string& path, int in, int out) {
     const int zfd = ::dup(in);
     gzFile f = zfd < 0 ? nullptr : gzdopen(zfd, "rb");
@@ -105,32 +114,18 @@ inline std::int64_t inflate_into(const std::string& path, int in, int out) {
         if (zfd >= 0) ::close(zfd);
         throw DataError(path + ": cannot open it as gzip");
     }
-    std::int64_t size = 0;
-    std::vector<std::uint8_t> buf(std::size_t{1} << 16);
-    const auto fail = [&](const std::string& why) {
-        gzclose(f);
-        throw DataError(path + ": " + why);
-    };
-    for (;;) {
-        const int n = gzread(f, buf.data(), static_cast<unsigned>(buf.size()));
-        if (n < 0) {
-            int err = 0;
-            fail("corrupt compressed data (" + std::string(gzerror(f, &err)) + ")");
-        }
-        if (n == 0) break;
-        for (std::size_t done = 0; done < static_cast<std::size_t>(n);) {
-            const ssize_t w = ::pwrite(out, buf.data() + done, static_cast<std::size_t>(n) - done, static_cast<off_t>(size));
+    std::int64_t at = 0;
+    return inflate_chunks(path, f, [&](const std::uint8_t* bytes, std::size_t n) {
+        for (std::size_t done = 0; done < n;) {
+            const ssize_t w = ::pwrite(out, bytes + done, n - done, static_cast<off_t>(at));
             if (w < 0 && errno == EINTR) continue;
             if (w <= 0)
-                fail("writing its inflated copy to a temporary file failed (" + errno_text() +
-                     "); free space in TMPDIR, or gunzip the data files");
+                throw DataError(path + ": writing its inflated copy to a temporary file failed (" + errno_text() +
+                                "); free space in TMPDIR, or gunzip the data files");
             done += static_cast<std::size_t>(w);
-            size += w;
+            at += w;
         }
-        if (size > (std::int64_t{1} << 31)) fail("larger than 2 GiB; not an MNIST-style file");
-    }
-    gzclose(f);
-    return size;
+    });
 }
 
 inline std::string temp_dir() {

@@ -316,7 +316,6 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     double train_seconds = 0;  // time in the training loops, without evaluation
     bool stopped = false;
     Eval last{};
-    bool evaluated = false;
     std::int64_t evaluations = 0;
     for (int epoch = start_epoch; epoch < opt.epochs && !stopped; ++epoch) {
         const auto order = epoch_order(train.count(), opt.seed, epoch, !opt.no_shuffle);
@@ -375,7 +374,6 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         if (!complete) break;
         last = evaluate(dp, test);
         ++evaluations;
-        evaluated = true;
         const double secs = std::chrono::duration<double>(Clock::now() - t_epoch).count();
         const double train_loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0.0;
         if (!quiet)
@@ -385,7 +383,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         write_metrics({{"kind", "epoch"}, {"epoch", epoch}, {"train_loss", train_loss}, {"test_loss", last.loss},
                        {"test_accuracy", last.accuracy}, {"seconds", secs}});
     }
-    if (!evaluated) {
+    if (evaluations == 0) {
         last = evaluate(dp, test);
         ++evaluations;
     }

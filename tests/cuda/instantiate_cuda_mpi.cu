@@ -21,7 +21,6 @@ void instantiate_cuda_across_processes(nn::Generator& gen, const Tensor<float, C
     mpi::Environment env;
     auto procs = std::make_shared<comm::MpiProcessGroup>(MPI_COMM_WORLD, std::chrono::seconds(30));
     comm::CudaGroup group({Device::cuda(0)}, std::chrono::seconds(30), procs, comm::ProcessGroup::layer);
-    (void)group.global_size();
     mnist::Net<Cuda> net(gen);
     DataParallel dp(net, std::vector<Device>{Device::cuda(0), Device::cuda(1)}, {.process_group = procs});
     nn::Sgd<Cuda> sgd({.lr = 0.1, .momentum = 0.9});

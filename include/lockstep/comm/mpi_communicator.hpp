@@ -219,7 +219,7 @@ public:
     void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override { bcast(data, root, site); }
     void barrier(CollectiveSite site) override {
         ++count_;
-        exchange_tags(CollectiveTag{site, CollectiveKind::barrier, DType::none, 0, -1});
+        agree(CollectiveTag{site, CollectiveKind::barrier, DType::none, 0, -1});
     }
 
     //! Host-memory conveniences.
@@ -264,7 +264,49 @@ public:
     //! (step 1 of Note [MPI collectives]): all ranks throw the same `CollectiveMismatch` when they
     //! did not, `CollectiveAborted` when a rank failed, `Timeout` naming the silent ranks. For a
     //! collective whose data moves elsewhere (NCCL across processes).
-    void agree(const CollectiveTag& tag) { exchange_tags(tag); }
+    void agree(const CollectiveTag& tag) {
+        check_usable();
+        if (size_ == 1) return;
+        using Wire = std::array<std::int64_t, 7>;
+        const Wire mine{static_cast<std::int64_t>(tag.site.kind), static_cast<std::int64_t>(tag.site.id),
+                        static_cast<std::int64_t>(tag.site.part), static_cast<std::int64_t>(tag.kind),
+                        static_cast<std::int64_t>(tag.dtype), static_cast<std::int64_t>(tag.count), tag.root};
+        std::vector<Wire> all(static_cast<std::size_t>(size_));
+        all[static_cast<std::size_t>(rank_)] = mine;
+        std::vector<MPI_Request> reqs;
+        std::vector<int> who;
+        for (int r = 0; r < size_; ++r) {
+            if (r == rank_) continue;
+            reqs.emplace_back();
+            who.push_back(r);
+            MPI_Irecv(all[static_cast<std::size_t>(r)].data(), 7, MPI_INT64_T, r, tag_tag, comm_, &reqs.back());
+        }
+        for (int r = 0; r < size_; ++r) {
+            if (r == rank_) continue;
+            reqs.emplace_back();
+            who.push_back(-1 - r);
+            MPI_Isend(mine.data(), 7, MPI_INT64_T, r, tag_tag, comm_, &reqs.back());
+        }
+        wait_all(reqs, who, tag.str());
+        const auto decode = [](const Wire& w) {
+            CollectiveTag t;
+            t.site = CollectiveSite{static_cast<CollectiveSite::Kind>(w[0]), static_cast<std::uint64_t>(w[1]),
+                                    static_cast<std::uint32_t>(w[2])};
+            t.kind = static_cast<CollectiveKind>(w[3]);
+            t.dtype = static_cast<DType>(w[4]);
+            t.count = static_cast<std::uint64_t>(w[5]);
+            t.root = static_cast<std::int32_t>(w[6]);
+            return t;
+        };
+        for (int r = 1; r < size_; ++r) {
+            if (all[static_cast<std::size_t>(r)] != all[0]) [[unlikely]]
+                throw CollectiveMismatch("processes reached different collectives: MPI rank 0 reached " + decode(all[0]).str() +
+                                         " but MPI rank " + std::to_string(r) + " reached " +
+                                         decode(all[static_cast<std::size_t>(r)]).str() +
+                                         "; every process must run the same layers in the same order on tensors of the "
+                                         "same size, with the same replica count");
+        }
+    }
 
     //! From any thread: throws `CollectiveAborted` naming the failed rank once another rank's
     //! abort message has arrived (a replica's wait on its GPU consults this while it polls).
@@ -395,56 +437,12 @@ private:
     void fail(std::string why) { failure_ = std::move(why); }
     void detail_note() const { mpi::detail::note_failure(failure_); }
 
-    // Step 1 of Note [MPI collectives].
-    void exchange_tags(const CollectiveTag& tag) {
-        check_usable();
-        if (size_ == 1) return;
-        using Wire = std::array<std::int64_t, 7>;
-        const Wire mine{static_cast<std::int64_t>(tag.site.kind), static_cast<std::int64_t>(tag.site.id),
-                        static_cast<std::int64_t>(tag.site.part), static_cast<std::int64_t>(tag.kind),
-                        static_cast<std::int64_t>(tag.dtype), static_cast<std::int64_t>(tag.count), tag.root};
-        std::vector<Wire> all(static_cast<std::size_t>(size_));
-        all[static_cast<std::size_t>(rank_)] = mine;
-        std::vector<MPI_Request> reqs;
-        std::vector<int> who;
-        for (int r = 0; r < size_; ++r) {
-            if (r == rank_) continue;
-            reqs.emplace_back();
-            who.push_back(r);
-            MPI_Irecv(all[static_cast<std::size_t>(r)].data(), 7, MPI_INT64_T, r, tag_tag, comm_, &reqs.back());
-        }
-        for (int r = 0; r < size_; ++r) {
-            if (r == rank_) continue;
-            reqs.emplace_back();
-            who.push_back(-1 - r);
-            MPI_Isend(mine.data(), 7, MPI_INT64_T, r, tag_tag, comm_, &reqs.back());
-        }
-        wait_all(reqs, who, tag.str());
-        const auto decode = [](const Wire& w) {
-            CollectiveTag t;
-            t.site = CollectiveSite{static_cast<CollectiveSite::Kind>(w[0]), static_cast<std::uint64_t>(w[1]),
-                                    static_cast<std::uint32_t>(w[2])};
-            t.kind = static_cast<CollectiveKind>(w[3]);
-            t.dtype = static_cast<DType>(w[4]);
-            t.count = static_cast<std::uint64_t>(w[5]);
-            t.root = static_cast<std::int32_t>(w[6]);
-            return t;
-        };
-        for (int r = 1; r < size_; ++r) {
-            if (all[static_cast<std::size_t>(r)] != all[0]) [[unlikely]]
-                throw CollectiveMismatch("processes reached different collectives: MPI rank 0 reached " + decode(all[0]).str() +
-                                         " but MPI rank " + std::to_string(r) + " reached " +
-                                         decode(all[static_cast<std::size_t>(r)]).str() +
-                                         "; every process must run the same layers in the same order on tensors of the "
-                                         "same size, with the same replica count");
-        }
-    }
 
     template <class T>
     void reduce(DeviceSpan<T> data, CollectiveSite site) {
         check_buffer(data, "all_reduce_sum");
         ++count_;
-        exchange_tags(CollectiveTag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1});
+        agree(CollectiveTag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1});
         if (size_ == 1 || data.empty()) return;
         const auto n = static_cast<std::size_t>(size_);
         const auto me = static_cast<std::size_t>(rank_);
@@ -514,7 +512,7 @@ private:
         check_buffer(data, "broadcast");
         LOCKSTEP_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside a group of ", size_);
         ++count_;
-        exchange_tags(CollectiveTag{site, CollectiveKind::broadcast, dtype_of<T>(), data.size, root});
+        agree(CollectiveTag{site, CollectiveKind::broadcast, dtype_of<T>(), data.size, root});
         if (size_ == 1 || data.empty()) return;
         std::vector<MPI_Request> reqs;
         std::vector<int> who;

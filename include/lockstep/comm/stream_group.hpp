@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -90,8 +89,8 @@ namespace lockstep::comm {
 // every process's layout and all throw the same UsageError unless: each runs L replicas laid out
 // alike, and no GPU serves two processes (NCCL refuses a GPU twice in a communicator;
 // Api::device_key identifies GPUs across processes, whatever each one's numbering, e.g. under
-// CUDA_VISIBLE_DEVICES). A layout one process refuses on its
-// own (a mix) is refused by all alike too (comm::agreed_failure), before anything waits on it.
+// CUDA_VISIBLE_DEVICES). A layout one process refuses on its own (a mix) is refused by all alike
+// too (comm::agreed_failure), before anything waits on it.
 // - Setup: process 0 makes the NCCL unique id and broadcasts it over the process group (MPI);
 //   every process then creates its communicators in one group call (ncclCommInitRankConfig).
 // - Layouts. `peer` (one replica per GPU): every replica holds a communicator of all P x L ranks,
@@ -112,8 +111,9 @@ namespace lockstep::comm {
 //   by agree's Timeout, not rank 0 by the local barrier's.
 // - Failures: abort() also tells the other processes (ProcessGroup::abort), naming the failing
 //   global rank when the failure started here (comm::tell_processes; a failure passed on from
-//   another process is sent on without naming a replica here); their next agree, or their replicas' waits on the GPU (DeviceWatch::poll consults
-//   ProcessGroup::check_peers), throw CollectiveAborted naming it, and their own abort() aborts
+//   another process is sent on without naming a replica here); their next agree, or their
+//   replicas' waits on the GPU (DeviceWatch::poll consults ProcessGroup::check_peers), throw
+//   CollectiveAborted naming it, and their own abort() aborts
 //   their communicators, so a kernel waiting for a peer that is gone is ended too. A dead process
 //   is caught by the deadlines (agree's, the event waits'). The group is not rebuilt: after a
 //   failed step every later collective throws, as a multi-process DataParallel ends there.
@@ -192,8 +192,6 @@ public:
 
     //! The group's mode (single, peer or local) in this process.
     StreamGroupMode mode() const noexcept { return st_->mode; }
-    //! This replica's rank among the replicas of its process.
-    int local_rank() const noexcept { return rank_; }
 
 private:
     friend class StreamGroup<Api>;
@@ -362,7 +360,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
                 comms_aborted = true;
             }
         }
-        if (procs) tell_processes(reason, failed_rank);  // after: this process's kernels end first
+        if (procs) comm::tell_processes(*procs, size(), reason, failed_rank);  // after: this process's kernels end first
     }
 
     // After a failed call, with every replica out of it (the pool calls this before it rethrows):
@@ -424,11 +422,6 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         if (!unusable.empty()) [[unlikely]]
             throw DeviceError("this replica group cannot run collectives any more: " + unusable +
                               "; destroy the DataParallel object and make a new one");
-    }
-
-    // The other processes learn the failing replica's global rank (comm::tell_processes).
-    void tell_processes(const std::string& reason, int failed_rank) noexcept {
-        comm::tell_processes(*procs, size(), reason, failed_rank);
     }
 
     std::string abort_reason() const {
@@ -498,15 +491,12 @@ public:
     using communicator_type = StreamCommunicator<Api>;
 
     StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout = AbortableBarrier::default_timeout)
-        : st_(std::make_shared<State>(device_indices(devices), choose_mode(devices), timeout)) {
-        if (st_->mode == StreamGroupMode::peer) st_->comms = st_->make_comms(clock::now() + timeout, st_->aborted_never);
-        make_communicators();
-    }
+        : StreamGroup(devices, timeout, nullptr, ProcessGroup::layer) {}
 
     //! A group spanning the processes of `processes` (Note [stream groups across processes]):
     //! `devices` are this process's replicas, laid out as in every other process. Made by every
-    //! process together; `channel` carries its setup and its tag checks. Null `processes`: one
-    //! process, as the constructor above.
+    //! process together; `channel` carries its setup and its tag checks. Null `processes`: this
+    //! process alone.
     StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout,
                 std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel)
         : st_(make_state(devices, timeout, processes.get(), channel)) {
@@ -577,9 +567,6 @@ public:
     std::shared_ptr<Abortable> abortable() const { return st_; }
     //! The group's mode (single, peer or local) in this process.
     StreamGroupMode mode() const noexcept { return st_->mode; }
-    //! Global rank of this process's first replica, and the ranks over every process.
-    int first_rank() const noexcept { return st_->first_rank; }
-    int global_size() const noexcept { return st_->global; }
 
     //! Binds rank `rank` to its replica's execution context, on the replica's thread (its device
     //! current): makes the rank's communication stream and events, and lets the replica's host

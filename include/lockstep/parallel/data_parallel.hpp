@@ -10,8 +10,8 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
-#include <map>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -1019,17 +1019,15 @@ private:
 
     static std::shared_ptr<Core> make_core(const DataParallelOptions& options, const std::vector<Device>& devices) {
         auto core = std::make_shared<Core>();
-        if (!options.process_group) {
+        std::exception_ptr failure;
+        try {
             core->options = check_options(options);
             core->devices = check_devices(devices);
-        } else {  // every process refuses alike (comm::agreed_failure), none waits for one that left
-            std::exception_ptr failure;
-            try {
-                core->options = check_options(options);
-                core->devices = check_devices(devices);
-            } catch (...) {
-                failure = std::current_exception();
-            }
+        } catch (...) {
+            if (!options.process_group) throw;
+            failure = std::current_exception();
+        }
+        if (options.process_group) {  // every process refuses alike (comm::agreed_failure), none waits for one that left
             const std::string agreed = comm::agreed_failure(*options.process_group, comm::ProcessGroup::control, failure);
             if (!agreed.empty()) throw UsageError("DataParallel across processes: " + agreed);
         }
