@@ -62,6 +62,43 @@ TEST_CASE("Tensor is zero-filled, deep-copies, moves and reshapes", "[core]") {
     CHECK_THROWS_AS(make_tensor<float>(Shape{4}, v), ShapeError);
 }
 
+TEST_CASE("A tensor view uses memory it does not own; copies of it own theirs", "[core]") {
+    Tensor<float> storage(Shape{10});
+    std::iota(storage.span().begin(), storage.span().end(), 0.0f);
+    {
+        auto a = Tensor<float>::view(storage, 2, Shape{2, 2});
+        auto b = Tensor<float>::view(storage, 6, Shape{3});
+        CHECK(a.is_view());
+        CHECK_FALSE(storage.is_view());
+        CHECK(a[0] == 2.0f);
+        a[3] = -5.0f;  // writes through
+        CHECK(storage[5] == -5.0f);
+        CHECK(b.follows(a));
+        CHECK_FALSE(a.follows(b));
+        CHECK(a.views(storage, 2));
+        CHECK_FALSE(a.views(storage, 3));
+        CHECK(b.views(storage));
+        Tensor<float> copy = a;  // a copy owns its memory
+        CHECK_FALSE(copy.is_view());
+        copy[0] = 100.0f;
+        CHECK(storage[2] == 2.0f);
+        CHECK_FALSE(copy.views(storage));
+        Tensor<float> moved = std::move(b);  // moving keeps the view
+        CHECK(moved.is_view());
+        CHECK(moved.views(storage, 6));
+        moved = Tensor<float>(Shape{3});  // assigning replaces the view, never writes through
+        CHECK_FALSE(moved.is_view());
+        CHECK(storage[6] == 6.0f);
+        auto r = std::move(a).reshaped(Shape{4});
+        CHECK(r.is_view());
+    }  // the views are gone; the storage is untouched and still owned
+    CHECK(storage[9] == 9.0f);
+    CHECK_THROWS_AS(Tensor<float>::view(storage, 8, Shape{3}), ShapeError);
+    CHECK_THROWS_AS(Tensor<float>::view(storage, -1, Shape{1}), ShapeError);
+    CHECK_THROWS_AS(Tensor<float>::view(nullptr, Shape{2}, Device::host(0)), InvalidArgument);
+    CHECK(Tensor<float>::view(nullptr, Shape{0}, Device::host(0)).empty());
+}
+
 #if defined(__linux__)
 namespace {
 // The VmFlags line of the /proc/self/smaps entry whose range holds `p` ("" when none does).

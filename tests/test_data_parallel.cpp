@@ -281,6 +281,109 @@ TEST_CASE("Gradient all-reduce overlaps backward", "[parallel]") {
     CHECK(serial.overlapped_buckets(0) == 0);
 }
 
+namespace {
+// y = x * w per feature. With `Replace`, backward assigns the weight a new gradient tensor (as a
+// user's layer may) before marking it ready; without, it adds into the one it has.
+template <bool Replace>
+struct Scale {
+    using backend = Host;
+    nn::Parameter<> weight{Shape{5}};
+    Tensor<float> input;
+    Scale() {
+        for (std::int64_t i = 0; i < 5; ++i) weight.value[i] = 0.5f + 0.25f * static_cast<float>(i);
+    }
+    Tensor<float> forward(const nn::Context<>&, Tensor<float> x) {
+        input = x;
+        for (std::int64_t r = 0; r < x.dim(0); ++r)
+            for (std::int64_t i = 0; i < 5; ++i) x[r * 5 + i] *= weight.value[i];
+        return x;
+    }
+    Tensor<float> backward(const nn::Context<>& ctx, const Tensor<float>& dy) {
+        Tensor<float> dx = dy;
+        Tensor<float> g = weight.grad;  // an owning copy
+        for (std::int64_t r = 0; r < dy.dim(0); ++r)
+            for (std::int64_t i = 0; i < 5; ++i) {
+                g[i] += input[r * 5 + i] * dy[r * 5 + i];
+                dx[r * 5 + i] = dy[r * 5 + i] * weight.value[i];
+            }
+        if constexpr (Replace) weight.grad = std::move(g);
+        else weight.grad.copy_from(g);
+        ctx.mark_grad_ready(&weight);
+        return dx;
+    }
+    template <class V>
+    void visit(V&& v) {
+        v.parameter("weight", weight);
+    }
+};
+template <bool Replace>
+using Scaled = nn::Sequential<nn::Flatten<>, nn::Linear<>, Scale<Replace>>;
+template <bool Replace>
+Scaled<Replace> make_scaled() {
+    nn::Generator g(4);
+    return Scaled<Replace>(nn::Flatten<>(), nn::Linear<>(2 * 8 * 8, 5, true, g), Scale<Replace>());
+}
+
+// Whether every parameter of `m` has its value and gradient as views, each following the one
+// before it in visit order (one bucket) or not (a bucket each).
+template <class M>
+bool laid_out_in_buckets(const M& m, bool one_bucket) {
+    const nn::Parameter<>* prev = nullptr;
+    bool ok = true;
+    nn::for_each_parameter(m, [&](const std::string&, const nn::Parameter<>& p) {
+        ok &= p.value.is_view() && p.grad.is_view();
+        if (prev != nullptr) ok &= p.value.follows(prev->value) == one_bucket && p.grad.follows(prev->grad) == one_bucket;
+        prev = &p;
+    });
+    return ok;
+}
+}  // namespace
+
+TEST_CASE("Gradients and values live in their buckets; a tensor replaced from outside is put back", "[parallel]") {
+    std::mt19937_64 gen(21);
+    const auto batches = make_batches(3, 9, gen);
+    for (const std::size_t bucket_bytes : {std::size_t{1} << 20, std::size_t{1}}) {
+        CAPTURE(bucket_bytes);
+        const bool one_bucket = bucket_bytes > 1;
+        // A layer that assigns itself a new gradient each backward trains as one that adds in place.
+        DataParallel<Scaled<true>> replacing(make_scaled<true>(), 2, {.bucket_bytes = bucket_bytes});
+        DataParallel<Scaled<false>> in_place(make_scaled<false>(), 2, {.bucket_bytes = bucket_bytes});
+        CHECK(laid_out_in_buckets(replacing.replica(1), one_bucket));
+        nn::Sgd a({.lr = 0.1, .momentum = 0.9}), b({.lr = 0.1, .momentum = 0.9});
+        for (const auto& batch : batches) {
+            CHECK(replacing.train_step(batch.x, batch.labels, nn::SoftmaxCrossEntropy{}, a).loss ==
+                  in_place.train_step(batch.x, batch.labels, nn::SoftmaxCrossEntropy{}, b).loss);
+            CHECK(tensors_of(replacing.module()) == tensors_of(in_place.module()));
+            CHECK(laid_out_in_buckets(replacing.replica(0), one_bucket));
+        }
+        // With momentum, each bucket's buffers lie back to back (Note [momentum beside its bucket]).
+        std::vector<const Tensor<float>*> buffers;
+        a.visit_state(0, replacing.replica(0), [&](const std::string&, const Tensor<float>& t, const nn::Parameter<>&) {
+            buffers.push_back(&t);
+        });
+        for (std::size_t i = 1; i < buffers.size(); ++i) CHECK(buffers[i]->follows(*buffers[i - 1]) == one_bucket);
+
+        // A value assigned through parallel_apply is what the next step starts from.
+        DataParallel<Net> dp(make_net(3), 2, {.bucket_bytes = bucket_bytes}), twin(make_net(3), 2, {.bucket_bytes = bucket_bytes});
+        dp.parallel_apply([](Net& m, nn::Context<>&) {
+            auto& w = m.get<5>().weight;
+            Tensor<float> halved = w.value;
+            for (auto& v : halved.span()) v *= 0.5f;
+            w.value = std::move(halved);
+            w.grad = Tensor<float>();  // and a gradient dropped
+        });
+        twin.parallel_apply([](Net& m, nn::Context<>&) {
+            for (auto& v : m.get<5>().weight.value.span()) v *= 0.5f;
+        });
+        CHECK_FALSE(dp.module().get<5>().weight.value.is_view());
+        nn::Sgd c({.lr = 0.1}), d({.lr = 0.1});
+        CHECK(dp.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, c).loss ==
+              twin.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, d).loss);
+        CHECK(tensors_of(dp.module()) == tensors_of(twin.module()));
+        CHECK(laid_out_in_buckets(dp.replica(1), one_bucket));
+    }
+}
+
 TEST_CASE("DataParallel forward scatters and gathers in rank order", "[parallel]") {
     const auto seed = test::fresh_seed();
     CAPTURE(seed);

@@ -182,6 +182,109 @@ TEST_CASE("Sgd follows torch.optim.SGD", "[nn]") {
     CHECK_THROWS_AS(nn::Sgd({.lr = 0.1, .momentum = 0, .nesterov = true}), InvalidArgument);
 }
 
+TEST_CASE("SGD over parameters that lie back to back runs as one loop with the bits of one loop each", "[nn]") {
+    const auto u = GENERATE(kernels::SgdUpdate{.lr = 0.1, .momentum = 0.9},
+                            kernels::SgdUpdate{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true},
+                            kernels::SgdUpdate{.lr = 0.2, .momentum = 0.5, .dampening = 0.3}, kernels::SgdUpdate{.lr = 0.3});
+    using K = kernels::Ops<Host>;
+    const std::vector<std::int64_t> sizes{5, 17, 1, 40};  // parameters of a bucket, in visit order
+    const std::int64_t total = 63;
+    std::mt19937 gen(11);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    // The same parameters twice: once as views of three flat blocks (a DataParallel bucket), once
+    // as tensors of their own.
+    Tensor<float> w_flat(Shape{total}), g_flat(Shape{total}), v_flat(Shape{total});
+    std::vector<Tensor<float>> w, g, v, w_own, g_own, v_own;
+    std::int64_t offset = 0;
+    for (const auto n : sizes) {
+        w.push_back(Tensor<float>::view(w_flat, offset, Shape{n}));
+        g.push_back(Tensor<float>::view(g_flat, offset, Shape{n}));
+        v.push_back(Tensor<float>::view(v_flat, offset, Shape{n}));
+        offset += n;
+    }
+    for (auto& t : w) std::generate(t.span().begin(), t.span().end(), [&] { return d(gen); });
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+        w_own.push_back(w[i]);
+        g_own.push_back(Tensor<float>(Shape{sizes[i]}));
+        v_own.push_back(Tensor<float>(Shape{sizes[i]}));
+    }
+    const nn::Context<> ctx;
+    const auto& ex = ctx.exec;
+    for (int step = 0; step < 3; ++step) {
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+            std::generate(g[i].span().begin(), g[i].span().end(), [&] { return d(gen); });
+            g_own[i].copy_from(g[i]);
+        }
+        // At the first step the third parameter's buffer is already there (a loaded checkpoint),
+        // the others' are made from their gradients: the runs split where `first` changes.
+        std::vector<kernels::SgdTensors<Host>> fused, apart;
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+            const bool first = step == 0 && i != 2;
+            fused.push_back({&w[i], &g[i], &v[i], first});
+            apart.push_back({&w_own[i], &g_own[i], &v_own[i], first});
+        }
+        K::sgd_step_many(ex, fused, u);
+        for (const auto& it : apart) K::sgd_step(ex, *it.value, *it.grad, *it.momentum, it.first, u);
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+            CAPTURE(step, i);
+            CHECK(std::equal(w[i].span().begin(), w[i].span().end(), w_own[i].span().begin()));
+            if (u.momentum != 0) CHECK(std::equal(v[i].span().begin(), v[i].span().end(), v_own[i].span().begin()));
+        }
+    }
+}
+
+TEST_CASE("Sgd keeps a module's momentum buffers back to back where its parameters are, and moves loaded ones there", "[nn]") {
+    nn::Generator gen(5);
+    nn::Linear<> fc(6, 4, true, gen);
+    // As DataParallel lays a bucket out: weight then bias, values and gradients each in one block.
+    Tensor<float> values(Shape{28}), grads(Shape{28});
+    const auto lay_out = [](nn::Parameter<>& p, Tensor<float>& block, std::int64_t offset) {
+        auto t = Tensor<float>::view(block, offset, p.shape());
+        t.copy_from(p.value);
+        p.value = std::move(t);
+    };
+    lay_out(fc.weight, values, 0);
+    lay_out(fc.bias, values, 24);
+    fc.weight.grad = Tensor<float>::view(grads, 0, fc.weight.shape());
+    fc.bias.grad = Tensor<float>::view(grads, 24, fc.bias.shape());
+    for (std::int64_t i = 0; i < 28; ++i) grads[i] = 0.01f * static_cast<float>(i);
+    nn::Linear<> twin = fc;  // tensors of their own: the same updates one parameter at a time
+    nn::Sgd sgd({.lr = 0.1, .momentum = 0.9}), sgd_twin({.lr = 0.1, .momentum = 0.9});
+    sgd.prepare(1);
+    sgd_twin.prepare(1);
+    const auto buffers = [](nn::Sgd<>& o, nn::Linear<>& m) {
+        std::vector<Tensor<float>*> out;
+        o.visit_state(0, m, [&](const std::string&, Tensor<float>& t, const nn::Parameter<>&) { out.push_back(&t); });
+        return out;
+    };
+    const auto same = [&] {
+        return std::equal(fc.weight.value.span().begin(), fc.weight.value.span().end(), twin.weight.value.span().begin()) &&
+               std::equal(fc.bias.value.span().begin(), fc.bias.value.span().end(), twin.bias.value.span().begin());
+    };
+    sgd.step(nn::Context<>{}, fc);
+    sgd_twin.step(nn::Context<>{}, twin);
+    CHECK(same());
+    auto b = buffers(sgd, fc);
+    CHECK(b[0]->is_view());
+    CHECK(b[1]->follows(*b[0]));
+    // A loaded buffer (a tensor of its own, as get_optimizer makes it) is moved back beside the other.
+    *b[1] = Tensor<float>(*b[1]);
+    CHECK_FALSE(b[1]->is_view());
+    sgd.step(nn::Context<>{}, fc);
+    sgd_twin.step(nn::Context<>{}, twin);
+    CHECK(same());
+    b = buffers(sgd, fc);
+    CHECK(b[1]->follows(*b[0]));
+    // A buffer reset (no state in a checkpoint) starts again from its gradient, as PyTorch's None.
+    *b[0] = Tensor<float>();
+    *buffers(sgd_twin, twin)[0] = Tensor<float>();
+    sgd.step(nn::Context<>{}, fc);
+    sgd_twin.step(nn::Context<>{}, twin);
+    CHECK(same());
+    b = buffers(sgd, fc);
+    CHECK(b[1]->follows(*b[0]));
+}
+
 TEST_CASE("Layers use PyTorch layouts, names and default initialization", "[nn]") {
     nn::Generator g(7);
     nn::Conv2d<> conv(3, 8, 5, {}, g);

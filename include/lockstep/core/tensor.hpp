@@ -204,7 +204,8 @@ inline constexpr bool dependent_false = false;
 inline void set_host_huge_pages(bool on) noexcept { detail::HostBlockCache::instance().set_huge_pages(on); }
 
 //! An owning, contiguous tensor on one device. Copying deep-copies on the same device; moving
-//! transfers the storage. The shape is logical (N, C, H, W for images); `format()` says how a
+//! transfers the storage. A view (`Tensor::view`) uses memory it does not own; copying a view
+//! gives an owning tensor, assigning to a view replaces the view (it does not write through). The shape is logical (N, C, H, W for images); `format()` says how a
 //! 4-D tensor is laid out in memory. Element access (`span()`, `operator[]`) exists for host
 //! tensors only; a CUDA tensor is read on the host through `to_host()`.
 template <class T, BackendTag B = Host>
@@ -238,6 +239,49 @@ public:
         data_ = static_cast<T*>(alloc::allocate(bytes(), device_));
     }
 
+    //! A view of `shape.numel()` elements of memory that the caller owns, from `data` on `device`
+    //! (a device pointer on CUDA): the tensor reads and writes that memory and never frees it. The
+    //! caller keeps the memory alive while the view (or what it is moved into) lives. DataParallel
+    //! makes each replica's parameters and gradients views of its flat bucket buffers (Note
+    //! [gradients in their buckets] in parallel/data_parallel.hpp).
+    static Tensor view(T* data, Shape shape, Device device, MemoryFormat format = MemoryFormat::nchw) {
+        LOCKSTEP_CHECK_AS(DeviceMismatch, device.kind == device_kind_of<B>(), "a ", B::name,
+                          " tensor cannot view memory on device ", device);
+        LOCKSTEP_CHECK(format == MemoryFormat::nchw || shape.rank() == 4, "NHWC applies to 4-D tensors only; got shape ",
+                       shape);
+        LOCKSTEP_CHECK(data != nullptr || shape.numel() == 0, "a view of ", shape.numel(), " elements needs memory, got null");
+        Tensor t;
+        t.data_ = data;
+        t.shape_ = shape;
+        t.format_ = format;
+        t.device_ = device;
+        t.owned_ = false;
+        return t;
+    }
+
+    //! A view of `shape.numel()` elements of `storage` from element `offset`, on its device. The
+    //! caller keeps `storage` (and its size) while the view lives.
+    static Tensor view(Tensor& storage, std::int64_t offset, Shape shape, MemoryFormat format = MemoryFormat::nchw) {
+        LOCKSTEP_CHECK_AS(ShapeError, offset >= 0 && offset + shape.numel() <= storage.numel(), "a view of ", shape.numel(),
+                          " elements from offset ", offset, " does not fit a tensor of ", storage.numel());
+        return view(storage.data_ + offset, shape, storage.device_, format);
+    }
+
+    //! Whether this tensor's memory begins where `prev`'s ends, on the same device: two tensors
+    //! that one loop (or one copy) can cover as one.
+    bool follows(const Tensor& prev) const noexcept {
+        return prev.data_ != nullptr && data_ == prev.data_ + prev.numel() && device_ == prev.device_;
+    }
+    //! Whether this tensor is a view of `storage` at element `offset`.
+    bool views(const Tensor& storage, std::int64_t offset) const noexcept {
+        return !owned_ && storage.data_ != nullptr && data_ == storage.data_ + offset && device_ == storage.device_;
+    }
+    //! Whether this tensor is a view of memory inside `storage`.
+    bool views(const Tensor& storage) const noexcept {
+        return !owned_ && storage.data_ != nullptr && data_ >= storage.data_ && data_ < storage.data_ + storage.numel() &&
+               device_ == storage.device_;
+    }
+
     //! An uninitialized tensor with `like`'s shape, format and device.
     template <class U>
     static Tensor empty_like(const Tensor<U, B>& like) {
@@ -251,7 +295,8 @@ public:
         : data_(std::exchange(other.data_, nullptr)),
           shape_(std::exchange(other.shape_, Shape{0})),
           format_(other.format_),
-          device_(other.device_) {}
+          device_(other.device_),
+          owned_(std::exchange(other.owned_, true)) {}
     Tensor& operator=(const Tensor& other) {
         if (this != &other) *this = Tensor(other);
         return *this;
@@ -263,6 +308,7 @@ public:
             shape_ = std::exchange(other.shape_, Shape{0});
             format_ = other.format_;
             device_ = other.device_;
+            owned_ = std::exchange(other.owned_, true);
         }
         return *this;
     }
@@ -276,6 +322,8 @@ public:
     std::int64_t numel() const noexcept { return shape_.numel(); }
     std::size_t bytes() const noexcept { return static_cast<std::size_t>(shape_.numel()) * sizeof(T); }
     bool empty() const noexcept { return numel() == 0; }
+    //! Whether this tensor uses memory it does not own (`Tensor::view`).
+    bool is_view() const noexcept { return !owned_; }
 
     //! The storage on the tensor's device (a device pointer on CUDA, for kernels and libraries).
     T* data() noexcept { return data_; }
@@ -347,6 +395,7 @@ public:
         t.shape_ = std::exchange(shape_, Shape{0});
         t.format_ = format_;
         t.device_ = device_;
+        t.owned_ = std::exchange(owned_, true);
         return t;
     }
 
@@ -355,14 +404,16 @@ private:
     friend class Tensor;
 
     void release() noexcept {
-        if (data_ != nullptr) alloc::deallocate(data_, bytes(), device_);
+        if (data_ != nullptr && owned_) alloc::deallocate(data_, bytes(), device_);
         data_ = nullptr;
+        owned_ = true;
     }
 
     T* data_ = nullptr;
     Shape shape_{0};  // a default tensor is empty, not a scalar
     MemoryFormat format_ = MemoryFormat::nchw;
     Device device_{device_kind_of<B>(), 0};  // no storage: where it would live does not matter
+    bool owned_ = true;  // false for a view: the memory is someone else's
 };
 
 //! Host tensor holding a copy of `values` with `shape`.

@@ -330,26 +330,66 @@ struct Ops<Host> {
     //! momentum and initialized from the gradient when `first`.
     static void sgd_step(const Ex&, T_<float>& value, const T_<float>& grad, T_<float>& momentum_buffer, bool first,
                          const SgdUpdate& u) {
+        sgd_loop(value.data(), grad.data(), momentum_buffer.data(), value.numel(), first, u);
+    }
+
+    //! sgd_step for every entry; entries that lie back to back in value, gradient and momentum
+    //! (a DataParallel bucket: Note [momentum beside its bucket] in nn/sgd.hpp) run as one loop.
+    static void sgd_step_many(const Ex&, std::span<const SgdTensors<Host>> items, const SgdUpdate& u) {
+        const bool momentum = u.momentum != 0;
+        for (std::size_t lo = 0; lo < items.size();) {
+            std::int64_t n = items[lo].value->numel();
+            std::size_t hi = lo + 1;
+            while (hi < items.size() && items[hi].first == items[lo].first &&
+                   items[hi].value->follows(*items[hi - 1].value) && items[hi].grad->follows(*items[hi - 1].grad) &&
+                   (!momentum || items[hi].momentum->follows(*items[hi - 1].momentum))) {
+                n += items[hi].value->numel();
+                ++hi;
+            }
+            sgd_loop(items[lo].value->data(), items[lo].grad->data(), momentum ? items[lo].momentum->data() : nullptr, n,
+                     items[lo].first, u);
+            lo = hi;
+        }
+    }
+
+    //! The update over n elements of flat arrays; each variant a loop of its own, so it vectorizes.
+    static void sgd_loop(float* __restrict w, const float* __restrict gr, float* __restrict v, std::int64_t n, bool first,
+                         const SgdUpdate& u) {
         const float lr = static_cast<float>(u.lr), mu = static_cast<float>(u.momentum),
                     damp = static_cast<float>(1.0 - u.dampening), wd = static_cast<float>(u.weight_decay);
-        float* w = value.data();
-        const float* gr = grad.data();
-        const std::int64_t n = value.numel();
         if (mu == 0.0f) {
             for (std::int64_t k = 0; k < n; ++k) w[k] -= lr * (gr[k] + wd * w[k]);
             return;
         }
-        float* v = momentum_buffer.data();
-        for (std::int64_t k = 0; k < n; ++k) {
-            const float g = gr[k] + wd * w[k];
-            v[k] = first ? g : mu * v[k] + damp * g;
-            w[k] -= lr * (u.nesterov ? g + mu * v[k] : v[k]);
+        if (n > 0)
+            LOCKSTEP_CHECK(v != nullptr, "sgd_step with momentum ", u.momentum, " got no momentum buffer");
+        if (first && u.nesterov) {
+            for (std::int64_t k = 0; k < n; ++k) {
+                const float g = gr[k] + wd * w[k];
+                v[k] = g;
+                w[k] -= lr * (g + mu * g);
+            }
+        } else if (first) {
+            for (std::int64_t k = 0; k < n; ++k) {
+                const float g = gr[k] + wd * w[k];
+                v[k] = g;
+                w[k] -= lr * g;
+            }
+        } else if (u.nesterov) {
+            for (std::int64_t k = 0; k < n; ++k) {
+                const float g = gr[k] + wd * w[k];
+                const float m = mu * v[k] + damp * g;
+                v[k] = m;
+                w[k] -= lr * (g + mu * m);
+            }
+        } else {
+            for (std::int64_t k = 0; k < n; ++k) {
+                const float g = gr[k] + wd * w[k];
+                const float m = mu * v[k] + damp * g;
+                v[k] = m;
+                w[k] -= lr * m;
+            }
         }
-    }
-
-    //! sgd_step for every entry (on CUDA one launch for many tensors).
-    static void sgd_step_many(const Ex& ex, std::span<const SgdTensors<Host>> items, const SgdUpdate& u) {
-        for (const auto& it : items) sgd_step(ex, *it.value, *it.grad, *it.momentum, it.first, u);
     }
 
     //! copy for every piece (on CUDA one launch for many pieces).

@@ -123,7 +123,7 @@ struct SgdTensors {
 };
 
 //! One piece of `Ops<B>::copy_many`: dst[dst_offset, +count) = src[src_offset, +count), on one
-//! device, the pieces not overlapping (a gradient bucket's pack or unpack).
+//! device, the pieces not overlapping (DataParallel moving tensors into their bucket buffers).
 template <BackendTag B>
 struct CopyPiece {
     Tensor<float, B>* dst = nullptr;

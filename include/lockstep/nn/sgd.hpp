@@ -3,6 +3,7 @@
 //! and the `OptimizerLike` concept DataParallel checks an optimizer against.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <string>
@@ -50,6 +51,17 @@ struct SgdOptions {
     bool nesterov = false;
 };
 
+// Note [momentum beside its bucket]
+// Under DataParallel a replica's parameters and gradients are views of flat bucket buffers (Note
+// [gradients in their buckets] in parallel/data_parallel.hpp). Sgd lays the momentum buffers out
+// to match: for every run of parameters whose values and gradients are each contiguous, in visit
+// order, it keeps one block holding the run's buffers back to back, as views of the block. The
+// update of a bucket is then one loop over three flat arrays (Ops<Host>::sgd_step_many merges
+// entries that are contiguous in all three). A buffer replaced from outside (a checkpoint loaded
+// through visit_state) is copied into a new block at the next step; blocks no buffer uses any
+// more are freed. Outside DataParallel every parameter is a run of its own. The arithmetic per
+// element is the same either way, so the layout changes no bit.
+
 //! SGD as torch.optim.SGD: g = grad + wd * p; v = mu * v + (1 - dampening) * g (v = g on the
 //! first step); g = nesterov ? g + mu * v : v; p -= lr * g. Every replica keeps its own momentum
 //! buffers and, fed identical gradients, computes identical bits.
@@ -85,18 +97,19 @@ public:
         auto& state = states_[static_cast<std::size_t>(rank)];
         auto& buffers = state.buffers;
         const kernels::SgdUpdate u{options_.lr, options_.momentum, options_.dampening, options_.weight_decay, options_.nesterov};
-        // Every parameter's update in one call: on CUDA one launch for many tensors.
-        std::size_t count = 0;
-        for_each_parameter(module, [&](const std::string&, Parameter<B>&) { ++count; });
+        // Every parameter's update in one call: on CUDA one launch for many tensors, on the host
+        // one loop per bucket (Note [momentum beside its bucket]).
+        state.params.clear();
+        for_each_parameter(module, [&](const std::string&, Parameter<B>& p) { state.params.push_back(&p); });
+        const std::size_t count = state.params.size();
         if (buffers.size() < count) buffers.resize(count);  // no reallocation while `items` points into it
         state.items.clear();
-        std::size_t i = 0;
-        for_each_parameter(module, [&](const std::string&, Parameter<B>& p) {
-            auto& buf = buffers[i++];
-            const bool first = options_.momentum != 0 && buf.numel() != p.numel();
-            if (first) buf = Tensor<float, B>::empty_like(p.value);
-            state.items.push_back({&p.value, &p.grad, &buf, first});
-        });
+        for (std::size_t i = 0; i < count; ++i) {
+            auto& p = *state.params[i];
+            const bool first = options_.momentum != 0 && buffers[i].numel() != p.numel();
+            state.items.push_back({&p.value, &p.grad, &buffers[i], first});
+        }
+        if (options_.momentum != 0) place_buffers(ctx, state);
         K::sgd_step_many(ctx.exec, state.items, u);
     }
 
@@ -116,8 +129,49 @@ public:
 private:
     struct State {
         std::vector<Tensor<float, B>> buffers;  // parameter order; empty before the first step
-        std::vector<kernels::SgdTensors<B>> items;  // the last step's entries, kept for their capacity
+        std::vector<Tensor<float, B>> blocks;   // what the buffers view (Note [momentum beside its bucket])
+        // The last step's parameters and entries, kept for their capacity.
+        std::vector<Parameter<B>*> params;
+        std::vector<kernels::SgdTensors<B>> items;
     };
+
+    // Note [momentum beside its bucket]: gives every run of parameters contiguous in value and
+    // gradient a momentum block of its own, unless its buffers already lie back to back.
+    void place_buffers(const Context<B>& ctx, State& state) {
+        auto& items = state.items;
+        bool changed = false;
+        for (std::size_t lo = 0; lo < items.size();) {
+            std::size_t hi = lo + 1;
+            while (hi < items.size() && items[hi].value->follows(*items[hi - 1].value) &&
+                   items[hi].grad->follows(*items[hi - 1].grad))
+                ++hi;
+            bool placed = !items[lo].first && items[lo].momentum->is_view();
+            for (std::size_t k = lo + 1; placed && k < hi; ++k)
+                placed = !items[k].first && items[k].momentum->follows(*items[k - 1].momentum);
+            if (!placed) {
+                std::int64_t total = 0;
+                for (std::size_t k = lo; k < hi; ++k) total += items[k].value->numel();
+                Tensor<float, B> block(Shape{total}, MemoryFormat::nchw, items[lo].value->device(), uninitialized);
+                std::int64_t offset = 0;
+                for (std::size_t k = lo; k < hi; ++k) {
+                    auto& buf = *items[k].momentum;
+                    const auto& value = *items[k].value;
+                    if (!items[k].first) K::copy(ctx.exec, block, offset, buf, 0, value.numel());  // a buffer it had
+                    buf = Tensor<float, B>::view(block, offset, value.shape(), value.format());
+                    offset += value.numel();
+                }
+                state.blocks.push_back(std::move(block));
+                changed = true;
+            }
+            lo = hi;
+        }
+        if (!changed) return;
+        std::erase_if(state.blocks, [&](const Tensor<float, B>& block) {
+            return std::none_of(state.buffers.begin(), state.buffers.end(), [&](const Tensor<float, B>& buf) {
+                return buf.views(block);
+            });
+        });
+    }
     SgdOptions options_;
     std::vector<State> states_;
 };

@@ -20,6 +20,7 @@
 #include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/collective_tag.hpp"
@@ -98,16 +99,27 @@ struct StepResult {
 // Note [gradient buckets]
 // Parameters are grouped, in reverse visit order (the order backward finishes them), into flat
 // buckets of about `bucket_bytes`. A layer reports each parameter whose gradient is final
-// through Context::mark_grad_ready; when the last parameter of a bucket is in, the bucket is
-// packed and handed to the replica's communication thread, which all-reduces it on a second
-// replica group (so it never interleaves with the SyncBatchNorm collectives of the compute
-// threads) and unpacks the sums. Where collectives are enqueued on streams (CUDA: Note
-// [stream-ordered collectives]), no second thread calls the communicator: the replica thread
-// itself starts the bucket's all-reduce there and then, on the group's communication stream, and
-// unpacks every bucket after join() once backward has ended. Every replica runs the same layers in the same order, so every
+// through Context::mark_grad_ready; when the last parameter of a bucket is in, the bucket (whose
+// flat buffer the gradients are views of: Note [gradients in their buckets]) is handed to the
+// replica's communication thread, which all-reduces it in place on a second replica group (so
+// it never interleaves with the SyncBatchNorm collectives of the compute threads). Where
+// collectives are enqueued on streams (CUDA: Note [stream-ordered collectives]), no second
+// thread calls the communicator: the replica thread itself starts the bucket's all-reduce there
+// and then, on the group's communication stream, and joins the group once backward has ended,
+// before anything reads the sums. Every replica runs the same layers in the same order, so every
 // replica launches the same buckets in the same order. Buckets never reported (a layer that does
 // not call mark_grad_ready) are launched after backward, in bucket order. Summation is per
 // element in rank order, so bucketing changes no bit of the result.
+//
+// Note [gradients in their buckets]
+// A replica's gradients are views (Tensor::view) of its buckets' flat buffers, so backward
+// writes straight into what is all-reduced: no copy in before the all-reduce, none out after
+// it (PyTorch DDP's gradient_as_bucket_view). The parameters' values are views too, of a second
+// flat buffer per bucket laid out alike, so an optimizer can update a bucket in one loop over
+// flat arrays (Note [momentum beside its bucket] in nn/sgd.hpp). Within a bucket the parameters
+// lie in visit order. A tensor replaced from outside (a layer that assigns a new gradient, a
+// parallel_apply that assigns a value) is copied back into its place and made a view again:
+// at the start of every step for both, and at the bucket's launch for a gradient.
 //
 // Note [gradient accumulation]
 // `accumulate(x, ...)` runs forward and backward and keeps the gradients without any gradient
@@ -445,9 +457,8 @@ private:
     struct Bucket {
         std::vector<nn::Parameter<backend>*> params;
         std::vector<std::int64_t> offsets;
-        Tensor<float, backend> flat;
-        // The copies into and out of `flat`, remade at each launch (kept for their capacity).
-        std::vector<kernels::CopyPiece<backend>> pack, unpack;
+        Tensor<float, backend> flat;    // the gradients, all-reduced as one (Note [gradients in their buckets])
+        Tensor<float, backend> values;  // the parameters' values, laid out as `flat`
         int pending = 0;
         bool launched = false;
     };
@@ -496,23 +507,48 @@ private:
             if (--b.pending == 0 && overlap) launch(it->second.bucket);
         }
 
+        // Queues what makes parameter i of bucket b hold `t` (its value or gradient) as a view of
+        // `flat` at its offset: a copy of what `t` holds when it is a tensor of its own (Note
+        // [gradients in their buckets]). `place_queued` then copies (one call: on CUDA one launch)
+        // and swaps the views in.
+        void queue_place(Bucket& b, std::size_t i, Tensor<float, backend>& t, Tensor<float, backend>& flat) {
+            const auto& p = *b.params[i];
+            if (t.views(flat, b.offsets[i]) && t.shape() == p.shape()) return;
+            LOCKSTEP_CHECK_AS(ShapeError, t.shape() == p.shape() || t.empty(), "a parameter's gradient of shape ",
+                              t.shape(), " beside its value of shape ", p.shape(),
+                              "; a layer must keep a parameter's gradient in the parameter's shape");
+            auto view = Tensor<float, backend>::view(flat, b.offsets[i], p.shape(), p.value.format());
+            if (t.empty()) view.zero();  // a gradient not made yet: zero, as Parameter makes it
+            else placing.push_back({&flat, b.offsets[i], &t, 0, p.numel()});
+            swaps.emplace_back(&t, std::move(view));
+        }
+        void place_queued() {
+            K::copy_many(ctx.exec, placing);
+            for (auto& [t, view] : swaps) *t = std::move(view);
+            placing.clear();
+            swaps.clear();
+        }
+        std::vector<kernels::CopyPiece<backend>> placing;
+        std::vector<std::pair<Tensor<float, backend>*, Tensor<float, backend>>> swaps;
+
+        void place_all() {
+            for (auto& b : buckets)
+                for (std::size_t i = 0; i < b.params.size(); ++i) {
+                    queue_place(b, i, b.params[i]->value, b.values);
+                    queue_place(b, i, b.params[i]->grad, b.flat);
+                }
+            place_queued();
+        }
+
         void launch(std::size_t index) {
             auto& b = buckets[index];
             b.launched = true;
-            // Pack and unpack are one call each (on CUDA one launch for the bucket's tensors).
-            b.pack.clear();
-            b.unpack.clear();
-            for (std::size_t i = 0; i < b.params.size(); ++i) {
-                auto& grad = b.params[i]->grad;
-                const std::int64_t n = b.params[i]->numel();
-                b.pack.push_back({&b.flat, b.offsets[i], &grad, 0, n});
-                b.unpack.push_back({&grad, 0, &b.flat, b.offsets[i], n});
-            }
-            K::copy_many(ctx.exec, b.pack);
+            for (std::size_t i = 0; i < b.params.size(); ++i) queue_place(b, i, b.params[i]->grad, b.flat);
+            place_queued();
             const typename K::Range range("lockstep gradient bucket");
             if (grad_comm->stream_ordered()) {
-                // Enqueued by this thread, here, on every rank: one order everywhere; unpacked
-                // after join() in finish_buckets (Note [gradient buckets]).
+                // Enqueued by this thread, here, on every rank: one order everywhere; read after
+                // join() in finish_buckets (Note [gradient buckets]).
                 grad_comm->start_all_reduce_sum(DeviceSpan(b.flat), comm::CollectiveSite::bucket(index));
                 reduced.fetch_add(1, std::memory_order_release);
                 return;
@@ -520,7 +556,6 @@ private:
             auto job = [this, index] {
                 auto& bb = buckets[index];
                 grad_comm->all_reduce_sum(DeviceSpan(bb.flat), comm::CollectiveSite::bucket(index));
-                K::copy_many(ctx.exec, bb.unpack);
                 reduced.fetch_add(1, std::memory_order_release);
             };
             if (overlap) worker.submit(job);
@@ -531,10 +566,7 @@ private:
             reduced_during_backward = reduced.load(std::memory_order_acquire);  // backward has just ended
             for (std::size_t i = 0; i < buckets.size(); ++i)
                 if (!buckets[i].launched) launch(i);
-            if (grad_comm->stream_ordered()) {
-                grad_comm->join();
-                for (auto& b : buckets) K::copy_many(ctx.exec, b.unpack);
-            }
+            if (grad_comm->stream_ordered()) grad_comm->join();
             worker.wait();
             ctx.grad_ready = nullptr;
         }
@@ -667,6 +699,7 @@ private:
                 auto& rep = *core->replicas[ur];
                 rep.ctx.training = true;
                 rep.ctx.global_batch = batch;
+                rep.place_all();  // Note [gradients in their buckets]
                 if (before == 0) {
                     nn::zero_grad(rep.module);
                     rep.totals.zero();
@@ -968,6 +1001,8 @@ private:
         return devices;
     }
 
+    // Note [gradient buckets] and [gradients in their buckets]: buckets in reverse visit order,
+    // parameters inside a bucket in visit order.
     static void build_buckets(Replica& rep, const Device& device, std::size_t bucket_bytes) {
         std::vector<nn::Parameter<backend>*> params;
         nn::for_each_parameter(rep.module, [&](const std::string&, nn::Parameter<backend>& p) { params.push_back(&p); });
@@ -975,7 +1010,13 @@ private:
         std::int64_t elems = 0;
         const auto close = [&] {
             if (current.params.empty()) return;
+            std::int64_t end = elems;  // the last one in visit order first: it lies at the end
+            for (std::size_t i = 0; i < current.params.size(); ++i) {
+                end -= current.params[i]->numel();
+                current.offsets.push_back(end);
+            }
             current.flat = Tensor<float, backend>(Shape{elems}, MemoryFormat::nchw, device);
+            current.values = Tensor<float, backend>(Shape{elems}, MemoryFormat::nchw, device, uninitialized);
             for (auto* p : current.params) rep.slots[p] = {rep.buckets.size(), false};
             rep.buckets.push_back(std::move(current));
             current = Bucket{};
@@ -987,10 +1028,10 @@ private:
                 static_cast<std::size_t>(elems + p->numel()) * sizeof(float) > bucket_bytes)
                 close();
             current.params.push_back(p);
-            current.offsets.push_back(elems);
             elems += p->numel();
         }
         close();
+        rep.place_all();
     }
 
     void broadcast_from_first() {
