@@ -54,7 +54,11 @@ void check_sum(comm::MpiCommunicator& c, std::size_t n) {
 }
 
 int collectives(comm::MpiCommunicator& c) {
-    for (const std::size_t n : {std::size_t{1}, std::size_t{129}, std::size_t{5000}, std::size_t{70001}}) {
+    // Payloads that travel with the tag (up to folded_limit bytes: 4096 floats, 2048 doubles),
+    // whole and by slices.
+    static_assert(comm::MpiCommunicator::folded_limit == 4096 * sizeof(float));
+    for (const std::size_t n : {std::size_t{1}, std::size_t{129}, std::size_t{2048}, std::size_t{4096}, std::size_t{4097},
+                                std::size_t{5000}, std::size_t{70001}}) {
         check_sum<float>(c, n);
         check_sum<double>(c, n);
     }
@@ -75,6 +79,16 @@ int collectives(comm::MpiCommunicator& c) {
     expect(message.find("MPI rank 0 reached all_reduce_sum<float>[4] at user site 7 but MPI rank 1 reached "
                         "all_reduce_sum<float>[5]") != std::string::npos,
            "a tag mismatch throws CollectiveMismatch on every rank, naming both collectives (" + message.substr(0, 60) + "...)");
+    message.clear();
+    try {  // a payload that travels with its tag against one that does not
+        std::vector<float> w(c.rank() == 1 ? 5000 : 4, 1.0f);
+        c.all_reduce_sum(std::span<float>(w), comm::CollectiveSite::user(8));
+    } catch (const CollectiveMismatch& e) {
+        message = e.what();
+    }
+    expect(message.find("MPI rank 0 reached all_reduce_sum<float>[4] at user site 8 but MPI rank 1 reached "
+                        "all_reduce_sum<float>[5000]") != std::string::npos,
+           "a mismatch between a small and a large all-reduce is found in the tags (" + message.substr(0, 60) + "...)");
     c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 0), comm::CollectiveKind::all_reduce_sum, comm::DType::f32, 12, -1});
     expect(true, "agree() returns when every rank presents the same tag");
     message.clear();
@@ -88,7 +102,7 @@ int collectives(comm::MpiCommunicator& c) {
                std::string::npos,
            "agree() throws CollectiveMismatch on every rank (" + message.substr(0, 60) + "...)");
     check_sum<float>(c, 33);  // the communicator works after a mismatch
-    expect(c.collective_count() == 13, "collective_count counts every call (" + std::to_string(c.collective_count()) + ")");
+    expect(c.collective_count() == 20, "collective_count counts every call (" + std::to_string(c.collective_count()) + ")");
     return 0;
 }
 

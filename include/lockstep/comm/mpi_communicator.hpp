@@ -170,6 +170,11 @@ namespace lockstep::comm {
 //    and sends the sum back to all. Each element is summed once, in one fixed order, so every
 //    rank holds the same bits, which are those of a HostGroup of the same size, whatever MPI
 //    library runs underneath.
+// An all-reduce of at most `folded_limit` bytes makes the two steps one: its payload travels
+// in the tag's message, every rank checks the tags and then sums the operands it received, so a
+// SyncBatchNorm layer across processes waits for one message exchange, not two. A rank at a
+// collective without a payload sends its tag alone in the same kind of message, so a mismatch
+// between any two collectives is still found in the tags.
 // A communicator that timed out or was aborted stays failed: later calls throw at once.
 
 //! Collectives between the processes of an MPI communicator (one `MpiCommunicator` per process;
@@ -264,30 +269,66 @@ public:
     //! (step 1 of Note [MPI collectives]): all ranks throw the same `CollectiveMismatch` when they
     //! did not, `CollectiveAborted` when a rank failed, `Timeout` naming the silent ranks. For a
     //! collective whose data moves elsewhere (NCCL across processes).
-    void agree(const CollectiveTag& tag) {
+    void agree(const CollectiveTag& tag) { agree(tag, nullptr, 0); }
+
+    //! Payloads of at most this many bytes travel with the tag (Note [MPI collectives]).
+    static constexpr std::size_t folded_limit = 16384;
+
+    //! Payloads of at most this many elements times the ranks go whole to every rank (step 2 of
+    //! Note [MPI collectives]); larger ones by slices.
+    static constexpr std::size_t whole_limit = std::size_t{1} << 16;
+
+    //! From any thread: throws `CollectiveAborted` naming the failed rank once another rank's
+    //! abort message has arrived (a replica's wait on its GPU consults this while it polls).
+    void check_peers() {
+        std::string text;
+        int source = -1;
+        if (peer_aborted(text, source)) throw CollectiveAborted(text, source);
+    }
+
+    //! From any thread: whether a failure reached this rank from elsewhere (another rank's abort
+    //! message, or a peer that never answered), as opposed to one of this rank's own.
+    bool peer_failed() const noexcept { return peer_failed_.load(std::memory_order_acquire); }
+
+    //! Why this communicator failed (empty while it works).
+    const std::string& failure() const noexcept { return failure_; }
+
+private:
+    using Wire = std::array<std::int64_t, 7>;
+    static constexpr std::size_t slot_bytes = sizeof(Wire) + folded_limit;  // one rank's message: tag, payload
+
+    // agree(tag), sending `bytes` of `payload` (at most folded_limit) in the tag's message; rank
+    // r's payload is then in wire_, slot r, after its tag.
+    void agree(const CollectiveTag& tag, const void* payload, std::size_t bytes) {
         check_usable();
         if (size_ == 1) return;
-        using Wire = std::array<std::int64_t, 7>;
         const Wire mine{static_cast<std::int64_t>(tag.site.kind), static_cast<std::int64_t>(tag.site.id),
                         static_cast<std::int64_t>(tag.site.part), static_cast<std::int64_t>(tag.kind),
                         static_cast<std::int64_t>(tag.dtype), static_cast<std::int64_t>(tag.count), tag.root};
-        std::vector<Wire> all(static_cast<std::size_t>(size_));
-        all[static_cast<std::size_t>(rank_)] = mine;
+        if (wire_.empty()) wire_.resize(static_cast<std::size_t>(size_) * slot_bytes / sizeof(std::int64_t));
+        auto* slots = reinterpret_cast<std::byte*>(wire_.data());
+        std::byte* own = slots + static_cast<std::size_t>(rank_) * slot_bytes;
+        std::memcpy(own, mine.data(), sizeof(Wire));
+        if (bytes != 0) std::memcpy(own + sizeof(Wire), payload, bytes);
         std::vector<MPI_Request> reqs;
         std::vector<int> who;
         for (int r = 0; r < size_; ++r) {
             if (r == rank_) continue;
             reqs.emplace_back();
             who.push_back(r);
-            MPI_Irecv(all[static_cast<std::size_t>(r)].data(), 7, MPI_INT64_T, r, tag_tag, comm_, &reqs.back());
+            // Room for any peer's message: it may be at another collective, with another payload.
+            MPI_Irecv(slots + static_cast<std::size_t>(r) * slot_bytes, static_cast<int>(slot_bytes), MPI_BYTE, r, tag_tag,
+                      comm_, &reqs.back());
         }
         for (int r = 0; r < size_; ++r) {
             if (r == rank_) continue;
             reqs.emplace_back();
             who.push_back(-1 - r);
-            MPI_Isend(mine.data(), 7, MPI_INT64_T, r, tag_tag, comm_, &reqs.back());
+            MPI_Isend(own, static_cast<int>(sizeof(Wire) + bytes), MPI_BYTE, r, tag_tag, comm_, &reqs.back());
         }
         wait_all(reqs, who, tag.str());
+        std::vector<Wire> all(static_cast<std::size_t>(size_));
+        for (std::size_t r = 0; r < all.size(); ++r) std::memcpy(all[r].data(), slots + r * slot_bytes, sizeof(Wire));
         const auto decode = [](const Wire& w) {
             CollectiveTag t;
             t.site = CollectiveSite{static_cast<CollectiveSite::Kind>(w[0]), static_cast<std::uint64_t>(w[1]),
@@ -308,26 +349,6 @@ public:
         }
     }
 
-    //! From any thread: throws `CollectiveAborted` naming the failed rank once another rank's
-    //! abort message has arrived (a replica's wait on its GPU consults this while it polls).
-    void check_peers() {
-        std::string text;
-        int source = -1;
-        if (peer_aborted(text, source)) throw CollectiveAborted(text, source);
-    }
-
-    //! From any thread: whether a failure reached this rank from elsewhere (another rank's abort
-    //! message, or a peer that never answered), as opposed to one of this rank's own.
-    bool peer_failed() const noexcept { return peer_failed_.load(std::memory_order_acquire); }
-
-    //! Why this communicator failed (empty while it works).
-    const std::string& failure() const noexcept { return failure_; }
-
-    //! Payloads of at most this many elements times the ranks go whole to every rank (step 2 of
-    //! Note [MPI collectives]); larger ones by slices.
-    static constexpr std::size_t whole_limit = std::size_t{1} << 16;
-
-private:
     static constexpr int tag_tag = 101, tag_data = 102, tag_gather = 103, tag_abort = 104;
 
     template <class T>
@@ -442,10 +463,21 @@ private:
     void reduce(DeviceSpan<T> data, CollectiveSite site) {
         check_buffer(data, "all_reduce_sum");
         ++count_;
-        agree(CollectiveTag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1});
-        if (size_ == 1 || data.empty()) return;
+        const CollectiveTag tag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1};
         const auto n = static_cast<std::size_t>(size_);
         const auto me = static_cast<std::size_t>(rank_);
+        std::vector<const T*> bufs(n);
+        if (data.size * sizeof(T) <= folded_limit) {  // the operands came with the tags
+            agree(tag, data.data, data.size * sizeof(T));
+            if (size_ == 1 || data.empty()) return;
+            const auto* slots = reinterpret_cast<const std::byte*>(wire_.data());
+            for (std::size_t r = 0; r < n; ++r)
+                bufs[r] = r == me ? data.data : reinterpret_cast<const T*>(slots + r * slot_bytes + sizeof(Wire));
+            sum_in_rank_order(bufs, data.data, 0, data.size);
+            return;
+        }
+        agree(tag);
+        if (size_ == 1) return;
         std::vector<MPI_Request> reqs;
         std::vector<int> who;
         const auto post = [&](bool send, T* p, std::size_t count, int peer, int tag) {
@@ -458,7 +490,6 @@ private:
         // Operands arrive in this communicator's scratch buffer (kept between calls: no page
         // faults on fresh memory for every bucket); this rank's own operand is read in place, and
         // the sum is written over it (sum_in_rank_order reads each block before writing it).
-        std::vector<const T*> bufs(n);
         if (data.size * n <= whole_limit) {  // every rank sums every operand
             T* others = scratch<T>(data.size * n);  // slot r: rank r's operand (slot `me` unused)
             for (int r = 0; r < size_; ++r)
@@ -540,6 +571,7 @@ private:
     std::atomic<bool> aborted_{false};
     std::string abort_text_;
     std::unique_ptr<std::byte[]> scratch_;
+    std::vector<std::int64_t> wire_;  // every rank's tag message (slot_bytes each), kept between calls
     std::size_t scratch_bytes_ = 0;
     std::mutex peer_mutex_;      // the abort message of another rank, taken by whichever thread polls first
     std::string peer_failure_;
