@@ -282,9 +282,11 @@ TEST_CASE("Gradient all-reduce overlaps backward", "[parallel]") {
 }
 
 namespace {
-// y = x * w per feature. With `Replace`, backward assigns the weight a new gradient tensor (as a
-// user's layer may) before marking it ready; without, it adds into the one it has.
-template <bool Replace>
+// y = x * w per feature. Backward adds into the weight's gradient (in_place), or assigns the
+// weight a new gradient tensor (as a user's layer may) before marking it ready (replace), or
+// after (replace_late: the gradient misses the all-reduce).
+enum GradWrite { in_place, replace, replace_late };
+template <GradWrite Mode>
 struct Scale {
     using backend = Host;
     nn::Parameter<> weight{Shape{5}};
@@ -306,9 +308,10 @@ struct Scale {
                 g[i] += input[r * 5 + i] * dy[r * 5 + i];
                 dx[r * 5 + i] = dy[r * 5 + i] * weight.value[i];
             }
-        if constexpr (Replace) weight.grad = std::move(g);
+        if constexpr (Mode == replace) weight.grad = std::move(g);
         else weight.grad.copy_from(g);
         ctx.mark_grad_ready(&weight);
+        if constexpr (Mode == replace_late) weight.grad = Tensor<float>(weight.grad);
         return dx;
     }
     template <class V>
@@ -316,23 +319,30 @@ struct Scale {
         v.parameter("weight", weight);
     }
 };
-template <bool Replace>
-using Scaled = nn::Sequential<nn::Flatten<>, nn::Linear<>, Scale<Replace>>;
-template <bool Replace>
-Scaled<Replace> make_scaled() {
+template <GradWrite Mode>
+using Scaled = nn::Sequential<nn::Flatten<>, nn::Linear<>, Scale<Mode>>;
+template <GradWrite Mode>
+Scaled<Mode> make_scaled() {
     nn::Generator g(4);
-    return Scaled<Replace>(nn::Flatten<>(), nn::Linear<>(2 * 8 * 8, 5, true, g), Scale<Replace>());
+    return Scaled<Mode>(nn::Flatten<>(), nn::Linear<>(2 * 8 * 8, 5, true, g), Scale<Mode>());
 }
 
-// Whether every parameter of `m` has its value and gradient as views, each following the one
-// before it in visit order (one bucket) or not (a bucket each).
+// Whether `next` lies after `prev` as DataParallel lays a bucket out: at the first 64-byte
+// boundary past its end (16 floats).
+bool next_in_bucket(const Tensor<float>& next, const Tensor<float>& prev) {
+    const auto d = next.offset_from(prev);
+    return d && *d == (prev.numel() + 15) / 16 * 16;
+}
+
+// Whether every parameter of `m` has its value and gradient as views and, with `one_bucket`, each
+// lies after the one before it in visit order, values and gradients alike.
 template <class M>
 bool laid_out_in_buckets(const M& m, bool one_bucket) {
     const nn::Parameter<>* prev = nullptr;
     bool ok = true;
     nn::for_each_parameter(m, [&](const std::string&, const nn::Parameter<>& p) {
         ok &= p.value.is_view() && p.grad.is_view();
-        if (prev != nullptr) ok &= p.value.follows(prev->value) == one_bucket && p.grad.follows(prev->grad) == one_bucket;
+        if (prev != nullptr && one_bucket) ok &= next_in_bucket(p.value, prev->value) && next_in_bucket(p.grad, prev->grad);
         prev = &p;
     });
     return ok;
@@ -346,14 +356,14 @@ TEST_CASE("Gradients and values live in their buckets; a tensor replaced from ou
         CAPTURE(bucket_bytes);
         const bool one_bucket = bucket_bytes > 1;
         // A layer that assigns itself a new gradient each backward trains as one that adds in place.
-        DataParallel<Scaled<true>> replacing(make_scaled<true>(), 2, {.bucket_bytes = bucket_bytes});
-        DataParallel<Scaled<false>> in_place(make_scaled<false>(), 2, {.bucket_bytes = bucket_bytes});
+        DataParallel<Scaled<replace>> replacing(make_scaled<replace>(), 2, {.bucket_bytes = bucket_bytes});
+        DataParallel<Scaled<in_place>> adding(make_scaled<in_place>(), 2, {.bucket_bytes = bucket_bytes});
         CHECK(laid_out_in_buckets(replacing.replica(1), one_bucket));
         nn::Sgd a({.lr = 0.1, .momentum = 0.9}), b({.lr = 0.1, .momentum = 0.9});
         for (const auto& batch : batches) {
             CHECK(replacing.train_step(batch.x, batch.labels, nn::SoftmaxCrossEntropy{}, a).loss ==
-                  in_place.train_step(batch.x, batch.labels, nn::SoftmaxCrossEntropy{}, b).loss);
-            CHECK(tensors_of(replacing.module()) == tensors_of(in_place.module()));
+                  adding.train_step(batch.x, batch.labels, nn::SoftmaxCrossEntropy{}, b).loss);
+            CHECK(tensors_of(replacing.module()) == tensors_of(adding.module()));
             CHECK(laid_out_in_buckets(replacing.replica(0), one_bucket));
         }
         // With momentum, each bucket's buffers lie back to back (Note [momentum beside its bucket]).
@@ -361,7 +371,34 @@ TEST_CASE("Gradients and values live in their buckets; a tensor replaced from ou
         a.visit_state(0, replacing.replica(0), [&](const std::string&, const Tensor<float>& t, const nn::Parameter<>&) {
             buffers.push_back(&t);
         });
-        for (std::size_t i = 1; i < buffers.size(); ++i) CHECK(buffers[i]->follows(*buffers[i - 1]) == one_bucket);
+        REQUIRE(buffers.size() == 3);
+        for (std::size_t i = 1; i < buffers.size(); ++i) CHECK(next_in_bucket(*buffers[i], *buffers[i - 1]) == one_bucket);
+
+        // Two parameters of one shape swapped through parallel_apply: each takes the other's place.
+        DataParallel<Scaled<in_place>> swapped(make_scaled<in_place>(), 2, {.bucket_bytes = bucket_bytes});
+        const auto before = tensors_of(swapped.module());
+        swapped.parallel_apply([](Scaled<in_place>& m, nn::Context<>&) { std::swap(m.get<1>().bias, m.get<2>().weight); });
+        nn::Sgd still({.lr = 0.0});
+        swapped.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, still);
+        auto after = tensors_of(swapped.module());
+        CHECK(after.at("1.bias") == before.at("2.weight"));
+        CHECK(after.at("2.weight") == before.at("1.bias"));
+        CHECK(after.at("1.weight") == before.at("1.weight"));
+        CHECK(laid_out_in_buckets(swapped.replica(1), one_bucket));
+
+        // A parameter whose size changed, and a gradient replaced after it was marked ready, fail
+        // the step with a message that says what to do.
+        swapped.parallel_apply([](Scaled<in_place>& m, nn::Context<>&) { m.get<2>().weight.value = Tensor<float>(Shape{6}); });
+        CHECK_THROWS_WITH(swapped.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, still),
+                          Catch::Contains("parameter '2.weight' holds 6 elements, but DataParallel was made with 5"));
+        // (In one bucket, launched only once the Linear's gradients are in too, the late gradient
+        // is still put in its place in time.)
+        DataParallel<Scaled<replace_late>> late(make_scaled<replace_late>(), 2, {.bucket_bytes = bucket_bytes});
+        if (one_bucket)
+            CHECK_NOTHROW(late.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, still));
+        else
+            CHECK_THROWS_WITH(late.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, still),
+                              Catch::Contains("the gradient of parameter '2.weight' was replaced after its layer marked it ready"));
 
         // A value assigned through parallel_apply is what the next step starts from.
         DataParallel<Net> dp(make_net(3), 2, {.bucket_bytes = bucket_bytes}), twin(make_net(3), 2, {.bucket_bytes = bucket_bytes});

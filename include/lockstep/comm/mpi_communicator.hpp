@@ -170,9 +170,10 @@ namespace lockstep::comm {
 //    and sends the sum back to all. Each element is summed once, in one fixed order, so every
 //    rank holds the same bits, which are those of a HostGroup of the same size, whatever MPI
 //    library runs underneath.
-// An all-reduce of at most `folded_limit` bytes makes the two steps one: its payload travels
-// in the tag's message, every rank checks the tags and then sums the operands it received, so a
-// SyncBatchNorm layer across processes waits for one message exchange, not two. A rank at a
+// An all-reduce of at most `folded_limit` bytes (one that goes whole to every rank) makes the
+// two steps one: its payload travels in the tag's message, every rank checks the tags and then
+// sums the operands it received, so a SyncBatchNorm layer across processes waits for one
+// message exchange, not two. A rank at a
 // collective without a payload sends its tag alone in the same kind of message, so a mismatch
 // between any two collectives is still found in the tags.
 // A communicator that timed out or was aborted stays failed: later calls throw at once.
@@ -467,7 +468,7 @@ private:
         const auto n = static_cast<std::size_t>(size_);
         const auto me = static_cast<std::size_t>(rank_);
         std::vector<const T*> bufs(n);
-        if (data.size * sizeof(T) <= folded_limit) {  // the operands came with the tags
+        if (data.size * sizeof(T) <= folded_limit && data.size * n <= whole_limit) {  // the operands came with the tags
             agree(tag, data.data, data.size * sizeof(T));
             if (size_ == 1 || data.empty()) return;
             const auto* slots = reinterpret_cast<const std::byte*>(wire_.data());

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -232,10 +233,7 @@ public:
     //! Tensor of `shape` whose elements are left unset; for outputs that are written in full.
     Tensor(Shape shape, MemoryFormat format, Device device, Uninitialized)
         : shape_(shape), format_(format), device_(device) {
-        LOCKSTEP_CHECK_AS(DeviceMismatch, device.kind == device_kind_of<B>(), "a ", B::name,
-                          " tensor cannot live on device ", device);
-        LOCKSTEP_CHECK(format == MemoryFormat::nchw || shape.rank() == 4,
-                       "NHWC applies to 4-D tensors only; got shape ", shape);
+        check_layout();
         data_ = static_cast<T*>(alloc::allocate(bytes(), device_));
     }
 
@@ -245,16 +243,13 @@ public:
     //! makes each replica's parameters and gradients views of its flat bucket buffers (Note
     //! [gradients in their buckets] in parallel/data_parallel.hpp).
     static Tensor view(T* data, Shape shape, Device device, MemoryFormat format = MemoryFormat::nchw) {
-        LOCKSTEP_CHECK_AS(DeviceMismatch, device.kind == device_kind_of<B>(), "a ", B::name,
-                          " tensor cannot view memory on device ", device);
-        LOCKSTEP_CHECK(format == MemoryFormat::nchw || shape.rank() == 4, "NHWC applies to 4-D tensors only; got shape ",
-                       shape);
         LOCKSTEP_CHECK(data != nullptr || shape.numel() == 0, "a view of ", shape.numel(), " elements needs memory, got null");
         Tensor t;
-        t.data_ = data;
         t.shape_ = shape;
         t.format_ = format;
         t.device_ = device;
+        t.check_layout();
+        t.data_ = data;
         t.owned_ = false;
         return t;
     }
@@ -271,6 +266,13 @@ public:
     //! that one loop (or one copy) can cover as one.
     bool follows(const Tensor& prev) const noexcept {
         return prev.data_ != nullptr && data_ == prev.data_ + prev.numel() && device_ == prev.device_;
+    }
+    //! Elements from the start of `base`'s memory to the start of this tensor's, on the same
+    //! device (nullopt on another device or without memory): where two views of one buffer lie
+    //! relative to each other.
+    std::optional<std::int64_t> offset_from(const Tensor& base) const noexcept {
+        if (data_ == nullptr || base.data_ == nullptr || !(device_ == base.device_)) return std::nullopt;
+        return static_cast<std::int64_t>(data_ - base.data_);
     }
     //! Whether this tensor is a view of `storage` at element `offset`.
     bool views(const Tensor& storage, std::int64_t offset) const noexcept {
@@ -402,6 +404,13 @@ public:
 private:
     template <class, BackendTag>
     friend class Tensor;
+
+    void check_layout() const {
+        LOCKSTEP_CHECK_AS(DeviceMismatch, device_.kind == device_kind_of<B>(), "a ", B::name, " tensor cannot live on device ",
+                          device_);
+        LOCKSTEP_CHECK(format_ == MemoryFormat::nchw || shape_.rank() == 4, "NHWC applies to 4-D tensors only; got shape ",
+                       shape_);
+    }
 
     void release() noexcept {
         if (data_ != nullptr && owned_) alloc::deallocate(data_, bytes(), device_);

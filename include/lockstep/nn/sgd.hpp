@@ -54,10 +54,11 @@ struct SgdOptions {
 // Note [momentum beside its bucket]
 // Under DataParallel a replica's parameters and gradients are views of flat bucket buffers (Note
 // [gradients in their buckets] in parallel/data_parallel.hpp). Sgd lays the momentum buffers out
-// to match: for every run of parameters whose values and gradients are each contiguous, in visit
-// order, it keeps one block holding the run's buffers back to back, as views of the block. The
-// update of a bucket is then one loop over three flat arrays (Ops<Host>::sgd_step_many merges
-// entries that are contiguous in all three). A buffer replaced from outside (a checkpoint loaded
+// to match: for every run of parameters laid out alike in value and gradient, in visit order, it
+// keeps one block holding the run's buffers at the same distances, as views of the block. The
+// update of a bucket then runs over three flat arrays laid out alike: one loop for every stretch
+// of parameters that lie back to back (Ops<Host>::sgd_step_many merges those), one launch per 32
+// parameters on CUDA. A buffer replaced from outside (a checkpoint loaded
 // through visit_state) is copied into a new block at the next step; blocks no buffer uses any
 // more are freed. Outside DataParallel every parameter is a run of its own. The arithmetic per
 // element is the same either way, so the layout changes no bit.
@@ -135,30 +136,38 @@ private:
         std::vector<kernels::SgdTensors<B>> items;
     };
 
-    // Note [momentum beside its bucket]: gives every run of parameters contiguous in value and
-    // gradient a momentum block of its own, unless its buffers already lie back to back.
+    // Note [momentum beside its bucket]: gives every run of parameters laid out alike in value
+    // and gradient (each next one at the same distance from the one before in both, past its end
+    // by at most 64 bytes of padding) a momentum block laid out alike, unless its buffers
+    // already are.
     void place_buffers(const Context<B>& ctx, State& state) {
         auto& items = state.items;
+        const auto step = [](const Tensor<float, B>& next, const Tensor<float, B>& prev) { return next.offset_from(prev); };
         bool changed = false;
         for (std::size_t lo = 0; lo < items.size();) {
             std::size_t hi = lo + 1;
-            while (hi < items.size() && items[hi].value->follows(*items[hi - 1].value) &&
-                   items[hi].grad->follows(*items[hi - 1].grad))
+            while (hi < items.size()) {
+                const auto d = step(*items[hi].value, *items[hi - 1].value);
+                const std::int64_t end = items[hi - 1].value->numel();
+                if (!d || *d < end || *d > end + 16 || step(*items[hi].grad, *items[hi - 1].grad) != d) break;
                 ++hi;
-            bool placed = !items[lo].first && items[lo].momentum->is_view();
-            for (std::size_t k = lo + 1; placed && k < hi; ++k)
-                placed = !items[k].first && items[k].momentum->follows(*items[k - 1].momentum);
+            }
+            bool placed = true;
+            for (std::size_t k = lo; placed && k < hi; ++k)
+                placed = !items[k].first && items[k].momentum->is_view() &&
+                         (k == lo || step(*items[k].momentum, *items[k - 1].momentum) == step(*items[k].value, *items[k - 1].value));
             if (!placed) {
-                std::int64_t total = 0;
-                for (std::size_t k = lo; k < hi; ++k) total += items[k].value->numel();
-                Tensor<float, B> block(Shape{total}, MemoryFormat::nchw, items[lo].value->device(), uninitialized);
-                std::int64_t offset = 0;
+                const auto& first = *items[lo].value;
+                const auto& last = *items[hi - 1].value;
+                // Zero-filled: the padding between buffers stays zero.
+                const std::int64_t size = (hi - 1 == lo ? 0 : *last.offset_from(first)) + last.numel();
+                Tensor<float, B> block(Shape{size}, MemoryFormat::nchw, first.device());
                 for (std::size_t k = lo; k < hi; ++k) {
                     auto& buf = *items[k].momentum;
                     const auto& value = *items[k].value;
+                    const std::int64_t offset = lo == k ? 0 : *value.offset_from(first);
                     if (!items[k].first) K::copy(ctx.exec, block, offset, buf, 0, value.numel());  // a buffer it had
                     buf = Tensor<float, B>::view(block, offset, value.shape(), value.format());
-                    offset += value.numel();
                 }
                 state.blocks.push_back(std::move(block));
                 changed = true;

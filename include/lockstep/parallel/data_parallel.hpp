@@ -117,9 +117,12 @@ struct StepResult {
 // it (PyTorch DDP's gradient_as_bucket_view). The parameters' values are views too, of a second
 // flat buffer per bucket laid out alike, so an optimizer can update a bucket in one loop over
 // flat arrays (Note [momentum beside its bucket] in nn/sgd.hpp). Within a bucket the parameters
-// lie in visit order. A tensor replaced from outside (a layer that assigns a new gradient, a
-// parallel_apply that assigns a value) is copied back into its place and made a view again:
-// at the start of every step for both, and at the bucket's launch for a gradient.
+// lie in visit order, each on a 64-byte boundary (zero padding between them), as tensors of
+// their own would. A tensor replaced from outside (a layer that assigns a new gradient, a
+// parallel_apply that assigns a value or swaps two parameters) is copied back into its place
+// and made a view again: at the start of every step for both, and at the bucket's launch for a
+// gradient. A gradient replaced after its bucket was launched missed the all-reduce: the step
+// fails with UsageError, as does a parameter whose size changed.
 //
 // Note [gradient accumulation]
 // `accumulate(x, ...)` runs forward and backward and keeps the gradients without any gradient
@@ -456,7 +459,9 @@ public:
 private:
     struct Bucket {
         std::vector<nn::Parameter<backend>*> params;
-        std::vector<std::int64_t> offsets;
+        std::vector<std::int64_t> offsets;      // into flat and values, 64-byte aligned
+        std::vector<std::int64_t> counts;       // elements of each parameter
+        std::vector<std::size_t> visit_index;   // each parameter's place in visit order (its name)
         Tensor<float, backend> flat;    // the gradients, all-reduced as one (Note [gradients in their buckets])
         Tensor<float, backend> values;  // the parameters' values, laid out as `flat`
         int pending = 0;
@@ -508,30 +513,45 @@ private:
         }
 
         // Queues what makes parameter i of bucket b hold `t` (its value or gradient) as a view of
-        // `flat` at its offset: a copy of what `t` holds when it is a tensor of its own (Note
-        // [gradients in their buckets]). `place_queued` then copies (one call: on CUDA one launch)
-        // and swaps the views in.
+        // `flat` at its offset: a copy of what `t` holds when it is elsewhere (Note [gradients in
+        // their buckets]). `place_queued` then copies (one call: on CUDA one launch), zeroes
+        // gradients not made yet, and swaps the views in. A source that is a view of another
+        // place (two parameters swapped) is copied out first, so no copy reads a place another
+        // one writes.
         void queue_place(Bucket& b, std::size_t i, Tensor<float, backend>& t, Tensor<float, backend>& flat) {
             const auto& p = *b.params[i];
-            if (t.views(flat, b.offsets[i]) && t.shape() == p.shape()) return;
-            LOCKSTEP_CHECK_AS(ShapeError, t.shape() == p.shape() || t.empty(), "a parameter's gradient of shape ",
-                              t.shape(), " beside its value of shape ", p.shape(),
+            const std::int64_t n = b.counts[i];
+            if (t.views(flat, b.offsets[i]) && t.numel() == n) return;
+            const std::string& name = param_names[b.visit_index[i]];
+            LOCKSTEP_CHECK_AS(UsageError, p.value.numel() == n, "parameter '", name, "' holds ", p.value.numel(),
+                              " elements, but DataParallel was made with ", n,
+                              "; a model's parameters keep their sizes (assign values of the same shape)");
+            LOCKSTEP_CHECK_AS(ShapeError, t.shape() == p.shape() || t.empty(), "the gradient of parameter '", name,
+                              "' has shape ", t.shape(), " beside its value of shape ", p.shape(),
                               "; a layer must keep a parameter's gradient in the parameter's shape");
+            if (t.is_view()) t = Tensor<float, backend>(t);  // an owning copy
             auto view = Tensor<float, backend>::view(flat, b.offsets[i], p.shape(), p.value.format());
-            if (t.empty()) view.zero();  // a gradient not made yet: zero, as Parameter makes it
-            else placing.push_back({&flat, b.offsets[i], &t, 0, p.numel()});
+            if (t.empty()) zeroing.push_back(&t);  // a gradient not made yet: zero, as Parameter makes it
+            else placing.push_back({&flat, b.offsets[i], &t, 0, n});
             swaps.emplace_back(&t, std::move(view));
         }
         void place_queued() {
             K::copy_many(ctx.exec, placing);
             for (auto& [t, view] : swaps) *t = std::move(view);
+            for (auto* t : zeroing) t->zero();
+            clear_queue();
+        }
+        void clear_queue() noexcept {
             placing.clear();
             swaps.clear();
+            zeroing.clear();
         }
         std::vector<kernels::CopyPiece<backend>> placing;
         std::vector<std::pair<Tensor<float, backend>*, Tensor<float, backend>>> swaps;
+        std::vector<Tensor<float, backend>*> zeroing;
 
         void place_all() {
+            clear_queue();  // nothing left over from a place that threw
             for (auto& b : buckets)
                 for (std::size_t i = 0; i < b.params.size(); ++i) {
                     queue_place(b, i, b.params[i]->value, b.values);
@@ -543,6 +563,7 @@ private:
         void launch(std::size_t index) {
             auto& b = buckets[index];
             b.launched = true;
+            clear_queue();
             for (std::size_t i = 0; i < b.params.size(); ++i) queue_place(b, i, b.params[i]->grad, b.flat);
             place_queued();
             const typename K::Range range("lockstep gradient bucket");
@@ -568,6 +589,14 @@ private:
                 if (!buckets[i].launched) launch(i);
             if (grad_comm->stream_ordered()) grad_comm->join();
             worker.wait();
+            // A gradient replaced after its bucket was launched missed the all-reduce: this
+            // replica would step with its own gradient alone.
+            for (auto& b : buckets)
+                for (std::size_t i = 0; i < b.params.size(); ++i)
+                    LOCKSTEP_CHECK_AS(UsageError, b.params[i]->grad.views(b.flat, b.offsets[i]), "the gradient of parameter '",
+                                      param_names[b.visit_index[i]],
+                                      "' was replaced after its layer marked it ready (Context::mark_grad_ready), so it "
+                                      "missed the all-reduce; write into the gradient, or assign it before marking it ready");
             ctx.grad_ready = nullptr;
         }
 
@@ -1010,24 +1039,30 @@ private:
         std::int64_t elems = 0;
         const auto close = [&] {
             if (current.params.empty()) return;
-            std::int64_t end = elems;  // the last one in visit order first: it lies at the end
-            for (std::size_t i = 0; i < current.params.size(); ++i) {
-                end -= current.params[i]->numel();
-                current.offsets.push_back(end);
+            // Slots in visit order (the bucket's parameters are in reverse), each starting on a
+            // 64-byte boundary, as a tensor of its own would: vector loads stay aligned.
+            const std::size_t k = current.params.size();
+            current.offsets.assign(k, 0);
+            std::int64_t end = 0;
+            for (std::size_t j = k; j-- > 0;) {
+                current.offsets[j] = (end + 15) / 16 * 16;
+                end = current.offsets[j] + current.counts[j];
             }
-            current.flat = Tensor<float, backend>(Shape{elems}, MemoryFormat::nchw, device);
-            current.values = Tensor<float, backend>(Shape{elems}, MemoryFormat::nchw, device, uninitialized);
+            current.flat = Tensor<float, backend>(Shape{end}, MemoryFormat::nchw, device);
+            current.values = Tensor<float, backend>(Shape{end}, MemoryFormat::nchw, device);  // padding zero
             for (auto* p : current.params) rep.slots[p] = {rep.buckets.size(), false};
             rep.buckets.push_back(std::move(current));
             current = Bucket{};
             elems = 0;
         };
-        for (auto it = params.rbegin(); it != params.rend(); ++it) {
-            auto* p = *it;
+        for (std::size_t v = params.size(); v-- > 0;) {
+            auto* p = params[v];
             if (!current.params.empty() &&
                 static_cast<std::size_t>(elems + p->numel()) * sizeof(float) > bucket_bytes)
                 close();
             current.params.push_back(p);
+            current.counts.push_back(p->numel());
+            current.visit_index.push_back(v);
             elems += p->numel();
         }
         close();
