@@ -188,7 +188,7 @@ TEST_CASE("SGD over parameters that lie back to back runs as one loop with the b
                             kernels::SgdUpdate{.lr = 0.2, .momentum = 0.5, .dampening = 0.3}, kernels::SgdUpdate{.lr = 0.3});
     using K = kernels::Ops<Host>;
     const std::vector<std::int64_t> sizes{5, 17, 1, 40};  // parameters of a bucket, in visit order
-    const std::int64_t total = 63;
+    const std::int64_t total = std::accumulate(sizes.begin(), sizes.end(), std::int64_t{0});
     std::mt19937 gen(11);
     std::normal_distribution<float> d(0.0f, 1.0f);
     // The same parameters twice: once as views of three flat blocks (a DataParallel bucket), once

@@ -53,6 +53,19 @@ void check_sum(comm::MpiCommunicator& c, std::size_t n) {
                "] equals the rank-order sum bit for bit");
 }
 
+// Runs `f`, which every rank calls at a collective some rank reaches differently, and expects
+// CollectiveMismatch with a message holding `wanted`.
+template <class F>
+void expect_mismatch(F&& f, const std::string& wanted, const std::string& what) {
+    std::string message;
+    try {
+        f();
+    } catch (const CollectiveMismatch& e) {
+        message = e.what();
+    }
+    expect(message.find(wanted) != std::string::npos, what + " (" + message.substr(0, 60) + "...)");
+}
+
 int collectives(comm::MpiCommunicator& c) {
     // Payloads that travel with the tag (up to folded_limit bytes: 4096 floats, 2048 doubles),
     // whole and by slices.
@@ -69,38 +82,29 @@ int collectives(comm::MpiCommunicator& c) {
     c.broadcast(std::span<double>(big), 0);
     expect(std::all_of(big.begin(), big.end(), [](double x) { return x == 2.5; }), "broadcast<double> from rank 0");
     c.barrier();
-    std::string message;
-    try {
-        std::vector<float> w(c.rank() == 1 ? 5 : 4, 1.0f);  // rank 1 reaches another collective
-        c.all_reduce_sum(std::span<float>(w), comm::CollectiveSite::user(7));
-    } catch (const CollectiveMismatch& e) {
-        message = e.what();
-    }
-    expect(message.find("MPI rank 0 reached all_reduce_sum<float>[4] at user site 7 but MPI rank 1 reached "
-                        "all_reduce_sum<float>[5]") != std::string::npos,
-           "a tag mismatch throws CollectiveMismatch on every rank, naming both collectives (" + message.substr(0, 60) + "...)");
-    message.clear();
-    try {  // a payload that travels with its tag against one that does not
-        std::vector<float> w(c.rank() == 1 ? 5000 : 4, 1.0f);
-        c.all_reduce_sum(std::span<float>(w), comm::CollectiveSite::user(8));
-    } catch (const CollectiveMismatch& e) {
-        message = e.what();
-    }
-    expect(message.find("MPI rank 0 reached all_reduce_sum<float>[4] at user site 8 but MPI rank 1 reached "
-                        "all_reduce_sum<float>[5000]") != std::string::npos,
-           "a mismatch between a small and a large all-reduce is found in the tags (" + message.substr(0, 60) + "...)");
+    expect_mismatch(
+        [&] {  // rank 1 reaches another collective
+            std::vector<float> w(c.rank() == 1 ? 5 : 4, 1.0f);
+            c.all_reduce_sum(std::span<float>(w), comm::CollectiveSite::user(7));
+        },
+        "MPI rank 0 reached all_reduce_sum<float>[4] at user site 7 but MPI rank 1 reached all_reduce_sum<float>[5]",
+        "a tag mismatch throws CollectiveMismatch on every rank, naming both collectives");
+    expect_mismatch(
+        [&] {  // a payload that travels with its tag against one that does not
+            std::vector<float> w(c.rank() == 1 ? 5000 : 4, 1.0f);
+            c.all_reduce_sum(std::span<float>(w), comm::CollectiveSite::user(8));
+        },
+        "MPI rank 0 reached all_reduce_sum<float>[4] at user site 8 but MPI rank 1 reached all_reduce_sum<float>[5000]",
+        "a mismatch between a small and a large all-reduce is found in the tags");
     c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 0), comm::CollectiveKind::all_reduce_sum, comm::DType::f32, 12, -1});
     expect(true, "agree() returns when every rank presents the same tag");
-    message.clear();
-    try {  // the tag check alone, for collectives whose data NCCL moves
-        c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 1), comm::CollectiveKind::all_reduce_sum, comm::DType::f32,
-                                    c.rank() == 0 ? 12u : 13u, -1});
-    } catch (const CollectiveMismatch& e) {
-        message = e.what();
-    }
-    expect(message.find("all_reduce_sum<float>[12] at layer 4 (backward) but MPI rank 1 reached all_reduce_sum<float>[13]") !=
-               std::string::npos,
-           "agree() throws CollectiveMismatch on every rank (" + message.substr(0, 60) + "...)");
+    expect_mismatch(
+        [&] {  // the tag check alone, for collectives whose data NCCL moves
+            c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 1), comm::CollectiveKind::all_reduce_sum,
+                                        comm::DType::f32, c.rank() == 0 ? 12u : 13u, -1});
+        },
+        "all_reduce_sum<float>[12] at layer 4 (backward) but MPI rank 1 reached all_reduce_sum<float>[13]",
+        "agree() throws CollectiveMismatch on every rank");
     check_sum<float>(c, 33);  // the communicator works after a mismatch
     expect(c.collective_count() == 20, "collective_count counts every call (" + std::to_string(c.collective_count()) + ")");
     return 0;

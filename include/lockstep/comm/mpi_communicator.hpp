@@ -173,9 +173,8 @@ namespace lockstep::comm {
 // An all-reduce of at most `folded_limit` bytes (one that goes whole to every rank) makes the
 // two steps one: its payload travels in the tag's message, every rank checks the tags and then
 // sums the operands it received, so a SyncBatchNorm layer across processes waits for one
-// message exchange, not two. A rank at a
-// collective without a payload sends its tag alone in the same kind of message, so a mismatch
-// between any two collectives is still found in the tags.
+// message exchange, not two. A rank at a collective without a payload sends its tag alone in the
+// same kind of message, so a mismatch between any two collectives is still found in the tags.
 // A communicator that timed out or was aborted stays failed: later calls throw at once.
 
 //! Collectives between the processes of an MPI communicator (one `MpiCommunicator` per process;
@@ -572,8 +571,8 @@ private:
     std::atomic<bool> aborted_{false};
     std::string abort_text_;
     std::unique_ptr<std::byte[]> scratch_;
-    std::vector<std::int64_t> wire_;  // every rank's tag message (slot_bytes each), kept between calls
     std::size_t scratch_bytes_ = 0;
+    std::vector<std::int64_t> wire_;  // every rank's tag message (slot_bytes each), kept between calls
     std::mutex peer_mutex_;      // the abort message of another rank, taken by whichever thread polls first
     std::string peer_failure_;
     int peer_source_ = -1;

@@ -206,8 +206,9 @@ inline void set_host_huge_pages(bool on) noexcept { detail::HostBlockCache::inst
 
 //! An owning, contiguous tensor on one device. Copying deep-copies on the same device; moving
 //! transfers the storage. A view (`Tensor::view`) uses memory it does not own; copying a view
-//! gives an owning tensor, assigning to a view replaces the view (it does not write through). The shape is logical (N, C, H, W for images); `format()` says how a
-//! 4-D tensor is laid out in memory. Element access (`span()`, `operator[]`) exists for host
+//! gives an owning tensor, assigning to a view replaces the view (it does not write through).
+//! The shape is logical (N, C, H, W for images); `format()` says how a 4-D tensor is laid out in
+//! memory. Element access (`span()`, `operator[]`) exists for host
 //! tensors only; a CUDA tensor is read on the host through `to_host()`.
 template <class T, BackendTag B = Host>
 class Tensor {
@@ -264,9 +265,7 @@ public:
 
     //! Whether this tensor's memory begins where `prev`'s ends, on the same device: two tensors
     //! that one loop (or one copy) can cover as one.
-    bool follows(const Tensor& prev) const noexcept {
-        return prev.data_ != nullptr && data_ == prev.data_ + prev.numel() && device_ == prev.device_;
-    }
+    bool follows(const Tensor& prev) const noexcept { return offset_from(prev) == prev.numel(); }
     //! Elements from the start of `base`'s memory to the start of this tensor's, on the same
     //! device (nullopt on another device or without memory): where two views of one buffer lie
     //! relative to each other.
@@ -275,13 +274,11 @@ public:
         return static_cast<std::int64_t>(data_ - base.data_);
     }
     //! Whether this tensor is a view of `storage` at element `offset`.
-    bool views(const Tensor& storage, std::int64_t offset) const noexcept {
-        return !owned_ && storage.data_ != nullptr && data_ == storage.data_ + offset && device_ == storage.device_;
-    }
+    bool views(const Tensor& storage, std::int64_t offset) const noexcept { return !owned_ && offset_from(storage) == offset; }
     //! Whether this tensor is a view of memory inside `storage`.
     bool views(const Tensor& storage) const noexcept {
-        return !owned_ && storage.data_ != nullptr && data_ >= storage.data_ && data_ < storage.data_ + storage.numel() &&
-               device_ == storage.device_;
+        const auto d = offset_from(storage);
+        return !owned_ && d && *d >= 0 && *d < storage.numel();
     }
 
     //! An uninitialized tensor with `like`'s shape, format and device.

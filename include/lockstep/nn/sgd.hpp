@@ -58,10 +58,10 @@ struct SgdOptions {
 // keeps one block holding the run's buffers at the same distances, as views of the block. The
 // update of a bucket then runs over three flat arrays laid out alike: one loop for every stretch
 // of parameters that lie back to back (Ops<Host>::sgd_step_many merges those), one launch per 32
-// parameters on CUDA. A buffer replaced from outside (a checkpoint loaded
-// through visit_state) is copied into a new block at the next step; blocks no buffer uses any
-// more are freed. Outside DataParallel every parameter is a run of its own. The arithmetic per
-// element is the same either way, so the layout changes no bit.
+// parameters on CUDA. A buffer replaced from outside (a checkpoint loaded through visit_state) is
+// copied into a new block at the next step; blocks no buffer uses any more are freed. Outside
+// DataParallel every parameter is a run of its own. The arithmetic per element is the same
+// either way, so the layout changes no bit.
 
 //! SGD as torch.optim.SGD: g = grad + wd * p; v = mu * v + (1 - dampening) * g (v = g on the
 //! first step); g = nesterov ? g + mu * v : v; p -= lr * g. Every replica keeps its own momentum
@@ -142,20 +142,20 @@ private:
     // already are.
     void place_buffers(const Context<B>& ctx, State& state) {
         auto& items = state.items;
-        const auto step = [](const Tensor<float, B>& next, const Tensor<float, B>& prev) { return next.offset_from(prev); };
         bool changed = false;
         for (std::size_t lo = 0; lo < items.size();) {
             std::size_t hi = lo + 1;
             while (hi < items.size()) {
-                const auto d = step(*items[hi].value, *items[hi - 1].value);
+                const auto d = items[hi].value->offset_from(*items[hi - 1].value);
                 const std::int64_t end = items[hi - 1].value->numel();
-                if (!d || *d < end || *d > end + 16 || step(*items[hi].grad, *items[hi - 1].grad) != d) break;
+                if (!d || *d < end || *d > end + 16 || items[hi].grad->offset_from(*items[hi - 1].grad) != d) break;
                 ++hi;
             }
             bool placed = true;
             for (std::size_t k = lo; placed && k < hi; ++k)
                 placed = !items[k].first && items[k].momentum->is_view() &&
-                         (k == lo || step(*items[k].momentum, *items[k - 1].momentum) == step(*items[k].value, *items[k - 1].value));
+                         (k == lo || items[k].momentum->offset_from(*items[k - 1].momentum) ==
+                                         items[k].value->offset_from(*items[k - 1].value));
             if (!placed) {
                 const auto& first = *items[lo].value;
                 const auto& last = *items[hi - 1].value;
