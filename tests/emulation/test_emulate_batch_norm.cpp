@@ -177,7 +177,7 @@ void run_case(const Case& k) {
     for (std::int64_t c = 0; c < C; ++c)
         CHECK(shift[static_cast<std::size_t>(c)] == (k.track ? kernels::bn::usable_shift(rmean[static_cast<std::size_t>(c)]) : 0.0f));
     // Tickets are left at zero for the next launch.
-    for (int i = 0; i < 64; ++i) REQUIRE(scratch.counters[static_cast<std::size_t>(i)] == 0u);
+    for (int i = 0; i < 64; ++i) REQUIRE(scratch.view().counters[i] == 0u);
 
     // The payload the normalize pass finishes from is the host's: it isolates this pass's error.
     std::vector<double> hpayload(hpay.data(), hpay.data() + hpay.numel());
@@ -219,7 +219,7 @@ void run_case(const Case& k) {
     for (std::size_t i = 0; i < count; ++i) dterm = std::max(dterm, std::abs(static_cast<double>(dyf[i])) * (std::abs(static_cast<double>(xf[i]) - hstats[i % static_cast<std::size_t>(C)]) + 1));
     require_close([&](std::size_t i) { return bpayload[i]; }, std::vector<float>(hbpay.data(), hbpay.data() + hbpay.numel()), 1e-5,
                   0, n * dterm, "backward payload");
-    for (int i = 0; i < 64; ++i) REQUIRE(scratch.counters[static_cast<std::size_t>(i)] == 0u);
+    for (int i = 0; i < 64; ++i) REQUIRE(scratch.view().counters[i] == 0u);
 
     std::vector<double> hbpayload(hbpay.data(), hbpay.data() + hbpay.numel());
     bk::param_grads(run, C, hbpayload.data(), hstats.data(), wg.data(), bg.data());
@@ -419,4 +419,46 @@ TEST_CASE("emulated SyncBatchNorm over two replicas equals the host on the whole
             CHECK(test::rel_error(rvs[0], std::vector<float>(hrv.data(), hrv.data() + C)) < 1e-6);
             CHECK(test::rel_error(y, std::vector<float>(hy.data(), hy.data() + hy.numel())) < 1e-5);
         }
+}
+
+// Note [one scratch layout]: the emulator's scratch is the device's layout, one allocation with
+// the partials on a 256-byte boundary. Mutation-checked by hand (2026-12-04): with
+// ScratchLayout::partials_offset set to counter_bytes (the first GPU run's 262140), the
+// static_assert beside it stops the build; with that assert removed, Scratch::partials_as throws
+// UsageError in every reducing test here; with that check removed too, the ASan+UBSan build's
+// `emulation` label fails on "store to misaligned address" in store_partial.
+TEST_CASE("emulated scratch: the device's one allocation, partials on a 256-byte boundary", "[emulation][syncbn]") {
+    dev::HostScratch scratch;
+    const dev::Scratch s = scratch.view();
+    const auto base = reinterpret_cast<std::uintptr_t>(s.counters);
+    CHECK(base % dev::ScratchLayout::alignment == 0);
+    CHECK(reinterpret_cast<std::uintptr_t>(s.partials) - base == dev::ScratchLayout::partials_offset);
+    CHECK(dev::ScratchLayout::partials_offset % 256 == 0);
+    CHECK(dev::ScratchLayout::partials_offset >= sizeof(unsigned int) * dev::scratch_counters);
+    CHECK(s.partial_bytes == dev::scratch_partial_bytes);
+    CHECK(s.counter_count == dev::scratch_counters);
+    // A misaligned scratch is refused before any kernel stores to it.
+    dev::Scratch shifted = s;
+    shifted.partials = static_cast<char*>(s.partials) + 4;
+    CHECK_THROWS_AS(shifted.partials_as<double>(1), UsageError);
+    CHECK_THROWS_AS(dev::ScratchLayout::view(static_cast<char*>(s.partials) + 4), UsageError);
+}
+
+// Issue 23, item 9: partials that do not fit the scratch were a null pointer the kernel stored
+// through (NHWC with more than 262144 channels); now a ShapeError at plan time names the sizes.
+TEST_CASE("emulated SyncBatchNorm: partials beyond the scratch are a ShapeError, not a fault", "[emulation][syncbn]") {
+    dev::HostScratch scratch;
+    bk::EmulatedRun run{dev::DeviceInfo{}, &scratch};
+    const std::int64_t C = 300000;
+    const kernels::BnGeometry g{2, C, 1, true};
+    std::vector<float> x(static_cast<std::size_t>(2 * C), 1.0f), shift(static_cast<std::size_t>(C));
+    std::vector<double> payload(static_cast<std::size_t>(2 * C + 1));
+    try {
+        bk::local_stats(run, x.data(), g, static_cast<const float*>(nullptr), payload.data(), shift.data());
+        FAIL("300000 channels in NHWC fit the scratch");
+    } catch (const ShapeError& e) {
+        CHECK(std::string(e.what()).find("scratch") != std::string::npos);
+    }
+    CHECK_THROWS_AS(scratch.view().partials_as<double>(static_cast<std::int64_t>(dev::scratch_partial_bytes / 8) + 1), ShapeError);
+    CHECK(scratch.view().partials_as<double>(static_cast<std::int64_t>(dev::scratch_partial_bytes / 8)) != nullptr);
 }

@@ -620,6 +620,10 @@ inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid,
     const std::int64_t by_work = std::max<std::int64_t>(1, items / (row_threads * 4));  // >= 4 items a thread
     const std::int64_t by_occupancy = std::max<std::int64_t>(1, (std::int64_t{blocks_per_sm} * info.multiprocessors + groups - 1) / groups);
     const std::int64_t slots = static_cast<std::int64_t>(scratch_partial_bytes / sizeof(Sums2)) / (g.channels_last ? tile : 1);
+    LOCKSTEP_CHECK_AS(ShapeError, groups <= slots, "SyncBatchNorm on CUDA over ", g.channels, " channels in ",
+                      g.channels_last ? "channels-last" : "channels-first", " layout needs more partials than the replica's scratch of ",
+                      scratch_partial_bytes, " bytes holds (at most ", slots * (g.channels_last ? tile : 1),
+                      " channels); split the channels over several layers");
     const std::int64_t by_scratch = std::max<std::int64_t>(1, slots / groups);
     const std::int64_t chunks = std::min({by_work, by_occupancy, by_scratch});
     s.chunk_items = static_cast<unsigned int>((items + chunks - 1) / chunks);

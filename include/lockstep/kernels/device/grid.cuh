@@ -6,12 +6,17 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <random>
 #include <type_traits>
 #include <vector>
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/core/error.hpp"
 
 //! Unrolls the next loop in device code (host compilers unroll as they see fit).
 #if defined(__CUDACC__)
@@ -23,15 +28,18 @@
 namespace lockstep::kernels::device {
 
 // Note [kernels proven on the host]
-// There is no GPU where lockstep is built and tested, so a CUDA kernel is written as
-// `__host__ __device__` phase functions over explicit (block, thread) indices, split where the
-// device would synchronize, and driven two ways:
+// A CUDA kernel is written as `__host__ __device__` phase functions over explicit (block, thread)
+// indices, split where the device would synchronize, so that its arithmetic runs in host tests;
+// it is driven two ways:
 // - on the device by the `__global__` drivers of launch.cuh, with CUB block reductions between
 //   the phases, `__syncthreads`, `__threadfence` and an atomic ticket;
-// - on the host by the emulator below, which runs a block's threads one after another through a
-//   phase, then the block's reduction, then the next phase, and runs the blocks one after another,
-//   so a kernel's index math, tails, reduction shape and last-block-done logic all run in the host
-//   tests (CTest label `emulation`) with the launch configuration the device would use.
+// - on the host by the emulator below, which runs a block's threads one after another (in a
+//   seeded random order) through a phase, then the block's reduction, then the next phase, and
+//   runs the blocks one after another in a seeded random order, over the device's scratch layout
+//   (Note [one scratch layout]), so a kernel's index math, tails, reduction shape and
+//   last-block-done logic all run in the host tests (CTest label `emulation`) with the launch
+//   configuration the device would use. Compiled by a host compiler, launch.cuh runs the same
+//   emulator on a stream of the host CUDA device (tests/host_cuda).
 // Two kinds of kernel exist:
 // - a map kernel: `run(params, where)` per thread, no barrier (per-channel constants each thread
 //   needs are computed by that thread in its prologue);
@@ -63,30 +71,81 @@ struct DeviceInfo {
     std::int64_t l2_bytes = 60 << 20;   // H200: 60 MiB
 };
 
+//! Scratch sizes a replica reserves: tickets for 65535 groups (the grid's y limit), 4 MiB of partials.
+inline constexpr int scratch_counters = 65535;
+inline constexpr std::size_t scratch_partial_bytes = std::size_t{4} << 20;
+
 //! Where reducing kernels keep their partials and tickets (a replica's, from `Execution<Cuda>`;
-//! host vectors in the emulation tests). Tickets are zero between launches.
+//! the emulator's `HostScratch`, laid out alike). Tickets are zero between launches.
 struct Scratch {
     unsigned int* counters = nullptr;
     int counter_count = 0;
     void* partials = nullptr;
     std::size_t partial_bytes = 0;
 
-    //! The partials as an array of `Value`, if `count` of them fit.
+    //! The partials as an array of `count` values of `Value`. Throws `ShapeError` when they do
+    //! not fit the scratch, and `UsageError` when the partials are not aligned for `Value` (a
+    //! scratch not laid out by `ScratchLayout`): a kernel never gets a null or misaligned array.
     template <class Value>
     Value* partials_as(std::int64_t count) const {
-        return static_cast<std::size_t>(count) * sizeof(Value) <= partial_bytes ? static_cast<Value*>(partials) : nullptr;
+        const std::size_t want = static_cast<std::size_t>(count) * sizeof(Value);
+        LOCKSTEP_CHECK_AS(ShapeError, count >= 0 && want <= partial_bytes, "a CUDA reduction needs ", count, " partials of ",
+                          sizeof(Value), " bytes (", want, " bytes), more than the replica's scratch of ", partial_bytes,
+                          " bytes; use fewer channels per layer (or a smaller batch per replica)");
+        LOCKSTEP_CHECK_AS(UsageError, reinterpret_cast<std::uintptr_t>(partials) % alignof(Value) == 0,
+                          "a reduction's partials are not aligned for ", sizeof(Value),
+                          "-byte values; lay a scratch out with kernels::device::ScratchLayout");
+        return static_cast<Value*>(partials);
     }
 };
 
-//! Scratch sizes a replica reserves: tickets for 65535 groups (the grid's y limit), 4 MiB of partials.
-inline constexpr int scratch_counters = 65535;
-inline constexpr std::size_t scratch_partial_bytes = std::size_t{4} << 20;
+// Note [one scratch layout]
+// A replica's scratch is ONE device allocation: the tickets, then the partials on a 256-byte
+// boundary (cudaMalloc's own alignment, enough for any partial a kernel stores: 8- and 16-byte
+// values). The device (kernels::Ops<Cuda>::ReplicaResources) and the emulator (HostScratch) both
+// take their offsets from ScratchLayout, so a layout that misaligns the partials fails in the
+// host tests (the static_assert below, `Scratch::partials_as`, and UBSan's alignment check of the
+// emulation label) instead of on a GPU only. The first GPU run crashed on exactly that: the
+// partials began at byte 262140, after 65535 four-byte tickets.
 
-//! Host scratch for the emulator, sized as a replica's.
-struct HostScratch {
-    std::vector<unsigned int> counters = std::vector<unsigned int>(scratch_counters, 0u);
-    std::vector<double> partials = std::vector<double>(scratch_partial_bytes / sizeof(double));
-    Scratch view() { return {counters.data(), scratch_counters, partials.data(), scratch_partial_bytes}; }
+//! The layout of a replica's scratch (Note [one scratch layout]).
+struct ScratchLayout {
+    static constexpr std::size_t alignment = 256;
+    static constexpr std::size_t counters_offset = 0;
+    static constexpr std::size_t counter_bytes = sizeof(unsigned int) * scratch_counters;
+    static constexpr std::size_t partials_offset = (counter_bytes + alignment - 1) / alignment * alignment;
+    static constexpr std::size_t partial_bytes = scratch_partial_bytes;
+    static constexpr std::size_t total_bytes = partials_offset + partial_bytes;
+
+    //! The scratch over an allocation of `total_bytes` at `base` (aligned to `alignment`).
+    static Scratch view(void* base) {
+        LOCKSTEP_CHECK_AS(UsageError, reinterpret_cast<std::uintptr_t>(base) % alignment == 0,
+                          "a replica's scratch must start on a ", alignment, "-byte boundary");
+        auto* bytes = static_cast<unsigned char*>(base);
+        return {reinterpret_cast<unsigned int*>(bytes + counters_offset), scratch_counters, bytes + partials_offset,
+                partial_bytes};
+    }
+};
+static_assert(ScratchLayout::partials_offset % ScratchLayout::alignment == 0 &&
+                  ScratchLayout::partials_offset >= ScratchLayout::counter_bytes,
+              "the partials must follow the tickets on a 256-byte boundary (Note [one scratch layout])");
+
+//! The emulator's scratch: one host allocation laid out as a replica's (Note [one scratch
+//! layout]), tickets zeroed, partials filled with NaN bytes as fresh device memory may hold.
+class HostScratch {
+public:
+    HostScratch() : block_(static_cast<unsigned char*>(std::aligned_alloc(ScratchLayout::alignment, ScratchLayout::total_bytes))) {
+        LOCKSTEP_CHECK_AS(OutOfMemory, block_ != nullptr, "no host memory for an emulated replica's scratch");
+        std::memset(block_.get(), 0, ScratchLayout::counter_bytes);
+        std::memset(block_.get() + ScratchLayout::partials_offset, 0xff, ScratchLayout::partial_bytes);
+    }
+    Scratch view() { return ScratchLayout::view(block_.get()); }
+
+private:
+    struct Free {
+        void operator()(unsigned char* p) const noexcept { std::free(p); }
+    };
+    std::unique_ptr<unsigned char[], Free> block_;
 };
 
 // ---- storage types: fp32, fp16, bf16 with fp32 math -------------------------------------------
@@ -185,20 +244,49 @@ struct Divider {
 
 // ---- the host emulator -------------------------------------------------------------------------
 
-//! Runs map kernel K over `grid` on the host, block after block, thread after thread.
-template <class K>
-void emulate_map(const typename K::Params& p, const Grid& grid) {
-    for (int by = 0; by < grid.y; ++by)
-        for (int bx = 0; bx < grid.x; ++bx)
-            for (int t = 0; t < grid.threads; ++t) K::run(p, Where{bx, by, grid.x, grid.y, t});
+//! The seed of the emulator's block and thread orders: LOCKSTEP_TEST_SEED when set (a failing
+//! run's orders replay), else drawn once per process.
+inline std::uint64_t emulation_seed() {
+    static const std::uint64_t seed = []() -> std::uint64_t {
+        if (const char* s = std::getenv("LOCKSTEP_TEST_SEED"); s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 10);
+        return (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    }();
+    return seed;
 }
 
-//! Runs reducing kernel K over `grid` on the host (Note [kernels proven on the host]).
+namespace detail {
+//! A random order of 0..n-1 from the calling thread's emulation generator.
+inline const std::vector<int>& shuffled(int n, std::vector<int>& order) {
+    thread_local std::mt19937_64 rng(emulation_seed());
+    order.resize(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    return order;
+}
+}  // namespace detail
+
+//! Runs map kernel K over `grid` on the host: the blocks in a random order (emulation_seed), each
+//! block's threads in a random order, one after another. A kernel whose result depends on either
+//! order is wrong on the device too.
+template <class K>
+void emulate_map(const typename K::Params& p, const Grid& grid) {
+    if (grid.x <= 0 || grid.y <= 0) return;
+    std::vector<int> blocks, threads;
+    for (const int b : detail::shuffled(grid.x * grid.y, blocks)) {
+        const int bx = b % grid.x, by = b / grid.x;
+        for (const int t : detail::shuffled(grid.threads, threads)) K::run(p, Where{bx, by, grid.x, grid.y, t});
+    }
+}
+
+//! Runs reducing kernel K over `grid` on the host (Note [kernels proven on the host]): blocks in a
+//! random order, so the last block of a group to take its ticket changes from run to run, and
+//! each phase's threads in a random order.
 template <class K>
 void emulate_reduce(const typename K::Params& p, const Grid& grid) {
     using Value = typename K::Value;
     constexpr int lanes = K::lanes, rows = K::rows;
     static_assert(lanes * rows == K::threads, "a reducing kernel's block is lanes x rows threads");
+    if (grid.x <= 0 || grid.y <= 0) return;
     std::vector<Value> values(static_cast<std::size_t>(K::threads));
     const auto column_sums = [&] {
         std::vector<Value> sums(lanes);
@@ -209,19 +297,21 @@ void emulate_reduce(const typename K::Params& p, const Grid& grid) {
         }
         return sums;
     };
-    for (int by = 0; by < grid.y; ++by)
-        for (int bx = 0; bx < grid.x; ++bx) {
-            const Where w0{bx, by, grid.x, grid.y, 0};
-            for (int t = 0; t < K::threads; ++t) values[static_cast<std::size_t>(t)] = K::accumulate(p, Where{bx, by, grid.x, grid.y, t});
-            const auto partial = column_sums();
-            for (int lane = 0; lane < lanes; ++lane) K::store_partial(p, w0, lane, partial[static_cast<std::size_t>(lane)]);
-            if (!take_ticket(K::counter(p, w0), grid.x)) continue;
-            for (int t = 0; t < K::threads; ++t)
-                values[static_cast<std::size_t>(t)] = K::gather(p, w0, t % lanes, t / lanes);
-            const auto total = column_sums();
-            for (int lane = 0; lane < lanes; ++lane) K::finish(p, w0, lane, total[static_cast<std::size_t>(lane)]);
-            *K::counter(p, w0) = 0;
-        }
+    std::vector<int> blocks, threads;
+    for (const int b : detail::shuffled(grid.x * grid.y, blocks)) {
+        const int bx = b % grid.x, by = b / grid.x;
+        const Where w0{bx, by, grid.x, grid.y, 0};
+        for (const int t : detail::shuffled(K::threads, threads))
+            values[static_cast<std::size_t>(t)] = K::accumulate(p, Where{bx, by, grid.x, grid.y, t});
+        const auto partial = column_sums();
+        for (int lane = 0; lane < lanes; ++lane) K::store_partial(p, w0, lane, partial[static_cast<std::size_t>(lane)]);
+        if (!take_ticket(K::counter(p, w0), grid.x)) continue;
+        for (const int t : detail::shuffled(K::threads, threads))
+            values[static_cast<std::size_t>(t)] = K::gather(p, w0, t % lanes, t / lanes);
+        const auto total = column_sums();
+        for (int lane = 0; lane < lanes; ++lane) K::finish(p, w0, lane, total[static_cast<std::size_t>(lane)]);
+        *K::counter(p, w0) = 0;
+    }
 }
 
 }  // namespace lockstep::kernels::device
