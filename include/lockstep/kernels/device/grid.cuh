@@ -134,7 +134,10 @@ static_assert(ScratchLayout::partials_offset % ScratchLayout::alignment == 0 &&
 //! layout]), tickets zeroed, partials filled with NaN bytes as fresh device memory may hold.
 class HostScratch {
 public:
-    HostScratch() : block_(static_cast<unsigned char*>(std::aligned_alloc(ScratchLayout::alignment, ScratchLayout::total_bytes))) {
+    HostScratch()
+        : block_(static_cast<unsigned char*>(std::aligned_alloc(
+              ScratchLayout::alignment, (ScratchLayout::total_bytes + ScratchLayout::alignment - 1) / ScratchLayout::alignment *
+                                            ScratchLayout::alignment))) {
         LOCKSTEP_CHECK_AS(OutOfMemory, block_ != nullptr, "no host memory for an emulated replica's scratch");
         std::memset(block_.get(), 0, ScratchLayout::counter_bytes);
         std::memset(block_.get() + ScratchLayout::partials_offset, 0xff, ScratchLayout::partial_bytes);
