@@ -186,6 +186,7 @@ int main(int argc, char** argv) {
     app.add_flag("--no-shuffle", opt.no_shuffle, "take batches in file order");
     app.add_option("--steps", opt.steps, "stop after this many steps in total")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
     app.add_option("--train-limit", opt.train_limit, "use only the first M training images")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+    app.add_option("--test-limit", opt.test_limit, "evaluate on the first M test images only")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
     app.add_option("--data", opt.data, "directory with the IDX files (gzipped or not)");
     app.add_option("--init", opt.init, "start from this safetensors checkpoint's weights");
     app.add_option("--save", opt.save, "write a checkpoint here after each epoch and at the end (atomic)");

@@ -49,6 +49,7 @@ struct Options {
     bool no_shuffle = false;
     std::int64_t steps = 0;
     std::int64_t train_limit = 0;
+    std::int64_t test_limit = 0;  // evaluate on the first M test images (0: all)
     std::string data = "/usr/share/datasets/fashion-mnist";
     std::string init, save, resume, metrics;
     double expect_accuracy = -1;
@@ -265,7 +266,8 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         // Note [each process reads its rows]: the images stay in the files until a step needs them.
         train_data.emplace(find_file(opt.data, "train-images-idx3-ubyte"), find_file(opt.data, "train-labels-idx1-ubyte"),
                            opt.train_limit);
-        test_data.emplace(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"));
+        test_data.emplace(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"),
+                          opt.test_limit);
         const auto& train = *train_data;
         const auto& test = *test_data;
         if (train.count() < replicas)
@@ -387,6 +389,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         last = evaluate(dp, test);
         ++evaluations;
     }
+    write_metrics({{"kind", "final"}, {"test_loss", last.loss}, {"test_accuracy", last.accuracy}});
     {  // Note [each process reads its rows]: what each process read, against what the run used
         const auto P = static_cast<std::size_t>(processes), p = static_cast<std::size_t>(procs ? procs->rank() : 0);
         std::vector<double> read(2 * P, 0.0);  // images read, then gzipped files inflated, by process

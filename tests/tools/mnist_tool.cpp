@@ -2,6 +2,7 @@
 //! Helper for the MNIST example's tests:
 //!   mnist_tool losses A.jsonl B.jsonl TOL        per-step losses agree to relative TOL (0: bit-equal)
 //!   mnist_tool checkpoints A B TOL               every tensor: ||a - b|| <= TOL (||b|| + 1e-3) (0: bit-equal)
+//!   mnist_tool accuracy A.jsonl B.jsonl TOL      the runs' final test accuracies differ by at most TOL
 //!   mnist_tool make-data DIR KIND                writes IDX files to DIR: KIND = good | bad-magic |
 //!                                                truncated | count-mismatch | bad-label | empty-test |
 //!                                                tail-test (1001 test images) | huge-header
@@ -59,6 +60,30 @@ int compare_losses(const std::string& a, const std::string& b, double tol) {
         }
     }
     std::printf("%zu step losses agree (tolerance %g)\n", la.size(), tol);
+    return 0;
+}
+
+// The run's final test accuracy (its "final" metrics line).
+double final_accuracy(const std::string& path) {
+    std::ifstream in(path);
+    if (!in) throw std::runtime_error("cannot read " + path);
+    std::string line;
+    double accuracy = -1;
+    while (std::getline(in, line)) {
+        const auto j = nlohmann::json::parse(line);
+        if (j.at("kind") == "final") accuracy = j.at("test_accuracy").get<double>();
+    }
+    if (accuracy < 0) throw std::runtime_error(path + " has no final test accuracy");
+    return accuracy;
+}
+
+int compare_accuracy(const std::string& a, const std::string& b, double tol) {
+    const double x = final_accuracy(a), y = final_accuracy(b);
+    if (!(std::abs(x - y) <= tol)) {
+        std::fprintf(stderr, "test accuracy %.4f in %s vs %.4f in %s (tolerance %g)\n", x, a.c_str(), y, b.c_str(), tol);
+        return 1;
+    }
+    std::printf("test accuracies %.4f and %.4f agree (tolerance %g)\n", x, y, tol);
     return 0;
 }
 
@@ -216,6 +241,7 @@ int main(int argc, char** argv) {
         const std::vector<std::string> a(argv + 1, argv + argc);
         if (a.size() == 4 && a[0] == "losses") return compare_losses(a[1], a[2], std::stod(a[3]));
         if (a.size() == 4 && a[0] == "checkpoints") return compare_checkpoints(a[1], a[2], std::stod(a[3]));
+        if (a.size() == 4 && a[0] == "accuracy") return compare_accuracy(a[1], a[2], std::stod(a[3]));
         if (a.size() == 3 && a[0] == "make-data") return make_data(a[1], a[2]);
         if (a.size() == 2 && a[0] == "other-model") return other_model(a[1]);
         if (a.size() == 5 && a[0] == "set-metadata") return set_metadata(a[1], a[2], a[3], a[4]);
