@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
         w.pool = std::make_unique<ReplicaPool>(n, [&w](int r) {
             const auto ur = static_cast<std::size_t>(r);
             w.res[ur] = std::make_unique<kernels::Ops<Cuda>::ReplicaResources>(w.devices[ur]);
-            w.res[ur]->enter();
+            w.res[ur]->bind_thread();
         });
         w.pool->run([&w](int r) {
             const auto ur = static_cast<std::size_t>(r);

@@ -556,7 +556,7 @@ int main(int argc, char** argv) {
     std::string device = "GPU 0";
     try {
         resources = std::make_unique<Resources>(lockstep::Device::cuda(0));
-        resources->enter();
+        resources->bind_thread();
         cudaDeviceProp prop{};
         LOCKSTEP_CUDA_CHECK(cudaGetDeviceProperties(&prop, resources->device));
         const auto info = lockstep::kernels::cuda_ops::device_info(resources->device);

@@ -675,6 +675,26 @@ TEST_CASE("MseLoss: the mean over the global batch of each sample's mean squared
                       Catch::Contains("MseLoss: targets of shape (4, 2) NCHW for an output of shape (4, 3) NCHW"));
 }
 
+// Issue 23, item 2: a context reused with global_batch 0 made the CUDA loss gradient zero, silently.
+TEST_CASE("A loss refuses a global batch smaller than the replica's shard", "[nn]") {
+    const auto out = Tensor<float>(Shape{4, 3});
+    const std::vector<std::int64_t> labels{0, 1, 2, 0};
+    nn::Context<> ctx;
+    for (const std::int64_t global : {0, 3}) {
+        ctx.global_batch = global;
+        CAPTURE(global);
+        CHECK_THROWS_AS(nn::SoftmaxCrossEntropy{}(ctx, out, labels), UsageError);
+        CHECK_THROWS_WITH(nn::MseLoss{}(ctx, out, Tensor<float>(Shape{4, 3})),
+                          Catch::Contains("global_batch is " + std::to_string(global) + " but this replica's shard holds 4"));
+    }
+    ctx.global_batch = 4;  // the whole batch, or -1 for a replica alone: accepted
+    CHECK(nn::SoftmaxCrossEntropy{}(ctx, out, labels).count == 4);
+    ctx.global_batch = -1;
+    CHECK(nn::SoftmaxCrossEntropy{}(ctx, out, labels).count == 4);
+    ctx.global_batch = 0;  // an empty shard of an empty batch has nothing to scale
+    CHECK(nn::SoftmaxCrossEntropy{}(ctx, Tensor<float>(Shape{0, 3}), std::vector<std::int64_t>{}).count == 0);
+}
+
 TEST_CASE("Modules are walked read-only through a const reference", "[nn]") {
     nn::Sequential net(nn::Linear<>(3, 2), nn::SyncBatchNorm<>(2));
     const auto& view = net;

@@ -189,7 +189,9 @@ struct RecordingApi {
         c.round->aborted = true;
         c.round->cv.notify_all();
     }
-    static void finalize(Comm c, tp) noexcept { log_of_calls().add({.op = "finalize", .group = c.round->group, .rank = c.rank}); }
+    static void finalize(std::span<const Comm> comms, tp) noexcept {
+        for (const Comm& c : comms) log_of_calls().add({.op = "finalize", .group = c.round->group, .rank = c.rank});
+    }
     static void destroy(Comm c) noexcept { log_of_calls().add({.op = "destroy", .group = c.round->group, .rank = c.rank}); }
 
     static void rank_sum(int, Stream s, std::span<void* const> buffers, std::size_t count, comm::DType t) {

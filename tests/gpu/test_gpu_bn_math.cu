@@ -6,7 +6,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <vector>
+
+#include "gpu_check.hpp"
 
 namespace bn = lockstep::kernels::bn;
 
@@ -20,7 +23,7 @@ struct Out {
     double invstd;
 };
 
-__host__ __device__ Out apply(Row r, double n, double s, double q) {
+LOCKSTEP_HD Out apply(Row r, double n, double s, double q) {
     const auto st = bn::finish(n, s, q, 0.5, 1e-5);
     const auto m = bn::split_mean(st.mean);
     const auto f = bn::normalize_constants(st.mean, st.invstd, 1.25, 0.25);
@@ -36,10 +39,21 @@ __host__ __device__ Out apply(Row r, double n, double s, double q) {
     return o;
 }
 
-__global__ void apply_kernel(const Row* rows, Out* out, int count, double n, double s, double q) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < count) out[i] = apply(rows[i], n, s, q);
-}
+// out[i] = apply(rows[i]), one row a thread, written as lockstep's kernels are.
+struct ApplyParams {
+    const Row* rows = nullptr;
+    Out* out = nullptr;
+    int count = 0;
+    double n = 0, s = 0, q = 0;
+};
+struct Apply {
+    using Params = ApplyParams;
+    static constexpr int threads = 256;
+    LOCKSTEP_HD static void run(const Params& p, const lockstep::kernels::device::Where& w) {
+        const int i = w.bx * threads + w.t;
+        if (i < p.count) p.out[i] = apply(p.rows[i], p.n, p.s, p.q);
+    }
+};
 
 }  // namespace
 
@@ -57,22 +71,25 @@ int main() {
     LOCKSTEP_CUDA_CHECK(cudaMalloc(&d_rows, sizeof(Row) * count));
     LOCKSTEP_CUDA_CHECK(cudaMalloc(&d_out, sizeof(Out) * count));
     LOCKSTEP_CUDA_CHECK(cudaMemcpy(d_rows, rows.data(), sizeof(Row) * count, cudaMemcpyHostToDevice));
-    apply_kernel<<<(count + 255) / 256, 256>>>(d_rows, d_out, count, n, s, q);
-    LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+    lockstep::kernels::device::launch_map<Apply>({d_rows, d_out, count, n, s, q}, {(count + 255) / 256, 1, Apply::threads}, nullptr);
     std::vector<Out> got(count);
     LOCKSTEP_CUDA_CHECK(cudaMemcpy(got.data(), d_out, sizeof(Out) * count, cudaMemcpyDeviceToHost));
     LOCKSTEP_CUDA_CHECK(cudaFree(d_rows));
     LOCKSTEP_CUDA_CHECK(cudaFree(d_out));
-    int bad = 0;
+    // One check per quantity over every row. Device fp32 may contract to FMA where the host does
+    // not: allow a few ulps.
+    int bad[5] = {};
     for (int i = 0; i < count; ++i) {
         const Out want = apply(rows[i], n, s, q);
-        // Device fp32 may contract to FMA where the host does not: allow a few ulps.
-        bad += std::abs(got[i].y - want.y) > 1e-6f * (1 + std::abs(want.y));
-        bad += std::abs(got[i].dx - want.dx) > 1e-6f * (1 + std::abs(want.dx));
-        bad += std::abs(got[i].running_mean - want.running_mean) > 1e-6f * (1 + std::abs(want.running_mean));
-        bad += std::abs(got[i].running_var - want.running_var) > 1e-6f * (1 + std::abs(want.running_var));
-        bad += std::abs(got[i].invstd - want.invstd) > 1e-15 * want.invstd;
+        bad[0] += std::abs(got[i].y - want.y) > 1e-6f * (1 + std::abs(want.y));
+        bad[1] += std::abs(got[i].dx - want.dx) > 1e-6f * (1 + std::abs(want.dx));
+        bad[2] += std::abs(got[i].running_mean - want.running_mean) > 1e-6f * (1 + std::abs(want.running_mean));
+        bad[3] += std::abs(got[i].running_var - want.running_var) > 1e-6f * (1 + std::abs(want.running_var));
+        bad[4] += std::abs(got[i].invstd - want.invstd) > 1e-15 * want.invstd;
     }
-    std::printf("%d mismatch(es) between device and host batch-norm math over %d rows\n", bad, count);
-    return bad == 0 ? 0 : 1;
+    const char* names[5] = {"y", "dx", "running mean", "running var", "invstd"};
+    for (int k = 0; k < 5; ++k)
+        lockstep::gpu_test::expect(bad[k] == 0, std::string("batch-norm math in a kernel equals the host's: ") + names[k] + " (" +
+                                                    std::to_string(bad[k]) + " of " + std::to_string(count) + " rows differ)");
+    return lockstep::gpu_test::finish();
 }

@@ -7,16 +7,26 @@
 #include <numeric>
 #include <vector>
 
+#include "gpu_check.hpp"
+
 namespace {
-int failures = 0;
-void expect(bool ok, const char* what) {
-    std::printf("%s %s\n", ok ? "ok  " : "FAIL", what);
-    if (!ok) ++failures;
-}
-__global__ void scale(float* x, long n, float a) {
-    const long i = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x;
-    if (i < n) x[i] *= a;
-}
+using lockstep::gpu_test::expect;
+
+// x[i] *= a, one element a thread: a kernel written as lockstep's kernels are (Note [kernels
+// proven on the host]), so it runs on a GPU and on the host CUDA device alike.
+struct ScaleParams {
+    float* x = nullptr;
+    long n = 0;
+    float a = 1;
+};
+struct Scale {
+    using Params = ScaleParams;
+    static constexpr int threads = 256;
+    LOCKSTEP_HD static void run(const Params& p, const lockstep::kernels::device::Where& w) {
+        const long i = static_cast<long>(w.bx) * threads + w.t;
+        if (i < p.n) p.x[i] *= p.a;
+    }
+};
 }  // namespace
 
 int main() {
@@ -29,15 +39,15 @@ int main() {
     try {
         lockstep::cuda::DeviceGuard guard(0);
         lockstep::cuda::Stream stream(0);
-        lockstep::cuda::StreamGuard on(stream.get());
+        lockstep::cuda::StreamGuard on(stream);
 
         std::vector<float> values(1000003);
         std::iota(values.begin(), values.end(), 0.0f);
         auto host = make_tensor<float>(Shape{1000003}, values);
         auto dev = host.to<Cuda>(Device::cuda(0));
         Tensor<float, Cuda> copy = dev;  // deep copy on the device
-        scale<<<(1000003 + 255) / 256, 256, 0, stream.get()>>>(copy.data(), copy.numel(), 2.0f);
-        LOCKSTEP_CUDA_CHECK(cudaGetLastError());
+        lockstep::kernels::device::launch_map<Scale>({copy.data(), static_cast<long>(copy.numel()), 2.0f},
+                                                     {(1000003 + 255) / 256, 1, Scale::threads}, stream.get());
         lockstep::cuda::Event done;
         done.record(stream.get());
         done.synchronize();
@@ -61,9 +71,7 @@ int main() {
         }
         expect(threw, "LOCKSTEP_CUDA_CHECK throws DeviceError naming the failed call");
     } catch (const std::exception& e) {
-        std::printf("FAIL unexpected exception: %s\n", e.what());
-        return 1;
+        return lockstep::gpu_test::fail_unexpected(e);
     }
-    std::printf("%d failure(s)\n", failures);
-    return failures == 0 ? 0 : 1;
+    return lockstep::gpu_test::finish();
 }

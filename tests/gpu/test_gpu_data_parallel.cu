@@ -19,16 +19,16 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "gpu_check.hpp"
+
 using namespace lockstep;
 using clock_type = std::chrono::steady_clock;
 
 namespace {
 
-int failures = 0;
-void expect(bool ok, const std::string& what) {
-    std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
-    if (!ok) ++failures;
-}
+using gpu_test::expect;
 
 template <class B>
 using Small = nn::Sequential<nn::Conv2d<B>, nn::SyncBatchNorm<B>, nn::ReLU<B>, nn::MaxPool2d<B>, nn::Flatten<B>, nn::Linear<B>>;
@@ -145,6 +145,100 @@ void compare_with_host(const std::vector<Device>& devices, const std::string& la
            label + ": parameters and buffers per tensor equal the host's (worst relative " + std::to_string(worst) + ")");
     std::printf("     %s: %zu of %zu buckets all-reduced while backward ran on replica 0\n", label.c_str(),
                 gpu.overlapped_buckets(0), gpu.bucket_count());
+
+    // DataParallel::forward gathers every replica's output on the caller's stream (the first GPU
+    // run evaluated at chance: the gather did not wait for the other replicas' streams).
+    const auto e = make_batch(11, 99);
+    const auto yh_train = host.forward(e.x);
+    const auto yc_train = gpu.forward(e.x.to<Cuda>(devices[0]));
+    host.eval();
+    gpu.eval();
+    const auto yh = host.forward(e.x);
+    const auto yc = gpu.forward(e.x.to<Cuda>(devices[0]));
+    const double train_err = rel_norm(values(yc_train), values(yh_train)), eval_err = rel_norm(values(yc), values(yh));
+    expect(yc.shape() == yh.shape() && train_err <= 1e-4 && eval_err <= 1e-4,
+           label + ": forward in training and eval mode equals the host's (relative " + std::to_string(train_err) + ", " +
+               std::to_string(eval_err) + ")");
+}
+
+// accumulate() returns only once its copies of the caller's input have run: a caller that refills
+// its input buffer right after the call trains exactly as one that keeps a buffer per batch.
+void accumulate_with_reused_input(const std::vector<Device>& devices, const std::string& label) {
+    DataParallel<Small<Cuda>> reuse(make_small<Cuda>(), devices, options()), fresh(make_small<Cuda>(), devices, options());
+    nn::Sgd<Cuda> sgd_a({.lr = 0.05, .momentum = 0.9}), sgd_b({.lr = 0.05, .momentum = 0.9});
+    bool identical = true;
+    for (int s = 0; s < 3; ++s) {
+        const auto b1 = make_batch(13, 200 + static_cast<std::uint64_t>(s)), b2 = make_batch(9, 300 + static_cast<std::uint64_t>(s));
+        const auto x1 = b1.x.to<Cuda>(devices[0]), x2 = b2.x.to<Cuda>(devices[0]);
+        Tensor<float, Cuda> buffer = x1;
+        reuse.accumulate(buffer, b1.labels, nn::SoftmaxCrossEntropy{});
+        buffer = Tensor<float, Cuda>(b2.x.shape(), MemoryFormat::nchw, devices[0]);  // the old buffer is freed at once
+        buffer.copy_from(x2);
+        const double la = reuse.train_step(buffer, b2.labels, nn::SoftmaxCrossEntropy{}, sgd_a).loss;
+        fresh.accumulate(x1, b1.labels, nn::SoftmaxCrossEntropy{});
+        const double lb = fresh.train_step(x2, b2.labels, nn::SoftmaxCrossEntropy{}, sgd_b).loss;
+        identical &= la == lb && same_bits(tensors_of(reuse.module()), tensors_of(fresh.module()));
+    }
+    expect(identical, label + ": accumulate with the input buffer freed and refilled right after the call trains as with "
+                              "a buffer per batch (bit for bit)");
+}
+
+// Three steps of the network of tests/golden on CUDA against PyTorch's losses, parameters and
+// momentum (tests/golden/make_golden.py), as the host test does.
+void golden_steps(const std::vector<Device>& devices, const std::string& label) {
+    const auto golden = nn::Checkpoint::load(LOCKSTEP_GOLDEN_DIR "/tiny_net.safetensors");
+    const auto want_losses = nlohmann::json::parse(golden.metadata.at("losses")).get<std::vector<double>>();
+    using Tiny = nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::ReLU<Cuda>, nn::MaxPool2d<Cuda>,
+                                nn::Flatten<Cuda>, nn::Linear<Cuda>>;
+    nn::Generator g(0);
+    Tiny net(nn::Conv2d<Cuda>(2, 3, 3, {.padding = 1}, g), nn::SyncBatchNorm<Cuda>(3), nn::ReLU<Cuda>(), nn::MaxPool2d<Cuda>(2),
+             nn::Flatten<Cuda>(), nn::Linear<Cuda>(12, 4, true, g));
+    nn::get_module(golden, net, "init");
+    DataParallel<Tiny> dp(net, devices, options());
+    nn::Sgd<Cuda> sgd({.lr = 0.1, .momentum = 0.9});
+    double worst_loss = 0;
+    for (int k = 0; k < 3; ++k) {
+        Tensor<float> x(Shape{7, 2, 4, 4});
+        Tensor<std::int64_t> labels(Shape{7});
+        golden.get("data.x." + std::to_string(k), x);
+        golden.get("data.labels." + std::to_string(k), labels);
+        const double loss = dp.train_step(x.to<Cuda>(devices[0]), labels.span(), nn::SoftmaxCrossEntropy{}, sgd).loss;
+        const double want = want_losses[static_cast<std::size_t>(k)];
+        worst_loss = std::max(worst_loss, std::abs(loss - want) / std::abs(want));
+    }
+    expect(worst_loss <= 1e-4, label + ": 3 steps' losses equal PyTorch's (worst relative " + std::to_string(worst_loss) + ")");
+    const auto ours = dp.checkpoint(sgd);
+    int compared = 0, close = 0;
+    double worst = 0;
+    for (const auto& name : ours.names()) {
+        const auto& mine = ours.at(name);
+        const auto& theirs = golden.at("final." + name);
+        if (mine.dtype != theirs.dtype || mine.data.size() != theirs.data.size()) continue;
+        double diff = 0, norm = 0;
+        for (std::size_t i = 0; i < mine.data.size(); i += mine.dtype == "F32" ? 4 : 8) {
+            double a = 0, b = 0;
+            if (mine.dtype == "F32") {
+                float fa = 0, fb = 0;
+                std::memcpy(&fa, mine.data.data() + i, 4);
+                std::memcpy(&fb, theirs.data.data() + i, 4);
+                a = fa, b = fb;
+            } else {
+                std::int64_t ia = 0, ib = 0;
+                std::memcpy(&ia, mine.data.data() + i, 8);
+                std::memcpy(&ib, theirs.data.data() + i, 8);
+                a = static_cast<double>(ia), b = static_cast<double>(ib);
+            }
+            diff += (a - b) * (a - b);
+            norm += b * b;
+        }
+        // As the host test: 1e-6 absolute for tensors that are zero in exact arithmetic.
+        close += std::sqrt(diff) <= 1e-4 * std::sqrt(norm) + 1e-6;
+        worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff));
+        ++compared;
+    }
+    expect(compared == 15 && close == compared, label + ": parameters, buffers and momentum after 3 steps equal PyTorch's (" +
+                                                    std::to_string(close) + " of " + std::to_string(compared) +
+                                                    " tensors within 1e-4; worst relative " + std::to_string(worst) + ")");
 }
 
 // The 2 s bound on a failing step; LOCKSTEP_TEST_RELAXED_TIMING=1 (under compute-sanitizer, which
@@ -197,7 +291,7 @@ void nccl_on_one_gpu() {
     const auto deadline = [] { return std::chrono::steady_clock::now() + std::chrono::seconds(20); };
     static const std::atomic<bool> never{false};
     kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
-    res.enter();
+    const auto entered = res.enter();  // restores this thread's device and stream when the test ends
     const auto ex = res.execution();
     auto comms = Api::init({0}, Api::unique_id(), 0, 1, deadline(), never);
     expect(comms.size() == 1 && comms[0] != nullptr, "NCCL: a non-blocking communicator is made and ready");
@@ -218,7 +312,7 @@ void nccl_on_one_gpu() {
     Api::all_reduce(comms[0], f.data(), 1000, comm::DType::f32, ex.stream, deadline(), never);
     kernels::Ops<Cuda>::wait(ex, "the NCCL test");
     const auto t0 = std::chrono::steady_clock::now();
-    Api::finalize(comms[0], deadline());
+    Api::finalize(std::span<const Api::Comm>(comms), deadline());
     Api::destroy(comms[0]);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     expect(s < 20.0, "NCCL: abort, a new communicator, finalize and destroy (" + std::to_string(s) + " s)");
@@ -238,6 +332,9 @@ int main() {
             compare_with_host(std::vector<Device>(static_cast<std::size_t>(n), Device::cuda(0)),
                               std::to_string(n) + " replica(s) on cuda:0");
         failures_end_the_step({Device::cuda(0), Device::cuda(0)}, "2 replicas on cuda:0");
+        accumulate_with_reused_input({Device::cuda(0), Device::cuda(0), Device::cuda(0)}, "3 replicas on cuda:0");
+        golden_steps({Device::cuda(0)}, "1 replica on cuda:0");
+        golden_steps({Device::cuda(0), Device::cuda(0)}, "2 replicas on cuda:0");
         if (gpus >= 2) {
             std::vector<Device> each;
             for (int g = 0; g < std::min(gpus, 4); ++g) each.push_back(Device::cuda(g));
@@ -256,9 +353,7 @@ int main() {
             expect(refused, "a device that does not exist is refused, naming it");
         }
     } catch (const std::exception& e) {
-        std::printf("FAIL unexpected exception: %s\n", e.what());
-        return 1;
+        return gpu_test::fail_unexpected(e);
     }
-    std::printf("%d failure(s)\n", failures);
-    return failures == 0 ? 0 : 1;
+    return gpu_test::finish();
 }

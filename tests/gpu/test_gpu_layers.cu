@@ -14,16 +14,13 @@
 #include <vector>
 
 #include "../../examples/mnist/net.hpp"
+#include "gpu_check.hpp"
 
 using namespace lockstep;
 
 namespace {
 
-int failures = 0;
-void expect(bool ok, const std::string& what) {
-    std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
-    if (!ok) ++failures;
-}
+using gpu_test::expect;
 
 std::vector<float> values(const Tensor<float, Host>& t) { return {t.data(), t.data() + t.numel()}; }
 std::vector<float> values(const Tensor<float, Cuda>& t) { return values(t.to_host()); }
@@ -115,13 +112,13 @@ void reference_bn(const std::vector<float>& x, const std::vector<float>& dy, std
 }
 
 template <class T>
-void bn_reduced_precision(const char* name, double unit, nn::Context<Cuda>& ctx, std::mt19937& rng) {
+void bn_reduced_precision(const char* name, MemoryFormat f, double unit, nn::Context<Cuda>& ctx, std::mt19937& rng) {
     // fp16/bf16 storage against fp32 on the same (rounded) values: y and dx differ by the
     // rounding of the output (unit roundoff `unit`) plus fp32 noise.
     const std::int64_t N = 8, C = 16, H = 14, W = 14;
-    auto x32 = random_host(Shape{N, C, H, W}, rng, MemoryFormat::nchw, 2.0f);
-    auto dy32 = random_host(Shape{N, C, H, W}, rng);
-    Tensor<T, Host> x16(Shape{N, C, H, W}), dy16(Shape{N, C, H, W});
+    auto x32 = random_host(Shape{N, C, H, W}, rng, f, 2.0f);
+    auto dy32 = random_host(Shape{N, C, H, W}, rng, f);
+    Tensor<T, Host> x16(Shape{N, C, H, W}, f), dy16(Shape{N, C, H, W}, f);
     for (std::int64_t i = 0; i < x32.numel(); ++i) {
         x16[i] = kernels::device::from_float<T>(x32[i]);
         dy16[i] = kernels::device::from_float<T>(dy32[i]);
@@ -129,7 +126,7 @@ void bn_reduced_precision(const char* name, double unit, nn::Context<Cuda>& ctx,
         dy32[i] = kernels::device::to_float(dy16[i]);
     }
     const Device d = Device::cuda(ctx.exec.device);
-    nn::SyncBatchNorm<Cuda> a(C), b(C);
+    nn::SyncBatchNorm<Cuda> a(C, {.format = f}), b(C, {.format = f});
     auto y32 = a.forward(ctx, x32.template to<Cuda>(d));
     auto dx32 = a.backward(ctx, dy32.template to<Cuda>(d));
     auto y16 = b.forward<T>(ctx, x16.template to<Cuda>(d));
@@ -140,9 +137,9 @@ void bn_reduced_precision(const char* name, double unit, nn::Context<Cuda>& ctx,
         yv[static_cast<std::size_t>(i)] = kernels::device::to_float(h16[i]);
         dv[static_cast<std::size_t>(i)] = kernels::device::to_float(g16[i]);
     }
-    expect_close(yv, values(y32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " y vs fp32");
-    expect_close(dv, values(dx32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " dx vs fp32");
-    expect_close(values(b.running_mean), values(a.running_mean), 1e-6, std::string("SyncBatchNorm ") + name + " running mean");
+    expect_close(yv, values(y32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " y vs fp32");
+    expect_close(dv, values(dx32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " dx vs fp32");
+    expect_close(values(b.running_mean), values(a.running_mean), 1e-6, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " running mean");
 }
 
 }  // namespace
@@ -154,7 +151,7 @@ int main() {
     }
     try {
         kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
-        res.enter();
+        const auto entered = res.enter();
         nn::Context<Cuda> ctx;
         ctx.exec = res.execution();
         std::mt19937 rng(1234);
@@ -266,19 +263,48 @@ int main() {
                     expect_close(values(y), ry, 1e-5, what + " y");
                     expect_close(values(dx), rdx, 1e-4, what + " dx");
                 }
-        bn_reduced_precision<__half>("fp16", 1.0 / 2048, ctx, rng);
-        bn_reduced_precision<__nv_bfloat16>("bf16", 1.0 / 256, ctx, rng);
+        // Statistics over several blocks per channel (the ticket, fence and last-block path): 32 x 784
+        // values per channel split into at least 4 chunks in both layouts.
+        for (const bool nhwc : {false, true}) {
+            const std::int64_t N = 32, C = 3, H = 28, W = 28;
+            const auto f = nhwc ? MemoryFormat::nhwc : MemoryFormat::nchw;
+            kernels::device::Grid grid;
+            const kernels::BnGeometry geometry{N, C, H * W, nhwc};
+            (void)kernels::device::bn_kernels::plan(geometry, nhwc ? 1 : 4, kernels::cuda_ops::device_info(0), grid);
+            expect(grid.x >= 4, "SyncBatchNorm " + std::string(nhwc ? "NHWC" : "NCHW") + " 32x3x28x28 reduces each channel over " +
+                                    std::to_string(grid.x) + " blocks (at least 4)");
+            auto x = random_host(Shape{N, C, H, W}, rng, f, 3.0f);
+            auto dy = random_host(Shape{N, C, H, W}, rng, f);
+            std::vector<float> ry, rdx;
+            reference_bn(values(x), values(dy), N, C, H * W, nhwc, ry, rdx);
+            nn::SyncBatchNorm<Cuda> bn(C, {.format = f});
+            auto y = bn.forward(ctx, x.template to<Cuda>(Device::cuda(0)));
+            auto dx = bn.backward(ctx, dy.template to<Cuda>(Device::cuda(0)));
+            const std::string what = std::string("SyncBatchNorm vs fp64 over several blocks per channel, ") + (nhwc ? "NHWC" : "NCHW");
+            expect_close(values(y), ry, 1e-5, what + " y");
+            expect_close(values(dx), rdx, 1e-4, what + " dx");
+        }
+        for (const auto f : {MemoryFormat::nchw, MemoryFormat::nhwc}) {
+            bn_reduced_precision<__half>("fp16", f, 1.0 / 2048, ctx, rng);
+            bn_reduced_precision<__nv_bfloat16>("bf16", f, 1.0 / 256, ctx, rng);
+        }
 
         // ---- the MNIST network: 5 SGD steps on both backends from the same initial values ----
         {
             nn::Generator gh(5), gc(5);
             mnist::Net<Host> host(gh);
             mnist::Net<Cuda> dev(gc);
-            nn::Sgd<Host> sh({.lr = 0.05, .momentum = 0.9});
-            nn::Sgd<Cuda> sc({.lr = 0.05, .momentum = 0.9});
+            // Each backend's own context for a replica that holds the whole batch (global_batch -1):
+            // a context reused from the losses above held global_batch 0 once, which zeroed the
+            // CUDA loss gradient (now a UsageError: see below). lr 0.01: at 0.05 on N(0,1) noise
+            // the host run diverged by itself.
+            nn::Sgd<Host> sh({.lr = 0.01, .momentum = 0.9});
+            nn::Sgd<Cuda> sc({.lr = 0.01, .momentum = 0.9});
             sh.prepare(1);
             sc.prepare(1);
             nn::Context<Host> hctx;
+            nn::Context<Cuda> nctx;
+            nctx.exec = res.execution();
             for (int step = 0; step < 5; ++step) {
                 const std::int64_t N = 16;
                 auto x = random_host(Shape{N, 1, 28, 28}, rng);
@@ -287,17 +313,29 @@ int main() {
                 nn::zero_grad(host);
                 nn::zero_grad(dev);
                 auto lh = nn::SoftmaxCrossEntropy{}(hctx, host.forward(hctx, Tensor<float, Host>(x)), labels);
-                auto lc = nn::SoftmaxCrossEntropy{}(ctx, dev.forward(ctx, x.template to<Cuda>(Device::cuda(0))), labels);
+                auto lc = nn::SoftmaxCrossEntropy{}(nctx, dev.forward(nctx, x.template to<Cuda>(Device::cuda(0))), labels);
                 (void)host.backward(hctx, lh.grad);
-                (void)dev.backward(ctx, lc.grad);
+                (void)dev.backward(nctx, lc.grad);
                 sh.step(hctx, host);
-                sc.step(ctx, dev);
+                sc.step(nctx, dev);
                 const double a = lc.sum(), b = lh.sum();
                 expect(std::abs(a - b) <= 1e-4 * std::abs(b), "Net<Cuda> step " + std::to_string(step) + " loss " + std::to_string(a) +
                                                                   " vs host " + std::to_string(b));
             }
             const auto ph = parameters_of<Host>(host), pc = parameters_of<Cuda>(dev);
             for (std::size_t i = 0; i < ph.size(); ++i) expect_close(pc[i], ph[i], 5e-3, "Net<Cuda> parameter " + std::to_string(i) + " after 5 steps");
+            // The library refuses the context that broke this test before: a global batch smaller
+            // than the replica's shard.
+            nctx.global_batch = 0;
+            bool refused = false;
+            try {
+                const auto x = random_host(Shape{4, 1, 28, 28}, rng);
+                (void)nn::SoftmaxCrossEntropy{}(nctx, dev.forward(nctx, x.template to<Cuda>(Device::cuda(0))),
+                                                std::vector<std::int64_t>{1, 2, 3, 4});
+            } catch (const UsageError& e) {
+                refused = std::string(e.what()).find("global_batch is 0") != std::string::npos;
+            }
+            expect(refused, "a loss with global_batch 0 and a shard of 4 samples throws UsageError");
         }
 
         // ---- out of memory: a typed error naming the device, nothing leaked ----
@@ -318,9 +356,7 @@ int main() {
             expect(free_after + (std::size_t{64} << 20) >= free_before, "nothing leaked by the failed allocation");
         }
     } catch (const std::exception& e) {
-        std::printf("FAIL unexpected exception: %s\n", e.what());
-        return 1;
+        return gpu_test::fail_unexpected(e);
     }
-    std::printf("%d failure(s)\n", failures);
-    return failures == 0 ? 0 : 1;
+    return gpu_test::finish();
 }

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -77,14 +78,10 @@ struct NcclApi {
         // Kernels are loaded before the first collective (CUDA loads lazily, and loading while a
         // peer's NCCL kernel spins can wait on it): the group's own kernels now, on every device.
         cudaFuncAttributes attributes{};
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
-            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<float>>));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
-            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<double>>));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
-            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__half>>));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
-            &attributes, kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__nv_bfloat16>>));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<float>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<double>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__half>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__nv_bfloat16>>)));
         return s;
     }
     static void destroy_stream(int device, Stream s, clock::time_point deadline) noexcept {
@@ -143,6 +140,7 @@ struct NcclApi {
     //! groups across processes]).
     static std::vector<Comm> init(const std::vector<int>& devices, const UniqueId& id, int first_rank, int ranks,
                                   clock::time_point deadline, const std::atomic<bool>& stop) {
+        prepare_nccl();
         const int n = static_cast<int>(devices.size());
         ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
         config.blocking = 0;
@@ -174,6 +172,31 @@ struct NcclApi {
         return comms;
     }
 
+    // Note [two communicators on one device]
+    // Each CUDA replica uses two NCCL communicators on its GPU: the layer group's on its compute
+    // stream and the gradient group's on its communication stream. Collectives of two
+    // communicators on one device may deadlock unless NCCL launches them in one order on every
+    // device; NCCL >= 2.26 does that under NCCL_LAUNCH_ORDER_IMPLICIT, following the order the
+    // host enqueues them in, which lockstep makes the same on every rank (the replica thread
+    // itself enqueues every collective at the same program point). The variable is read when
+    // NCCL initializes, so it is set before the first communicator is made, unless the user set
+    // it; an older NCCL is refused with its version, as is one a test pins below 2.26.
+
+    //! The NCCL version that supports NCCL_LAUNCH_ORDER_IMPLICIT (2.26.0, as ncclGetVersion counts).
+    static constexpr int launch_order_version = 22600;
+
+    //! Refuses an NCCL too old for two communicators per device and sets
+    //! NCCL_LAUNCH_ORDER_IMPLICIT=1 where the user has not set it (Note [two communicators on one device]).
+    static void prepare_nccl() {
+        int version = 0;
+        LOCKSTEP_NCCL_CHECK(ncclGetVersion(&version));
+        LOCKSTEP_CHECK_AS(NotImplemented, version >= launch_order_version, "NCCL ", version / 10000, ".", (version / 100) % 100,
+                          ".", version % 100, " is loaded, but lockstep runs two NCCL communicators per GPU (layer and "
+                          "gradient collectives), which needs NCCL 2.26 or newer (NCCL_LAUNCH_ORDER_IMPLICIT); point "
+                          "the loader at a newer libnccl.so.2 (LD_LIBRARY_PATH)");
+        (void)::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 0);
+    }
+
     //! A named NVTX range around each enqueue, so Nsight shows every collective on its thread.
     using Range = cuda::NvtxRange;
 
@@ -197,9 +220,16 @@ struct NcclApi {
     static void abort(Comm c) noexcept {
         if (c != nullptr) (void)ncclCommAbort(c);
     }
-    static void finalize(Comm c, clock::time_point deadline) noexcept {
-        if (c == nullptr) return;
-        if (ncclCommFinalize(c) == ncclInProgress) {
+    //! Finalizes this process's communicators of a group in one group call (finalize is a
+    //! collective of the ranks: one thread finalizing its ranks one by one would wait on itself),
+    //! then polls each until it has finished or `deadline` passes.
+    static void finalize(std::span<const Comm> comms, clock::time_point deadline) noexcept {
+        if (ncclGroupStart() != ncclSuccess) return;
+        for (const Comm c : comms)
+            if (c != nullptr) (void)ncclCommFinalize(c);
+        (void)ncclGroupEnd();
+        for (const Comm c : comms) {
+            if (c == nullptr) continue;
             ncclResult_t async = ncclInProgress;
             while (ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress && clock::now() < deadline)
                 std::this_thread::yield();

@@ -79,7 +79,8 @@ namespace lockstep::comm {
 //   void all_reduce(Comm, void*, std::size_t count, DType, Stream, deadline, stop);
 //   void broadcast(Comm, void*, std::size_t count, DType, int root, Stream, deadline, stop);
 //   void check(Comm);                  (throws on an asynchronous error of the communicator)
-//   void abort(Comm) noexcept;  void finalize(Comm, deadline) noexcept;  void destroy(Comm) noexcept;
+//   void abort(Comm) noexcept;  void destroy(Comm) noexcept;
+//   void finalize(std::span<const Comm>, deadline) noexcept;  (this process's communicators, in one group call)
 //   void rank_sum(int device, Stream, std::span<void* const> buffers, std::size_t count, DType);
 //   void copy(int device, Stream, void* dst, const void* src, std::size_t bytes);
 
@@ -433,7 +434,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         const auto deadline = clock::now() + rendezvous.timeout();
         std::unique_lock lock(comms_mutex);
         if (!comms_aborted) {
-            for (auto& c : comms) api.finalize(c, deadline);
+            api.finalize(std::span<const typename Api::Comm>(comms), deadline);
             for (auto& c : comms) api.destroy(c);
         }
         comms.clear();

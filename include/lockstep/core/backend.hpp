@@ -111,6 +111,9 @@ struct Execution<Cuda> {
     // Host waits for the device (a step's scalars): an event recorded on `stream`, polled until
     // `wait_timeout_ms` passes, consulting the replica's groups (`watches`) meanwhile.
     CUevent_st* done_event = nullptr;  // a cudaEvent_t on `device`
+    // Recorded after a call's copies of the caller's input; the call returns only once it has
+    // completed, so the caller may then free or refill its input (a cudaEvent_t on `device`).
+    CUevent_st* inputs_read_event = nullptr;
     std::int64_t wait_timeout_ms = 5 * 60 * 1000;
     std::array<DeviceWatch*, 4> watches{};
 };

@@ -10,11 +10,17 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
 #include <mutex>
-#include <vector>
+#include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/error.hpp"
@@ -97,20 +103,25 @@ inline void configure_pool(int device) {
 
 }  // namespace detail
 
-//! An owned, non-blocking CUDA stream on one device (move-only).
+//! An owned, non-blocking CUDA stream on one device (move-only). Its `token()` expires when the
+//! stream is destroyed: a thread's current stream and a tensor's allocation stream that name a
+//! destroyed stream read as the legacy default stream instead (Note [current stream]).
 class Stream {
 public:
     Stream() = default;
     explicit Stream(int device) : device_(device) {
         DeviceGuard guard(device);
         LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+        alive_ = std::make_shared<int>(device);
     }
-    Stream(Stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)), device_(o.device_) {}
+    Stream(Stream&& o) noexcept
+        : stream_(std::exchange(o.stream_, nullptr)), device_(o.device_), alive_(std::move(o.alive_)) {}
     Stream& operator=(Stream&& o) noexcept {
         if (this != &o) {
             destroy();
             stream_ = std::exchange(o.stream_, nullptr);
             device_ = o.device_;
+            alive_ = std::move(o.alive_);
         }
         return *this;
     }
@@ -118,10 +129,13 @@ public:
 
     cudaStream_t get() const noexcept { return stream_; }
     int device() const noexcept { return device_; }
+    //! Expires when this stream is destroyed.
+    std::weak_ptr<const void> token() const noexcept { return alive_; }
     void synchronize() const { LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 private:
     void destroy() noexcept {
+        alive_.reset();  // first: nothing takes this stream as current from here on
         if (stream_ != nullptr) {
             (void)cudaStreamSynchronize(stream_);
             (void)cudaStreamDestroy(stream_);
@@ -130,6 +144,7 @@ private:
     }
     cudaStream_t stream_ = nullptr;
     int device_ = -1;
+    std::shared_ptr<int> alive_;
 };
 
 //! An owned CUDA event without timing (move-only), to order work between streams.
@@ -210,30 +225,247 @@ inline void wait_stream(cudaStream_t stream, const char* what, std::chrono::mill
     wait_event(event, what, timeout);
 }
 
-//! The stream a replica thread allocates and launches on. Each replica thread sets it once
-//! (DataParallel does); threads that never set it use the legacy default stream.
-inline cudaStream_t& current_stream() noexcept {
-    thread_local cudaStream_t stream = nullptr;
-    return stream;
+// Note [current stream]
+// Each thread has a current stream: where new CUDA tensors are allocated and host copies run (a
+// replica thread's is its replica's stream; other threads use the legacy default stream). A
+// stream set through `StreamGuard(const Stream&)` (ReplicaResources::enter and bind_thread) is
+// held by its token, so once that stream is destroyed the thread's current stream reads as the
+// legacy default stream again instead of naming a destroyed stream (the first GPU run failed
+// every test after one that destroyed a replica's resources this way: cudaErrorContextIsDestroyed).
+// Every allocation remembers the stream it was made on and is freed in that stream's order,
+// whichever thread frees it (`Allocator<Cuda>`); work on another stream that reads it must be
+// ordered before the free by its producer (DataParallel's gather does: parallel/scatter.hpp).
+
+namespace detail {
+struct CurrentStream {
+    cudaStream_t stream = nullptr;
+    int device = -1;                   // the stream's device (-1: the legacy stream of any device)
+    std::weak_ptr<const void> owner;   // empty for a stream the caller owns (StreamGuard(cudaStream_t))
+    bool owned = false;
+};
+inline CurrentStream& current_stream_slot() noexcept {
+    thread_local CurrentStream slot;
+    return slot;
+}
+}  // namespace detail
+
+//! The calling thread's current stream (Note [current stream]): the legacy default stream when
+//! none was set, or when the stream that was set has been destroyed since.
+inline cudaStream_t current_stream() noexcept {
+    auto& slot = detail::current_stream_slot();
+    if (slot.owned && slot.owner.expired()) slot = {};
+    return slot.stream;
 }
 
-//! Makes `s` the calling thread's current stream for the guard's lifetime.
+//! The device of the calling thread's current stream, -1 for the legacy default stream.
+inline int current_stream_device() noexcept {
+    (void)current_stream();
+    return detail::current_stream_slot().device;
+}
+
+//! Makes a stream the calling thread's current stream for the guard's lifetime, then restores the
+//! previous one (Note [current stream]).
 class StreamGuard {
 public:
-    explicit StreamGuard(cudaStream_t s) noexcept : previous_(std::exchange(current_stream(), s)) {}
+    //! A stream of `device` that the caller keeps alive while the guard lives (or nullptr: the
+    //! legacy stream).
+    //! When `s` is already current and owned, it stays held by its owner's token.
+    StreamGuard(cudaStream_t s, int device) noexcept : previous_(detail::current_stream_slot()) {
+        auto& slot = detail::current_stream_slot();
+        if (!(slot.stream == s && slot.device == device && s != nullptr)) slot = detail::CurrentStream{s, device, {}, false};
+    }
+    //! An owned stream: should it be destroyed while the guard lives, the thread's current stream
+    //! reads as the legacy stream.
+    explicit StreamGuard(const Stream& s) noexcept
+        : previous_(std::exchange(detail::current_stream_slot(), detail::CurrentStream{s.get(), s.device(), s.token(), true})) {}
     StreamGuard(const StreamGuard&) = delete;
     StreamGuard& operator=(const StreamGuard&) = delete;
-    ~StreamGuard() { current_stream() = previous_; }
+    ~StreamGuard() { detail::current_stream_slot() = std::move(previous_); }
+
+    //! Makes `s` the calling thread's current stream for the rest of the thread's life (a replica
+    //! thread that works for one replica only); it reads as the legacy stream once `s` is destroyed.
+    static void bind_thread(const Stream& s) noexcept {
+        detail::current_stream_slot() = detail::CurrentStream{s.get(), s.device(), s.token(), true};
+    }
 
 private:
-    cudaStream_t previous_;
+    detail::CurrentStream previous_;
 };
+
+namespace detail {
+
+//! A pinned host buffer of the calling thread that device-to-host reads land in: a copy into
+//! pageable memory returns only when the stream has drained (NCCL kernels included), so a dead
+//! peer would hang it past any deadline; a copy into pinned memory returns at once and its
+//! completion is polled against a deadline.
+class PinnedStaging {
+public:
+    PinnedStaging() = default;
+    PinnedStaging(const PinnedStaging&) = delete;
+    PinnedStaging& operator=(const PinnedStaging&) = delete;
+    ~PinnedStaging() {
+        if (block_ != nullptr) (void)cudaFreeHost(block_);
+    }
+    //! At least `bytes` of pinned memory (the largest asked for so far).
+    void* get(std::size_t bytes) {
+        if (bytes > capacity_) {
+            if (block_ != nullptr) (void)cudaFreeHost(block_);
+            block_ = nullptr;
+            capacity_ = 0;
+            const std::size_t want = std::max<std::size_t>(bytes, 4096);
+            LOCKSTEP_CUDA_CHECK(cudaHostAlloc(&block_, want, cudaHostAllocPortable));
+            capacity_ = want;
+        }
+        return block_;
+    }
+    //! A read that did not finish in time may still write into the buffer: it is left to that
+    //! copy (never freed, never reused) and the next read gets a new one.
+    void abandon() noexcept {
+        block_ = nullptr;
+        capacity_ = 0;
+    }
+
+private:
+    void* block_ = nullptr;
+    std::size_t capacity_ = 0;
+};
+
+inline PinnedStaging& pinned_staging() {
+    thread_local PinnedStaging staging;
+    return staging;
+}
+
+//! Bytes a read stages at a time.
+inline constexpr std::size_t staging_chunk = std::size_t{8} << 20;
+
+}  // namespace detail
+
+//! Copies `bytes` of device memory at `src` to host memory at `dst` (pageable or not) on
+//! `stream`, through the thread's pinned staging buffer, calling `wait()` (which records and polls
+//! an event with a deadline, and throws past it) for each chunk: never a pageable copy that
+//! blocks without bound.
+template <class Wait>
+void read_to_host(void* dst, const void* src, std::size_t bytes, cudaStream_t stream, Wait&& wait) {
+    auto& staging = detail::pinned_staging();
+    for (std::size_t at = 0; at < bytes; at += detail::staging_chunk) {
+        const std::size_t n = std::min(detail::staging_chunk, bytes - at);
+        void* pinned = staging.get(n);
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(pinned, static_cast<const char*>(src) + at, n, cudaMemcpyDeviceToHost, stream));
+        try {
+            wait();
+        } catch (...) {
+            staging.abandon();
+            throw;
+        }
+        std::memcpy(static_cast<char*>(dst) + at, pinned, n);
+    }
+}
+
+//! Makes `waiter` wait (on the device) for the work enqueued on `producer` so far; a no-op when
+//! they are one stream. The host does not wait.
+inline void order_after(cudaStream_t waiter, int waiter_device, cudaStream_t producer, int producer_device) {
+    if (waiter == producer && waiter_device == producer_device) return;
+    cudaEvent_t event = nullptr;
+    DeviceGuard guard(producer_device);
+    LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    struct Release {
+        cudaEvent_t e;
+        ~Release() { (void)cudaEventDestroy(e); }  // the wait below is already enqueued
+    } release{event};
+    LOCKSTEP_CUDA_CHECK(cudaEventRecord(event, producer));
+    if (waiter_device != producer_device) LOCKSTEP_CUDA_CHECK(cudaSetDevice(waiter_device));
+    LOCKSTEP_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
+}
 
 }  // namespace lockstep::cuda
 
+namespace lockstep::cuda::detail {
+
+//! The stream each live device allocation was made on (Note [current stream]), so that it is
+//! freed in that stream's order whichever thread frees it, and host copies of it wait for it.
+class AllocationStreams {
+public:
+    //! A stream, held by its owner's token where it has one.
+    struct StreamRef {
+        cudaStream_t stream = nullptr;
+        int device = -1;
+        std::weak_ptr<const void> owner;
+        bool owned = false;
+        //! The stream, or the legacy stream when the owning stream has been destroyed (whose work
+        //! was drained before it was: cuda::Stream and ReplicaResources wait for it).
+        cudaStream_t live() const noexcept { return owned && owner.expired() ? nullptr : stream; }
+        bool same(cudaStream_t s, int d) const noexcept { return live() == s && device == d; }
+    };
+    struct Entry : StreamRef {
+        std::vector<StreamRef> readers;  // other streams that copied from it (record_stream, implicitly)
+    };
+    static AllocationStreams& instance() {
+        static AllocationStreams* table = new AllocationStreams;  // outlives every static tensor
+        return *table;
+    }
+    void add(void* p, Entry e) {
+        std::lock_guard lock(mutex_);
+        entries_[p] = std::move(e);
+    }
+    std::optional<Entry> take(void* p) {
+        std::lock_guard lock(mutex_);
+        const auto it = entries_.find(p);
+        if (it == entries_.end()) return std::nullopt;
+        Entry e = std::move(it->second);
+        entries_.erase(it);
+        return e;
+    }
+    std::optional<Entry> find(const void* p) const {
+        std::lock_guard lock(mutex_);
+        const auto it = entries_.find(const_cast<void*>(p));
+        if (it == entries_.end()) return std::nullopt;
+        return it->second;
+    }
+    //! Orders `stream` after the allocation at `p`'s stream and records `stream` as a reader, so
+    //! that the allocation's free waits for it too (a tensor copied by another stream, then freed).
+    void use_on(const void* p, const StreamRef& stream) {
+        StreamRef producer;
+        {
+            std::lock_guard lock(mutex_);
+            const auto it = entries_.find(const_cast<void*>(p));
+            if (it == entries_.end() || it->second.same(stream.live(), stream.device)) return;
+            producer = it->second;
+            auto& readers = it->second.readers;
+            const bool known = std::any_of(readers.begin(), readers.end(),
+                                           [&](const StreamRef& r) { return r.same(stream.live(), stream.device); });
+            if (!known) readers.push_back(stream);
+        }
+        order_after(stream.live(), stream.device, producer.live(), producer.device);
+    }
+
+private:
+    mutable std::mutex mutex_;
+    std::unordered_map<void*, Entry> entries_;
+};
+
+//! The calling thread's current stream when it is of `device`, else `device`'s legacy stream,
+//! with the token of its owner.
+inline AllocationStreams::StreamRef stream_on(int device) noexcept {
+    (void)current_stream();  // drops a stream that was destroyed
+    const auto& slot = current_stream_slot();
+    if (slot.stream == nullptr || slot.device != device) return {nullptr, device, {}, false};
+    return {slot.stream, device, slot.owner, slot.owned};
+}
+
+//! Orders `stream` after the work of the streams the given device pointers were allocated on,
+//! and makes their frees wait for `stream` (pointers that are not the start of an allocation, or
+//! null, are skipped): a tensor may be copied on one stream and freed on another.
+inline void after_allocations(const AllocationStreams::StreamRef& stream, std::initializer_list<const void*> pointers) {
+    for (const void* p : pointers)
+        if (p != nullptr) AllocationStreams::instance().use_on(p, stream);
+}
+
+}  // namespace lockstep::cuda::detail
+
 namespace lockstep::detail {
 
-//! Device memory through the stream-ordered allocator on the calling thread's current stream.
+//! Device memory through the stream-ordered allocator on the calling thread's current stream,
+//! freed on that same stream (Note [current stream]).
 template <>
 struct Allocator<Cuda> {
     //! The calling thread's current CUDA device (a replica thread's is its replica's).
@@ -246,8 +478,12 @@ struct Allocator<Cuda> {
         if (bytes == 0) return nullptr;
         cuda::DeviceGuard guard(device.index);
         cuda::detail::configure_pool(device.index);
+        // The current stream when it is of this device, else the device's legacy stream.
+        cuda::detail::AllocationStreams::Entry entry;
+        static_cast<cuda::detail::AllocationStreams::StreamRef&>(entry) = cuda::detail::stream_on(device.index);
+        const cudaStream_t stream = entry.stream;
         void* p = nullptr;
-        const cudaError_t e = cudaMallocAsync(&p, bytes, cuda::current_stream());
+        const cudaError_t e = cudaMallocAsync(&p, bytes, stream);
         if (e == cudaErrorMemoryAllocation) {
             (void)cudaGetLastError();
             std::size_t free = 0, total = 0;
@@ -258,60 +494,88 @@ struct Allocator<Cuda> {
                               ::lockstep::detail::replica_rank_slot(), device.index);
         }
         LOCKSTEP_CUDA_CHECK(e);
+        try {
+            cuda::detail::AllocationStreams::instance().add(p, std::move(entry));
+        } catch (...) {
+            (void)cudaFreeAsync(p, stream);
+            throw;
+        }
         return p;
     }
-    // Freed on the calling thread's current stream, which for a tensor of a replica is the
-    // replica's stream it was allocated on (tensors do not cross replicas). Never the legacy
-    // default stream when a stream is set.
+    //! Freed on the stream it was allocated on, in that stream's order, whichever thread frees it,
+    //! after the work of every other stream that copied from it (Note [current stream]).
     static void deallocate(void* p, std::size_t, Device device) noexcept {
         if (p == nullptr) return;
+        const auto entry = cuda::detail::AllocationStreams::instance().take(p);
         int previous = 0;
         if (cudaGetDevice(&previous) != cudaSuccess) return;
         if (previous != device.index) (void)cudaSetDevice(device.index);
-        (void)cudaFreeAsync(p, cuda::current_stream());
+        const cudaStream_t stream = entry ? entry->live() : nullptr;
+        if (entry)
+            for (const auto& reader : entry->readers) {
+                if (reader.owned && reader.owner.expired()) continue;  // drained before it was destroyed
+                try {
+                    cuda::order_after(stream, device.index, reader.live(), reader.device);
+                } catch (...) {  // a failed device: the free below fails alike, and is ignored
+                }
+            }
+        (void)cudaFreeAsync(p, stream);
         if (previous != device.index) (void)cudaSetDevice(previous);
     }
+    // A copy or zero-fill runs on the calling thread's current stream, after the work of the
+    // streams its operands were allocated on (for a tensor's constructor: the same stream).
     static void copy(void* dst, const void* src, std::size_t bytes, Device device) {
         if (bytes == 0) return;
         cuda::DeviceGuard guard(device.index);
-        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::current_stream()));
+        const auto stream = cuda::detail::stream_on(device.index);
+        cuda::detail::after_allocations(stream, {dst, src});
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream.stream));
     }
     static void fill_zero(void* dst, std::size_t bytes, Device device) {
         if (bytes == 0) return;
         cuda::DeviceGuard guard(device.index);
-        LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::current_stream()));
+        const auto stream = cuda::detail::stream_on(device.index);
+        cuda::detail::after_allocations(stream, {dst});
+        LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream.stream));
     }
 };
 
-}  // namespace lockstep::detail
-
-namespace lockstep::detail {
-
-// Copies between backends run on the calling thread's current stream and are complete on return.
-inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int device) {
+// Copies between backends run on the calling thread's current stream (after the work of the
+// streams the device operands were allocated on) and are complete on return; a read into host
+// memory goes through pinned staging and a polled, bounded wait.
+inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int device,
+                     const void* device_src, const void* device_dst) {
     if (bytes == 0) return;
     cuda::DeviceGuard guard(device);
-    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, cuda::current_stream()));
-    cuda::wait_stream(cuda::current_stream(), "a copy between the host and a GPU, or between GPUs");
+    const auto ref = cuda::detail::stream_on(device);
+    cuda::detail::after_allocations(ref, {device_src, device_dst});
+    const cudaStream_t stream = ref.stream;
+    const char* what = "a copy between the host and a GPU, or between GPUs";
+    if (kind == cudaMemcpyDeviceToHost) {
+        cuda::read_to_host(dst, src, bytes, stream, [&] { cuda::wait_stream(stream, what); });
+        return;
+    }
+    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+    cuda::wait_stream(stream, what);
 }
 
 template <>
 struct Transfer<Host, Cuda> {
     static void copy(void* dst, Device to, const void* src, Device, std::size_t bytes) {
-        transfer(dst, src, bytes, cudaMemcpyHostToDevice, to.index);
+        transfer(dst, src, bytes, cudaMemcpyHostToDevice, to.index, nullptr, dst);
     }
 };
 template <>
 struct Transfer<Cuda, Host> {
     static void copy(void* dst, Device, const void* src, Device from, std::size_t bytes) {
-        transfer(dst, src, bytes, cudaMemcpyDeviceToHost, from.index);
+        transfer(dst, src, bytes, cudaMemcpyDeviceToHost, from.index, src, nullptr);
     }
 };
 template <>
 struct Transfer<Cuda, Cuda> {
     // Unified addressing lets one copy cross devices; it runs on the destination's stream.
     static void copy(void* dst, Device to, const void* src, Device, std::size_t bytes) {
-        transfer(dst, src, bytes, cudaMemcpyDefault, to.index);
+        transfer(dst, src, bytes, cudaMemcpyDefault, to.index, src, dst);
     }
 };
 

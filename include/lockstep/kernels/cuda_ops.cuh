@@ -38,9 +38,10 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     };
 
     //! What a replica owns on its GPU: a non-blocking compute stream, a cuBLAS handle bound to it
-    //! with its own workspace, and the reducing kernels' scratch (tickets zeroed once, then left at
-    //! zero by every kernel). Made on the replica's thread; `enter()` runs on every thread that
-    //! works for the replica and makes the replica's device and stream current there.
+    //! with its own workspace, and the reducing kernels' scratch (one allocation laid out by
+    //! device::ScratchLayout; tickets zeroed once, then left at zero by every kernel). Made on the
+    //! replica's thread. A thread works for the replica through `enter()` (a guard) or, for the
+    //! replica's own persistent threads, `bind_thread()` (Note [current stream]).
     struct ReplicaResources {
         //! cuBLAS workspace per replica (what cuBLAS asks for on Hopper).
         static constexpr std::size_t workspace_bytes = std::size_t{32} << 20;
@@ -54,11 +55,11 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             stream = cuda::Stream(device);
             try {
                 done = cuda::Event();
+                inputs_read = cuda::Event();
                 LOCKSTEP_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
-                const std::size_t counter_bytes = sizeof(unsigned int) * device::scratch_counters;
-                LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch, counter_bytes + device::scratch_partial_bytes));
-                LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(scratch, 0, counter_bytes, stream.get()));
-                partials = static_cast<char*>(scratch) + counter_bytes;
+                LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch, device::ScratchLayout::total_bytes));
+                scratch_view = device::ScratchLayout::view(scratch);
+                LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(scratch_view.counters, 0, device::ScratchLayout::counter_bytes, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasCreate(&blas));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetStream(blas, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
@@ -79,27 +80,43 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             ex.blas = blas;
             ex.workspace = workspace;
             ex.workspace_bytes = workspace_bytes;
-            ex.reduce_counters = static_cast<unsigned int*>(scratch);
-            ex.reduce_counter_count = device::scratch_counters;
-            ex.reduce_partials = partials;
-            ex.reduce_partial_bytes = device::scratch_partial_bytes;
+            ex.reduce_counters = scratch_view.counters;
+            ex.reduce_counter_count = scratch_view.counter_count;
+            ex.reduce_partials = scratch_view.partials;
+            ex.reduce_partial_bytes = scratch_view.partial_bytes;
             ex.done_event = done.get();
+            ex.inputs_read_event = inputs_read.get();
             return ex;
         }
-        //! The replica's device and stream become the calling thread's (new tensors are allocated
-        //! and freed on that stream).
-        void enter() const {
+
+        //! While the guard lives, the replica's device and stream are the calling thread's (new
+        //! tensors are allocated, and freed, on that stream); then the previous ones are again.
+        class Entered {
+        public:
+            explicit Entered(const ReplicaResources& r) : device_(r.device), stream_(r.stream) {}
+
+        private:
+            cuda::DeviceGuard device_;
+            cuda::StreamGuard stream_;
+        };
+        [[nodiscard]] Entered enter() const { return Entered(*this); }
+
+        //! Makes the replica's device and stream the calling thread's for the rest of its life (the
+        //! replica's own threads). Once these resources are destroyed, the thread's current stream
+        //! reads as the legacy stream (Note [current stream]).
+        void bind_thread() const {
             LOCKSTEP_CUDA_CHECK(cudaSetDevice(device));
-            cuda::current_stream() = stream.get();
+            cuda::StreamGuard::bind_thread(stream);
         }
 
         int device;
         cuda::Stream stream;
-        cuda::Event done{nullptr};  // host waits on the stream poll it (Ops<Cuda>::wait)
+        cuda::Event done{nullptr};         // host waits on the stream poll it (Ops<Cuda>::wait)
+        cuda::Event inputs_read{nullptr};  // recorded after a call's copies of the caller's input
         cublasHandle_t blas = nullptr;
         void* workspace = nullptr;
         void* scratch = nullptr;
-        void* partials = nullptr;
+        device::Scratch scratch_view;
 
     private:
         void release() noexcept {
@@ -113,7 +130,9 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             if (workspace != nullptr) (void)cudaFree(workspace);
             if (scratch != nullptr) (void)cudaFree(scratch);
             blas = nullptr;
-            workspace = scratch = partials = nullptr;
+            workspace = scratch = nullptr;
+            scratch_view = {};
+            stream = cuda::Stream();  // its token expires: no thread's current stream names it now
         }
     };
 
@@ -150,20 +169,44 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     template <class T>
     static T read(const Ex& ex, const T_<T>& t, std::int64_t i) {
         T value{};
-        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(&value, t.data() + i, sizeof(T), cudaMemcpyDeviceToHost, ex.stream));
-        wait(ex, "reading a value from the device");
+        cuda::read_to_host(&value, t.data() + i, sizeof(T), ex.stream, [&] { wait(ex, "reading a value from the device"); });
         return value;
     }
 
-    //! All of `t`'s elements on the host, in one copy: waits for the replica's stream (see `wait`).
+    //! All of `t`'s elements on the host, in one copy into pinned memory whose completion is
+    //! polled against the replica's deadline (see `wait`): a pageable copy would block until the
+    //! stream drains, past any deadline, when a peer is dead.
     template <class T>
     static std::vector<T> to_vector(const Ex& ex, const T_<T>& t) {
         std::vector<T> out(static_cast<std::size_t>(t.numel()));
-        if (!out.empty()) {
-            LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, ex.stream));
-            wait(ex, "reading a step's results from the device");
-        }
+        if (!out.empty())
+            cuda::read_to_host(out.data(), t.data(), t.bytes(), ex.stream, [&] { wait(ex, "reading a step's results from the device"); });
         return out;
+    }
+
+    //! The caller's input has been read (its copies are enqueued on the replica's stream): record
+    //! the point `wait_inputs_read` waits for.
+    static void mark_inputs_read(const Ex& ex) {
+        if (ex.inputs_read_event != nullptr) LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.inputs_read_event, ex.stream));
+        else wait(ex, "copying the caller's input");  // an execution made by hand: wait now
+    }
+    //! Waits (bounded, see `wait`) until the copies marked by `mark_inputs_read` have run, so the
+    //! caller may free or refill its input.
+    static void wait_inputs_read(const Ex& ex) {
+        if (ex.inputs_read_event != nullptr) wait_for(ex, ex.inputs_read_event, "copying the caller's input");
+    }
+
+    //! The execution of work the calling thread itself does on `d` (outside any replica): its
+    //! current stream when that is of `d`, else `d`'s legacy stream.
+    static Ex caller_execution(const Device& d) {
+        Ex ex;
+        ex.device = d.index;
+        ex.stream = cuda::current_stream_device() == d.index ? cuda::current_stream() : nullptr;
+        return ex;
+    }
+    //! `waiter`'s stream runs its later work after what `producer`'s stream holds now (no host wait).
+    static void order_after(const Ex& waiter, const Ex& producer) {
+        cuda::order_after(waiter.stream, waiter.device, producer.stream, producer.device);
     }
 
     //! Waits until the replica's stream has done everything enqueued so far, with a deadline: an
@@ -176,8 +219,14 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             return;
         }
         LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.done_event, ex.stream));
+        wait_for(ex, ex.done_event, what);
+    }
+
+private:
+    // Polls `event` until `ex.wait_timeout_ms` passes, consulting the replica's groups meanwhile.
+    static void wait_for(const Ex& ex, cudaEvent_t event, const char* what) {
         cuda::poll_event(
-            ex.done_event, std::chrono::milliseconds(ex.wait_timeout_ms),
+            event, std::chrono::milliseconds(ex.wait_timeout_ms),
             [&] {
                 for (DeviceWatch* w : ex.watches)
                     if (w != nullptr) w->poll();

@@ -39,12 +39,26 @@ struct Ops<Host> {
     using Runtime = blas::SingleThreadScope;
 
     //! What a replica owns on the backend besides its tensors (on the host: which replica it is).
-    //! Made on the replica's thread; `enter()` runs on every thread that works for the replica.
+    //! Made on the replica's thread. A thread works for the replica through `enter()` (a guard)
+    //! or, for the replica's own persistent threads, `bind_thread()`.
     struct ReplicaResources {
         explicit ReplicaResources(const Device& device) : index(device.index) {}
         Ex execution() const { return {}; }
-        //! New tensors of the calling thread go on the replica's device; oneDNN runs on it alone.
-        void enter() const {
+        //! While the guard lives, new tensors of the calling thread go on the replica's device.
+        class Entered {
+        public:
+            explicit Entered(int index) noexcept : previous_(current_host_device().index) { set_current_host_device(index); }
+            Entered(const Entered&) = delete;
+            Entered& operator=(const Entered&) = delete;
+            ~Entered() { set_current_host_device(previous_); }
+
+        private:
+            int previous_;
+        };
+        [[nodiscard]] Entered enter() const { return Entered(index); }
+        //! New tensors of the calling thread go on the replica's device for the rest of the
+        //! thread's life; oneDNN runs on it alone.
+        void bind_thread() const {
             set_current_host_device(index);
             if (const auto init = detail::host_conv_engine().enter_thread) init();
         }
@@ -108,6 +122,13 @@ struct Ops<Host> {
     static std::vector<T> to_vector(const Ex&, const T_<T>& t) {
         return {t.data(), t.data() + t.numel()};
     }
+
+    //! Host copies are complete when they return: nothing to mark or wait for (see Ops<Cuda>).
+    static void mark_inputs_read(const Ex&) noexcept {}
+    static void wait_inputs_read(const Ex&) noexcept {}
+    //! Host work has no streams to order (see Ops<Cuda>).
+    static Ex caller_execution(const Device&) noexcept { return {}; }
+    static void order_after(const Ex&, const Ex&) noexcept {}
 
     //! t *= min(1, max_norm / (sqrt(sum_squares[0]) + 1e-6)): clipping by a global norm, as
     //! torch.nn.utils.clip_grad_norm_.

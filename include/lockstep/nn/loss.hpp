@@ -42,7 +42,13 @@ concept LossLike = BackendTag<B> && requires(const L& loss, const Context<B>& ct
 };
 
 namespace detail {
+// Throws UsageError when the context's global batch cannot hold this replica's samples (a
+// context reused from another call, say with global_batch 0, would silently zero the gradient).
 inline double inverse_count(std::int64_t global, std::int64_t local) {
+    LOCKSTEP_CHECK_AS(UsageError, global < 0 || global >= local, "the context's global_batch is ", global,
+                      " but this replica's shard holds ", local,
+                      " samples; set Context::global_batch to the samples over all replicas (-1 for a replica that "
+                      "holds the whole batch)");
     const std::int64_t n = global >= 0 ? global : local;
     return n > 0 ? 1.0 / static_cast<double>(n) : 0.0;
 }

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <shared_mutex>
@@ -150,22 +151,40 @@ namespace detail {
 //! never user code) and makes later reads fail.
 class CallerRefs {
 public:
-    //! Runs `f` if the caller's objects are still there; false when the call has returned.
+    //! Runs `f` if the caller's objects are still there; false when the call has returned. A
+    //! read may only enqueue its copies (on a device stream): `settle` then waits until they have
+    //! run, and the call runs it before it returns (Note [jobs own their state]).
     template <class F>
-    bool read(F&& f) {
+    bool read(F&& f, std::function<void()> settle = {}) {
         std::shared_lock lock(mutex_);
         if (gone_) return false;
         f();
+        if (settle) {
+            std::lock_guard settle_lock(settle_mutex_);
+            settles_.push_back(std::move(settle));
+        }
         return true;
     }
+    //! Later reads fail; the reads made are settled (bounded waits: a failure is the call's own
+    //! failure, already on its way to the caller).
     void release() noexcept {
         std::unique_lock lock(mutex_);
         gone_ = true;
+        std::lock_guard settle_lock(settle_mutex_);
+        for (auto& settle : settles_) {
+            try {
+                settle();
+            } catch (...) {
+            }
+        }
+        settles_.clear();
     }
 
 private:
     std::shared_mutex mutex_;
     bool gone_ = false;
+    std::mutex settle_mutex_;
+    std::vector<std::function<void()>> settles_;
 };
 
 //! A copy of a caller's object when it can be copied, else a pointer to it.
@@ -240,7 +259,7 @@ public:
                 [core = core_](int r) {
                     const auto ur = static_cast<std::size_t>(r);
                     core->resources[ur] = std::make_unique<typename K::ReplicaResources>(core->devices[ur]);
-                    core->resources[ur]->enter();
+                    core->resources[ur]->bind_thread();
                 },
                 options.cpu_binding, options.timeout) {
         pool_.attach(core_->abortable(0));
@@ -341,11 +360,18 @@ public:
             rep.ctx.global_batch = batch;
             rep.ctx.grad_ready = nullptr;
             Tensor<float, backend> in;
-            if (!call->caller.read([&] { in = parallel::take_rows(rep.ctx.exec, *xp, call->shards[ur], core->devices[ur]); }))
+            if (!call->caller.read(
+                    [&] {
+                        in = parallel::take_rows(rep.ctx.exec, *xp, call->shards[ur], core->devices[ur]);
+                        K::mark_inputs_read(rep.ctx.exec);
+                    },
+                    [ex = rep.ctx.exec] { K::wait_inputs_read(ex); }))
                 throw detail::caller_gone();
             call->outs[ur] = rep.module.forward(rep.ctx, std::move(in));
         });
-        return parallel::concat_rows(core_->replicas[0]->ctx.exec, call->outs, x.device());
+        std::vector<Execution<backend>> producers;
+        for (const auto& rep : core_->replicas) producers.push_back(rep->ctx.exec);
+        return parallel::gather_rows(K::caller_execution(x.device()), call->outs, producers, x.device());
     }
 
     //! One training step as ONE parallel region: scatter, forward, loss, backward with the
@@ -472,7 +498,7 @@ private:
         Replica(Module&& replica, const typename K::ReplicaResources& resources, comm::Collectives& layer,
                 comm::Collectives& grad)
             : module(std::move(replica)), layer_comm(&layer), grad_comm(&grad),
-              worker([&resources] { resources.enter(); }) {}
+              worker([&resources] { resources.bind_thread(); }) {}
 
         Module module;
         comm::Collectives* layer_comm;  // layer collectives (SyncBatchNorm), on the replica thread
@@ -712,6 +738,7 @@ private:
             std::vector<parallel::ShardRange> shards;
             std::vector<double> sums, corrects;
             std::atomic<int> committed{0};                // replicas past the commit barrier
+            std::atomic<bool> device_failed{false};       // the device failed the step after it
             std::vector<std::atomic<bool>> applied;       // replicas whose optimizer step completed
             detail::Held<Loss> loss;
             detail::CallerRefs caller;                    // x and targets
@@ -742,10 +769,13 @@ private:
                     typename Owned::type shard_targets;
                     const auto& shard = call->shards[ur];
                     const auto& device = core->devices[ur];
-                    if (!call->caller.read([&] {
-                            in = parallel::take_rows(rep.ctx.exec, *xp, shard, device);
-                            shard_targets = Owned::own(parallel::shard_targets(rep.ctx.exec, *tp, shard, device));
-                        }))
+                    if (!call->caller.read(
+                            [&] {
+                                in = parallel::take_rows(rep.ctx.exec, *xp, shard, device);
+                                shard_targets = Owned::own(parallel::shard_targets(rep.ctx.exec, *tp, shard, device));
+                                K::mark_inputs_read(rep.ctx.exec);
+                            },
+                            [ex = rep.ctx.exec] { K::wait_inputs_read(ex); }))
                         throw detail::caller_gone();
                     Tensor<float, backend> out;
                     {
@@ -792,11 +822,19 @@ private:
                     // Note [commit point]: a replica whose optimizer threw fails the step everywhere.
                     rep.grad_comm->barrier(comm::CollectiveSite::commit(1));
                     // The step's scalars: the one read from the device in a step (with check_finite
-                    // they came back with the finite check, before the commit barrier).
+                    // they came back with the finite check, before the commit barrier, and so had
+                    // every collective of the step). Without it, a collective that fails on the
+                    // device is seen here, after every replica enqueued its optimizer step on
+                    // gradients that may be partly reduced (Note [device failure after the commit]).
                     if (!options.check_finite) {
-                        const auto t = K::to_vector(rep.ctx.exec, rep.totals);
-                        call->sums[ur] = t[0];
-                        call->corrects[ur] = t[1];
+                        try {
+                            const auto t = K::to_vector(rep.ctx.exec, rep.totals);
+                            call->sums[ur] = t[0];
+                            call->corrects[ur] = t[1];
+                        } catch (...) {
+                            call->device_failed.store(true, std::memory_order_relaxed);
+                            throw;
+                        }
                     }
                 }
             });
@@ -805,11 +843,13 @@ private:
             throw;
         } catch (const std::exception& e) {
             pending_ = 0;  // the kept gradients are incomplete: the next call starts afresh
-            if constexpr (Step) mark_if_diverged(call->committed.load(), call->applied, e.what());
+            if constexpr (Step) mark_if_diverged(call->committed.load(), call->applied, call->device_failed.load(), e.what());
             throw;
         } catch (...) {
             pending_ = 0;
-            if constexpr (Step) mark_if_diverged(call->committed.load(), call->applied, "an exception that is not a std::exception");
+            if constexpr (Step)
+                mark_if_diverged(call->committed.load(), call->applied, call->device_failed.load(),
+                                 "an exception that is not a std::exception");
             throw;
         }
         if constexpr (!Step) {
@@ -876,19 +916,39 @@ private:
                                 "DataParallelOptions::clip_grad_norm), or look for NaN or infinity in the input");
     }
 
+    // Note [device failure after the commit]
+    // Without check_finite nothing reads the device between the gradient all-reduce and the
+    // commit barrier (that read would cost the overlap of the step's tail), so a collective that
+    // fails on the device (an NCCL error, a peer gone) is seen only when the step's scalars are
+    // read, after every replica has enqueued its optimizer step: the replicas may then hold
+    // updates from partly reduced gradients. The step fails everywhere and the object is marked
+    // diverged with no replica known to be right: `load()` a checkpoint, or `resync()` to make
+    // the replicas equal again (replica 0's state). With check_finite the failure is seen before
+    // the commit barrier and no replica applies the step.
+
     // After a failed step (Note [commit point]): replicas differ when some passed the commit
-    // barrier but not all of them applied the step.
-    void mark_if_diverged(int committed, const std::vector<std::atomic<bool>>& applied, const std::string& what) {
+    // barrier but not all of them applied the step, or when the device failed the step after its
+    // commit (Note [device failure after the commit]).
+    void mark_if_diverged(int committed, const std::vector<std::atomic<bool>>& applied, bool device_failed,
+                          const std::string& what) {
         const auto done = [](const std::atomic<bool>& a) { return a.load(std::memory_order_relaxed); };
         const bool all = std::all_of(applied.begin(), applied.end(), done);
-        if (committed == 0 || all) return;
+        if (committed == 0 || (all && !device_failed)) return;
         const auto first = std::find_if(applied.begin(), applied.end(), done);
-        diverged_ = Divergence{steps_ + 1, first == applied.end() ? 0 : static_cast<int>(first - applied.begin()), what};
+        if (device_failed)
+            diverged_ = Divergence{steps_ + 1, 0, "the device failed it after every replica had enqueued the update (" + what +
+                                                      "); no replica is known to hold the right parameters", true};
+        else
+            diverged_ = Divergence{steps_ + 1, first == applied.end() ? 0 : static_cast<int>(first - applied.begin()), what, false};
     }
 
     void check_in_step(const char* what) const {
         pool_.check_usable(std::string("DataParallel::") + what);  // Note [stuck replicas] first: resync cannot mend that
         if (!diverged_) return;
+        if (diverged_->unknown)
+            throw Diverged(std::string("DataParallel::") + what + ": the replicas may hold wrong parameters since step " +
+                           std::to_string(diverged_->step) + " failed after its commit point: " + diverged_->reason +
+                           "; load() a checkpoint, or call resync(optimizer) to make every replica equal to replica 0");
         throw Diverged(std::string("DataParallel::") + what + ": the replicas may differ since step " +
                        std::to_string(diverged_->step) + " failed after its commit point (" + diverged_->reason +
                        "); call resync(optimizer) to copy replica " + std::to_string(diverged_->root) +
@@ -1160,6 +1220,7 @@ private:
         std::int64_t step;
         int root;  // a replica that completed the step
         std::string reason;
+        bool unknown = false;  // no replica is known to be right (Note [device failure after the commit])
     };
     std::optional<Divergence> diverged_;
 };

@@ -47,22 +47,30 @@ Tensor<T, B> take_rows(const Execution<B>& ex, const Tensor<T, B>& x, ShardRange
     return shard;
 }
 
-//! Concatenation of `parts` along dimension 0, in order, on `device` (the gather of outputs).
+//! Concatenation of `parts` along dimension 0, in order, on `device` (the gather of outputs),
+//! made by `ex`'s stream. `producers[i]` is the execution that made `parts[i]`: the copies wait
+//! for its work, and its later work (the part's free, in its allocation stream's order: Note
+//! [current stream] in core/cuda_runtime.cuh) waits for the copies. No host wait.
 template <class T, BackendTag B>
-Tensor<T, B> concat_rows(const Execution<B>& ex, const std::vector<Tensor<T, B>>& parts, Device device) {
+Tensor<T, B> gather_rows(const Execution<B>& ex, const std::vector<Tensor<T, B>>& parts,
+                         const std::vector<Execution<B>>& producers, Device device) {
     LOCKSTEP_CHECK(!parts.empty(), "nothing to concatenate");
+    LOCKSTEP_CHECK(producers.size() == parts.size(), "gather_rows: ", parts.size(), " parts but ", producers.size(),
+                   " producers");
     std::int64_t rows = 0;
     for (const auto& p : parts) {
         LOCKSTEP_CHECK_AS(ShapeError, p.rank() == parts[0].rank() && p.shape().row_numel() == parts[0].shape().row_numel(),
                           "replica outputs disagree in shape: ", p.shape(), " vs ", parts[0].shape());
         rows += p.dim(0);
     }
+    for (const auto& producer : producers) kernels::Ops<B>::order_after(ex, producer);
     Tensor<T, B> out(parts[0].shape().with(0, rows), parts[0].format(), device, uninitialized);
     std::int64_t at = 0;
     for (const auto& p : parts) {
         kernels::Ops<B>::copy(ex, out, at, p, 0, p.numel());
         at += p.numel();
     }
+    for (const auto& producer : producers) kernels::Ops<B>::order_after(producer, ex);
     return out;
 }
 
