@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: MIT
+//! Test controls of lockstep's host CUDA device (libcudart, libcublas and libnccl run on the host).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lockstep::host_cuda {
+
+//! Number of modelled devices, 1 to 4 (default: LOCKSTEP_HOSTCUDA_DEVICES, else 1). Call it
+//! before creating streams on the devices it removes; false for a count out of range.
+bool set_device_count(int count);
+
+//! The "capacity" cudaMalloc counts against on `device` (default 8 GiB); false for a bad device.
+bool set_memory_capacity(int device, std::size_t bytes);
+
+//! The k-th device allocation (cudaMalloc, cudaMallocAsync) from now fails with
+//! cudaErrorMemoryAllocation (not sticky). k <= 0 cancels.
+void fail_allocation(int k);
+
+// Launch injections count every cudaLaunchHostFunc, or with `kernel` only the launches named
+// so by lockstep_host_cuda_name_next_launch. k <= 0 cancels.
+
+//! The k-th launch from now returns cudaErrorLaunchFailure (not sticky) and enqueues nothing.
+void fail_launch(int k, const char* kernel = nullptr);
+//! The k-th launch from now runs, then puts its device in a sticky cudaErrorIllegalAddress.
+void fault_launch(int k, const char* kernel = nullptr);
+//! The k-th launch from now does not start until release_stalls(): its stream, and whatever
+//! waits for it, stands still (a host wait on it ends only by a deadline).
+void stall_launch(int k, const char* kernel = nullptr);
+//! Lets every stalled launch injected so far run.
+void release_stalls();
+
+//! The k-th collective (counted per communicator, from now) of the communicators whose rank is
+//! `rank` fails: its communicator gets ncclSystemError, the peers waiting in that collective
+//! are released with ncclRemoteError and their buffers are left as they were.
+void fail_nccl(int rank, int k);
+
+//! What ncclGetVersion reports (default 22805, NCCL 2.28.5).
+void set_nccl_version(int version);
+
+//! Upper bound of the random delay a stream worker may add before an op, in microseconds
+//! (default: LOCKSTEP_HOSTCUDA_DELAY_US, else 200; 0 disables).
+void set_delay_cap_us(unsigned us);
+
+//! For the next test case: releases the stalls, waits (at most 5 s, then warns on stderr) until
+//! every stream ran what is queued, then clears every injection, the sticky errors, the calling
+//! thread's last error, the NCCL version and the capacities. Work still blocked after the wait
+//! (a collective whose peers never come) would run in the cleared state: abort such
+//! communicators first.
+void reset();
+
+//! The seed of the workers' delays (LOCKSTEP_TEST_SEED, else random, printed once to stderr).
+std::uint64_t seed();
+
+//! Device blocks allocated and not yet freed (cudaFreeAsync counts until its op ran).
+std::size_t live_device_blocks();
+
+//! cudaLaunchHostFunc calls accepted so far (each one is a kernel launch).
+std::uint64_t launches();
+
+}  // namespace lockstep::host_cuda
+
+//! Names the calling thread's next cudaLaunchHostFunc (for named injections and the fault
+//! message). The library's host-compiler launch path may declare and call it itself (C linkage),
+//! so that it needs no test header.
+extern "C" void lockstep_host_cuda_name_next_launch(const char* kernel);

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: MIT
+//! Defects between kernels that the host CUDA device must expose to a sanitizer (each mode has one).
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "host_cuda.hpp"
+
+namespace {
+
+void write_one(void* p) { *static_cast<float*>(p) = 1.0f; }
+void read_one(void* p) { std::printf("%f\n", static_cast<double>(*static_cast<volatile float*>(p))); }
+
+int run(const char* mode) {
+    cudaStream_t a = nullptr, b = nullptr;
+    cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+    void* d = nullptr;
+    cudaMalloc(&d, sizeof(float));
+    if (std::strcmp(mode, "missing-wait") == 0) {
+        // Stream b reads what stream a writes, with no event between them: ThreadSanitizer's race.
+        cudaLaunchHostFunc(a, write_one, d);
+        cudaLaunchHostFunc(b, read_one, d);
+    } else if (std::strcmp(mode, "free-host-early") == 0) {
+        // The pinned buffer is freed before the copy into it ran: AddressSanitizer's use after free.
+        void* pinned = nullptr;
+        cudaMallocHost(&pinned, sizeof(float));
+        lockstep::host_cuda::stall_launch(1);
+        cudaLaunchHostFunc(a, write_one, d);
+        cudaMemcpyAsync(pinned, d, sizeof(float), cudaMemcpyDeviceToHost, a);
+        cudaFreeHost(pinned);
+        lockstep::host_cuda::release_stalls();
+    } else if (std::strcmp(mode, "free-async-early") == 0) {
+        // Freed in stream a's order while stream b, not ordered after it, still reads the block.
+        lockstep::host_cuda::stall_launch(1);
+        cudaLaunchHostFunc(b, read_one, d);
+        cudaFreeAsync(d, a);
+        cudaStreamSynchronize(a);
+        lockstep::host_cuda::release_stalls();
+        d = nullptr;
+    } else if (std::strcmp(mode, "ordered") == 0) {
+        // The control: the same accesses ordered as CUDA promises must raise no report.
+        cudaEvent_t e = nullptr;
+        cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+        cudaLaunchHostFunc(a, write_one, d);
+        cudaEventRecord(e, a);
+        cudaStreamWaitEvent(b, e, 0);
+        cudaLaunchHostFunc(b, read_one, d);
+        cudaStream_t blocking = nullptr;
+        cudaStreamCreate(&blocking);
+        cudaEventRecord(e, b);
+        cudaStreamWaitEvent(blocking, e, 0);
+        cudaLaunchHostFunc(blocking, write_one, d);
+        cudaLaunchHostFunc(nullptr, read_one, d);  // the legacy stream waits for `blocking`
+        float* pinned = nullptr;
+        cudaMallocHost(reinterpret_cast<void**>(&pinned), sizeof(float));
+        cudaMemcpyAsync(pinned, d, sizeof(float), cudaMemcpyDeviceToHost, nullptr);
+        cudaEventRecord(e, nullptr);
+        cudaEventSynchronize(e);
+        std::printf("%f\n", static_cast<double>(*pinned));
+        cudaFreeHost(pinned);
+        cudaEventDestroy(e);
+        cudaStreamDestroy(blocking);
+    } else {
+        std::fprintf(stderr, "modes: missing-wait, free-host-early, free-async-early, ordered\n");
+        return 2;
+    }
+    cudaStreamSynchronize(a);
+    cudaStreamSynchronize(b);
+    cudaFree(d);
+    return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return run(argc > 1 ? argv[1] : ""); }

@@ -1,0 +1,580 @@
+// SPDX-License-Identifier: MIT
+//! lockstep's host CUDA device: the NCCL entry points, collectives that meet on the ranks' stream workers.
+#include <nccl.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "detail.hpp"
+#include "host_cuda.hpp"
+
+namespace {
+
+using namespace lockstep::host_cuda::detail;
+using clock_type = std::chrono::steady_clock;
+
+//! How long a blocking init or finalize waits for the other ranks before giving up.
+constexpr auto blocking_deadline = std::chrono::seconds(60);
+constexpr int default_version = 22805;
+
+struct Comm;
+
+//! One collective of a clique, by sequence number: the ranks' arguments as they arrive.
+struct Slot {
+    struct Arrival {
+        const void* send = nullptr;
+        void* recv = nullptr;
+    };
+    std::vector<Arrival> in;
+    int arrived = 0;
+    int left = 0;
+    bool ready = false;   // result computed from every input
+    bool failed = false;  // a rank failed it: nobody writes
+    std::vector<unsigned char> result;
+};
+
+//! The ranks of one unique id.
+struct Clique {
+    explicit Clique(int n) : nranks(n), members(static_cast<std::size_t>(n), nullptr) {}
+    const int nranks;
+    std::mutex m;
+    std::condition_variable cv;
+    std::vector<Comm*> members;  // joined ranks (under m)
+    int joined = 0;
+    int finalized = 0;
+    std::map<std::uint64_t, Slot> slots;
+};
+
+struct Comm {
+    std::shared_ptr<Clique> clique;
+    int rank = 0;
+    int device = 0;
+    bool blocking = true;
+    // ncclInProgress until every rank joined (or, after ncclCommFinalize, until finalized);
+    // ncclSystemError / ncclRemoteError after a failed collective.
+    std::atomic<ncclResult_t> error{ncclInProgress};
+    std::atomic<bool> aborted{false};
+    std::mutex m;  // the fields below
+    std::uint64_t next_seq = 0;
+    bool finalizing = false;
+    std::vector<std::pair<std::shared_ptr<Stream>, std::uint64_t>> last_ops;  // per stream, for finalize
+};
+
+struct Registry {
+    std::mutex m;
+    std::unordered_map<std::string, std::weak_ptr<Clique>> cliques;
+    std::unordered_map<const void*, std::shared_ptr<Comm>> live;
+    std::vector<std::shared_ptr<Comm>> dead;  // so that a dead handle's address is never reused
+    std::map<int, int> fail_in;                // rank -> k-th collective from now fails
+    std::uint64_t next_id = 1;
+    int version = default_version;
+};
+
+Registry& registry() {
+    static Registry* r = new Registry;
+    return *r;
+}
+
+thread_local int group_depth = 0;
+// Blocking inits and finalizes deferred to ncclGroupEnd (second: a finalize).
+thread_local std::vector<std::pair<std::shared_ptr<Comm>, bool>> group_blocking;
+thread_local bool group_in_progress = false;                       // a non-blocking init in the group
+thread_local std::string last_message;
+
+ncclResult_t refuse(ncclResult_t r, const std::string& why) {
+    last_message = why;
+    return r;
+}
+
+std::shared_ptr<Comm> find(ncclComm_t c) {
+    Registry& reg = registry();
+    std::lock_guard lock(reg.m);
+    auto it = reg.live.find(c);
+    return it == reg.live.end() ? nullptr : it->second;
+}
+
+bool failure(ncclResult_t r) { return r != ncclSuccess && r != ncclInProgress; }
+
+std::size_t type_size(ncclDataType_t t) {
+    switch (t) {
+        case ncclInt8: case ncclUint8: return 1;
+        case ncclFloat16: case ncclBfloat16: return 2;
+        case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+        case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+        default: return 0;  // the fp8 types are not modelled
+    }
+}
+
+template <class T> struct Acc { using type = T; };
+template <> struct Acc<__half> { using type = float; };
+template <> struct Acc<__nv_bfloat16> { using type = float; };
+
+template <class T> typename Acc<T>::type load(T x) { return x; }
+template <> float load(__half x) { return __half2float(x); }
+template <> float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T> T store(typename Acc<T>::type x) { return x; }
+template <> __half store<__half>(float x) { return __float2half_rn(x); }
+template <> __nv_bfloat16 store<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <class A> A combine(A a, A b, ncclRedOp_t op) {
+    if constexpr (std::is_integral_v<A>) {
+        using U = std::make_unsigned_t<A>;  // wraps as the device does, without UB
+        if (op == ncclSum || op == ncclAvg) return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+        if (op == ncclProd) return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+    } else {
+        if (op == ncclSum || op == ncclAvg) return a + b;
+        if (op == ncclProd) return a * b;
+    }
+    if (op == ncclMax) return b > a ? b : a;
+    return b < a ? b : a;
+}
+
+//! out[i] = in[0][i] op in[1][i] op ... in rank order, in float for the 16-bit types (rounded
+//! once, to nearest even): the same bits on every rank.
+template <class T>
+void reduce(const std::vector<const void*>& in, void* out, std::size_t count, ncclRedOp_t op) {
+    using A = typename Acc<T>::type;
+    for (std::size_t i = 0; i < count; ++i) {
+        A acc = load(static_cast<const T*>(in[0])[i]);
+        for (std::size_t r = 1; r < in.size(); ++r) acc = combine(acc, load(static_cast<const T*>(in[r])[i]), op);
+        if (op == ncclAvg) acc = static_cast<A>(acc / static_cast<A>(in.size()));
+        static_cast<T*>(out)[i] = store<T>(acc);
+    }
+}
+
+void reduce_any(ncclDataType_t t, const std::vector<const void*>& in, void* out, std::size_t count, ncclRedOp_t op) {
+    switch (t) {
+        case ncclInt8: reduce<std::int8_t>(in, out, count, op); break;
+        case ncclUint8: reduce<std::uint8_t>(in, out, count, op); break;
+        case ncclInt32: reduce<std::int32_t>(in, out, count, op); break;
+        case ncclUint32: reduce<std::uint32_t>(in, out, count, op); break;
+        case ncclInt64: reduce<std::int64_t>(in, out, count, op); break;
+        case ncclUint64: reduce<std::uint64_t>(in, out, count, op); break;
+        case ncclFloat16: reduce<__half>(in, out, count, op); break;
+        case ncclBfloat16: reduce<__nv_bfloat16>(in, out, count, op); break;
+        case ncclFloat32: reduce<float>(in, out, count, op); break;
+        case ncclFloat64: reduce<double>(in, out, count, op); break;
+        default: break;
+    }
+}
+
+struct Collective {
+    std::size_t count = 0;
+    ncclDataType_t type = ncclFloat32;
+    ncclRedOp_t op = ncclSum;
+    int root = -1;  // broadcast: the root; all-reduce: -1
+    const void* send = nullptr;
+    void* recv = nullptr;
+    bool fails = false;  // injected
+};
+
+//! The op a rank's stream worker runs: blocks it until every rank's op of this sequence number
+//! arrived (or the collective failed, or this communicator was aborted).
+void run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c) {
+    Clique& q = *comm->clique;
+    std::unique_lock lock(q.m);
+    if (comm->aborted.load() || failure(comm->error.load())) return;  // no-op: its error stays
+    Slot& slot = q.slots[seq];
+    const auto leave = [&] {
+        if (++slot.left == q.nranks) q.slots.erase(seq);
+    };
+    if (slot.in.empty()) slot.in.resize(static_cast<std::size_t>(q.nranks));
+    if (slot.failed) {
+        comm->error.store(ncclRemoteError);
+        leave();
+        return;
+    }
+    if (c.fails) {
+        slot.failed = true;
+        comm->error.store(ncclSystemError);
+        for (std::size_t r = 0; r < slot.in.size(); ++r)
+            if (slot.in[r].recv != nullptr && q.members[r] != nullptr) q.members[r]->error.store(ncclRemoteError);
+        q.cv.notify_all();
+        leave();
+        return;
+    }
+    slot.in[static_cast<std::size_t>(comm->rank)] = {c.send, c.recv};
+    if (++slot.arrived == q.nranks) {
+        // Every input is read here, before any rank's op completes (in-place buffers stay intact).
+        slot.result.resize(c.count * type_size(c.type));
+        if (c.root >= 0) {
+            std::memcpy(slot.result.data(), slot.in[static_cast<std::size_t>(c.root)].send, slot.result.size());
+        } else {
+            std::vector<const void*> inputs;
+            for (const auto& a : slot.in) inputs.push_back(a.send);
+            reduce_any(c.type, inputs, slot.result.data(), c.count, c.op);
+        }
+        slot.ready = true;
+        q.cv.notify_all();
+    } else {
+        q.cv.wait(lock, [&] { return slot.ready || slot.failed || comm->aborted.load(); });
+    }
+    if (slot.ready && !comm->aborted.load()) std::memcpy(c.recv, slot.result.data(), slot.result.size());
+    else if (slot.failed) comm->error.store(ncclRemoteError);
+    leave();
+}
+
+ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collective c, const char* name) {
+    const auto comm = find(handle);
+    if (comm == nullptr) return refuse(ncclInvalidArgument, std::string(name) + ": not a live communicator");
+    if (const ncclResult_t e = comm->error.load(); e != ncclSuccess)
+        return e == ncclInProgress ? refuse(ncclInvalidUsage, std::string(name) + ": the communicator is not ready")
+                                   : refuse(e, std::string(name) + ": the communicator holds an error");
+    if (type_size(c.type) == 0) return refuse(ncclInvalidArgument, std::string(name) + ": data type not modelled");
+    if (c.op < ncclSum || c.op > ncclAvg) return refuse(ncclInvalidArgument, std::string(name) + ": invalid reduction");
+    if (c.root >= comm->clique->nranks) return refuse(ncclInvalidArgument, std::string(name) + ": invalid root");
+    std::shared_ptr<Stream> s;
+    if (resolve_stream_on(stream, comm->device, s) != cudaSuccess)
+        return refuse(ncclInvalidArgument, std::string(name) + ": invalid stream");
+    if (s->device != comm->device)
+        return refuse(ncclInvalidUsage, std::string(name) + ": the stream belongs to another device than the communicator");
+    if (sticky(comm->device) != cudaSuccess) return refuse(ncclUnhandledCudaError, std::string(name) + ": CUDA error");
+    if (c.count == 0) return ncclSuccess;
+    const std::size_t bytes = c.count * type_size(c.type);
+    const bool needs_send = c.root < 0 || c.root == comm->rank;
+    if ((needs_send && device_of_range(c.send, bytes) != comm->device) || device_of_range(c.recv, bytes) != comm->device)
+        return refuse(ncclInvalidArgument, std::string(name) + ": a buffer is not device memory of the communicator's device");
+    {
+        Registry& reg = registry();
+        std::lock_guard lock(reg.m);
+        if (auto it = reg.fail_in.find(comm->rank); it != reg.fail_in.end() && it->second > 0 && --it->second == 0) {
+            c.fails = true;
+            reg.fail_in.erase(it);
+        }
+    }
+    std::uint64_t seq = 0;
+    {
+        std::lock_guard lock(comm->m);
+        seq = ++comm->next_seq;
+    }
+    Op op;
+    op.body = [comm, seq, c] { run_collective(comm, seq, c); };
+    const std::uint64_t at = enqueue(s, std::move(op));
+    std::lock_guard lock(comm->m);
+    bool found = false;
+    for (auto& [st, n] : comm->last_ops)
+        if (st == s) n = at, found = true;
+    if (!found) comm->last_ops.emplace_back(s, at);
+    return ncclSuccess;
+}
+
+//! Finalize completes once every rank called it and this rank's collectives all ran.
+void settle_finalize(Comm& comm) {
+    std::vector<std::pair<std::shared_ptr<Stream>, std::uint64_t>> ops;
+    {
+        std::lock_guard lock(comm.m);
+        if (!comm.finalizing || comm.error.load() != ncclInProgress) return;
+        ops = comm.last_ops;
+    }
+    {
+        std::lock_guard lock(comm.clique->m);
+        if (comm.clique->finalized < comm.clique->nranks) return;
+    }
+    for (auto& [s, n] : ops)
+        if (!reached(*s, n)) return;
+    ncclResult_t expected = ncclInProgress;
+    comm.error.compare_exchange_strong(expected, ncclSuccess);
+}
+
+//! Waits (bounded) until `comm` leaves ncclInProgress; for blocking communicators.
+ncclResult_t wait_ready(Comm& comm, bool finalizing) {
+    const auto deadline = clock_type::now() + blocking_deadline;
+    for (;;) {
+        if (finalizing) settle_finalize(comm);
+        const ncclResult_t e = comm.error.load();
+        if (e != ncclInProgress) return e;
+        if (clock_type::now() > deadline) return refuse(ncclSystemError, "timed out waiting for the other ranks");
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+}
+
+std::string id_key(const ncclUniqueId& id) { return std::string(id.internal, sizeof id.internal); }
+
+}  // namespace
+
+namespace lockstep::host_cuda {
+
+void fail_nccl(int rank, int k) {
+    Registry& reg = registry();
+    std::lock_guard lock(reg.m);
+    if (k <= 0) reg.fail_in.erase(rank);
+    else reg.fail_in[rank] = k;
+}
+
+void set_nccl_version(int version) {
+    Registry& reg = registry();
+    std::lock_guard lock(reg.m);
+    reg.version = version;
+}
+
+namespace detail {
+void reset_nccl_injections() {
+    Registry& reg = registry();
+    std::lock_guard lock(reg.m);
+    reg.fail_in.clear();
+    reg.version = default_version;
+}
+}  // namespace detail
+
+}  // namespace lockstep::host_cuda
+
+extern "C" {
+
+ncclResult_t ncclGetVersion(int* version) {
+    if (version == nullptr) return refuse(ncclInvalidArgument, "ncclGetVersion: null pointer");
+    Registry& reg = registry();
+    std::lock_guard lock(reg.m);
+    *version = reg.version;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
+    if (uniqueId == nullptr) return refuse(ncclInvalidArgument, "ncclGetUniqueId: null pointer");
+    std::memset(uniqueId->internal, 0, sizeof uniqueId->internal);
+    static std::random_device rd;
+    Registry& reg = registry();
+    std::lock_guard lock(reg.m);
+    const std::uint64_t n = reg.next_id++, r = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+    std::memcpy(uniqueId->internal, "lockstep-hostcuda", 17);
+    std::memcpy(uniqueId->internal + 24, &n, sizeof n);
+    std::memcpy(uniqueId->internal + 32, &r, sizeof r);
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t* config) {
+    if (comm == nullptr) return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: null comm pointer");
+    *comm = nullptr;
+    if (nranks < 1 || rank < 0 || rank >= nranks) return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: invalid rank or nranks");
+    const int device = current_device();
+    if (sticky(device) != cudaSuccess) return refuse(ncclUnhandledCudaError, "ncclCommInitRankConfig: CUDA error");
+    auto c = std::make_shared<Comm>();
+    c->rank = rank;
+    c->device = device;
+    c->blocking = config == nullptr || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
+    Registry& reg = registry();
+    {
+        std::lock_guard lock(reg.m);
+        std::shared_ptr<Clique> q = reg.cliques[id_key(commId)].lock();
+        if (q == nullptr) {
+            q = std::make_shared<Clique>(nranks);
+            reg.cliques[id_key(commId)] = q;
+        }
+        std::lock_guard qlock(q->m);
+        if (q->nranks != nranks) return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: nranks differs from the other ranks'");
+        if (q->members[static_cast<std::size_t>(rank)] != nullptr)
+            return refuse(ncclInvalidUsage, "ncclCommInitRankConfig: rank joined twice");
+        for (const Comm* m : q->members)
+            if (m != nullptr && m->device == device)
+                return refuse(ncclInvalidUsage, "ncclCommInitRankConfig: two ranks on one device (NCCL refuses them)");
+        c->clique = q;
+        q->members[static_cast<std::size_t>(rank)] = c.get();
+        if (++q->joined == nranks)
+            for (Comm* m : q->members) m->error.store(ncclSuccess);
+        reg.live[c.get()] = c;
+    }
+    *comm = reinterpret_cast<ncclComm_t>(c.get());
+    if (c->error.load() == ncclSuccess) return ncclSuccess;
+    if (!c->blocking) {
+        if (group_depth > 0) {
+            group_in_progress = true;
+            return ncclSuccess;
+        }
+        return ncclInProgress;
+    }
+    if (group_depth > 0) {  // one thread may init several ranks in a group: wait at ncclGroupEnd
+        group_blocking.emplace_back(c, false);
+        return ncclSuccess;
+    }
+    return wait_ready(*c, false);
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
+    return ncclCommInitRankConfig(comm, nranks, commId, rank, nullptr);
+}
+
+ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
+    if (comms == nullptr || ndev < 1) return refuse(ncclInvalidArgument, "ncclCommInitAll: invalid arguments");
+    for (int i = 0; i < ndev; ++i) {
+        const int d = devlist == nullptr ? i : devlist[i];
+        if (d < 0 || d >= device_count()) return refuse(ncclInvalidArgument, "ncclCommInitAll: invalid device");
+        for (int j = 0; j < i; ++j)
+            if ((devlist == nullptr ? j : devlist[j]) == d)
+                return refuse(ncclInvalidUsage, "ncclCommInitAll: two ranks on one device (NCCL refuses them)");
+    }
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    const int previous = current_device();
+    ncclGroupStart();
+    for (int i = 0; i < ndev; ++i) {
+        (void)cudaSetDevice(devlist == nullptr ? i : devlist[i]);
+        if (const ncclResult_t r = ncclCommInitRank(&comms[i], ndev, id, i); r != ncclSuccess) {
+            (void)cudaSetDevice(previous);
+            ncclGroupEnd();
+            return r;
+        }
+    }
+    (void)cudaSetDevice(previous);
+    return ncclGroupEnd();
+}
+
+ncclResult_t ncclGroupStart(void) {
+    ++group_depth;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+    if (group_depth == 0) return refuse(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+    if (--group_depth > 0) return ncclSuccess;
+    auto deferred = std::move(group_blocking);
+    group_blocking.clear();
+    ncclResult_t result = std::exchange(group_in_progress, false) ? ncclInProgress : ncclSuccess;
+    for (const auto& [c, finalizing] : deferred)
+        if (const ncclResult_t r = wait_ready(*c, finalizing); r != ncclSuccess) result = r;
+    return result;
+}
+
+ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
+                           ncclComm_t comm, cudaStream_t stream) {
+    Collective c;
+    c.send = sendbuff;
+    c.recv = recvbuff;
+    c.count = count;
+    c.type = datatype;
+    c.op = op;
+    return enqueue_collective(comm, stream, c, "ncclAllReduce");
+}
+
+ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
+                           ncclComm_t comm, cudaStream_t stream) {
+    if (root < 0) return refuse(ncclInvalidArgument, "ncclBroadcast: invalid root");
+    Collective c;
+    c.send = sendbuff;
+    c.recv = recvbuff;
+    c.count = count;
+    c.type = datatype;
+    c.root = root;
+    return enqueue_collective(comm, stream, c, "ncclBroadcast");
+}
+
+ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream) {
+    return ncclBroadcast(buff, buff, count, datatype, root, comm, stream);
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+    const auto c = find(comm);
+    if (c == nullptr || asyncError == nullptr) return refuse(ncclInvalidArgument, "ncclCommGetAsyncError: invalid argument");
+    settle_finalize(*c);
+    *asyncError = c->error.load();
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    if (comm == nullptr) return ncclSuccess;
+    std::shared_ptr<Comm> c;
+    {
+        Registry& reg = registry();
+        std::lock_guard lock(reg.m);
+        auto it = reg.live.find(comm);
+        if (it == reg.live.end()) return refuse(ncclInvalidArgument, "ncclCommAbort: not a live communicator");
+        c = it->second;
+        reg.live.erase(it);
+        reg.dead.push_back(c);
+    }
+    {
+        // Releases this communicator's ops waiting in a collective; its queued ones become no-ops.
+        std::lock_guard lock(c->clique->m);
+        c->aborted.store(true);
+    }
+    c->clique->cv.notify_all();
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+    const auto c = find(comm);
+    if (c == nullptr) return refuse(ncclInvalidArgument, "ncclCommFinalize: not a live communicator");
+    if (const ncclResult_t e = c->error.load(); e != ncclSuccess)
+        return e == ncclInProgress ? refuse(ncclInvalidUsage, "ncclCommFinalize: the communicator is busy") : e;
+    {
+        std::lock_guard lock(c->m);
+        c->finalizing = true;
+        c->error.store(ncclInProgress);
+    }
+    {
+        std::lock_guard lock(c->clique->m);
+        ++c->clique->finalized;
+    }
+    if (!c->blocking) {
+        settle_finalize(*c);
+        return c->error.load() == ncclSuccess ? ncclSuccess : ncclInProgress;
+    }
+    if (group_depth > 0) {  // one thread may finalize several ranks in a group
+        group_blocking.emplace_back(c, true);
+        return ncclSuccess;
+    }
+    return wait_ready(*c, true);
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+    if (comm == nullptr) return ncclSuccess;
+    Registry& reg = registry();
+    std::lock_guard lock(reg.m);
+    auto it = reg.live.find(comm);
+    if (it == reg.live.end()) return refuse(ncclInvalidArgument, "ncclCommDestroy: not a live communicator");
+    reg.dead.push_back(std::move(it->second));
+    reg.live.erase(it);
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+    const auto c = find(comm);
+    if (c == nullptr || count == nullptr) return refuse(ncclInvalidArgument, "ncclCommCount: invalid argument");
+    *count = c->clique->nranks;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+    const auto c = find(comm);
+    if (c == nullptr || rank == nullptr) return refuse(ncclInvalidArgument, "ncclCommUserRank: invalid argument");
+    *rank = c->rank;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int* device) {
+    const auto c = find(comm);
+    if (c == nullptr || device == nullptr) return refuse(ncclInvalidArgument, "ncclCommCuDevice: invalid argument");
+    *device = c->device;
+    return ncclSuccess;
+}
+
+const char* ncclGetErrorString(ncclResult_t result) {
+    switch (result) {
+        case ncclSuccess: return "no error";
+        case ncclUnhandledCudaError: return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+        case ncclSystemError: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+        case ncclInternalError: return "internal error - please report this issue to the NCCL developers";
+        case ncclInvalidArgument: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+        case ncclInvalidUsage: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+        case ncclRemoteError: return "remote process exited or there was a network error";
+        case ncclInProgress: return "NCCL operation in progress";
+        default: return "unknown result code";
+    }
+}
+
+const char* ncclGetLastError(ncclComm_t /*comm*/) { return last_message.c_str(); }
+
+}  // extern "C"

@@ -1,0 +1,881 @@
+// SPDX-License-Identifier: MIT
+//! Tests of lockstep's host CUDA device itself: each behaviour it models, as a GPU shows it.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "host_cuda.hpp"
+
+namespace hc = lockstep::host_cuda;
+using namespace std::chrono_literals;
+
+namespace {
+
+//! Resets the double before and checks for leaks of device blocks after each test case.
+struct Fresh {
+    std::size_t blocks;
+    Fresh() {
+        hc::reset();
+        hc::set_device_count(1);
+        (void)cudaSetDevice(0);
+        blocks = hc::live_device_blocks();
+    }
+    ~Fresh() {
+        hc::release_stalls();
+        for (int d = 0; d < 4; ++d)
+            if (cudaSetDevice(d) == cudaSuccess) (void)cudaDeviceSynchronize();
+        (void)cudaSetDevice(0);
+        hc::reset();
+    }
+};
+
+//! "Kernels" for the tests: closures owned here (one skipped after a fault must not leak).
+struct Kernels {
+    std::deque<std::function<void()>> bodies;
+    cudaError_t launch(cudaStream_t s, std::function<void()> f) {
+        bodies.push_back(std::move(f));
+        return cudaLaunchHostFunc(s, [](void* p) { (*static_cast<std::function<void()>*>(p))(); }, &bodies.back());
+    }
+};
+
+//! Polls `done` until it holds or 5 s passed.
+template <class F>
+bool eventually(F done) {
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (!done()) {
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        std::this_thread::sleep_for(1ms);
+    }
+    return true;
+}
+
+float* device_floats(std::size_t n) {
+    void* p = nullptr;
+    REQUIRE(cudaMalloc(&p, n * sizeof(float)) == cudaSuccess);
+    return static_cast<float*>(p);
+}
+
+std::vector<float> read_back(const float* d, std::size_t n) {
+    std::vector<float> h(n);
+    REQUIRE(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+    return h;
+}
+
+}  // namespace
+
+TEST_CASE("host CUDA: an H200's properties on 1 to 4 devices") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(4));
+    int n = 0;
+    REQUIRE(cudaGetDeviceCount(&n) == cudaSuccess);
+    CHECK(n == 4);
+    cudaDeviceProp p0{}, p1{};
+    REQUIRE(cudaGetDeviceProperties(&p0, 0) == cudaSuccess);
+    REQUIRE(cudaGetDeviceProperties(&p1, 1) == cudaSuccess);
+    CHECK(std::string(p0.name).find("H200") != std::string::npos);
+    CHECK(std::string(p0.name).find("lockstep") != std::string::npos);
+    CHECK(p0.multiProcessorCount == 132);
+    CHECK(p0.major == 9);
+    CHECK(p0.minor == 0);
+    CHECK(p0.warpSize == 32);
+    CHECK(p0.maxThreadsPerBlock == 1024);
+    CHECK(p0.sharedMemPerBlock == 48 * 1024);
+    CHECK(p0.sharedMemPerBlockOptin == 227 * 1024);
+    CHECK(p0.l2CacheSize == 60 * 1024 * 1024);
+    CHECK(p0.totalGlobalMem == std::size_t{8} << 30);
+    CHECK(std::memcmp(&p0.uuid, &p1.uuid, sizeof p0.uuid) != 0);
+    int v = 0;
+    REQUIRE(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, 3) == cudaSuccess);
+    CHECK(v == 132);
+    REQUIRE(cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, 0) == cudaSuccess);
+    CHECK(v == 60 * 1024 * 1024);
+    REQUIRE(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0) == cudaSuccess);
+    CHECK(v == 227 * 1024);
+    cudaFuncAttributes fa{};
+    REQUIRE(cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(&read_back)) == cudaSuccess);
+    CHECK(fa.numRegs == 32);
+    CHECK(fa.localSizeBytes == 0);
+    CHECK(cudaFuncGetAttributes(&fa, nullptr) == cudaErrorInvalidDeviceFunction);
+
+    // An invalid ordinal is an API error: returned, recorded, cleared, not sticky.
+    (void)cudaGetLastError();
+    CHECK(cudaSetDevice(4) == cudaErrorInvalidDevice);
+    CHECK(cudaPeekAtLastError() == cudaErrorInvalidDevice);
+    CHECK(cudaGetLastError() == cudaErrorInvalidDevice);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    REQUIRE(cudaSetDevice(2) == cudaSuccess);
+    int d = -1;
+    REQUIRE(cudaGetDevice(&d) == cudaSuccess);
+    CHECK(d == 2);
+    int other = -1;
+    std::thread([&] { (void)cudaGetDevice(&other); }).join();
+    CHECK(other == 0);  // the current device is per thread
+    CHECK(std::string(cudaGetErrorName(cudaErrorMisalignedAddress)) == "cudaErrorMisalignedAddress");
+    CHECK(std::string(cudaGetErrorName(cudaErrorIllegalAddress)) == "cudaErrorIllegalAddress");
+    CHECK(std::string(cudaGetErrorString(cudaErrorMemoryAllocation)) == "out of memory");
+    CHECK(std::string(cublasGetStatusString(CUBLAS_STATUS_INVALID_VALUE)).find("invalid") != std::string::npos);
+}
+
+TEST_CASE("host CUDA: device blocks are 256-byte aligned, NaN-filled, counted against the capacity") {
+    Fresh fresh;
+    float* a = device_floats(1000);
+    CHECK(reinterpret_cast<std::uintptr_t>(a) % 256 == 0);
+    for (float x : read_back(a, 1000)) CHECK(std::isnan(x));
+    CHECK(hc::live_device_blocks() == fresh.blocks + 1);
+
+    cudaPointerAttributes attr{};
+    REQUIRE(cudaPointerGetAttributes(&attr, a + 10) == cudaSuccess);
+    CHECK(attr.type == cudaMemoryTypeDevice);
+
+    REQUIRE(hc::set_memory_capacity(0, std::size_t{1} << 20));
+    void* big = nullptr;
+    CHECK(cudaMalloc(&big, std::size_t{2} << 20) == cudaErrorMemoryAllocation);
+    CHECK(cudaGetLastError() == cudaErrorMemoryAllocation);
+    std::size_t free = 0, total = 0;
+    REQUIRE(cudaMemGetInfo(&free, &total) == cudaSuccess);  // not sticky
+    CHECK(total == std::size_t{1} << 20);
+    CHECK(free == total - 4096);
+
+    hc::fail_allocation(2);
+    void* p1 = nullptr;
+    void* p2 = nullptr;
+    void* p3 = nullptr;
+    CHECK(cudaMalloc(&p1, 64) == cudaSuccess);
+    CHECK(cudaMalloc(&p2, 64) == cudaErrorMemoryAllocation);
+    CHECK(cudaMalloc(&p3, 64) == cudaSuccess);
+    CHECK(cudaFree(p1) == cudaSuccess);
+    CHECK(cudaFree(p3) == cudaSuccess);
+    CHECK(cudaFree(p1) == cudaErrorInvalidValue);  // freed twice
+    int on_stack = 0;
+    CHECK(cudaFree(&on_stack) == cudaErrorInvalidValue);
+    CHECK(cudaFree(a + 1) == cudaErrorInvalidValue);  // not a block's base
+
+    // A copy or memset whose device side leaves the block is refused, not sticky.
+    std::vector<float> h(1001);
+    CHECK(cudaMemcpy(h.data(), a, 1001 * sizeof(float), cudaMemcpyDeviceToHost) == cudaErrorInvalidValue);
+    CHECK(cudaMemcpy(a + 1000, h.data(), 64 * sizeof(float), cudaMemcpyHostToDevice) == cudaErrorInvalidValue);
+    CHECK(cudaMemset(a, 0, 1001 * sizeof(float)) == cudaErrorInvalidValue);
+    CHECK(cudaMemcpy(h.data(), h.data() + 1, 4, cudaMemcpyDeviceToHost) == cudaErrorInvalidValue);
+    REQUIRE(cudaMemset(a, 0, 1000 * sizeof(float)) == cudaSuccess);
+    for (float x : read_back(a, 1000)) CHECK(x == 0.0f);
+    REQUIRE(cudaFree(a) == cudaSuccess);
+    CHECK(hc::live_device_blocks() == fresh.blocks);
+}
+
+TEST_CASE("host CUDA: cudaFreeAsync frees when its stream reaches the free") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    void* p = nullptr;
+    REQUIRE(cudaMallocAsync(&p, 4096, s) == cudaSuccess);
+    hc::stall_launch(1);
+    REQUIRE(k.launch(s, [] {}) == cudaSuccess);
+    REQUIRE(cudaFreeAsync(p, s) == cudaSuccess);
+    std::this_thread::sleep_for(20ms);
+    CHECK(hc::live_device_blocks() == fresh.blocks + 1);  // still held: the stream has not got there
+    CHECK(cudaFree(p) == cudaErrorInvalidValue);          // and no longer the caller's
+    CHECK(cudaMemsetAsync(p, 0, 16, s) == cudaErrorInvalidValue);
+    float h = 0.0f;
+    CHECK(cudaMemcpyAsync(&h, p, sizeof h, cudaMemcpyDefault, s) == cudaErrorInvalidValue);
+    CHECK(cudaStreamQuery(s) == cudaErrorNotReady);
+    hc::release_stalls();
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(hc::live_device_blocks() == fresh.blocks);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("host CUDA: a read into pageable memory returns after the copy, into pinned memory at once") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    float* d = device_floats(4);
+
+    SECTION("pinned: asynchronous, the event is not ready while the stream stalls") {
+        float* pinned = nullptr;
+        REQUIRE(cudaMallocHost(reinterpret_cast<void**>(&pinned), 64 * sizeof(float)) == cudaSuccess);
+        pinned[9] = -1.0f;
+        cudaEvent_t e = nullptr;
+        REQUIRE(cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess);
+        hc::stall_launch(1);
+        REQUIRE(k.launch(s, [d] { d[0] = 42.0f; }) == cudaSuccess);
+        // An interior pointer of a pinned block is pinned too.
+        REQUIRE(cudaMemcpyAsync(pinned + 8, d, sizeof(float), cudaMemcpyDeviceToHost, s) == cudaSuccess);
+        REQUIRE(cudaEventRecord(e, s) == cudaSuccess);
+        std::this_thread::sleep_for(20ms);
+        CHECK(cudaEventQuery(e) == cudaErrorNotReady);
+        hc::release_stalls();
+        REQUIRE(cudaEventSynchronize(e) == cudaSuccess);
+        CHECK(pinned[8] == 42.0f);
+        CHECK(pinned[9] == -1.0f);
+        REQUIRE(cudaEventDestroy(e) == cudaSuccess);
+        REQUIRE(cudaFreeHost(pinned) == cudaSuccess);
+    }
+    SECTION("pageable: the call waits for the stream") {
+        hc::stall_launch(1);
+        REQUIRE(k.launch(s, [d] { d[0] = 42.0f; }) == cudaSuccess);
+        std::atomic<bool> released{false};
+        std::thread releaser([&] {
+            std::this_thread::sleep_for(50ms);
+            released = true;
+            hc::release_stalls();
+        });
+        float h = 0.0f;
+        REQUIRE(cudaMemcpyAsync(&h, d, sizeof(float), cudaMemcpyDeviceToHost, s) == cudaSuccess);
+        CHECK(released.load());
+        CHECK(h == 42.0f);
+        releaser.join();
+    }
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaFree(d) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("host CUDA: a write from pageable memory is staged at the call, from pinned memory read when it runs") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+    float* d = device_floats(2);
+    float* pinned = nullptr;
+    REQUIRE(cudaMallocHost(reinterpret_cast<void**>(&pinned), sizeof(float)) == cudaSuccess);
+    std::vector<float> pageable{1.0f};
+    *pinned = 1.0f;
+    hc::stall_launch(1);
+    REQUIRE(k.launch(s, [] {}) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(d, pageable.data(), sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(d + 1, pinned, sizeof(float), cudaMemcpyDefault, s) == cudaSuccess);
+    pageable[0] = 2.0f;  // the device has the old bytes
+    *pinned = 2.0f;      // the device reads this one when the copy runs
+    CHECK(cudaStreamQuery(s) == cudaErrorNotReady);
+    hc::release_stalls();
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    const auto h = read_back(d, 2);
+    CHECK(h[0] == 1.0f);
+    CHECK(h[1] == 2.0f);
+    REQUIRE(cudaFreeHost(pinned) == cudaSuccess);
+    REQUIRE(cudaFree(d) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("host CUDA: cudaStreamWaitEvent waits for the event as recorded at the call") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t a = nullptr, b = nullptr, c = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE(cudaStreamCreateWithFlags(&c, cudaStreamNonBlocking) == cudaSuccess);
+    cudaEvent_t e = nullptr, never = nullptr;
+    REQUIRE(cudaEventCreate(&e) == cudaSuccess);
+    REQUIRE(cudaEventCreate(&never) == cudaSuccess);
+
+    CHECK(cudaEventQuery(never) == cudaSuccess);  // never recorded: complete
+    REQUIRE(cudaStreamWaitEvent(b, never, 0) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(b) == cudaSuccess);
+
+    hc::stall_launch(1);
+    REQUIRE(k.launch(a, [] {}) == cudaSuccess);
+    REQUIRE(cudaEventRecord(e, a) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(b, e, 0) == cudaSuccess);
+    REQUIRE(cudaEventRecord(e, c) == cudaSuccess);  // re-recorded on an idle stream: b still waits for a
+    std::atomic<bool> ran{false};
+    REQUIRE(k.launch(b, [&] { ran = true; }) == cudaSuccess);
+    REQUIRE(cudaEventSynchronize(e) == cudaSuccess);
+    std::this_thread::sleep_for(30ms);
+    CHECK(cudaStreamQuery(b) == cudaErrorNotReady);
+    CHECK_FALSE(ran.load());
+    hc::release_stalls();
+    REQUIRE(cudaStreamSynchronize(b) == cudaSuccess);
+    CHECK(ran.load());
+
+    cudaEvent_t t0 = nullptr, t1 = nullptr;
+    REQUIRE(cudaEventCreate(&t0) == cudaSuccess);
+    REQUIRE(cudaEventCreate(&t1) == cudaSuccess);
+    REQUIRE(cudaEventRecord(t0, a) == cudaSuccess);
+    REQUIRE(k.launch(a, [] { std::this_thread::sleep_for(5ms); }) == cudaSuccess);
+    REQUIRE(cudaEventRecord(t1, a) == cudaSuccess);
+    REQUIRE(cudaEventSynchronize(t1) == cudaSuccess);
+    float ms = 0.0f;
+    REQUIRE(cudaEventElapsedTime(&ms, t0, t1) == cudaSuccess);
+    CHECK(ms >= 4.0f);
+    for (cudaEvent_t x : {e, never, t0, t1}) REQUIRE(cudaEventDestroy(x) == cudaSuccess);
+    for (cudaStream_t x : {a, b, c}) REQUIRE(cudaStreamDestroy(x) == cudaSuccess);
+}
+
+TEST_CASE("host CUDA: the legacy stream orders with blocking streams, not with non-blocking ones") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t blocking = nullptr, nonblocking = nullptr;
+    REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+    REQUIRE(cudaStreamCreateWithFlags(&nonblocking, cudaStreamNonBlocking) == cudaSuccess);
+    std::atomic<int> legacy_ran{0}, blocking_ran{0};
+
+    SECTION("legacy work waits for earlier blocking-stream work") {
+        hc::stall_launch(1);
+        REQUIRE(k.launch(blocking, [] {}) == cudaSuccess);
+        REQUIRE(k.launch(nullptr, [&] { ++legacy_ran; }) == cudaSuccess);
+        REQUIRE(k.launch(nonblocking, [] {}) == cudaSuccess);
+        REQUIRE(cudaStreamSynchronize(nonblocking) == cudaSuccess);  // not held back
+        std::this_thread::sleep_for(20ms);
+        CHECK(cudaStreamQuery(cudaStreamLegacy) == cudaErrorNotReady);
+        CHECK(legacy_ran == 0);
+    }
+    SECTION("blocking-stream work waits for earlier legacy work") {
+        hc::stall_launch(1);
+        REQUIRE(k.launch(nullptr, [] {}) == cudaSuccess);
+        REQUIRE(k.launch(blocking, [&] { ++blocking_ran; }) == cudaSuccess);
+        REQUIRE(k.launch(nonblocking, [] {}) == cudaSuccess);
+        REQUIRE(cudaStreamSynchronize(nonblocking) == cudaSuccess);
+        std::this_thread::sleep_for(20ms);
+        CHECK(cudaStreamQuery(blocking) == cudaErrorNotReady);
+        CHECK(blocking_ran == 0);
+    }
+    hc::release_stalls();
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(legacy_ran + blocking_ran == 1);
+    REQUIRE(cudaStreamDestroy(blocking) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(nonblocking) == cudaSuccess);
+}
+
+TEST_CASE("host CUDA: destroyed streams and events are refused; a destroyed stream finishes its work") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+    cudaEvent_t e = nullptr;
+    REQUIRE(cudaEventCreate(&e) == cudaSuccess);
+    hc::stall_launch(1);
+    std::atomic<bool> ran{false};
+    REQUIRE(k.launch(s, [&] { ran = true; }) == cudaSuccess);
+    REQUIRE(cudaEventRecord(e, s) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);  // returns with the work pending
+    REQUIRE(cudaEventDestroy(e) == cudaSuccess);
+    CHECK(k.launch(s, [] {}) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaStreamSynchronize(s) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaStreamDestroy(s) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaEventRecord(e, nullptr) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaEventQuery(e) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaStreamWaitEvent(nullptr, e, 0) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaGetLastError() == cudaErrorInvalidResourceHandle);
+    CHECK_FALSE(ran.load());
+    hc::release_stalls();
+    CHECK(eventually([&] { return ran.load(); }));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // also waits for destroyed streams' work
+    CHECK(k.launch(cudaStreamPerThread, [] {}) == cudaErrorNotSupported);
+}
+
+TEST_CASE("host CUDA: work on a stream of another device than the current one is refused") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    cudaStream_t s1 = nullptr;
+    REQUIRE(cudaStreamCreate(&s1) == cudaSuccess);
+    float* d1 = device_floats(4);
+    cudaEvent_t e1 = nullptr;
+    REQUIRE(cudaEventCreate(&e1) == cudaSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    cudaEvent_t e0 = nullptr;
+    REQUIRE(cudaEventCreate(&e0) == cudaSuccess);
+    CHECK(k.launch(s1, [] {}) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaMemsetAsync(d1, 0, 16, s1) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaMemcpyAsync(d1, d1 + 2, 8, cudaMemcpyDeviceToDevice, s1) == cudaErrorInvalidResourceHandle);
+    CHECK(cudaEventRecord(e1, s1) == cudaErrorInvalidResourceHandle);
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    CHECK(cudaEventRecord(e0, s1) == cudaErrorInvalidResourceHandle);  // the event is device 0's
+    REQUIRE(cudaEventRecord(e1, s1) == cudaSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(nullptr, e1, 0) == cudaSuccess);  // waiting across devices is allowed
+    REQUIRE(cudaStreamSynchronize(s1) == cudaSuccess);
+    REQUIRE(cudaEventDestroy(e0) == cudaSuccess);
+    REQUIRE(cudaEventDestroy(e1) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s1) == cudaSuccess);
+    REQUIRE(cudaFree(d1) == cudaSuccess);
+}
+
+TEST_CASE("host CUDA: a kernel fault is sticky on its device; a failed launch is not") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+
+    const auto before = hc::launches();
+    hc::fail_launch(1);
+    std::atomic<int> ran{0};
+    CHECK(k.launch(s, [&] { ++ran; }) == cudaErrorLaunchFailure);
+    CHECK(hc::launches() == before);  // nothing enqueued
+    CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    REQUIRE(k.launch(s, [&] { ++ran; }) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(ran == 1);
+
+    hc::fault_launch(1);
+    hc::stall_launch(1);
+    REQUIRE(k.launch(s, [&] { ++ran; }) == cudaSuccess);  // faults after running, once released
+    REQUIRE(k.launch(s, [&] { ran += 100; }) == cudaSuccess);
+    hc::release_stalls();
+    CHECK(cudaStreamSynchronize(s) == cudaErrorIllegalAddress);
+    CHECK(ran == 2);  // the launch behind the fault never ran
+    CHECK(cudaGetLastError() == cudaErrorIllegalAddress);
+    CHECK(cudaGetLastError() == cudaErrorIllegalAddress);
+    void* p = nullptr;
+    CHECK(cudaMalloc(&p, 16) == cudaErrorIllegalAddress);
+    CHECK(k.launch(s, [] {}) == cudaErrorIllegalAddress);
+    CHECK(std::string(cudaGetErrorName(cudaGetLastError())) == "cudaErrorIllegalAddress");
+
+    // Device 1 has its own context: still healthy.
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    REQUIRE(cudaMalloc(&p, 16) == cudaSuccess);
+    REQUIRE(cudaFree(p) == cudaSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    (void)cudaStreamDestroy(s);
+    hc::reset();
+    CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+namespace {
+
+//! C = alpha op(A) op(B) + beta C in double, column-major.
+void reference_gemm(bool ta, bool tb, int m, int n, int k, float alpha, const std::vector<float>& a, int lda,
+                    const std::vector<float>& b, int ldb, float beta, std::vector<double>& c, int ldc) {
+    for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) {
+            double acc = 0;
+            for (int p = 0; p < k; ++p) {
+                const double x = ta ? a[static_cast<std::size_t>(i) * lda + p] : a[static_cast<std::size_t>(p) * lda + i];
+                const double y = tb ? b[static_cast<std::size_t>(p) * ldb + j] : b[static_cast<std::size_t>(j) * ldb + p];
+                acc += x * y;
+            }
+            double& out = c[static_cast<std::size_t>(j) * ldc + i];
+            out = alpha * acc + (beta == 0.0f ? 0.0 : beta * out);
+        }
+}
+
+}  // namespace
+
+TEST_CASE("host CUDA: cuBLAS SGEMM matches a double reference and checks its arguments as cuBLAS does") {
+    Fresh fresh;
+    std::mt19937 rng(static_cast<unsigned>(hc::seed()));
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    cublasHandle_t h = nullptr;
+    REQUIRE(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
+    // Blocking: it waits for the cudaMemcpy uploads, which return before their legacy-stream
+    // copy ran (pageable sources are staged).
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+    REQUIRE(cublasSetStream(h, s) == CUBLAS_STATUS_SUCCESS);
+    cudaStream_t got = nullptr;
+    REQUIRE(cublasGetStream(h, &got) == CUBLAS_STATUS_SUCCESS);
+    CHECK(got == s);
+
+    const int m = 13, n = 7, k = 9, batch = 3;
+    for (const bool ta : {false, true})
+        for (const bool tb : {false, true})
+            for (const float beta : {0.0f, 0.5f}) {
+                const int lda = (ta ? k : m) + 3, ldb = (tb ? n : k) + 1, ldc = m + 2;
+                const std::size_t sa = static_cast<std::size_t>(lda) * (ta ? m : k);
+                const std::size_t sb = static_cast<std::size_t>(ldb) * (tb ? k : n);
+                const std::size_t sc = static_cast<std::size_t>(ldc) * n;
+                std::vector<float> a(sa * batch), b(sb * batch), c(sc * batch);
+                for (auto& x : a) x = dist(rng);
+                for (auto& x : b) x = dist(rng);
+                for (auto& x : c) x = dist(rng);
+                float* da = device_floats(a.size());
+                float* db = device_floats(b.size());
+                float* dc = device_floats(c.size());  // NaN-filled: beta == 0 must not read it
+                REQUIRE(cudaMemcpy(da, a.data(), a.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+                REQUIRE(cudaMemcpy(db, b.data(), b.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+                if (beta != 0.0f) REQUIRE(cudaMemcpy(dc, c.data(), c.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+                const float alpha = 1.25f;
+                const auto opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+                REQUIRE(cublasSgemmStridedBatched(h, opa, opb, m, n, k, &alpha, da, lda, static_cast<long long>(sa), db,
+                                                  ldb, static_cast<long long>(sb), &beta, dc, ldc,
+                                                  static_cast<long long>(sc), batch) == CUBLAS_STATUS_SUCCESS);
+                REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+                const auto out = read_back(dc, c.size());
+                for (int i = 0; i < batch; ++i) {
+                    std::vector<float> ai(a.begin() + static_cast<long>(sa * i), a.begin() + static_cast<long>(sa * (i + 1)));
+                    std::vector<float> bi(b.begin() + static_cast<long>(sb * i), b.begin() + static_cast<long>(sb * (i + 1)));
+                    std::vector<double> ref(c.begin() + static_cast<long>(sc * i), c.begin() + static_cast<long>(sc * (i + 1)));
+                    reference_gemm(ta, tb, m, n, k, alpha, ai, lda, bi, ldb, beta, ref, ldc);
+                    for (int col = 0; col < n; ++col)
+                        for (int row = 0; row < m; ++row) {
+                            const std::size_t at = static_cast<std::size_t>(col) * ldc + row;
+                            REQUIRE(std::abs(out[sc * i + at] - ref[at]) < 1e-4);
+                        }
+                }
+                REQUIRE(cublasSgemm(h, opa, opb, m, n, k, &alpha, da, lda, db, ldb, &beta, dc, ldc) == CUBLAS_STATUS_SUCCESS);
+                // Leading dimensions below cuBLAS's minimum are refused.
+                CHECK(cublasSgemm(h, opa, opb, m, n, k, &alpha, da, (ta ? k : m) - 1, db, ldb, &beta, dc, ldc) ==
+                      CUBLAS_STATUS_INVALID_VALUE);
+                CHECK(cublasSgemm(h, opa, opb, m, n, k, &alpha, da, lda, db, (tb ? n : k) - 1, &beta, dc, ldc) ==
+                      CUBLAS_STATUS_INVALID_VALUE);
+                CHECK(cublasSgemm(h, opa, opb, m, n, k, &alpha, da, lda, db, ldb, &beta, dc, m - 1) ==
+                      CUBLAS_STATUS_INVALID_VALUE);
+                REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+                for (float* p : {da, db, dc}) REQUIRE(cudaFree(p) == cudaSuccess);
+            }
+
+    float* d = device_floats(16);
+    std::vector<float> host(16);
+    const float one = 1.0f, zero = 0.0f;
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, -1, 4, 4, &one, d, 4, d, 4, &zero, d, 4) == CUBLAS_STATUS_INVALID_VALUE);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, host.data(), 4, d, 4, &zero, d, 4) ==
+          CUBLAS_STATUS_INVALID_VALUE);  // not device memory
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 5, &one, d, 4, d, 5, &zero, d, 4) ==
+          CUBLAS_STATUS_INVALID_VALUE);  // B runs past its block
+    CHECK(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &one, d, 2, 4, d, 2, 4, &zero, d, 2, 4, -1) ==
+          CUBLAS_STATUS_INVALID_VALUE);
+    CHECK(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &one, d, 2, 4, d, 2, 4, &zero, d, 2, 4, 5) ==
+          CUBLAS_STATUS_INVALID_VALUE);  // the fifth matrix runs past the block
+    CHECK(cublasSetWorkspace(h, d + 1, 32) == CUBLAS_STATUS_INVALID_VALUE);
+    REQUIRE(cublasSetWorkspace(h, d, 64) == CUBLAS_STATUS_SUCCESS);
+    cublasMath_t mode{};
+    REQUIRE(cublasSetMathMode(h, CUBLAS_TF32_TENSOR_OP_MATH) == CUBLAS_STATUS_SUCCESS);
+    REQUIRE(cublasGetMathMode(h, &mode) == CUBLAS_STATUS_SUCCESS);
+    CHECK(mode == CUBLAS_TF32_TENSOR_OP_MATH);
+
+    // A stream destroyed under the handle fails the next call.
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 4, d, 4, &zero, d, 4) ==
+          CUBLAS_STATUS_EXECUTION_FAILED);
+    REQUIRE(cublasSetStream(h, nullptr) == CUBLAS_STATUS_SUCCESS);
+    REQUIRE(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 4, d, 4, &zero, d, 4) == CUBLAS_STATUS_SUCCESS);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(cudaFree(d) == cudaSuccess);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, d, 1, d, 1, &zero, d, 1) == CUBLAS_STATUS_INVALID_VALUE);
+    REQUIRE(cublasDestroy(h) == CUBLAS_STATUS_SUCCESS);
+    CHECK(cublasDestroy(h) == CUBLAS_STATUS_NOT_INITIALIZED);
+    CHECK(cublasSetStream(h, nullptr) == CUBLAS_STATUS_NOT_INITIALIZED);
+}
+
+// ---------------------------------------------------------------------------------------------
+// NCCL
+
+namespace {
+
+template <class T> T make(double x) { return static_cast<T>(x); }
+template <> __half make<__half>(double x) { return __float2half_rn(static_cast<float>(x)); }
+template <> __nv_bfloat16 make<__nv_bfloat16>(double x) { return __float2bfloat16_rn(static_cast<float>(x)); }
+
+template <class T> struct Acc { using type = T; };
+template <> struct Acc<__half> { using type = float; };
+template <> struct Acc<__nv_bfloat16> { using type = float; };
+template <class T> typename Acc<T>::type widen(T x) { return x; }
+template <> float widen(__half x) { return __half2float(x); }
+template <> float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> T narrow(typename Acc<T>::type x) { return x; }
+template <> __half narrow<__half>(float x) { return __float2half_rn(x); }
+template <> __nv_bfloat16 narrow<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+//! Rank r's input element i: with a fraction that forces rounding in the 16-bit sums.
+template <class T> T input(int r, std::size_t i) {
+    if constexpr (std::is_integral_v<T>) return static_cast<T>((r + 1) * 1000003LL + static_cast<long long>(i));
+    else return make<T>((r + 1) * 1.3 + static_cast<double>(i % 11) * 0.37);
+}
+
+template <class T> bool same_bits(T a, T b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+constexpr std::size_t elements = 37;
+
+//! In place all-reduce then broadcast (root 1) of T on one rank; "" when right.
+template <class T>
+std::string collectives_of(ncclComm_t comm, cudaStream_t s, int rank, int ranks, ncclDataType_t type) {
+    std::vector<T> h(elements);
+    for (std::size_t i = 0; i < elements; ++i) h[i] = input<T>(rank, i);
+    void* buf = nullptr;
+    void* recv = nullptr;
+    if (cudaMalloc(&buf, elements * sizeof(T)) != cudaSuccess || cudaMalloc(&recv, elements * sizeof(T)) != cudaSuccess)
+        return "cudaMalloc failed";
+    std::string why;
+    (void)cudaMemcpyAsync(buf, h.data(), elements * sizeof(T), cudaMemcpyHostToDevice, s);
+    if (ncclAllReduce(buf, buf, elements, type, ncclSum, comm, s) != ncclSuccess) why += "ncclAllReduce refused; ";
+    std::vector<T> out(elements);
+    (void)cudaMemcpyAsync(out.data(), buf, elements * sizeof(T), cudaMemcpyDeviceToHost, s);  // pageable: waits
+    for (std::size_t i = 0; i < elements; ++i) {
+        typename Acc<T>::type acc = widen(input<T>(0, i));
+        for (int r = 1; r < ranks; ++r) acc = static_cast<typename Acc<T>::type>(acc + widen(input<T>(r, i)));
+        if (!same_bits(out[i], narrow<T>(acc))) {
+            why += "all-reduce element " + std::to_string(i) + " wrong; ";
+            break;
+        }
+    }
+    if (ncclBroadcast(buf, recv, elements, type, 1, comm, s) != ncclSuccess) why += "ncclBroadcast refused; ";
+    (void)cudaMemcpyAsync(out.data(), recv, elements * sizeof(T), cudaMemcpyDeviceToHost, s);
+    for (std::size_t i = 0; i < elements; ++i) {
+        typename Acc<T>::type acc = widen(input<T>(0, i));
+        for (int r = 1; r < ranks; ++r) acc = static_cast<typename Acc<T>::type>(acc + widen(input<T>(r, i)));
+        if (!same_bits(out[i], narrow<T>(acc))) {  // the root's buffer held the all-reduced values
+            why += "broadcast element " + std::to_string(i) + " wrong; ";
+            break;
+        }
+    }
+    (void)cudaFreeAsync(buf, s);
+    (void)cudaFreeAsync(recv, s);
+    return why;
+}
+
+//! One rank on its own thread: non-blocking init, every data type, finalize, destroy.
+std::string rank_main(ncclUniqueId id, int rank, int ranks) {
+    if (cudaSetDevice(rank) != cudaSuccess) return "cudaSetDevice failed";
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    const ncclResult_t init = ncclCommInitRankConfig(&comm, ranks, id, rank, &config);
+    if (init != ncclSuccess && init != ncclInProgress) return "init refused";
+    ncclResult_t state = ncclInProgress;
+    if (!eventually([&] { return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state != ncclInProgress; }) ||
+        state != ncclSuccess)
+        return "init did not complete";
+    cudaStream_t s = nullptr;
+    (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    std::string why = collectives_of<float>(comm, s, rank, ranks, ncclFloat32) +
+                      collectives_of<double>(comm, s, rank, ranks, ncclFloat64) +
+                      collectives_of<std::int64_t>(comm, s, rank, ranks, ncclInt64) +
+                      collectives_of<__half>(comm, s, rank, ranks, ncclFloat16) +
+                      collectives_of<__nv_bfloat16>(comm, s, rank, ranks, ncclBfloat16);
+    const ncclResult_t fin = ncclCommFinalize(comm);
+    if (fin != ncclSuccess && fin != ncclInProgress) why += "finalize refused; ";
+    if (!eventually([&] { return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state != ncclInProgress; }) ||
+        state != ncclSuccess)
+        why += "finalize did not complete; ";
+    if (ncclCommDestroy(comm) != ncclSuccess) why += "destroy refused; ";
+    if (cudaStreamSynchronize(s) != cudaSuccess || cudaStreamDestroy(s) != cudaSuccess) why += "stream failed; ";
+    return why;
+}
+
+//! Communicators of `ranks` ranks on devices 0.. made by one thread in a group, plus a stream each.
+struct Clique {
+    std::vector<ncclComm_t> comms;
+    std::vector<cudaStream_t> streams;
+    explicit Clique(int ranks) : comms(static_cast<std::size_t>(ranks)), streams(static_cast<std::size_t>(ranks)) {
+        ncclUniqueId id;
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        REQUIRE(ncclGroupStart() == ncclSuccess);
+        for (int r = 0; r < ranks; ++r) {
+            REQUIRE(cudaSetDevice(r) == cudaSuccess);
+            // Blocking: inside a group the wait moves to ncclGroupEnd (no deadlock on one thread).
+            REQUIRE(ncclCommInitRank(&comms[static_cast<std::size_t>(r)], ranks, id, r) == ncclSuccess);
+            REQUIRE(cudaStreamCreateWithFlags(&streams[static_cast<std::size_t>(r)], cudaStreamNonBlocking) == cudaSuccess);
+        }
+        REQUIRE(ncclGroupEnd() == ncclSuccess);
+        REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    }
+    ~Clique() {
+        for (std::size_t r = 0; r < comms.size(); ++r) {
+            (void)ncclCommAbort(comms[r]);
+            (void)cudaSetDevice(static_cast<int>(r));
+            (void)cudaStreamSynchronize(streams[r]);
+            (void)cudaStreamDestroy(streams[r]);
+        }
+        (void)cudaSetDevice(0);
+    }
+    float* buffer(int rank, float value) {
+        (void)cudaSetDevice(rank);
+        float* d = device_floats(elements);
+        const std::vector<float> h(elements, value);
+        REQUIRE(cudaMemcpy(d, h.data(), elements * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+        REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+        return d;
+    }
+    std::vector<float> read(int rank, const float* d) {
+        (void)cudaSetDevice(rank);
+        // The legacy stream does not wait for the non-blocking streams the collectives ran on.
+        REQUIRE(cudaStreamSynchronize(streams[static_cast<std::size_t>(rank)]) == cudaSuccess);
+        auto h = read_back(d, elements);
+        (void)cudaSetDevice(0);
+        return h;
+    }
+};
+
+}  // namespace
+
+TEST_CASE("host NCCL: all-reduce and broadcast over 2 and 4 ranks, one thread per rank, every data type") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(4));
+    for (const int ranks : {2, 4}) {
+        ncclUniqueId id;
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        std::vector<std::string> outcome(static_cast<std::size_t>(ranks));
+        std::vector<std::thread> threads;
+        for (int r = 0; r < ranks; ++r)
+            threads.emplace_back([&, r] { outcome[static_cast<std::size_t>(r)] = rank_main(id, r, ranks); });
+        for (auto& t : threads) t.join();
+        for (int r = 0; r < ranks; ++r) {
+            CAPTURE(ranks, r);
+            INFO(outcome[static_cast<std::size_t>(r)]);
+            CHECK(outcome[static_cast<std::size_t>(r)].empty());
+        }
+    }
+    CHECK(hc::live_device_blocks() == fresh.blocks);
+}
+
+TEST_CASE("host NCCL: one thread inits the ranks in a group and drives them; arguments are checked") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(4));
+    Clique clique(4);
+    int n = 0, rank = -1, device = -1;
+    REQUIRE(ncclCommCount(clique.comms[2], &n) == ncclSuccess);
+    REQUIRE(ncclCommUserRank(clique.comms[2], &rank) == ncclSuccess);
+    REQUIRE(ncclCommCuDevice(clique.comms[2], &device) == ncclSuccess);
+    CHECK(n == 4);
+    CHECK(rank == 2);
+    CHECK(device == 2);
+    std::vector<float*> bufs;
+    for (int r = 0; r < 4; ++r) bufs.push_back(clique.buffer(r, static_cast<float>(r + 1)));
+    REQUIRE(ncclGroupStart() == ncclSuccess);
+    for (int r = 0; r < 4; ++r)
+        REQUIRE(ncclAllReduce(bufs[r], bufs[r], elements, ncclFloat32, ncclSum, clique.comms[r], clique.streams[r]) ==
+                ncclSuccess);
+    REQUIRE(ncclGroupEnd() == ncclSuccess);
+    for (int r = 0; r < 4; ++r)
+        for (float x : clique.read(r, bufs[r])) REQUIRE(x == 10.0f);
+
+    // A stream of another device, host memory, a bad root are refused.
+    CHECK(ncclAllReduce(bufs[0], bufs[0], elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[1]) ==
+          ncclInvalidUsage);
+    std::vector<float> host(elements);
+    CHECK(ncclAllReduce(host.data(), host.data(), elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[0]) ==
+          ncclInvalidArgument);
+    CHECK(ncclAllReduce(bufs[1], bufs[1], elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[0]) ==
+          ncclInvalidArgument);  // device 1's memory for the rank on device 0
+    CHECK(ncclBroadcast(bufs[0], bufs[0], elements, ncclFloat32, 4, clique.comms[0], clique.streams[0]) ==
+          ncclInvalidArgument);
+    CHECK(std::string(ncclGetLastError(clique.comms[0])).find("root") != std::string::npos);
+    for (int r = 0; r < 4; ++r) {
+        (void)cudaSetDevice(r);
+        REQUIRE(cudaFree(bufs[r]) == cudaSuccess);
+    }
+    (void)cudaSetDevice(0);
+    // Blocking finalize of every rank from one thread: in a group, the wait is at ncclGroupEnd.
+    REQUIRE(ncclGroupStart() == ncclSuccess);
+    for (ncclComm_t c : clique.comms) REQUIRE(ncclCommFinalize(c) == ncclSuccess);
+    REQUIRE(ncclGroupEnd() == ncclSuccess);
+    for (ncclComm_t& c : clique.comms) {
+        ncclResult_t state = ncclInProgress;
+        REQUIRE(ncclCommGetAsyncError(c, &state) == ncclSuccess);
+        CHECK(state == ncclSuccess);
+        REQUIRE(ncclCommDestroy(c) == ncclSuccess);
+        c = nullptr;
+    }
+}
+
+TEST_CASE("host NCCL: a failing rank releases its peers with an error and writes nothing") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    Clique clique(2);
+    float* b0 = clique.buffer(0, 1.0f);
+    float* b1 = clique.buffer(1, 2.0f);
+    hc::fail_nccl(1, 2);
+    for (int round = 0; round < 2; ++round) {
+        REQUIRE(ncclAllReduce(b0, b0, elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[0]) == ncclSuccess);
+        REQUIRE(ncclAllReduce(b1, b1, elements, ncclFloat32, ncclSum, clique.comms[1], clique.streams[1]) == ncclSuccess);
+        REQUIRE(cudaStreamSynchronize(clique.streams[0]) == cudaSuccess);  // released, not hung
+        (void)cudaSetDevice(1);
+        REQUIRE(cudaStreamSynchronize(clique.streams[1]) == cudaSuccess);
+        (void)cudaSetDevice(0);
+    }
+    ncclResult_t e0 = ncclSuccess, e1 = ncclSuccess;
+    REQUIRE(ncclCommGetAsyncError(clique.comms[0], &e0) == ncclSuccess);
+    REQUIRE(ncclCommGetAsyncError(clique.comms[1], &e1) == ncclSuccess);
+    CHECK(e0 == ncclRemoteError);
+    CHECK(e1 == ncclSystemError);
+    for (float x : clique.read(0, b0)) REQUIRE(x == 3.0f);  // the first round only
+    for (float x : clique.read(1, b1)) REQUIRE(x == 3.0f);
+    CHECK(ncclAllReduce(b0, b0, elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[0]) == ncclRemoteError);
+    CHECK(std::string(ncclGetErrorString(ncclRemoteError)).find("remote") != std::string::npos);
+    (void)cudaFree(b0);
+    (void)cudaSetDevice(1);
+    (void)cudaFree(b1);
+    (void)cudaSetDevice(0);
+}
+
+TEST_CASE("host NCCL: a rank that never arrives blocks its peer until the peer's communicator is aborted") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    Clique clique(2);
+    float* b0 = clique.buffer(0, 1.0f);
+    REQUIRE(ncclAllReduce(b0, b0, elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[0]) == ncclSuccess);
+    std::this_thread::sleep_for(30ms);
+    CHECK(cudaStreamQuery(clique.streams[0]) == cudaErrorNotReady);
+    REQUIRE(ncclCommAbort(clique.comms[0]) == ncclSuccess);
+    REQUIRE(cudaStreamSynchronize(clique.streams[0]) == cudaSuccess);
+    for (float x : clique.read(0, b0)) REQUIRE(x == 1.0f);  // nothing written
+    CHECK(ncclAllReduce(b0, b0, elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[0]) == ncclInvalidArgument);
+    clique.comms[0] = nullptr;
+    REQUIRE(cudaFree(b0) == cudaSuccess);
+}
+
+TEST_CASE("host NCCL: two ranks on one device are refused; the version is settable") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    int version = 0;
+    REQUIRE(ncclGetVersion(&version) == ncclSuccess);
+    CHECK(version == 22805);
+    hc::set_nccl_version(22703);
+    REQUIRE(ncclGetVersion(&version) == ncclSuccess);
+    CHECK(version == 22703);
+    hc::reset();
+    REQUIRE(ncclGetVersion(&version) == ncclSuccess);
+    CHECK(version == 22805);
+
+    ncclUniqueId a, b;
+    REQUIRE(ncclGetUniqueId(&a) == ncclSuccess);
+    REQUIRE(ncclGetUniqueId(&b) == ncclSuccess);
+    CHECK(std::memcmp(&a, &b, sizeof a) != 0);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t c0 = nullptr, c1 = nullptr;
+    CHECK(ncclCommInitRankConfig(&c0, 2, a, 0, &config) == ncclInProgress);
+    CHECK(ncclCommInitRankConfig(&c1, 2, a, 1, &config) == ncclInvalidUsage);
+    ncclResult_t state = ncclSuccess;
+    REQUIRE(ncclCommGetAsyncError(c0, &state) == ncclSuccess);
+    CHECK(state == ncclInProgress);
+    REQUIRE(ncclCommAbort(c0) == ncclSuccess);
+    CHECK(ncclCommGetAsyncError(c0, &state) == ncclInvalidArgument);
+    std::vector<ncclComm_t> all(2);
+    const int same[] = {1, 1};
+    CHECK(ncclCommInitAll(all.data(), 2, same) == ncclInvalidUsage);
+    REQUIRE(ncclCommInitAll(all.data(), 2, nullptr) == ncclSuccess);
+    for (ncclComm_t c : all) REQUIRE(ncclCommDestroy(c) == ncclSuccess);  // healthy: no finalize needed
+}
+
+TEST_CASE("host CUDA: launch injections can target the launches of one named kernel") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    std::atomic<int> ran{0};
+    hc::fail_launch(2, "rank_sum");
+    lockstep_host_cuda_name_next_launch("rank_sum");
+    REQUIRE(k.launch(s, [&] { ++ran; }) == cudaSuccess);
+    REQUIRE(k.launch(s, [&] { ++ran; }) == cudaSuccess);  // unnamed: not counted
+    lockstep_host_cuda_name_next_launch("gemm");
+    REQUIRE(k.launch(s, [&] { ++ran; }) == cudaSuccess);
+    lockstep_host_cuda_name_next_launch("rank_sum");
+    CHECK(k.launch(s, [&] { ++ran; }) == cudaErrorLaunchFailure);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(ran == 3);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
