@@ -270,7 +270,9 @@ int main() {
             const auto f = nhwc ? MemoryFormat::nhwc : MemoryFormat::nchw;
             kernels::device::Grid grid;
             const kernels::BnGeometry geometry{N, C, H * W, nhwc};
-            (void)kernels::device::bn_kernels::plan(geometry, nhwc ? 1 : 4, kernels::cuda_ops::device_info(0), grid);
+            // The vector width the layer takes for an aligned tensor of this shape (cudaMallocAsync aligns).
+            const int V = kernels::device::bn_kernels::vector_width<float>(geometry, {});
+            (void)kernels::device::bn_kernels::plan(geometry, V, kernels::cuda_ops::device_info(0), grid);
             expect(grid.x >= 4, "SyncBatchNorm " + std::string(nhwc ? "NHWC" : "NCHW") + " 32x3x28x28 reduces each channel over " +
                                     std::to_string(grid.x) + " blocks (at least 4)");
             auto x = random_host(Shape{N, C, H, W}, rng, f, 3.0f);

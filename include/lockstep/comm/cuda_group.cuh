@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -194,7 +195,9 @@ struct NcclApi {
                           ".", version % 100, " is loaded, but lockstep runs two NCCL communicators per GPU (layer and "
                           "gradient collectives), which needs NCCL 2.26 or newer (NCCL_LAUNCH_ORDER_IMPLICIT); point "
                           "the loader at a newer libnccl.so.2 (LD_LIBRARY_PATH)");
-        (void)::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 0);
+        // Once per process: setenv races with getenv on threads NCCL already runs.
+        static std::once_flag set_once;
+        std::call_once(set_once, [] { (void)::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 0); });
     }
 
     //! A named NVTX range around each enqueue, so Nsight shows every collective on its thread.

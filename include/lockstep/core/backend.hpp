@@ -7,6 +7,7 @@
 #include <concepts>
 #include <cstdint>
 #include <cstddef>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <string_view>
@@ -99,6 +100,7 @@ template <>
 struct Execution<Cuda> {
     int device = -1;                     // the replica's CUDA ordinal
     CUstream_st* stream = nullptr;       // its compute stream (a cudaStream_t)
+    std::weak_ptr<const void> stream_owner;  // expires with the stream (Note [current stream])
     cublasContext* blas = nullptr;       // its cuBLAS handle (a cublasHandle_t), bound to `stream`
     void* workspace = nullptr;           // cuBLAS workspace on `device`
     std::size_t workspace_bytes = 0;

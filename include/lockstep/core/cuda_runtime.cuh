@@ -80,7 +80,30 @@ private:
     int previous_ = 0;
 };
 
+//! Makes `device` current for the guard's lifetime, as far as it can (never throws: for teardown).
+class QuietDeviceGuard {
+public:
+    explicit QuietDeviceGuard(int device) noexcept {
+        switched_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device && cudaSetDevice(device) == cudaSuccess;
+    }
+    QuietDeviceGuard(const QuietDeviceGuard&) = delete;
+    QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
+    ~QuietDeviceGuard() {
+        if (switched_) (void)cudaSetDevice(previous_);
+    }
+
+private:
+    int previous_ = 0;
+    bool switched_ = false;
+};
+
 namespace detail {
+
+//! Whether `w` was ever given an owner (expired or not): a stream held by a token.
+inline bool has_owner(const std::weak_ptr<const void>& w) noexcept {
+    const std::weak_ptr<const void> none;
+    return w.owner_before(none) || none.owner_before(w);
+}
 
 //! Bytes the stream-ordered pool of a device keeps cached after a free instead of returning them
 //! to the driver: all of it, so a training step's allocations are served from the pool after the
@@ -135,12 +158,17 @@ public:
 
 private:
     void destroy() noexcept {
-        alive_.reset();  // first: nothing takes this stream as current from here on
         if (stream_ != nullptr) {
-            (void)cudaStreamSynchronize(stream_);
+            QuietDeviceGuard guard(device_);
+            // Drained with a bound (a stuck device must not hang teardown), then released anyway.
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+            while (cudaStreamQuery(stream_) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+            alive_.reset();  // after the drain: a free that reads it as expired has no work to wait for
             (void)cudaStreamDestroy(stream_);
             stream_ = nullptr;
         }
+        alive_.reset();
     }
     cudaStream_t stream_ = nullptr;
     int device_ = -1;
@@ -188,7 +216,10 @@ void poll_event(cudaEvent_t event, std::chrono::milliseconds timeout, Poll&& pol
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (std::uint64_t spin = 0;; ++spin) {
         const cudaError_t e = cudaEventQuery(event);
-        if (e == cudaSuccess) return;
+        if (e == cudaSuccess) {
+            poll();  // a collective that failed may still have let the event complete
+            return;
+        }
         if (e != cudaErrorNotReady) LOCKSTEP_CUDA_CHECK(e);
         poll();
         if (std::chrono::steady_clock::now() >= deadline) expired();
@@ -205,9 +236,15 @@ inline void wait_event(cudaEvent_t event, const char* what, std::chrono::millise
 }
 
 //! A named NVTX range for the scope's lifetime (Nsight Systems shows it on the calling thread).
+//! NVTX initializes itself lazily on first use, unsynchronized: several replica threads opening
+//! their first range at once race on its function table, so it is initialized once, first.
 class NvtxRange {
 public:
-    explicit NvtxRange(const char* name) noexcept { nvtxRangePushA(name); }
+    explicit NvtxRange(const char* name) noexcept {
+        static std::once_flag initialized;
+        std::call_once(initialized, [] { nvtxInitialize(nullptr); });
+        nvtxRangePushA(name);
+    }
     NvtxRange(const NvtxRange&) = delete;
     NvtxRange& operator=(const NvtxRange&) = delete;
     ~NvtxRange() { nvtxRangePop(); }
@@ -233,8 +270,12 @@ inline void wait_stream(cudaStream_t stream, const char* what, std::chrono::mill
 // legacy default stream again instead of naming a destroyed stream (the first GPU run failed
 // every test after one that destroyed a replica's resources this way: cudaErrorContextIsDestroyed).
 // Every allocation remembers the stream it was made on and is freed in that stream's order,
-// whichever thread frees it (`Allocator<Cuda>`); work on another stream that reads it must be
-// ordered before the free by its producer (DataParallel's gather does: parallel/scatter.hpp).
+// whichever thread frees it (`Allocator<Cuda>`). A copy on another stream (a tensor's copy or
+// transfer, Ops<Cuda>::copy) first orders its stream after the allocation's, and is recorded as a
+// reader: the free then waits for it too, as PyTorch's record_stream does by hand. Kernels that
+// read a tensor on another stream are ordered by whoever starts them (DataParallel's gather:
+// parallel/scatter.hpp). The first GPU run's replicas read a prototype the caller had freed, and
+// copied a batch the caller's stream had not finished writing: both were such cross-stream uses.
 
 namespace detail {
 struct CurrentStream {
@@ -274,6 +315,10 @@ public:
         auto& slot = detail::current_stream_slot();
         if (!(slot.stream == s && slot.device == device && s != nullptr)) slot = detail::CurrentStream{s, device, {}, false};
     }
+    //! A stream held by `owner` (a replica's, from its execution: Execution<Cuda>::stream_owner).
+    StreamGuard(cudaStream_t s, int device, std::weak_ptr<const void> owner) noexcept
+        : previous_(std::exchange(detail::current_stream_slot(),
+                                  detail::CurrentStream{s, device, owner, detail::has_owner(owner)})) {}
     //! An owned stream: should it be destroyed while the guard lives, the thread's current stream
     //! reads as the legacy stream.
     explicit StreamGuard(const Stream& s) noexcept
@@ -394,7 +439,10 @@ public:
         //! The stream, or the legacy stream when the owning stream has been destroyed (whose work
         //! was drained before it was: cuda::Stream and ReplicaResources wait for it).
         cudaStream_t live() const noexcept { return owned && owner.expired() ? nullptr : stream; }
-        bool same(cudaStream_t s, int d) const noexcept { return live() == s && device == d; }
+        bool expired() const noexcept { return owned && owner.expired(); }
+        bool same(const StreamRef& o) const noexcept {
+            return !expired() && !o.expired() && stream == o.stream && device == o.device;
+        }
     };
     struct Entry : StreamRef {
         std::vector<StreamRef> readers;  // other streams that copied from it (record_stream, implicitly)
@@ -428,11 +476,11 @@ public:
         {
             std::lock_guard lock(mutex_);
             const auto it = entries_.find(const_cast<void*>(p));
-            if (it == entries_.end() || it->second.same(stream.live(), stream.device)) return;
+            if (it == entries_.end() || it->second.same(stream)) return;
             producer = it->second;
             auto& readers = it->second.readers;
-            const bool known = std::any_of(readers.begin(), readers.end(),
-                                           [&](const StreamRef& r) { return r.same(stream.live(), stream.device); });
+            std::erase_if(readers, [](const StreamRef& r) { return r.expired(); });  // drained when destroyed
+            const bool known = std::any_of(readers.begin(), readers.end(), [&](const StreamRef& r) { return r.same(stream); });
             if (!known) readers.push_back(stream);
         }
         order_after(stream.live(), stream.device, producer.live(), producer.device);

@@ -25,7 +25,7 @@ namespace lk = device::layer_kernels;
 //! is the thread's current one, so tensors made meanwhile are allocated, and freed, in the
 //! stream's order.
 struct LayerRun : device::DeviceRun {
-    explicit LayerRun(const Ex& ex) : device_guard(ex.device), stream_guard(ex.stream, ex.device), blas(ex.blas) {
+    explicit LayerRun(const Ex& ex) : device_guard(ex.device), stream_guard(ex.stream, ex.device, ex.stream_owner), blas(ex.blas) {
         LOCKSTEP_CHECK_AS(UsageError, ex.blas != nullptr, "a CUDA layer operation ran without its replica's cuBLAS handle; "
                           "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
         stream = ex.stream;

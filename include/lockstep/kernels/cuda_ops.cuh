@@ -77,6 +77,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             Ex ex;
             ex.device = device;
             ex.stream = stream.get();
+            ex.stream_owner = stream.token();
             ex.blas = blas;
             ex.workspace = workspace;
             ex.workspace_bytes = workspace_bytes;
@@ -120,6 +121,8 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 
     private:
         void release() noexcept {
+            if (device < 0) return;
+            cuda::QuietDeviceGuard guard(device);  // this replica's device, whichever thread releases it
             if (stream.get() != nullptr) {
                 try {  // the stream's work must be done before its handles go: bounded, then released anyway
                     cuda::wait_stream(stream.get(), "a replica's last work at teardown");
@@ -156,11 +159,17 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 
     // ---- generic (the rest is in LayerOps and BatchNormOps) -----------------------------------
 
-    //! dst[dst_offset, +count) = src[src_offset, +count), on the replica's stream.
+    //! dst[dst_offset, +count) = src[src_offset, +count), on the replica's stream, after the work
+    //! of the streams the tensors were allocated on, which free them only after this copy (Note
+    //! [current stream]): the caller's batch, made on the caller's stream, is read here.
     template <class T>
     static void copy(const Ex& ex, T_<T>& dst, std::int64_t dst_offset, const T_<T>& src, std::int64_t src_offset,
                      std::int64_t count) {
         if (count <= 0) return;
+        cuda::DeviceGuard guard(ex.device);  // ex.stream may be a device's legacy stream (caller_execution)
+        const cuda::detail::AllocationStreams::StreamRef stream{ex.stream, ex.device, ex.stream_owner,
+                                                                cuda::detail::has_owner(ex.stream_owner)};
+        cuda::detail::after_allocations(stream, {dst.data(), src.data()});
         LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst.data() + dst_offset, src.data() + src_offset,
                                             static_cast<std::size_t>(count) * sizeof(T), cudaMemcpyDefault, ex.stream));
     }
@@ -199,9 +208,11 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     //! The execution of work the calling thread itself does on `d` (outside any replica): its
     //! current stream when that is of `d`, else `d`'s legacy stream.
     static Ex caller_execution(const Device& d) {
+        const auto stream = cuda::detail::stream_on(d.index);
         Ex ex;
         ex.device = d.index;
-        ex.stream = cuda::current_stream_device() == d.index ? cuda::current_stream() : nullptr;
+        ex.stream = stream.stream;
+        ex.stream_owner = stream.owner;
         return ex;
     }
     //! `waiter`'s stream runs its later work after what `producer`'s stream holds now (no host wait).

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -165,19 +166,30 @@ public:
         }
         return true;
     }
-    //! Later reads fail; the reads made are settled (bounded waits: a failure is the call's own
-    //! failure, already on its way to the caller).
-    void release() noexcept {
-        std::unique_lock lock(mutex_);
-        gone_ = true;
+    //! Waits for the reads made so far to settle; throws the first failure (a settle that timed
+    //! out has aborted the groups: the call fails, and the caller must not reuse its input).
+    void settle() {
         std::lock_guard settle_lock(settle_mutex_);
-        for (auto& settle : settles_) {
+        std::exception_ptr first;
+        for (auto& s : settles_) {
             try {
-                settle();
+                s();
             } catch (...) {
+                if (!first) first = std::current_exception();
             }
         }
         settles_.clear();
+        if (first) std::rethrow_exception(first);
+    }
+    //! Later reads fail; reads not settled yet are settled (bounded waits; on a call that is
+    //! failing already, its own failure is what the caller sees).
+    void release() noexcept {
+        std::unique_lock lock(mutex_);
+        gone_ = true;
+        try {
+            settle();
+        } catch (...) {
+        }
     }
 
 private:
@@ -270,7 +282,14 @@ public:
         run_job(*caller, [core = core_, caller, proto = &prototype](int r) {
             const auto ur = static_cast<std::size_t>(r);
             std::optional<Module> clone;
-            if (!caller->read([&] { clone.emplace(nn::clone(*proto, core->devices[ur])); })) throw detail::caller_gone();
+            const auto ex = core->resources[ur]->execution();
+            if (!caller->read(
+                    [&] {
+                        clone.emplace(nn::clone(*proto, core->devices[ur]));
+                        K::mark_inputs_read(ex);  // the caller may change its prototype once constructed
+                    },
+                    [ex] { K::wait_inputs_read(ex); }))
+                throw detail::caller_gone();
             core->replicas[ur] = std::make_unique<Replica>(std::move(*clone), *core->resources[ur], core->layer(r),
                                                            core->grad(r));
             auto& rep = *core->replicas[ur];
@@ -1151,6 +1170,7 @@ private:
             ~Release() { refs.release(); }
         } release{caller};
         pool_.run(std::move(job));
+        caller.settle();  // the call succeeds only once its copies of the caller's objects have run
     }
 
     static std::shared_ptr<Core> make_core(const DataParallelOptions& options, const std::vector<Device>& devices) {

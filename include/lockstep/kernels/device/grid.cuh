@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -251,8 +252,11 @@ struct Divider {
 //! run's orders replay), else drawn once per process.
 inline std::uint64_t emulation_seed() {
     static const std::uint64_t seed = []() -> std::uint64_t {
-        if (const char* s = std::getenv("LOCKSTEP_TEST_SEED"); s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 10);
-        return (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+        if (const char* s = std::getenv("LOCKSTEP_TEST_SEED"); s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 0);
+        const std::uint64_t drawn = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+        std::fprintf(stderr, "lockstep: emulated kernels run their blocks in the order of seed %llu (LOCKSTEP_TEST_SEED=%llu replays it)\n",
+                     static_cast<unsigned long long>(drawn), static_cast<unsigned long long>(drawn));
+        return drawn;
     }();
     return seed;
 }
