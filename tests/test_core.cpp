@@ -62,7 +62,7 @@ TEST_CASE("Tensor is zero-filled, deep-copies, moves and reshapes", "[core]") {
     CHECK_THROWS_AS(make_tensor<float>(Shape{4}, v), ShapeError);
 }
 
-TEST_CASE("A tensor view uses memory it does not own; copies of it own theirs", "[core]") {
+TEST_CASE("A tensor view uses memory it does not own, and copies of it own theirs", "[core]") {
     Tensor<float> storage(Shape{10});
     std::iota(storage.span().begin(), storage.span().end(), 0.0f);
     {

@@ -311,7 +311,9 @@ struct Scale {
         if constexpr (Mode == replace) weight.grad = std::move(g);
         else weight.grad.copy_from(g);
         ctx.mark_grad_ready(&weight);
-        if constexpr (Mode == replace_late) weight.grad = Tensor<float>(weight.grad);
+        // A new tensor of zeros, not a copy: reading the gradient after marking it ready would race
+        // with its bucket's all-reduce on the communication thread (the misuse this mode stands for).
+        if constexpr (Mode == replace_late) weight.grad = Tensor<float>(weight.grad.shape());
         return dx;
     }
     template <class V>
@@ -349,7 +351,7 @@ bool laid_out_in_buckets(const M& m, bool one_bucket) {
 }
 }  // namespace
 
-TEST_CASE("Gradients and values live in their buckets; a tensor replaced from outside is put back", "[parallel]") {
+TEST_CASE("Gradients and values live in their buckets, and a tensor replaced from outside is put back", "[parallel]") {
     std::mt19937_64 gen(21);
     const auto batches = make_batches(3, 9, gen);
     for (const std::size_t bucket_bytes : {std::size_t{1} << 20, std::size_t{1}}) {
@@ -372,7 +374,10 @@ TEST_CASE("Gradients and values live in their buckets; a tensor replaced from ou
             buffers.push_back(&t);
         });
         REQUIRE(buffers.size() == 3);
-        for (std::size_t i = 1; i < buffers.size(); ++i) CHECK(next_in_bucket(*buffers[i], *buffers[i - 1]) == one_bucket);
+        // (With a bucket per parameter, separate allocations may still happen to lie back to back,
+        // as ThreadSanitizer's allocator lays them: nothing to check there.)
+        if (one_bucket)
+            for (std::size_t i = 1; i < buffers.size(); ++i) CHECK(next_in_bucket(*buffers[i], *buffers[i - 1]));
 
         // Two parameters of one shape swapped through parallel_apply: each takes the other's place.
         DataParallel<Scaled<in_place>> swapped(make_scaled<in_place>(), 2, {.bucket_bytes = bucket_bytes});

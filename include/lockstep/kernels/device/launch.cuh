@@ -1,11 +1,18 @@
 // SPDX-License-Identifier: MIT
-//! The device drivers of lockstep's kernels (nvcc only): the `__global__` functions that run a
-//! kernel's phases on the GPU, with CUB reductions between them (Note [kernels proven on the host]).
+//! The device drivers of lockstep's kernels: the `__global__` functions that run a kernel's phases
+//! on the GPU with CUB reductions between them (nvcc), or, built by a host compiler for the
+//! test-only host CUDA device, the grid emulator run on a stream (Note [kernels proven on the host]).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <memory>
+
+#if defined(__CUDACC__)
 #include <cub/block/block_reduce.cuh>
+#elif !defined(LOCKSTEP_HOST_CUDA)
+#error "lockstep's CUDA kernels need nvcc; a host compiler builds them only against the test-only host CUDA device (tests/host_cuda)"
+#endif
 
 #include "lockstep/core/cuda_runtime.cuh"
 #include "lockstep/kernels/device/grid.cuh"
@@ -102,6 +109,59 @@ void launch_reduce(const typename K::Params& p, const Grid& g, cudaStream_t stre
     LOCKSTEP_CUDA_CHECK(cudaGetLastError());
 }
 
+#else  // a host compiler, against the host CUDA device (tests/host_cuda)
+
+// Note [kernels on the host CUDA device]
+// Built by a host compiler, a launch enqueues the kernel's emulation (grid.cuh: blocks and
+// threads in a seeded random order, over the replica's own scratch layout) on the stream as a
+// host function, which the host CUDA device runs in stream order with its other work. The rest
+// of the backend (streams, events, copies, cuBLAS, NCCL) is the same source as on a GPU: what
+// this proves is the code between kernels. No other file knows which compiler built it.
+
+//! Stands for the `__global__` driver where code takes its address (cudaFuncGetAttributes); never run.
+template <class K>
+void map_kernel(const typename K::Params) {}
+template <class K>
+void reduce_kernel(const typename K::Params) {}
+
+namespace detail {
+
+template <class K, bool Reduce>
+struct HostLaunch {
+    typename K::Params params;
+    Grid grid;
+    static void CUDART_CB run(void* data) {
+        const std::unique_ptr<HostLaunch> launch(static_cast<HostLaunch*>(data));
+        if constexpr (Reduce) emulate_reduce<K>(launch->params, launch->grid);
+        else emulate_map<K>(launch->params, launch->grid);
+    }
+};
+
+template <class K, bool Reduce>
+void host_launch(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
+    if (g.x <= 0 || g.y <= 0) return;
+    // A configuration a GPU refuses is refused here too: grid y within 65535, a block of at most
+    // 1024 threads and, for a reducing kernel, exactly its K::threads.
+    if (g.y > 65535 || g.threads <= 0 || g.threads > 1024 || g.threads > K::threads || (Reduce && g.threads != K::threads))
+        LOCKSTEP_CUDA_CHECK(cudaErrorInvalidConfiguration);
+    auto launch = std::make_unique<HostLaunch<K, Reduce>>(HostLaunch<K, Reduce>{p, g});
+    LOCKSTEP_CUDA_CHECK(cudaLaunchHostFunc(stream, &HostLaunch<K, Reduce>::run, launch.get()));
+    launch.release();  // the stream runs it and frees it
+}
+
+}  // namespace detail
+
+template <class K>
+void launch_map(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
+    detail::host_launch<K, false>(p, g, stream);
+}
+template <class K>
+void launch_reduce(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
+    detail::host_launch<K, true>(p, g, stream);
+}
+
+#endif  // __CUDACC__
+
 //! The device as a runner of kernels (see bn_kernels.cuh): launches on one stream.
 struct DeviceRun {
     cudaStream_t stream = nullptr;
@@ -117,7 +177,5 @@ struct DeviceRun {
         if (bytes > 0) LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
     }
 };
-
-#endif  // __CUDACC__
 
 }  // namespace lockstep::kernels::device

@@ -1,0 +1,319 @@
+// SPDX-License-Identifier: MIT
+//! The CUDA backend's code between kernels on the host CUDA device (label hostcuda): current
+//! streams and resource lifetimes, bounded host waits on a stalled device, the gather of
+//! DataParallel::forward, a caller's input reused at once, a device failure after the commit
+//! point, and the NCCL version and launch-order rules. Each test names the defect it catches
+//! (issue 23 of the first GPU run) and was run against that defect put back.
+#include <catch2/catch.hpp>
+
+#include <lockstep/cuda.cuh>
+#include <lockstep/nn.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "../host_cuda/host_cuda.hpp"
+
+using namespace lockstep;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+template <class B>
+using Small = nn::Sequential<nn::Conv2d<B>, nn::SyncBatchNorm<B>, nn::ReLU<B>, nn::MaxPool2d<B>, nn::Flatten<B>, nn::Linear<B>>;
+
+template <class B>
+Small<B> make_small() {
+    nn::Generator g(5);
+    return Small<B>(nn::Conv2d<B>(2, 6, 3, {.padding = 1}, g), nn::SyncBatchNorm<B>(6), nn::ReLU<B>(), nn::MaxPool2d<B>(2),
+                    nn::Flatten<B>(), nn::Linear<B>(6 * 5 * 5, 7, true, g));
+}
+
+struct Batch {
+    Tensor<float, Host> x;
+    std::vector<std::int64_t> labels;
+};
+
+Batch make_batch(std::int64_t n, std::uint64_t seed) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<float> d(0.3f, 1.0f);
+    Batch b{Tensor<float, Host>(Shape{n, 2, 10, 10}), {}};
+    for (auto& v : b.x.span()) v = d(gen);
+    for (std::int64_t i = 0; i < n; ++i) b.labels.push_back(static_cast<std::int64_t>(gen() % 7));
+    return b;
+}
+
+std::vector<float> values(const Tensor<float, Cuda>& t) {
+    const auto h = t.to_host();
+    return {h.data(), h.data() + h.numel()};
+}
+
+// Every test starts from a clean device: no injection left, no sticky error.
+struct Clean {
+    Clean() { host_cuda::reset(); }
+    ~Clean() { host_cuda::reset(); }
+};
+
+}  // namespace
+
+// Issue 23, item 3: ReplicaResources::enter() left the thread's current stream on the replica's
+// stream, and the next allocation after the resources were destroyed used a destroyed stream
+// (cudaErrorContextIsDestroyed on the GPU). Mutation-checked (release build): bind_thread()
+// setting the stream without its token fails this case.
+TEST_CASE("a thread's current stream never names destroyed resources", "[hostcuda]") {
+    Clean clean;
+    const cudaStream_t before = cuda::current_stream();
+    {
+        kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+        {
+            const auto entered = res.enter();
+            CHECK(cuda::current_stream() == res.stream.get());
+            Tensor<float, Cuda> t(Shape{64}, MemoryFormat::nchw, Device::cuda(0));
+        }
+        CHECK(cuda::current_stream() == before);  // the guard restored it
+        res.bind_thread();
+        CHECK(cuda::current_stream() == res.stream.get());
+    }
+    // The resources are gone: the thread's current stream reads as the legacy stream again.
+    CHECK(cuda::current_stream() == nullptr);
+    Tensor<float, Cuda> after(Shape{1000}, MemoryFormat::nchw, Device::cuda(0));
+    CHECK(values(after) == std::vector<float>(1000, 0.0f));
+
+    // A tensor made on a replica's stream and freed after its resources: freed in order, no error.
+    Tensor<float, Cuda> outlives;
+    {
+        kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+        const auto entered = res.enter();
+        outlives = Tensor<float, Cuda>(Shape{256}, MemoryFormat::nchw, Device::cuda(0));
+    }
+    outlives = Tensor<float, Cuda>();
+    CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+// Found by the host CUDA device: DataParallel cloned its replicas on their streams from a
+// prototype allocated on the caller's stream, and the caller freed the prototype (a temporary)
+// on that stream before the replicas' copies had run: replicas began from freed memory.
+// Mutation-checked (release build): without the readers AllocationStreams::use_on records (so the
+// free no longer waits for the copying stream), this case reads freed memory and fails.
+TEST_CASE("a tensor copied on another stream is freed only after that copy", "[hostcuda]") {
+    Clean clean;
+    std::vector<float> want(4099);
+    for (std::size_t i = 0; i < want.size(); ++i) want[i] = 0.5f * static_cast<float>(i);
+    kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+    for (int round = 0; round < 20; ++round) {
+        Tensor<float, Cuda> copy;
+        {
+            const auto source = make_tensor<float>(Shape{4099}, want).to<Cuda>(Device::cuda(0));  // this thread's stream
+            std::thread replica([&] {
+                const auto entered = res.enter();
+                copy = Tensor<float, Cuda>(source);  // on the replica's stream
+            });
+            replica.join();
+        }  // the source is freed here, on this thread's stream
+        CAPTURE(round);
+        REQUIRE(values(copy) == want);
+    }
+    // DataParallel from a temporary prototype: every replica starts from the prototype's values.
+    const auto reference = make_small<Host>();
+    std::vector<std::vector<float>> expected;
+    nn::for_each_parameter(reference, [&](const std::string&, const auto& p) { expected.emplace_back(p.value.data(), p.value.data() + p.value.numel()); });
+    for (int round = 0; round < 3; ++round) {
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), std::vector<Device>(3, Device::cuda(0)));
+        for (int r = 0; r < 3; ++r) {
+            std::size_t i = 0;
+            nn::for_each_parameter(dp.replica(r), [&](const std::string& name, const auto& p) {
+                CAPTURE(round, r, name);
+                CHECK(values(p.value) == expected[i++]);
+            });
+        }
+    }
+}
+
+// Issue 23, item 6: the step's scalars were read into pageable memory, which returns only when
+// the stream has drained; a stuck device then hung the step past every deadline. Mutation-checked
+// (release build): Ops<Cuda>::to_vector copying straight into the std::vector (pageable) makes this
+// step hang until the watchdog below releases the stall after 20 s, and the case fails.
+TEST_CASE("a step whose device work stalls fails within the group's timeout", "[hostcuda]") {
+    Clean clean;
+    DataParallelOptions o;
+    o.timeout = std::chrono::milliseconds(1500);
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), {Device::cuda(0), Device::cuda(0)}, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+    const auto b = make_batch(8, 1);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+
+    host_cuda::stall_launch(3);  // a kernel of the next step's forward never finishes
+    std::atomic<bool> done{false};
+    std::thread watchdog([&] {
+        const auto give_up = Clock::now() + std::chrono::seconds(20);
+        while (!done.load() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        host_cuda::release_stalls();
+    });
+    const auto t0 = Clock::now();
+    std::string message;
+    bool threw = false;
+    try {
+        (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    } catch (const Error& e) {
+        threw = true;
+        message = e.what();
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    done = true;
+    watchdog.join();
+    CAPTURE(message, s);
+    CHECK(threw);
+    CHECK(s < 8.0);
+    CHECK(message.find("took longer than") != std::string::npos);
+}
+
+// Issue 23, item 1: the gather of DataParallel::forward copied every replica's output on replica
+// 0's stream without waiting for the other replicas' streams, and allocated and freed on the
+// caller's legacy stream: evaluation read unfinished outputs (chance accuracy on the GPU).
+// Two layers order it now: gather_rows makes the caller's stream wait for every replica's, and
+// Ops<Cuda>::copy orders itself after its operands' allocation streams. Mutation-checked (release
+// build): with both removed this case fails (fresh device memory is NaN-filled on the host CUDA
+// device).
+TEST_CASE("DataParallel::forward gathers outputs the replicas have finished", "[hostcuda]") {
+    Clean clean;
+    const std::vector<Device> devices(4, Device::cuda(0));
+    DataParallel<Small<Cuda>> gpu(make_small<Cuda>(), devices);
+    DataParallel<Small<Host>> host(make_small<Host>(), 4);
+    gpu.eval();
+    host.eval();
+    for (int round = 0; round < 3; ++round) {
+        const auto b = make_batch(11, 50 + static_cast<std::uint64_t>(round));
+        const auto yc = values(gpu.forward(b.x.to<Cuda>(Device::cuda(0))));
+        const auto yh_t = host.forward(b.x);
+        const std::vector<float> yh(yh_t.data(), yh_t.data() + yh_t.numel());
+        REQUIRE(yc.size() == yh.size());
+        double d = 0, n = 0;
+        for (std::size_t i = 0; i < yc.size(); ++i) {
+            d += (static_cast<double>(yc[i]) - yh[i]) * (static_cast<double>(yc[i]) - yh[i]);
+            n += static_cast<double>(yh[i]) * yh[i];
+        }
+        CAPTURE(round);
+        CHECK(std::sqrt(d / n) <= 1e-5);
+    }
+}
+
+// Issue 23, item 5: accumulate() returned with its copies of the caller's input still queued, so
+// a caller that freed or refilled its input trained on the next batch's bytes. Mutation-checked
+// (release build): without the wait of Ops<Cuda>::wait_inputs_read the losses and parameters
+// differ here (the in-place refill overtakes the replicas' copies).
+TEST_CASE("accumulate's input may be freed and refilled as soon as the call returns", "[hostcuda]") {
+    Clean clean;
+    const std::vector<Device> devices(3, Device::cuda(0));
+    DataParallel<Small<Cuda>> reuse(make_small<Cuda>(), devices), fresh(make_small<Cuda>(), devices);
+    nn::Sgd<Cuda> sgd_a({.lr = 0.05, .momentum = 0.9}), sgd_b({.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 3; ++s) {
+        const auto b1 = make_batch(13, 200 + static_cast<std::uint64_t>(s)), b2 = make_batch(13, 300 + static_cast<std::uint64_t>(s));
+        const auto x1 = b1.x.to<Cuda>(Device::cuda(0)), x2 = b2.x.to<Cuda>(Device::cuda(0));
+        Tensor<float, Cuda> buffer = x1;
+        reuse.accumulate(buffer, b1.labels, nn::SoftmaxCrossEntropy{});
+        buffer.copy_from(x2);  // refilled in place, on this thread's stream, as soon as the call returns
+        const double la = reuse.train_step(buffer, b2.labels, nn::SoftmaxCrossEntropy{}, sgd_a).loss;
+        fresh.accumulate(x1, b1.labels, nn::SoftmaxCrossEntropy{});
+        const double lb = fresh.train_step(x2, b2.labels, nn::SoftmaxCrossEntropy{}, sgd_b).loss;
+        CAPTURE(s);
+        CHECK(la == lb);
+    }
+    const auto pa = nn::Checkpoint(reuse.checkpoint()), pb = nn::Checkpoint(fresh.checkpoint());
+    for (const auto& name : pa.names()) {
+        CAPTURE(name);
+        CHECK(pa.at(name).data == pb.at(name).data);
+    }
+}
+
+// Issue 23, item 7: two NCCL communicators per GPU (layer and gradient groups) need NCCL's
+// launch-order rule, which exists from NCCL 2.26; the loaded NCCL can be older than the headers.
+// Mutation-checked (release build): without NcclApi::prepare_nccl this case fails.
+TEST_CASE("NCCL older than 2.26 is refused with its version, and the launch-order rule is set unless the user set it",
+          "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const std::vector<Device> two{Device::cuda(0), Device::cuda(1)};
+    ::unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    host_cuda::set_nccl_version(22503);
+    CHECK_THROWS_WITH(DataParallel<Small<Cuda>>(make_small<Cuda>(), two), Catch::Contains("NCCL 2.25.3 is loaded"));
+    CHECK(std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT") == nullptr);
+    host_cuda::set_nccl_version(22805);
+    {
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two);
+        const char* rule = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+        REQUIRE(rule != nullptr);
+        CHECK(std::string(rule) == "1");
+    }
+    ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0", 1);  // the user's own setting is kept
+    {
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two);
+        CHECK(std::string(std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT")) == "0");
+    }
+    ::unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+}
+
+// Issue 23, item 7: finalize is a collective of the ranks; one thread finalizing its ranks one
+// by one waits on itself until the deadline. Mutation-checked (release build): NcclApi::finalize
+// finalizing and polling one communicator after the other (as before) fails this case.
+TEST_CASE("a thread's NCCL communicators are finalized in one group call", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    DataParallelOptions o;
+    o.timeout = std::chrono::seconds(20);
+    auto dp = std::make_unique<DataParallel<Small<Cuda>>>(make_small<Cuda>(), std::vector<Device>{Device::cuda(0), Device::cuda(1)}, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05});
+    const auto b = make_batch(8, 3);
+    (void)dp->train_step(b.x.to<Cuda>(Device::cuda(0)), b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    const auto t0 = Clock::now();
+    dp.reset();
+    CHECK(std::chrono::duration<double>(Clock::now() - t0).count() < 5.0);
+}
+
+// Issue 23, item 8: without check_finite, a collective that fails on the device is seen only
+// after every replica enqueued its optimizer step; the step must not pass for applied on
+// replicas that may hold a partly reduced update. Mutation-checked (release build): without the
+// device_failed mark (a step counted as applied once enqueued, as before) this case fails.
+TEST_CASE("an NCCL failure after the commit point marks the replicas diverged, and with check_finite none applies it",
+          "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const std::vector<Device> two{Device::cuda(0), Device::cuda(1)};
+    const auto b = make_batch(8, 4);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    for (const bool check_finite : {false, true}) {
+        CAPTURE(check_finite);
+        DataParallelOptions o;
+        o.timeout = std::chrono::seconds(5);
+        o.check_finite = check_finite;
+        o.bucket_bytes = 1024;  // 3 buckets
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o);
+        nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+        (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+        const auto before = dp.checkpoint(sgd);
+        // Rank 1 enqueues, per step: SyncBatchNorm's forward all-reduce, the buckets of the linear
+        // layer's bias and weight, SyncBatchNorm's backward all-reduce, then the last bucket: its
+        // 5th collective is the step's last gradient all-reduce, which nothing reads before the
+        // commit barrier unless check_finite does.
+        host_cuda::fail_nccl(1, 5);
+        CHECK_THROWS(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+        host_cuda::fail_nccl(1, 0);
+        if (!check_finite) {
+            CHECK(dp.diverged());
+            CHECK_THROWS_WITH(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("load() a checkpoint"));
+            dp.load(before, sgd);
+        } else {
+            CHECK_FALSE(dp.diverged());
+            const auto after = dp.checkpoint(sgd);
+            for (const auto& name : before.names()) {
+                CAPTURE(name);
+                CHECK(after.at(name).data == before.at(name).data);  // no replica applied the step
+            }
+        }
+        CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));  // the group was rebuilt
+    }
+}
