@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "golden/compare.hpp"
 #include "test_support.hpp"
 
 using namespace lockstep;
@@ -981,26 +982,9 @@ TEST_CASE("Three SGD steps on 1 and 2 replicas match PyTorch's losses, parameter
             const auto& theirs = golden.at("final." + name);
             REQUIRE(mine.dtype == theirs.dtype);
             REQUIRE(mine.data.size() == theirs.data.size());
-            double diff = 0, norm = 0;
-            for (std::size_t i = 0; i < mine.data.size(); i += mine.dtype == "F32" ? 4 : 8) {
-                double a = 0, b = 0;
-                if (mine.dtype == "F32") {
-                    float fa = 0, fb = 0;
-                    std::memcpy(&fa, mine.data.data() + i, 4);
-                    std::memcpy(&fb, theirs.data.data() + i, 4);
-                    a = fa, b = fb;
-                } else {
-                    std::int64_t ia = 0, ib = 0;
-                    std::memcpy(&ia, mine.data.data() + i, 8);
-                    std::memcpy(&ib, theirs.data.data() + i, 8);
-                    a = static_cast<double>(ia), b = static_cast<double>(ib);
-                }
-                diff += (a - b) * (a - b);
-                norm += b * b;
-            }
-            // The absolute 1e-6 is for tensors that are zero in exact arithmetic: the conv bias's
-            // gradient (and momentum) cancels in the batch norm after it, to rounding noise.
-            CHECK(std::sqrt(diff) <= 1e-4 * std::sqrt(norm) + 1e-6);
+            const auto d = golden::distance(mine, theirs);
+            CAPTURE(d.diff, d.norm);
+            CHECK(d.close());
             ++compared;
         }
         CHECK(compared == 9 + 6);  // 9 state_dict entries, 6 momentum buffers

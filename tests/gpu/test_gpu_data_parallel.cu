@@ -21,7 +21,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../golden/compare.hpp"
 #include "gpu_check.hpp"
+#include "small_model.hpp"
 
 using namespace lockstep;
 using clock_type = std::chrono::steady_clock;
@@ -30,15 +32,10 @@ namespace {
 
 using gpu_test::expect;
 
-template <class B>
-using Small = nn::Sequential<nn::Conv2d<B>, nn::SyncBatchNorm<B>, nn::ReLU<B>, nn::MaxPool2d<B>, nn::Flatten<B>, nn::Linear<B>>;
-
-template <class B>
-Small<B> make_small() {
-    nn::Generator g(5);
-    return Small<B>(nn::Conv2d<B>(2, 6, 3, {.padding = 1}, g), nn::SyncBatchNorm<B>(6), nn::ReLU<B>(), nn::MaxPool2d<B>(2),
-                    nn::Flatten<B>(), nn::Linear<B>(6 * 5 * 5, 7, true, g));
-}
+using gpu_test::Batch;
+using gpu_test::make_batch;
+using gpu_test::make_small;
+using gpu_test::Small;
 
 enum class Trouble { none, throw_in_backward, mismatch };
 
@@ -65,21 +62,6 @@ struct Troubled {
         v.module("net", net);
     }
 };
-
-struct Batch {
-    Tensor<float, Host> x;
-    std::vector<std::int64_t> labels;
-};
-
-Batch make_batch(std::int64_t n, std::uint64_t seed) {
-    std::mt19937_64 gen(seed);
-    std::normal_distribution<float> d(0.3f, 1.0f);
-    std::uniform_int_distribution<std::int64_t> l(0, 6);
-    Batch b{Tensor<float, Host>(Shape{n, 2, 10, 10}), {}};
-    for (auto& v : b.x.span()) v = d(gen);
-    for (std::int64_t i = 0; i < n; ++i) b.labels.push_back(l(gen));
-    return b;
-}
 
 std::vector<float> values(const Tensor<float, Host>& t) { return {t.data(), t.data() + t.numel()}; }
 std::vector<float> values(const Tensor<float, Cuda>& t) { return values(t.to_host()); }
@@ -213,26 +195,9 @@ void golden_steps(const std::vector<Device>& devices, const std::string& label) 
         const auto& mine = ours.at(name);
         const auto& theirs = golden.at("final." + name);
         if (mine.dtype != theirs.dtype || mine.data.size() != theirs.data.size()) continue;
-        double diff = 0, norm = 0;
-        for (std::size_t i = 0; i < mine.data.size(); i += mine.dtype == "F32" ? 4 : 8) {
-            double a = 0, b = 0;
-            if (mine.dtype == "F32") {
-                float fa = 0, fb = 0;
-                std::memcpy(&fa, mine.data.data() + i, 4);
-                std::memcpy(&fb, theirs.data.data() + i, 4);
-                a = fa, b = fb;
-            } else {
-                std::int64_t ia = 0, ib = 0;
-                std::memcpy(&ia, mine.data.data() + i, 8);
-                std::memcpy(&ib, theirs.data.data() + i, 8);
-                a = static_cast<double>(ia), b = static_cast<double>(ib);
-            }
-            diff += (a - b) * (a - b);
-            norm += b * b;
-        }
-        // As the host test: 1e-6 absolute for tensors that are zero in exact arithmetic.
-        close += std::sqrt(diff) <= 1e-4 * std::sqrt(norm) + 1e-6;
-        worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff));
+        const auto d = golden::distance(mine, theirs);
+        close += d.close();
+        worst = std::max(worst, d.norm > 0 ? d.diff / d.norm : d.diff);
         ++compared;
     }
     expect(compared == 15 && close == compared, label + ": parameters, buffers and momentum after 3 steps equal PyTorch's (" +

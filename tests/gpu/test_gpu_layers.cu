@@ -111,6 +111,21 @@ void reference_bn(const std::vector<float>& x, const std::vector<float>& dy, std
     }
 }
 
+// SyncBatchNorm<Cuda> at world 1, forward and backward, against the fp64 reference on random data.
+void bn_against_fp64(Shape shape, bool nhwc, nn::Context<Cuda>& ctx, std::mt19937& rng, const std::string& what) {
+    const auto f = nhwc ? MemoryFormat::nhwc : MemoryFormat::nchw;
+    const std::int64_t N = shape[0], C = shape[1], P = shape[2] * shape[3];
+    auto x = random_host(shape, rng, f, 3.0f);
+    auto dy = random_host(shape, rng, f);
+    std::vector<float> ry, rdx;
+    reference_bn(values(x), values(dy), N, C, P, nhwc, ry, rdx);
+    nn::SyncBatchNorm<Cuda> bn(C, {.format = f});
+    auto y = bn.forward(ctx, x.template to<Cuda>(Device::cuda(ctx.exec.device)));
+    auto dx = bn.backward(ctx, dy.template to<Cuda>(Device::cuda(ctx.exec.device)));
+    expect_close(values(y), ry, 1e-5, what + " y");
+    expect_close(values(dx), rdx, 1e-4, what + " dx");
+}
+
 template <class T>
 void bn_reduced_precision(const char* name, MemoryFormat f, double unit, nn::Context<Cuda>& ctx, std::mt19937& rng) {
     // fp16/bf16 storage against fp32 on the same (rounded) values: y and dx differ by the
@@ -249,25 +264,15 @@ int main() {
         for (const std::int64_t C : {1, 3, 33, 257})
             for (const std::int64_t hw : {1, 35, 784})
                 for (const bool nhwc : {false, true}) {
-                    const std::int64_t N = 3, H = hw == 35 ? 7 : (hw == 784 ? 28 : 1), W = hw / H;
-                    const auto f = nhwc ? MemoryFormat::nhwc : MemoryFormat::nchw;
-                    auto x = random_host(Shape{N, C, H, W}, rng, f, 3.0f);
-                    auto dy = random_host(Shape{N, C, H, W}, rng, f);
-                    std::vector<float> ry, rdx;
-                    reference_bn(values(x), values(dy), N, C, H * W, nhwc, ry, rdx);
-                    nn::SyncBatchNorm<Cuda> bn(C, {.format = f});
-                    auto y = bn.forward(ctx, x.template to<Cuda>(Device::cuda(0)));
-                    auto dx = bn.backward(ctx, dy.template to<Cuda>(Device::cuda(0)));
-                    const std::string what = "SyncBatchNorm vs fp64 C=" + std::to_string(C) + " HW=" + std::to_string(hw) +
-                                             (nhwc ? " nhwc" : " nchw");
-                    expect_close(values(y), ry, 1e-5, what + " y");
-                    expect_close(values(dx), rdx, 1e-4, what + " dx");
+                    const std::int64_t H = hw == 35 ? 7 : (hw == 784 ? 28 : 1);
+                    bn_against_fp64(Shape{3, C, H, hw / H}, nhwc, ctx, rng,
+                                    "SyncBatchNorm vs fp64 C=" + std::to_string(C) + " HW=" + std::to_string(hw) +
+                                        (nhwc ? " nhwc" : " nchw"));
                 }
         // Statistics over several blocks per channel (the ticket, fence and last-block path): 32 x 784
         // values per channel split into at least 4 chunks in both layouts.
         for (const bool nhwc : {false, true}) {
             const std::int64_t N = 32, C = 3, H = 28, W = 28;
-            const auto f = nhwc ? MemoryFormat::nhwc : MemoryFormat::nchw;
             kernels::device::Grid grid;
             const kernels::BnGeometry geometry{N, C, H * W, nhwc};
             // The vector width the layer takes for an aligned tensor of this shape (cudaMallocAsync aligns).
@@ -275,16 +280,8 @@ int main() {
             (void)kernels::device::bn_kernels::plan(geometry, V, kernels::cuda_ops::device_info(0), grid);
             expect(grid.x >= 4, "SyncBatchNorm " + std::string(nhwc ? "NHWC" : "NCHW") + " 32x3x28x28 reduces each channel over " +
                                     std::to_string(grid.x) + " blocks (at least 4)");
-            auto x = random_host(Shape{N, C, H, W}, rng, f, 3.0f);
-            auto dy = random_host(Shape{N, C, H, W}, rng, f);
-            std::vector<float> ry, rdx;
-            reference_bn(values(x), values(dy), N, C, H * W, nhwc, ry, rdx);
-            nn::SyncBatchNorm<Cuda> bn(C, {.format = f});
-            auto y = bn.forward(ctx, x.template to<Cuda>(Device::cuda(0)));
-            auto dx = bn.backward(ctx, dy.template to<Cuda>(Device::cuda(0)));
-            const std::string what = std::string("SyncBatchNorm vs fp64 over several blocks per channel, ") + (nhwc ? "NHWC" : "NCHW");
-            expect_close(values(y), ry, 1e-5, what + " y");
-            expect_close(values(dx), rdx, 1e-4, what + " dx");
+            bn_against_fp64(Shape{N, C, H, W}, nhwc, ctx, rng,
+                            std::string("SyncBatchNorm vs fp64 over several blocks per channel, ") + (nhwc ? "NHWC" : "NCHW"));
         }
         for (const auto f : {MemoryFormat::nchw, MemoryFormat::nhwc}) {
             bn_reduced_precision<__half>("fp16", f, 1.0 / 2048, ctx, rng);

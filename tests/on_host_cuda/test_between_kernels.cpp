@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "../gpu/small_model.hpp"
 #include "../host_cuda/host_cuda.hpp"
 
 using namespace lockstep;
@@ -23,29 +24,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-template <class B>
-using Small = nn::Sequential<nn::Conv2d<B>, nn::SyncBatchNorm<B>, nn::ReLU<B>, nn::MaxPool2d<B>, nn::Flatten<B>, nn::Linear<B>>;
-
-template <class B>
-Small<B> make_small() {
-    nn::Generator g(5);
-    return Small<B>(nn::Conv2d<B>(2, 6, 3, {.padding = 1}, g), nn::SyncBatchNorm<B>(6), nn::ReLU<B>(), nn::MaxPool2d<B>(2),
-                    nn::Flatten<B>(), nn::Linear<B>(6 * 5 * 5, 7, true, g));
-}
-
-struct Batch {
-    Tensor<float, Host> x;
-    std::vector<std::int64_t> labels;
-};
-
-Batch make_batch(std::int64_t n, std::uint64_t seed) {
-    std::mt19937_64 gen(seed);
-    std::normal_distribution<float> d(0.3f, 1.0f);
-    Batch b{Tensor<float, Host>(Shape{n, 2, 10, 10}), {}};
-    for (auto& v : b.x.span()) v = d(gen);
-    for (std::int64_t i = 0; i < n; ++i) b.labels.push_back(static_cast<std::int64_t>(gen() % 7));
-    return b;
-}
+using gpu_test::make_batch;
+using gpu_test::make_small;
+using gpu_test::Small;
 
 std::vector<float> values(const Tensor<float, Cuda>& t) {
     const auto h = t.to_host();
