@@ -298,12 +298,6 @@ inline cudaStream_t current_stream() noexcept {
     return slot.stream;
 }
 
-//! The device of the calling thread's current stream, -1 for the legacy default stream.
-inline int current_stream_device() noexcept {
-    (void)current_stream();
-    return detail::current_stream_slot().device;
-}
-
 //! Makes a stream the calling thread's current stream for the guard's lifetime, then restores the
 //! previous one (Note [current stream]).
 class StreamGuard {
@@ -462,12 +456,6 @@ public:
         Entry e = std::move(it->second);
         entries_.erase(it);
         return e;
-    }
-    std::optional<Entry> find(const void* p) const {
-        std::lock_guard lock(mutex_);
-        const auto it = entries_.find(const_cast<void*>(p));
-        if (it == entries_.end()) return std::nullopt;
-        return it->second;
     }
     //! Orders `stream` after the allocation at `p`'s stream and records `stream` as a reader, so
     //! that the allocation's free waits for it too (a tensor copied by another stream, then freed).
