@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace lockstep::host_cuda {
 
@@ -19,15 +21,16 @@ bool set_memory_capacity(int device, std::size_t bytes);
 void fail_allocation(int k);
 
 // Launch injections count every cudaLaunchHostFunc, or with `kernel` only the launches named
-// so by lockstep_host_cuda_name_next_launch. k <= 0 cancels.
+// so by lockstep_host_cuda_name_next_launch, and with `device` >= 0 only the launches on that
+// device. k <= 0 cancels.
 
 //! The k-th launch from now returns cudaErrorLaunchFailure (not sticky) and enqueues nothing.
-void fail_launch(int k, const char* kernel = nullptr);
+void fail_launch(int k, const char* kernel = nullptr, int device = -1);
 //! The k-th launch from now runs, then puts its device in a sticky cudaErrorIllegalAddress.
-void fault_launch(int k, const char* kernel = nullptr);
+void fault_launch(int k, const char* kernel = nullptr, int device = -1);
 //! The k-th launch from now does not start until release_stalls(): its stream, and whatever
 //! waits for it, stands still (a host wait on it ends only by a deadline).
-void stall_launch(int k, const char* kernel = nullptr);
+void stall_launch(int k, const char* kernel = nullptr, int device = -1);
 //! Lets every stalled launch injected so far run.
 void release_stalls();
 
@@ -35,6 +38,18 @@ void release_stalls();
 //! `rank` fails: its communicator gets ncclSystemError, the peers waiting in that collective
 //! are released with ncclRemoteError and their buffers are left as they were.
 void fail_nccl(int rank, int k);
+
+//! The hazard model of collectives of several communicators on one device (default:
+//! LOCKSTEP_HOSTCUDA_NCCL_HAZARD, on unless "0"; off under ThreadSanitizer unless set): a collective holds its device until its peers
+//! arrive, and without NCCL_LAUNCH_ORDER_IMPLICIT (read when a communicator is made) devices
+//! start them in orders that differ, so two communicators per device can deadlock as on a GPU.
+void set_nccl_hazard(bool on);
+
+//! One line per collective a stream worker waits in now: the rank, device, collective, its
+//! sequence number and communicator, and the ranks that never arrived (or that another
+//! collective holds the device). The watchdog prints the same before it ends a process whose
+//! collective waited longer than LOCKSTEP_HOSTCUDA_WATCHDOG_S (default 60), with exit status 3.
+std::vector<std::string> nccl_waits();
 
 //! What ncclGetVersion reports (default 22805, NCCL 2.28.5).
 void set_nccl_version(int version);
@@ -45,7 +60,7 @@ void set_delay_cap_us(unsigned us);
 
 //! For the next test case: releases the stalls, waits (at most 5 s, then warns on stderr) until
 //! every stream ran what is queued, then clears every injection, the sticky errors, the calling
-//! thread's last error, the NCCL version and the capacities. Work still blocked after the wait
+//! thread's last error, the NCCL version and hazard setting, and the capacities. Work still blocked after the wait
 //! (a collective whose peers never come) would run in the cleared state: abort such
 //! communicators first.
 void reset();

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
-//! Defects between kernels that the host CUDA device must expose to a sanitizer (each mode has one).
+//! Defects between kernels that the host CUDA device must expose to a sanitizer or to its NCCL
+//! watchdog (each mode has one).
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <cstdio>
 #include <cstring>
@@ -12,7 +14,25 @@ namespace {
 void write_one(void* p) { *static_cast<float*>(p) = 1.0f; }
 void read_one(void* p) { std::printf("%f\n", static_cast<double>(*static_cast<volatile float*>(p))); }
 
+// Rank 0 of two enters an all-reduce that rank 1 never reaches, and the host waits for it: with
+// LOCKSTEP_HOSTCUDA_WATCHDOG_S=1 the watchdog names the collective and rank 1, then aborts.
+int never_arrives() {
+    if (!lockstep::host_cuda::set_device_count(2)) return 2;
+    ncclComm_t comms[2] = {nullptr, nullptr};
+    const int devices[2] = {0, 1};
+    if (ncclCommInitAll(comms, 2, devices) != ncclSuccess) return 2;
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    void* d = nullptr;
+    cudaMalloc(&d, 64 * sizeof(float));
+    ncclAllReduce(d, d, 64, ncclFloat32, ncclSum, comms[0], s);
+    cudaStreamSynchronize(s);  // never returns: the watchdog ends the process
+    std::puts("the all-reduce completed without rank 1");
+    return 1;
+}
+
 int run(const char* mode) {
+    if (std::strcmp(mode, "never-arrives") == 0) return never_arrives();
     cudaStream_t a = nullptr, b = nullptr;
     cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
     cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
@@ -63,7 +83,7 @@ int run(const char* mode) {
         cudaEventDestroy(e);
         cudaStreamDestroy(blocking);
     } else {
-        std::fprintf(stderr, "modes: missing-wait, free-host-early, free-async-early, ordered\n");
+        std::fprintf(stderr, "modes: missing-wait, free-host-early, free-async-early, ordered, never-arrives\n");
         return 2;
     }
     cudaStreamSynchronize(a);

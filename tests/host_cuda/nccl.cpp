@@ -7,11 +7,15 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -38,6 +42,7 @@ struct Slot {
     struct Arrival {
         const void* send = nullptr;
         void* recv = nullptr;
+        bool here = false;
     };
     std::vector<Arrival> in;
     int arrived = 0;
@@ -49,8 +54,9 @@ struct Slot {
 
 //! The ranks of one unique id.
 struct Clique {
-    explicit Clique(int n) : nranks(n), members(static_cast<std::size_t>(n), nullptr) {}
+    Clique(int n, std::uint64_t serial) : nranks(n), id(serial), members(static_cast<std::size_t>(n), nullptr) {}
     const int nranks;
+    const std::uint64_t id;  // "communicator <id>" in the watchdog's reports
     std::mutex m;
     std::condition_variable cv;
     std::vector<Comm*> members;  // joined ranks (under m)
@@ -64,6 +70,7 @@ struct Comm {
     int rank = 0;
     int device = 0;
     bool blocking = true;
+    bool ordered = false;  // NCCL_LAUNCH_ORDER_IMPLICIT was set when it was made
     // ncclInProgress until every rank joined (or, after ncclCommFinalize, until finalized);
     // ncclSystemError / ncclRemoteError after a failed collective.
     std::atomic<ncclResult_t> error{ncclInProgress};
@@ -81,6 +88,7 @@ struct Registry {
     std::vector<std::shared_ptr<Comm>> dead;  // so that a dead handle's address is never reused
     std::map<int, int> fail_in;                // rank -> k-th collective from now fails
     std::uint64_t next_id = 1;
+    std::uint64_t next_clique = 1;
     int version = default_version;
 };
 
@@ -181,11 +189,244 @@ struct Collective {
     const void* send = nullptr;
     void* recv = nullptr;
     bool fails = false;  // injected
+    const char* name = "";
+    std::uint64_t ticket = 0;  // its place in the device's enqueue order (hazard model), or 0
+    bool ordered = false;      // the communicator follows the launch-order rule
 };
+
+const char* type_name(ncclDataType_t t) {
+    switch (t) {
+        case ncclInt8: return "int8";
+        case ncclUint8: return "uint8";
+        case ncclInt32: return "int32";
+        case ncclUint32: return "uint32";
+        case ncclInt64: return "int64";
+        case ncclUint64: return "uint64";
+        case ncclFloat16: return "float16";
+        case ncclBfloat16: return "bfloat16";
+        case ncclFloat32: return "float32";
+        case ncclFloat64: return "float64";
+        default: return "?";
+    }
+}
+
+// --- The hazard model (docs/design.md, "The NCCL double") -----------------------------------
+// A running collective holds its device until every rank has arrived (its kernel occupies the
+// GPU while it waits for its peers), so collectives of two communicators on one device run one
+// after the other. In which order: with the launch-order rule (NCCL_LAUNCH_ORDER_IMPLICIT), the
+// order the host enqueued them; without it, the device's draw. Devices alternate between taking
+// the earliest collective whose stream reached it and waiting a while for a later one to take
+// that instead, starting from a draw of the seed: two devices that choose differently, each
+// holding a collective the other has not started, deadlock as NCCL documents.
+
+struct DeviceSched {
+    std::mutex m;
+    std::condition_variable cv;
+    bool busy = false;                   // a collective holds the device
+    std::uint64_t next_ticket = 0;
+    std::map<std::uint64_t, std::uint64_t> unstarted;  // enqueued and not started: ticket -> communicator
+    std::set<std::uint64_t> ready;       // of those, the ones whose stream reached them
+};
+
+DeviceSched& sched(int device) {
+    static DeviceSched* s = new DeviceSched[max_devices];  // leaked: detached workers may use it at exit
+    return s[device];
+}
+
+std::atomic<int> hazard_setting{-1};  // -1: LOCKSTEP_HOSTCUDA_NCCL_HAZARD
+
+#if defined(__SANITIZE_THREAD__)
+// The device lock orders collectives of different streams, which a GPU does not promise: it
+// would hide from ThreadSanitizer a missing event between them. Off unless a test asks.
+constexpr bool hazard_by_default = false;
+#else
+constexpr bool hazard_by_default = true;
+#endif
+
+bool hazard_on() {
+    const int v = hazard_setting.load();
+    if (v >= 0) return v != 0;
+    const char* e = std::getenv("LOCKSTEP_HOSTCUDA_NCCL_HAZARD");
+    return e == nullptr ? hazard_by_default : std::string(e) != "0";
+}
+
+bool prefers_latest(int device) { return ((lockstep::host_cuda::seed() & 1u) ^ static_cast<unsigned>(device)) & 1u; }
+
+//! How long a device that prefers a later collective waits for one to become ready.
+constexpr auto hazard_window = std::chrono::milliseconds(20);
+
+std::uint64_t take_ticket(int device, std::uint64_t clique) {
+    DeviceSched& d = sched(device);
+    std::lock_guard lock(d.m);
+    const std::uint64_t t = ++d.next_ticket;
+    d.unstarted.emplace(t, clique);
+    return t;
+}
+
+//! Whether a collective of another communicator than `clique` is queued on the device.
+bool others_queued(const DeviceSched& d, std::uint64_t clique) {
+    for (const auto& [ticket, owner] : d.unstarted)
+        if (owner != clique) return true;
+    return false;
+}
+
+void drop_ticket(int device, std::uint64_t ticket) {
+    if (ticket == 0) return;
+    DeviceSched& d = sched(device);
+    {
+        std::lock_guard lock(d.m);
+        d.unstarted.erase(ticket);
+        d.ready.erase(ticket);
+    }
+    d.cv.notify_all();
+}
+
+// --- The watchdog ------------------------------------------------------------------------------
+// A collective that has waited longer than LOCKSTEP_HOSTCUDA_WATCHDOG_S (default 60) prints what
+// every waiting collective waits for and ends the process (exit status 3): an ordering mistake fails its test
+// with the collective named instead of hanging CI. nccl_waits() gives the same report to a test.
+
+struct Waiting {
+    std::weak_ptr<Clique> clique;
+    std::uint64_t clique_id = 0, seq = 0;
+    int rank = 0, device = 0;
+    std::string what;
+    bool started = false;  // holds its device (else it waits for it)
+    clock_type::time_point since;
+};
+
+std::mutex waits_m;
+std::list<Waiting>& waits() {
+    static auto* w = new std::list<Waiting>;
+    return *w;
+}
+
+std::chrono::seconds watchdog_limit() {
+    static const std::chrono::seconds limit = [] {
+        const char* e = std::getenv("LOCKSTEP_HOSTCUDA_WATCHDOG_S");
+        const long v = e == nullptr ? 0 : std::strtol(e, nullptr, 10);
+        return std::chrono::seconds(v > 0 ? v : 60);
+    }();
+    return limit;
+}
+
+std::vector<std::string> describe_waits() {
+    std::vector<Waiting> now;
+    {
+        std::lock_guard lock(waits_m);
+        now.assign(waits().begin(), waits().end());
+    }
+    std::vector<std::string> out;
+    for (const Waiting& w : now) {
+        const double s = std::chrono::duration<double>(clock_type::now() - w.since).count();
+        std::string line = "rank " + std::to_string(w.rank) + " (device " + std::to_string(w.device) + ") has waited " +
+                           std::to_string(static_cast<int>(s * 1000)) + " ms in " + w.what + " #" + std::to_string(w.seq) +
+                           " of communicator " + std::to_string(w.clique_id);
+        if (!w.started) {
+            line += ": its device runs another collective first";
+        } else if (auto q = w.clique.lock()) {
+            std::lock_guard lock(q->m);
+            std::string missing;
+            if (auto it = q->slots.find(w.seq); it != q->slots.end())
+                for (std::size_t r = 0; r < it->second.in.size(); ++r)
+                    if (!it->second.in[r].here) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+            line += missing.empty() ? std::string(": every rank arrived") : ": rank(s) " + missing + " never arrived";
+        }
+        out.push_back(std::move(line));
+    }
+    return out;
+}
+
+[[noreturn]] void watchdog_fires() {
+    std::fprintf(stderr, "host NCCL watchdog: a collective waited longer than %lld s:\n",
+                 static_cast<long long>(watchdog_limit().count()));
+    for (const auto& line : describe_waits()) std::fprintf(stderr, "  %s\n", line.c_str());
+    std::fflush(stderr);
+    std::_Exit(3);  // a failed test, without unwinding threads that stand in collectives
+}
+
+//! Registers the calling stream worker's wait for the watchdog and nccl_waits().
+class WaitRecord {
+public:
+    WaitRecord(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c) {
+        Waiting w;
+        w.clique = comm->clique;
+        w.clique_id = comm->clique->id;
+        w.seq = seq;
+        w.rank = comm->rank;
+        w.device = comm->device;
+        w.what = std::string(c.name) + " (" + std::to_string(c.count) + " x " + type_name(c.type) + ")";
+        w.since = clock_type::now();
+        std::lock_guard lock(waits_m);
+        it_ = waits().insert(waits().end(), std::move(w));
+    }
+    ~WaitRecord() {
+        std::lock_guard lock(waits_m);
+        waits().erase(it_);
+    }
+    void started() {
+        std::lock_guard lock(waits_m);
+        it_->started = true;
+    }
+    clock_type::time_point since() const { return it_->since; }  // set once, before publication
+
+private:
+    std::list<Waiting>::iterator it_;
+};
+
+//! Waits until collective `c` may hold its device (hazard model); false if its communicator
+//! was aborted or failed meanwhile.
+bool acquire_device(Comm& comm, const Collective& c, const WaitRecord& record) {
+    if (c.ticket == 0) return true;
+    DeviceSched& d = sched(comm.device);
+    std::unique_lock lock(d.m);
+    if (d.unstarted.count(c.ticket) == 0) return true;  // cleared by reset()
+    d.ready.insert(c.ticket);
+    d.cv.notify_all();
+    const bool latest = prefers_latest(comm.device);
+    const auto window_end = clock_type::now() + hazard_window;
+    for (;;) {
+        if (comm.aborted.load() || failure(comm.error.load())) {
+            d.unstarted.erase(c.ticket);
+            d.ready.erase(c.ticket);
+            d.cv.notify_all();
+            return false;
+        }
+        if (d.unstarted.count(c.ticket) == 0) return true;  // cleared by reset()
+        if (!d.busy) {
+            std::uint64_t pick = 0;
+            if (c.ordered) pick = d.unstarted.begin()->first;  // the launch-order rule: the host's order
+            else if (!latest) pick = *d.ready.begin();
+            else if (d.ready.size() > 1 || clock_type::now() >= window_end || !others_queued(d, comm.clique->id))
+                pick = *d.ready.rbegin();
+            if (pick == c.ticket) {
+                d.busy = true;
+                d.unstarted.erase(c.ticket);
+                d.ready.erase(c.ticket);
+                return true;
+            }
+        }
+        if (clock_type::now() - record.since() > watchdog_limit()) {
+            lock.unlock();
+            watchdog_fires();
+        }
+        d.cv.wait_for(lock, std::chrono::milliseconds(1));
+    }
+}
+
+void release_device(int device, const Collective& c) {
+    if (c.ticket == 0) return;
+    DeviceSched& d = sched(device);
+    {
+        std::lock_guard lock(d.m);
+        d.busy = false;
+    }
+    d.cv.notify_all();
+}
 
 //! The op a rank's stream worker runs: blocks it until every rank's op of this sequence number
 //! arrived (or the collective failed, or this communicator was aborted).
-void run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c) {
+void meet(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c, const WaitRecord& record) {
     Clique& q = *comm->clique;
     std::unique_lock lock(q.m);
     if (comm->aborted.load() || failure(comm->error.load())) return;  // no-op: its error stays
@@ -208,7 +449,7 @@ void run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const 
         leave();
         return;
     }
-    slot.in[static_cast<std::size_t>(comm->rank)] = {c.send, c.recv};
+    slot.in[static_cast<std::size_t>(comm->rank)] = {c.send, c.recv, true};
     if (++slot.arrived == q.nranks) {
         // Every input is read here, before any rank's op completes (in-place buffers stay intact).
         slot.result.resize(c.count * type_size(c.type));
@@ -222,11 +463,27 @@ void run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const 
         slot.ready = true;
         q.cv.notify_all();
     } else {
-        q.cv.wait(lock, [&] { return slot.ready || slot.failed || comm->aborted.load(); });
+        while (!q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return slot.ready || slot.failed || comm->aborted.load(); }))
+            if (clock_type::now() - record.since() > watchdog_limit()) {
+                lock.unlock();
+                watchdog_fires();
+            }
     }
     if (slot.ready && !comm->aborted.load()) std::memcpy(c.recv, slot.result.data(), slot.result.size());
     else if (slot.failed) comm->error.store(ncclRemoteError);
     leave();
+}
+
+void run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c) {
+    if (sticky(comm->device) != cudaSuccess) {  // a dead context runs no kernel
+        drop_ticket(comm->device, c.ticket);
+        return;
+    }
+    WaitRecord record(comm, seq, c);
+    if (!acquire_device(*comm, c, record)) return;
+    record.started();
+    meet(comm, seq, c, record);
+    release_device(comm->device, c);
 }
 
 ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collective c, const char* name) {
@@ -262,7 +519,11 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
         std::lock_guard lock(comm->m);
         seq = ++comm->next_seq;
     }
+    c.name = name;
+    c.ordered = comm->ordered;
+    if (hazard_on()) c.ticket = take_ticket(comm->device, comm->clique->id);
     Op op;
+    op.device_work = false;  // run_collective drops it on a dead device, giving its ticket back
     op.body = [comm, seq, c] { run_collective(comm, seq, c); };
     const std::uint64_t at = enqueue(s, std::move(op));
     std::lock_guard lock(comm->m);
@@ -316,6 +577,10 @@ void fail_nccl(int rank, int k) {
     else reg.fail_in[rank] = k;
 }
 
+void set_nccl_hazard(bool on) { hazard_setting.store(on ? 1 : 0); }
+
+std::vector<std::string> nccl_waits() { return describe_waits(); }
+
 void set_nccl_version(int version) {
     Registry& reg = registry();
     std::lock_guard lock(reg.m);
@@ -328,6 +593,17 @@ void reset_nccl_injections() {
     std::lock_guard lock(reg.m);
     reg.fail_in.clear();
     reg.version = default_version;
+    hazard_setting.store(-1);
+    for (int d = 0; d < max_devices; ++d) {
+        DeviceSched& ds = sched(d);
+        {
+            std::lock_guard dl(ds.m);
+            ds.busy = false;
+            ds.unstarted.clear();
+            ds.ready.clear();
+        }
+        ds.cv.notify_all();
+    }
 }
 }  // namespace detail
 
@@ -366,12 +642,15 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
     c->rank = rank;
     c->device = device;
     c->blocking = config == nullptr || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
+    // As NCCL, the launch-order rule is read when the communicator is made.
+    const char* order = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    c->ordered = order != nullptr && std::strtol(order, nullptr, 10) != 0;
     Registry& reg = registry();
     {
         std::lock_guard lock(reg.m);
         std::shared_ptr<Clique> q = reg.cliques[id_key(commId)].lock();
         if (q == nullptr) {
-            q = std::make_shared<Clique>(nranks);
+            q = std::make_shared<Clique>(nranks, reg.next_clique++);
             reg.cliques[id_key(commId)] = q;
         }
         std::lock_guard qlock(q->m);

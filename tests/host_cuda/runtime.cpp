@@ -62,6 +62,7 @@ struct Device {
 struct LaunchCounter {
     int k = 0;
     std::string kernel;
+    int device = -1;  // every device
 };
 
 struct Injections {
@@ -210,8 +211,9 @@ bool hit(int& counter) {
     return --counter == 0;
 }
 
-bool hit(LaunchCounter& c, const std::string& kernel) {
+bool hit(LaunchCounter& c, const std::string& kernel, int device) {
     if (!c.kernel.empty() && c.kernel != kernel) return false;
+    if (c.device >= 0 && c.device != device) return false;
     return hit(c.k);
 }
 
@@ -480,17 +482,17 @@ void fail_allocation(int k) {
     std::lock_guard lock(state().m);
     state().inject.fail_alloc = k;
 }
-void fail_launch(int k, const char* kernel) {
+void fail_launch(int k, const char* kernel, int device) {
     std::lock_guard lock(state().m);
-    state().inject.fail_launch = {k, kernel == nullptr ? "" : kernel};
+    state().inject.fail_launch = {k, kernel == nullptr ? "" : kernel, device};
 }
-void fault_launch(int k, const char* kernel) {
+void fault_launch(int k, const char* kernel, int device) {
     std::lock_guard lock(state().m);
-    state().inject.fault_launch = {k, kernel == nullptr ? "" : kernel};
+    state().inject.fault_launch = {k, kernel == nullptr ? "" : kernel, device};
 }
-void stall_launch(int k, const char* kernel) {
+void stall_launch(int k, const char* kernel, int device) {
     std::lock_guard lock(state().m);
-    state().inject.stall_launch = {k, kernel == nullptr ? "" : kernel};
+    state().inject.stall_launch = {k, kernel == nullptr ? "" : kernel, device};
 }
 
 void release_stalls() {
@@ -1094,9 +1096,9 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* userD
     const std::string name = std::exchange(next_launch_name, std::string());
     {
         std::lock_guard lock(st.m);
-        if (hit(st.inject.fail_launch, name)) return fail(cudaErrorLaunchFailure);
-        fault = hit(st.inject.fault_launch, name);
-        stall = hit(st.inject.stall_launch, name);
+        if (hit(st.inject.fail_launch, name, s->device)) return fail(cudaErrorLaunchFailure);
+        fault = hit(st.inject.fault_launch, name, s->device);
+        stall = hit(st.inject.stall_launch, name, s->device);
         number = ++st.launches;
     }
     if (stall) {

@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: MIT
+//! DataParallel<Cuda> with one replica per device, through the host NCCL (label hostcuda): the
+//! failures of the NCCL path that a machine of one GPU never reaches -- two communicators per
+//! device without NCCL's launch-order rule, a rank whose stream never reaches a collective, and
+//! teardown after an abort (docs/design.md, "The NCCL double").
+#include <catch2/catch.hpp>
+
+#include <lockstep/cuda.cuh>
+#include <lockstep/nn.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../gpu/small_model.hpp"
+#include "../host_cuda/host_cuda.hpp"
+
+using namespace lockstep;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+using gpu_test::make_batch;
+using gpu_test::make_small;
+using gpu_test::Small;
+
+struct Clean {
+    Clean() { host_cuda::reset(); }
+    ~Clean() { host_cuda::reset(); }
+};
+
+const std::vector<Device> two{Device::cuda(0), Device::cuda(1)};
+
+DataParallelOptions options(std::chrono::milliseconds timeout) {
+    DataParallelOptions o;
+    o.timeout = timeout;
+    o.bucket_bytes = 1024;  // 3 buckets on the communication stream, between SyncBatchNorm's collectives
+    return o;
+}
+
+//! Runs `step`; meanwhile samples what the host NCCL's collectives wait for.
+struct Observed {
+    bool threw = false;
+    std::string message;
+    double seconds = 0;
+    std::vector<std::string> waits;  // every distinct line nccl_waits() gave
+};
+
+template <class F>
+Observed observe(F&& step) {
+    Observed o;
+    std::atomic<bool> done{false};
+    std::mutex m;
+    std::thread sampler([&] {
+        while (!done.load()) {
+            for (auto& line : host_cuda::nccl_waits()) {
+                std::lock_guard lock(m);
+                o.waits.push_back(std::move(line));
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+    });
+    const auto t0 = Clock::now();
+    try {
+        step();
+    } catch (const std::exception& e) {
+        o.threw = true;
+        o.message = e.what();
+    }
+    o.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    done = true;
+    sampler.join();
+    return o;
+}
+
+bool any_contains(const std::vector<std::string>& lines, const std::string& what) {
+    for (const auto& l : lines)
+        if (l.find(what) != std::string::npos) return true;
+    return false;
+}
+
+std::size_t threads_now() {
+    std::size_t n = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+    return n;
+}
+
+}  // namespace
+
+// The layer group (SyncBatchNorm, on the compute stream) and the gradient group (buckets, on the
+// communication stream) are two NCCL communicators on every GPU. Their collectives may start on
+// a device in either order unless NCCL orders them by the host's calls
+// (NCCL_LAUNCH_ORDER_IMPLICIT, which lockstep sets unless the user did): under the double's
+// hazard model two devices that choose differently deadlock. Mutation-checked (release build):
+// without prepare_nccl's setenv the first half fails (a deadlock, reported at the timeout).
+TEST_CASE("two communicators per device train under NCCL's launch-order rule, and without it deadlock within the timeout",
+          "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    host_cuda::set_nccl_hazard(true);
+    const auto b = make_batch(12, 21);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    ::unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    {
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(10)));
+        nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+        for (int s = 0; s < 4; ++s) {
+            CAPTURE(s);
+            CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+        }
+    }
+    ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0", 1);  // the user's setting is kept: the devices choose
+    {
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::milliseconds(1500)));
+        nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+        Observed o;
+        for (int s = 0; s < 5 && !o.threw; ++s)
+            o = observe([&] { (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd); });
+        CAPTURE(o.message, o.seconds, host_cuda::seed());
+        REQUIRE(o.threw);
+        CHECK(o.seconds < 6.0);
+        CHECK(o.message.find("took longer than 1500 ms") != std::string::npos);
+        // The double saw the deadlock: a rank in a collective its peer's device has not started.
+        CHECK(any_contains(o.waits, "its device runs another collective first"));
+    }
+    ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 1);
+}
+
+// A rank whose stream stands still before a collective (a kernel that never ends) leaves its
+// peer waiting in that collective on its own device; the host waits of the step end at the
+// group's timeout, the step fails on both replicas, and the next one runs on rebuilt
+// communicators. The double names the rank that never arrived.
+TEST_CASE("a rank whose stream never reaches a collective fails the step within the timeout, named", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const bool check_finite = GENERATE(false, true);
+    CAPTURE(check_finite);
+    const auto b = make_batch(12, 22);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    auto o_ = options(std::chrono::milliseconds(1500));
+    o_.check_finite = check_finite;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o_);
+    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+    (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    const auto before = dp.checkpoint(sgd);
+
+    host_cuda::stall_launch(1, nullptr, 1);  // device 1's first kernel of the step: before SyncBatchNorm's all-reduce
+    std::atomic<bool> done{false};
+    std::thread releaser([&] {  // bounded: the stall ends even if the step never gives up
+        const auto give_up = Clock::now() + std::chrono::seconds(20);
+        while (!done.load() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        host_cuda::release_stalls();
+    });
+    const Observed o = observe([&] { (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd); });
+    done = true;
+    releaser.join();
+    CAPTURE(o.message, o.seconds);
+    for (const auto& w : o.waits) UNSCOPED_INFO(w);
+    REQUIRE(o.threw);
+    CHECK(o.seconds < 6.0);
+    CHECK(o.message.find("took longer than 1500 ms") != std::string::npos);
+    CHECK(any_contains(o.waits, "rank 0 (device 0)"));
+    CHECK(any_contains(o.waits, "rank(s) 1 never arrived"));
+    if (check_finite) {  // the step's scalars are read before the commit barrier: no replica applies it
+        CHECK_FALSE(dp.diverged());
+        const auto after = dp.checkpoint(sgd);
+        for (const auto& name : before.names()) {
+            CAPTURE(name);
+            CHECK(after.at(name).data == before.at(name).data);
+        }
+    } else {  // seen after every replica enqueued its update: both are marked, with what to do
+        CHECK(dp.diverged());
+        CHECK_THROWS_WITH(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("load() a checkpoint"));
+        dp.load(before, sgd);
+    }
+    CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));  // on rebuilt communicators
+}
+
+// After a step that aborted its communicators, destroying the DataParallel object joins every
+// replica thread and ends every stream worker it made: the process has the threads it had.
+TEST_CASE("teardown after an aborted step leaves no thread running", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const auto b = make_batch(12, 23);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    { DataParallel<Small<Cuda>> warm(make_small<Cuda>(), two); }  // the devices' legacy streams exist from here
+    // Stream workers end once their destroyed streams drained: the count, once steady for 200 ms
+    // (or down to `want`), within 5 s.
+    const auto settle = [](std::size_t want) {
+        const auto give_up = Clock::now() + std::chrono::seconds(5);
+        std::size_t n = threads_now();
+        auto steady_since = Clock::now();
+        while (n > want && Clock::now() < give_up && Clock::now() - steady_since < std::chrono::milliseconds(200)) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            if (const std::size_t now = threads_now(); now != n) n = now, steady_since = Clock::now();
+        }
+        return n;
+    };
+    const std::size_t baseline = settle(0);
+    {
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(5)));
+        nn::Sgd<Cuda> sgd({.lr = 0.05});
+        (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+        CHECK(threads_now() > baseline);
+        host_cuda::fail_nccl(0, 2);  // a bucket fails on rank 0: every communicator is aborted
+        CHECK_THROWS(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+        host_cuda::fail_nccl(0, 0);
+    }
+    CHECK(settle(baseline) == baseline);
+}
