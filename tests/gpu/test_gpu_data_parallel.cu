@@ -125,8 +125,10 @@ void compare_with_host(const std::vector<Device>& devices, const std::string& la
     for (std::size_t i = 0; i < th.size() && i < tc.size(); ++i) worst = std::max(worst, rel_norm(tc[i], th[i]));
     expect(th.size() == tc.size() && worst <= 5e-3,
            label + ": parameters and buffers per tensor equal the host's (worst relative " + std::to_string(worst) + ")");
-    std::printf("     %s: %zu of %zu buckets all-reduced while backward ran on replica 0\n", label.c_str(),
-                gpu.overlapped_buckets(0), gpu.bucket_count());
+    // Every bucket's all-reduce is enqueued on the communication stream before backward returns.
+    expect(gpu.bucket_count() >= 2 && gpu.overlapped_buckets(0) == gpu.bucket_count(),
+           label + ": " + std::to_string(gpu.overlapped_buckets(0)) + " of " + std::to_string(gpu.bucket_count()) +
+               " buckets enqueued while backward ran on replica 0");
 
     // DataParallel::forward gathers every replica's output on the caller's stream (the first GPU
     // run evaluated at chance: the gather did not wait for the other replicas' streams).

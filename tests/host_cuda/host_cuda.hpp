@@ -34,8 +34,8 @@ void stall_launch(int k, const char* kernel = nullptr, int device = -1);
 //! Lets every stalled launch injected so far run.
 void release_stalls();
 
-//! The k-th collective (counted per communicator, from now) of the communicators whose rank is
-//! `rank` fails: its communicator gets ncclSystemError, the peers waiting in that collective
+//! The k-th collective (counted from now over every communicator in which it is rank `rank`,
+//! at enqueue) of rank `rank` fails: its communicator gets ncclSystemError, the peers waiting in that collective
 //! are released with ncclRemoteError and their buffers are left as they were.
 void fail_nccl(int rank, int k);
 

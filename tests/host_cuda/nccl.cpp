@@ -226,6 +226,7 @@ struct DeviceSched {
     std::uint64_t next_ticket = 0;
     std::map<std::uint64_t, std::uint64_t> unstarted;  // enqueued and not started: ticket -> communicator
     std::set<std::uint64_t> ready;       // of those, the ones whose stream reached them
+    std::uint64_t generation = 0;        // reset() starts a new one: holders from before release nothing
 };
 
 DeviceSched& sched(int device) {
@@ -235,7 +236,22 @@ DeviceSched& sched(int device) {
 
 std::atomic<int> hazard_setting{-1};  // -1: LOCKSTEP_HOSTCUDA_NCCL_HAZARD
 
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#define LOCKSTEP_HOSTCUDA_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define LOCKSTEP_HOSTCUDA_SANITIZED 1
+#endif
+#endif
 #if defined(__SANITIZE_THREAD__)
+#define LOCKSTEP_HOSTCUDA_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define LOCKSTEP_HOSTCUDA_TSAN 1
+#endif
+#endif
+
+#if defined(LOCKSTEP_HOSTCUDA_TSAN)
 // The device lock orders collectives of different streams, which a GPU does not promise: it
 // would hide from ThreadSanitizer a missing event between them. Off unless a test asks.
 constexpr bool hazard_by_default = false;
@@ -252,16 +268,14 @@ bool hazard_on() {
 
 bool prefers_latest(int device) { return ((lockstep::host_cuda::seed() & 1u) ^ static_cast<unsigned>(device)) & 1u; }
 
-//! How long a device that prefers a later collective waits for one to become ready.
+//! How long a device that prefers a later collective waits for one to become ready (longer
+//! where a sanitizer slows the streams down).
+#if defined(LOCKSTEP_HOSTCUDA_SANITIZED)
+constexpr auto hazard_window = std::chrono::milliseconds(200);
+#else
 constexpr auto hazard_window = std::chrono::milliseconds(20);
+#endif
 
-std::uint64_t take_ticket(int device, std::uint64_t clique) {
-    DeviceSched& d = sched(device);
-    std::lock_guard lock(d.m);
-    const std::uint64_t t = ++d.next_ticket;
-    d.unstarted.emplace(t, clique);
-    return t;
-}
 
 //! Whether a collective of another communicator than `clique` is queued on the device.
 bool others_queued(const DeviceSched& d, std::uint64_t clique) {
@@ -290,7 +304,9 @@ struct Waiting {
     std::weak_ptr<Clique> clique;
     std::uint64_t clique_id = 0, seq = 0;
     int rank = 0, device = 0;
-    std::string what;
+    const char* name = "";
+    std::size_t count = 0;
+    ncclDataType_t type = ncclFloat32;
     bool started = false;  // holds its device (else it waits for it)
     clock_type::time_point since;
 };
@@ -320,7 +336,8 @@ std::vector<std::string> describe_waits() {
     for (const Waiting& w : now) {
         const double s = std::chrono::duration<double>(clock_type::now() - w.since).count();
         std::string line = "rank " + std::to_string(w.rank) + " (device " + std::to_string(w.device) + ") has waited " +
-                           std::to_string(static_cast<int>(s * 1000)) + " ms in " + w.what + " #" + std::to_string(w.seq) +
+                           std::to_string(static_cast<int>(s * 1000)) + " ms in " + w.name + " (" + std::to_string(w.count) +
+                           " x " + type_name(w.type) + ") #" + std::to_string(w.seq) +
                            " of communicator " + std::to_string(w.clique_id);
         if (!w.started) {
             line += ": its device runs another collective first";
@@ -345,42 +362,65 @@ std::vector<std::string> describe_waits() {
     std::_Exit(3);  // a failed test, without unwinding threads that stand in collectives
 }
 
-//! Registers the calling stream worker's wait for the watchdog and nccl_waits().
+//! The calling stream worker's wait, for the watchdog and nccl_waits(). It is published (under
+//! the global `waits_m`) only once it has lasted `publish_after`: a lock every collective took
+//! would order the stream workers for ThreadSanitizer where CUDA promises nothing.
 class WaitRecord {
 public:
+    static constexpr auto publish_after = std::chrono::milliseconds(100);
+
     WaitRecord(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c) {
-        Waiting w;
-        w.clique = comm->clique;
-        w.clique_id = comm->clique->id;
-        w.seq = seq;
-        w.rank = comm->rank;
-        w.device = comm->device;
-        w.what = std::string(c.name) + " (" + std::to_string(c.count) + " x " + type_name(c.type) + ")";
-        w.since = clock_type::now();
-        std::lock_guard lock(waits_m);
-        it_ = waits().insert(waits().end(), std::move(w));
+        w_.clique = comm->clique;
+        w_.clique_id = comm->clique->id;
+        w_.seq = seq;
+        w_.rank = comm->rank;
+        w_.device = comm->device;
+        w_.name = c.name;
+        w_.count = c.count;
+        w_.type = c.type;
+        w_.since = clock_type::now();
     }
     ~WaitRecord() {
+        if (!published_) return;
         std::lock_guard lock(waits_m);
         waits().erase(it_);
     }
+    WaitRecord(const WaitRecord&) = delete;
+    WaitRecord& operator=(const WaitRecord&) = delete;
     void started() {
+        w_.started = true;
+        if (!published_) return;
         std::lock_guard lock(waits_m);
         it_->started = true;
     }
-    clock_type::time_point since() const { return it_->since; }  // set once, before publication
+    //! In a wait loop: publishes a long wait, and ends the process past the watchdog's limit.
+    void tick() {
+        const auto waited = clock_type::now() - w_.since;
+        if (!published_ && waited >= publish_after) {
+            std::lock_guard lock(waits_m);
+            it_ = waits().insert(waits().end(), w_);
+            published_ = true;
+        }
+        if (waited > watchdog_limit()) watchdog_fires();
+    }
 
 private:
+    Waiting w_;
+    bool published_ = false;
     std::list<Waiting>::iterator it_;
 };
 
-//! Waits until collective `c` may hold its device (hazard model); false if its communicator
-//! was aborted or failed meanwhile.
-bool acquire_device(Comm& comm, const Collective& c, const WaitRecord& record) {
-    if (c.ticket == 0) return true;
+//! How a collective got past acquire_device.
+enum class Grant { untracked, held, aborted };
+
+//! Waits until collective `c` may hold its device (hazard model): `held` with the device's
+//! generation in `generation`, `untracked` outside the model (or cleared by reset()), `aborted`
+//! if its communicator was aborted or failed meanwhile.
+Grant acquire_device(Comm& comm, const Collective& c, WaitRecord& record, std::uint64_t& generation) {
+    if (c.ticket == 0) return Grant::untracked;
     DeviceSched& d = sched(comm.device);
     std::unique_lock lock(d.m);
-    if (d.unstarted.count(c.ticket) == 0) return true;  // cleared by reset()
+    if (d.unstarted.count(c.ticket) == 0) return Grant::untracked;  // cleared by reset()
     d.ready.insert(c.ticket);
     d.cv.notify_all();
     const bool latest = prefers_latest(comm.device);
@@ -390,9 +430,9 @@ bool acquire_device(Comm& comm, const Collective& c, const WaitRecord& record) {
             d.unstarted.erase(c.ticket);
             d.ready.erase(c.ticket);
             d.cv.notify_all();
-            return false;
+            return Grant::aborted;
         }
-        if (d.unstarted.count(c.ticket) == 0) return true;  // cleared by reset()
+        if (d.unstarted.count(c.ticket) == 0) return Grant::untracked;  // cleared by reset()
         if (!d.busy) {
             std::uint64_t pick = 0;
             if (c.ordered) pick = d.unstarted.begin()->first;  // the launch-order rule: the host's order
@@ -403,22 +443,22 @@ bool acquire_device(Comm& comm, const Collective& c, const WaitRecord& record) {
                 d.busy = true;
                 d.unstarted.erase(c.ticket);
                 d.ready.erase(c.ticket);
-                return true;
+                generation = d.generation;
+                return Grant::held;
             }
         }
-        if (clock_type::now() - record.since() > watchdog_limit()) {
-            lock.unlock();
-            watchdog_fires();
-        }
+        lock.unlock();
+        record.tick();
+        lock.lock();
         d.cv.wait_for(lock, std::chrono::milliseconds(1));
     }
 }
 
-void release_device(int device, const Collective& c) {
-    if (c.ticket == 0) return;
+void release_device(int device, std::uint64_t generation) {
     DeviceSched& d = sched(device);
     {
         std::lock_guard lock(d.m);
+        if (d.generation != generation) return;  // reset() cleared the device meanwhile
         d.busy = false;
     }
     d.cv.notify_all();
@@ -426,7 +466,7 @@ void release_device(int device, const Collective& c) {
 
 //! The op a rank's stream worker runs: blocks it until every rank's op of this sequence number
 //! arrived (or the collective failed, or this communicator was aborted).
-void meet(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c, const WaitRecord& record) {
+void meet(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c, WaitRecord& record) {
     Clique& q = *comm->clique;
     std::unique_lock lock(q.m);
     if (comm->aborted.load() || failure(comm->error.load())) return;  // no-op: its error stays
@@ -463,11 +503,11 @@ void meet(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective
         slot.ready = true;
         q.cv.notify_all();
     } else {
-        while (!q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return slot.ready || slot.failed || comm->aborted.load(); }))
-            if (clock_type::now() - record.since() > watchdog_limit()) {
-                lock.unlock();
-                watchdog_fires();
-            }
+        while (!q.cv.wait_for(lock, WaitRecord::publish_after, [&] { return slot.ready || slot.failed || comm->aborted.load(); })) {
+            lock.unlock();  // describe_waits() takes the clique's lock
+            record.tick();
+            lock.lock();
+        }
     }
     if (slot.ready && !comm->aborted.load()) std::memcpy(c.recv, slot.result.data(), slot.result.size());
     else if (slot.failed) comm->error.store(ncclRemoteError);
@@ -480,10 +520,12 @@ void run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const 
         return;
     }
     WaitRecord record(comm, seq, c);
-    if (!acquire_device(*comm, c, record)) return;
+    std::uint64_t generation = 0;
+    const Grant grant = acquire_device(*comm, c, record, generation);
+    if (grant == Grant::aborted) return;
     record.started();
     meet(comm, seq, c, record);
-    release_device(comm->device, c);
+    if (grant == Grant::held) release_device(comm->device, generation);
 }
 
 ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collective c, const char* name) {
@@ -521,11 +563,22 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
     }
     c.name = name;
     c.ordered = comm->ordered;
-    if (hazard_on()) c.ticket = take_ticket(comm->device, comm->clique->id);
-    Op op;
-    op.device_work = false;  // run_collective drops it on a dead device, giving its ticket back
-    op.body = [comm, seq, c] { run_collective(comm, seq, c); };
-    const std::uint64_t at = enqueue(s, std::move(op));
+    const auto make_op = [&] {
+        Op op;
+        op.device_work = false;  // run_collective drops it on a dead device, giving its ticket back
+        op.body = [comm, seq, c] { run_collective(comm, seq, c); };
+        return op;
+    };
+    std::uint64_t at = 0;
+    if (hazard_on()) {  // the ticket and the stream position taken together: host order is enqueue order
+        DeviceSched& d = sched(comm->device);
+        std::lock_guard lock(d.m);
+        c.ticket = ++d.next_ticket;
+        d.unstarted.emplace(c.ticket, comm->clique->id);
+        at = enqueue(s, make_op());
+    } else {
+        at = enqueue(s, make_op());
+    }
     std::lock_guard lock(comm->m);
     bool found = false;
     for (auto& [st, n] : comm->last_ops)
@@ -598,6 +651,7 @@ void reset_nccl_injections() {
         DeviceSched& ds = sched(d);
         {
             std::lock_guard dl(ds.m);
+            ++ds.generation;
             ds.busy = false;
             ds.unstarted.clear();
             ds.ready.clear();
@@ -642,9 +696,12 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
     c->rank = rank;
     c->device = device;
     c->blocking = config == nullptr || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
-    // As NCCL, the launch-order rule is read when the communicator is made.
-    const char* order = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
-    c->ordered = order != nullptr && std::strtol(order, nullptr, 10) != 0;
+    // As NCCL, the launch-order rule is read once per process, when the first communicator is made.
+    static const bool launch_order = [] {
+        const char* order = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+        return order != nullptr && std::strtol(order, nullptr, 10) != 0;
+    }();
+    c->ordered = launch_order;
     Registry& reg = registry();
     {
         std::lock_guard lock(reg.m);

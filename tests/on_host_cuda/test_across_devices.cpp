@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -79,9 +80,13 @@ Observed observe(F&& step) {
     return o;
 }
 
-bool any_contains(const std::vector<std::string>& lines, const std::string& what) {
-    for (const auto& l : lines)
-        if (l.find(what) != std::string::npos) return true;
+//! Whether a line says a collective has waited at least `ms` milliseconds and contains `what`.
+bool waited(const std::vector<std::string>& lines, const std::string& what, long ms) {
+    static const std::regex for_how_long("has waited ([0-9]+) ms");
+    for (const auto& l : lines) {
+        std::smatch m;
+        if (l.find(what) != std::string::npos && std::regex_search(l, m, for_how_long) && std::stol(m[1].str()) >= ms) return true;
+    }
     return false;
 }
 
@@ -96,39 +101,46 @@ std::size_t threads_now() {
 // The layer group (SyncBatchNorm, on the compute stream) and the gradient group (buckets, on the
 // communication stream) are two NCCL communicators on every GPU. Their collectives may start on
 // a device in either order unless NCCL orders them by the host's calls
-// (NCCL_LAUNCH_ORDER_IMPLICIT, which lockstep sets unless the user did): under the double's
-// hazard model two devices that choose differently deadlock. Mutation-checked (release build):
-// without prepare_nccl's setenv the first half fails (a deadlock, reported at the timeout).
-TEST_CASE("two communicators per device train under NCCL's launch-order rule, and without it deadlock within the timeout",
+// (NCCL_LAUNCH_ORDER_IMPLICIT, which lockstep sets unless the user did; NCCL reads it once per
+// process, so each half is a case of its own): under the double's hazard model two devices that
+// choose differently deadlock. Mutation-checked (release build): without prepare_nccl's setenv
+// the first case fails (a deadlock, reported at the timeout).
+TEST_CASE("two communicators per device train under NCCL's launch-order rule", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    host_cuda::set_nccl_hazard(true);
+    ::unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    const auto b = make_batch(12, 21);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(10)));
+    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 6; ++s) {
+        CAPTURE(s, host_cuda::seed());
+        CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+    }
+}
+
+TEST_CASE("two communicators per device without NCCL's launch-order rule deadlock, and the step fails within the timeout",
           "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
     host_cuda::set_nccl_hazard(true);
+    ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0", 1);  // the user's setting is kept: the devices choose
     const auto b = make_batch(12, 21);
     const auto x = b.x.to<Cuda>(Device::cuda(0));
-    ::unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
-    {
-        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(10)));
-        nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
-        for (int s = 0; s < 4; ++s) {
-            CAPTURE(s);
-            CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
-        }
-    }
-    ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0", 1);  // the user's setting is kept: the devices choose
-    {
-        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::milliseconds(1500)));
-        nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
-        Observed o;
-        for (int s = 0; s < 5 && !o.threw; ++s)
-            o = observe([&] { (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd); });
-        CAPTURE(o.message, o.seconds, host_cuda::seed());
-        REQUIRE(o.threw);
-        CHECK(o.seconds < 6.0);
-        CHECK(o.message.find("took longer than 1500 ms") != std::string::npos);
-        // The double saw the deadlock: a rank in a collective its peer's device has not started.
-        CHECK(any_contains(o.waits, "its device runs another collective first"));
-    }
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(4)));
+    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+    Observed o;
+    int steps = 0;
+    for (; steps < 20 && !o.threw; ++steps)
+        o = observe([&] { (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd); });
+    CAPTURE(steps, o.message, o.seconds, host_cuda::seed());
+    REQUIRE(o.threw);
+    CHECK(o.seconds < 12.0);
+    CHECK(o.message.find("took longer than 4000 ms") != std::string::npos);
+    // The double saw the deadlock: a rank stood for a second behind a collective its device ran
+    // first, which waited for a peer that had started the other one.
+    CHECK(waited(o.waits, "its device runs another collective first", 1000));
     ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 1);
 }
 
@@ -143,7 +155,7 @@ TEST_CASE("a rank whose stream never reaches a collective fails the step within 
     CAPTURE(check_finite);
     const auto b = make_batch(12, 22);
     const auto x = b.x.to<Cuda>(Device::cuda(0));
-    auto o_ = options(std::chrono::milliseconds(1500));
+    auto o_ = options(std::chrono::seconds(4));
     o_.check_finite = check_finite;
     DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o_);
     nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
@@ -163,10 +175,10 @@ TEST_CASE("a rank whose stream never reaches a collective fails the step within 
     CAPTURE(o.message, o.seconds);
     for (const auto& w : o.waits) UNSCOPED_INFO(w);
     REQUIRE(o.threw);
-    CHECK(o.seconds < 6.0);
-    CHECK(o.message.find("took longer than 1500 ms") != std::string::npos);
-    CHECK(any_contains(o.waits, "rank 0 (device 0)"));
-    CHECK(any_contains(o.waits, "rank(s) 1 never arrived"));
+    CHECK(o.seconds < 12.0);
+    CHECK(o.message.find("took longer than 4000 ms") != std::string::npos);
+    CHECK(waited(o.waits, "rank 0 (device 0)", 1000));
+    CHECK(waited(o.waits, "rank(s) 1 never arrived", 1000));
     if (check_finite) {  // the step's scalars are read before the commit barrier: no replica applies it
         CHECK_FALSE(dp.diverged());
         const auto after = dp.checkpoint(sgd);
@@ -212,5 +224,5 @@ TEST_CASE("teardown after an aborted step leaves no thread running", "[hostcuda]
         CHECK_THROWS(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
         host_cuda::fail_nccl(0, 0);
     }
-    CHECK(settle(baseline) == baseline);
+    CHECK(settle(baseline) <= baseline);
 }
