@@ -449,6 +449,27 @@ TEST_CASE("stream group: a started all-reduce runs on the communication stream b
         for (float v : d) CHECK(v == 4.0f);
 }
 
+// A negative root once read as "all-reduce": a broadcast from -1 summed the buffers instead of
+// failing. Both ends of the range are refused before anything is enqueued.
+TEST_CASE("stream group: a broadcast root outside the group is refused, naming the ranks it takes", "[comm]") {
+    for (const int root : {-1, 2}) {
+        CAPTURE(root);
+        log_of_calls().clear();
+        Group g(hosts({0, 1}), 5s);
+        std::vector<std::vector<float>> data(2, std::vector<float>(4, 1.0f));
+        const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
+            c.broadcast(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 4, Device::host(r)), root,
+                        comm::CollectiveSite::user(5));
+        });
+        for (const auto& e : errors) {
+            REQUIRE(e);
+            CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("pass a rank from 0 to 1"));
+        }
+        for (const auto& c : log_of_calls().snapshot()) CHECK(c.op != "broadcast");
+        for (const auto& d : data) CHECK(d == std::vector<float>(4, 1.0f));
+    }
+}
+
 TEST_CASE("stream group: replicas on one device sum in one rank-order kernel on rank 0's stream", "[comm]") {
     log_of_calls().clear();
     Group g(hosts({0, 0, 0}), 5s);

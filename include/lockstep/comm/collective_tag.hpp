@@ -24,6 +24,35 @@ constexpr DType dtype_of() {
 template <class T>
 concept Reducible = dtype_of<T>() != DType::none;
 
+//! The exchanges between processes outside the replicas' collectives (`CollectiveSite::control`).
+enum class Exchange : std::uint32_t {
+    replica_counts,         // DataParallel: every process runs as many replicas
+    batch_rows,             // DataParallel: each process's rows of a global batch
+    step_totals,            // DataParallel: a step's loss and correct counts
+    checkpoint_status,      // DataParallel: whether process 0 wrote or read a checkpoint
+    group_layout,           // a stream group: each process's replicas and their layout
+    device_keys,            // a stream group: the GPUs each process's communicators use
+    nccl_unique_id,         // a stream group: process 0's NCCL unique id
+    setup_failures,         // which processes failed to set up
+    setup_failure_message,  // the first failing process's message
+};
+
+//! What `Exchange` `e` exchanges, for messages.
+constexpr const char* to_string(Exchange e) {
+    switch (e) {
+        case Exchange::replica_counts: return "replica counts";
+        case Exchange::batch_rows: return "a batch's rows";
+        case Exchange::step_totals: return "a step's totals";
+        case Exchange::checkpoint_status: return "a checkpoint's status";
+        case Exchange::group_layout: return "a replica group's layout";
+        case Exchange::device_keys: return "a replica group's GPUs";
+        case Exchange::nccl_unique_id: return "a replica group's NCCL unique id";
+        case Exchange::setup_failures: return "setup failures";
+        case Exchange::setup_failure_message: return "a setup failure's message";
+    }
+    return "?";
+}
+
 //! Which call a collective is. Every replica reaches the same sites in the same order; a
 //! different site at the same point is a `CollectiveMismatch`.
 struct CollectiveSite {
@@ -44,11 +73,8 @@ struct CollectiveSite {
     static constexpr CollectiveSite broadcast(std::uint64_t index) { return {Kind::broadcast, index, 0}; }
     //! The barriers of a training step around the optimizer (0: before it, 1: after it).
     static constexpr CollectiveSite commit(std::uint32_t which = 0) { return {Kind::commit, 0, which}; }
-    //! Exchanges between processes outside the replicas' collectives: DataParallel's (0: replica
-    //! counts, 1: a batch's rows, 2: a step's totals, 3: a checkpoint's status) and a stream
-    //! group's setup across processes (4: the replicas' layout, 5: the NCCL unique id), and any
-    //! process's failure to set up (6: which failed, 7: the first one's message).
-    static constexpr CollectiveSite control(std::uint32_t which) { return {Kind::control, 0, which}; }
+    //! An exchange between processes outside the replicas' collectives.
+    static constexpr CollectiveSite control(Exchange which) { return {Kind::control, 0, static_cast<std::uint32_t>(which)}; }
 
     friend constexpr bool operator==(const CollectiveSite&, const CollectiveSite&) = default;
 
@@ -61,13 +87,8 @@ struct CollectiveSite {
             case Kind::bucket: return "gradient bucket " + n;
             case Kind::broadcast: return "broadcast of tensor " + n;
             case Kind::commit: return part == 0 ? "the commit barrier" : "the barrier after the optimizer step";
-            case Kind::control: {
-                static constexpr const char* what[] = {"replica counts", "a batch's rows", "a step's totals",
-                                                       "a checkpoint's status", "a replica group's layout",
-                                                       "a replica group's NCCL unique id", "setup failures",
-                                                       "a setup failure's message"};
-                return std::string("the exchange of ") + (part < 8 ? what[part] : "?") + " between processes";
-            }
+            case Kind::control:
+                return std::string("the exchange of ") + to_string(static_cast<Exchange>(part)) + " between processes";
             default: return "user site " + n;
         }
     }

@@ -61,7 +61,8 @@ public:
 //! process learns whether any failed. Returns "" when none did, else the same text on every
 //! process, "process q of P: <q's error>" for the first failed process q (", and k more" when
 //! others failed too), for every process to throw, so that none waits in a collective for one
-//! that left. `failure`: this process's error, or null. On `channel`, sites control(6) and (7).
+//! that left. `failure`: this process's error, or null. On `channel`, at the sites
+//! Exchange::setup_failures and Exchange::setup_failure_message.
 inline std::string agreed_failure(ProcessGroup& procs, ProcessGroup::Channel channel, const std::exception_ptr& failure) {
     std::string text;
     if (failure) {
@@ -79,7 +80,7 @@ inline std::string agreed_failure(ProcessGroup& procs, ProcessGroup::Channel cha
     Collectives& link = procs.channel(channel);
     std::vector<double> failed(static_cast<std::size_t>(procs.size()), 0.0);
     failed[static_cast<std::size_t>(procs.rank())] = failure ? 1.0 : 0.0;
-    link.all_reduce_sum(DeviceSpan<double>::host(failed), CollectiveSite::control(6));
+    link.all_reduce_sum(DeviceSpan<double>::host(failed), CollectiveSite::control(Exchange::setup_failures));
     const auto first = std::find(failed.begin(), failed.end(), 1.0);
     if (first == failed.end()) return {};
     const int who = static_cast<int>(first - failed.begin());
@@ -89,7 +90,7 @@ inline std::string agreed_failure(ProcessGroup& procs, ProcessGroup::Channel cha
         message[0] = static_cast<std::int64_t>(std::min<std::size_t>(text.size(), 1024));
         for (std::size_t i = 0; i < static_cast<std::size_t>(message[0]); ++i) message[1 + i] = static_cast<unsigned char>(text[i]);
     }
-    link.broadcast(DeviceSpan<std::int64_t>::host(message), who, CollectiveSite::control(7));
+    link.broadcast(DeviceSpan<std::int64_t>::host(message), who, CollectiveSite::control(Exchange::setup_failure_message));
     std::string quoted;
     for (std::int64_t i = 0; i < message[0]; ++i) quoted += static_cast<char>(message[static_cast<std::size_t>(1 + i)]);
     return "process " + std::to_string(who) + " of " + std::to_string(procs.size()) +

@@ -144,13 +144,19 @@ public:
     std::uint64_t collective_count() const noexcept override { return st_->rendezvous.collectives(rank_); }
     bool stream_ordered() const noexcept override { return true; }
 
-    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, -1, site, false, DType::f32); }
-    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { run(data, -1, site, false, DType::f64); }
-    void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, -1, site, true, DType::f32); }
-    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override { run(data, root, site, false, DType::f32); }
-    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override { run(data, root, site, false, DType::f64); }
+    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, Request::all_reduce(), site, DType::f32); }
+    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { run(data, Request::all_reduce(), site, DType::f64); }
+    void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override {
+        run(data, Request::started_all_reduce(), site, DType::f32);
+    }
+    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override {
+        run(data, Request::broadcast(root), site, DType::f32);
+    }
+    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override {
+        run(data, Request::broadcast(root), site, DType::f64);
+    }
     void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override {
-        run(data, root, site, false, DType::i64);
+        run(data, Request::broadcast(root), site, DType::i64);
     }
     void barrier(CollectiveSite site) override {
         st_->check_usable();
@@ -170,7 +176,7 @@ public:
         static_assert(sizeof(T) == 2, "the DType overload is for 16-bit floats; float and double have their own");
         LOCKSTEP_CHECK_AS(UsageError, dtype == DType::f16 || dtype == DType::bf16,
                           "a 16-bit all-reduce takes DType::f16 or DType::bf16");
-        run(data, -1, site, false, dtype);
+        run(data, Request::all_reduce(), site, dtype);
     }
 
     void join() override {
@@ -200,15 +206,29 @@ private:
 
     StreamCommunicator(std::shared_ptr<State> st, int rank) : st_(std::move(st)), rank_(rank) {}
 
+    //! What run() enqueues (Note [stream-ordered collectives]).
+    struct Request {
+        CollectiveKind kind = CollectiveKind::all_reduce_sum;
+        int root = -1;         // a broadcast's sending rank; -1 for an all-reduce (the tag's convention)
+        bool started = false;  // on the communication stream behind the compute stream, until join()
+        static constexpr Request all_reduce() { return {}; }
+        static constexpr Request started_all_reduce() { return {CollectiveKind::all_reduce_sum, -1, true}; }
+        static constexpr Request broadcast(int root) { return {CollectiveKind::broadcast, root, false}; }
+    };
+
     template <class T>
-    void run(DeviceSpan<T> data, int root, CollectiveSite site, bool started, DType dtype) {
+    void run(DeviceSpan<T> data, Request what, CollectiveSite site, DType dtype) {
         State& st = *st_;
         const auto ur = static_cast<std::size_t>(rank_);
         auto& me = st.ranks[ur];
         LOCKSTEP_CHECK_AS(UsageError, me.bound, "rank ", rank_, " of a stream group made a collective before its replica was "
                           "bound to it (StreamGroup::bind)");
-        check_buffer(data, root >= 0 ? "broadcast" : "all_reduce_sum");
-        LOCKSTEP_CHECK(root < st.global, "broadcast root ", root, " is outside a group of ", st.global);
+        const bool broadcast = what.kind == CollectiveKind::broadcast;
+        check_buffer(data, broadcast ? "broadcast" : "all_reduce_sum");
+        LOCKSTEP_CHECK(!broadcast || (what.root >= 0 && what.root < st.global), "broadcast root ", what.root,
+                       " is outside a group of ", st.global, "; pass a rank from 0 to ", st.global - 1);
+        const int root = what.root;
+        const bool started = what.started;
         st.check_usable();
         st.rendezvous.count_collective(rank_);
         Stream s = me.compute;
@@ -219,8 +239,7 @@ private:
         }
         const bool local = st.mode == StreamGroupMode::local;
         if (local && rank_ != 0) st.api.record(me.ready_local, s);  // this rank's buffer is final here
-        const CollectiveKind kind = root >= 0 ? CollectiveKind::broadcast : CollectiveKind::all_reduce_sum;
-        const CollectiveTag tag{site, kind, dtype, data.size, root};
+        const CollectiveTag tag{site, what.kind, dtype, data.size, root};
         // Communicators aborted by a failed step are rebuilt here, before this rank arrives: no rank
         // can then be inside an enqueue of this collective, holding the communicators.
         if (st.mode == StreamGroupMode::peer) st.rebuild_if_needed();
@@ -517,7 +536,7 @@ public:
         std::vector<double> layout(2 * Pz, 0.0);  // by process: replicas, then 1 for peer mode
         layout[pz] = L;
         layout[Pz + pz] = peer ? 1.0 : 0.0;
-        link.all_reduce_sum(DeviceSpan<double>::host(layout), CollectiveSite::control(4));
+        link.all_reduce_sum(DeviceSpan<double>::host(layout), CollectiveSite::control(Exchange::group_layout));
         std::string list;
         bool alike = true;
         for (std::size_t q = 0; q < Pz; ++q) {
@@ -533,7 +552,7 @@ public:
         const std::size_t K = peer ? static_cast<std::size_t>(L) : 1;
         std::vector<double> keys(Pz * K, 0.0);
         for (std::size_t i = 0; i < K; ++i) keys[pz * K + i] = static_cast<double>(st.api.device_key(st.devices[i]));
-        link.all_reduce_sum(DeviceSpan<double>::host(keys), CollectiveSite::control(4));
+        link.all_reduce_sum(DeviceSpan<double>::host(keys), CollectiveSite::control(Exchange::device_keys));
         for (std::size_t i = 0; i < keys.size(); ++i)
             for (std::size_t j = i + 1; j < keys.size(); ++j)
                 if (keys[i] == keys[j] && i / K != j / K) {
@@ -553,7 +572,7 @@ public:
         if (p == 0) id = st.api.unique_id();
         std::array<std::int64_t, (sizeof(id) + 7) / 8> words{};
         std::memcpy(words.data(), &id, sizeof(id));
-        link.broadcast(DeviceSpan<std::int64_t>::host(std::span<std::int64_t>(words)), 0, CollectiveSite::control(5));
+        link.broadcast(DeviceSpan<std::int64_t>::host(std::span<std::int64_t>(words)), 0, CollectiveSite::control(Exchange::nccl_unique_id));
         std::memcpy(&id, words.data(), sizeof(id));
         const auto deadline = clock::now() + timeout;
         if (peer) st.comms = st.api.init(st.devices, id, st.first_rank, st.global, deadline, st.aborted_never);

@@ -147,6 +147,13 @@ struct StepResult {
 
 namespace detail {
 
+//! "No optimizer": what accumulate(), load(checkpoint) and resync() pass where the others pass
+//! the user's optimizer.
+struct NoOptimizer {};
+inline NoOptimizer no_optimizer;
+template <class Optimizer>
+inline constexpr bool has_optimizer = !std::is_same_v<Optimizer, NoOptimizer>;
+
 //! The caller's objects a job may read (the input batch, the targets, the prototype): readable
 //! until the call releases them, which waits for the reads in progress (library copies only,
 //! never user code) and makes later reads fail.
@@ -416,7 +423,7 @@ public:
         LOCKSTEP_CHECK_AS(UsageError, training_,
                           "DataParallel::accumulate in eval mode keeps no gradients; call train() first");
         check_in_step("accumulate");
-        run_step<false>(x, parallel::targets_view(targets), loss, static_cast<nn::Sgd<backend>*>(nullptr), "accumulate");
+        run_step<false>(x, parallel::targets_view(targets), loss, &detail::no_optimizer, "accumulate");
     }
 
     //! The model (replica 0) as a checkpoint, with `optimizer`'s state of replica 0 under
@@ -459,13 +466,13 @@ public:
     //! tensor is checked against the model first: a checkpoint of another model throws `IoError`
     //! naming the checkpoint, the tensor and both shapes, and changes nothing.
     //! (The replicas read a copy of `ck`, owned by the call's job: Note [jobs own their state].)
-    void load(const nn::Checkpoint& ck) { load_impl(std::make_shared<const nn::Checkpoint>(ck), static_cast<nn::Sgd<backend>*>(nullptr)); }
+    void load(const nn::Checkpoint& ck) { load_impl(std::make_shared<const nn::Checkpoint>(ck), &detail::no_optimizer); }
     template <class Optimizer>
     void load(const nn::Checkpoint& ck, Optimizer& optimizer) {
         load_impl(std::make_shared<const nn::Checkpoint>(ck), &optimizer);
     }
     void load(const std::string& path) {
-        load_impl(std::make_shared<const nn::Checkpoint>(nn::Checkpoint::load(path)), static_cast<nn::Sgd<backend>*>(nullptr));
+        load_impl(std::make_shared<const nn::Checkpoint>(nn::Checkpoint::load(path)), &detail::no_optimizer);
     }
     template <class Optimizer>
     void load(const std::string& path, Optimizer& optimizer) {
@@ -480,7 +487,7 @@ public:
     //! Makes every replica equal again after a step that failed past its commit point: copies the
     //! parameters, buffers and `optimizer`'s state of a replica that completed the step (the
     //! lowest such rank) to all. Without the optimizer only the model is copied.
-    void resync() { resync_impl(static_cast<nn::Sgd<backend>*>(nullptr)); }
+    void resync() { resync_impl(&detail::no_optimizer); }
     template <class Optimizer>
     void resync(Optimizer& optimizer) {
         resync_impl(&optimizer);
@@ -887,7 +894,7 @@ private:
             if (core_->procs) {  // then over the processes, in process order
                 std::vector<double> totals{total, correct};
                 core_->procs->channel(comm::ProcessGroup::control)
-                    .all_reduce_sum(DeviceSpan<double>::host(totals), comm::CollectiveSite::control(2));
+                    .all_reduce_sum(DeviceSpan<double>::host(totals), comm::CollectiveSite::control(comm::Exchange::step_totals));
                 total = totals[0];
                 correct = totals[1];
             }
@@ -979,7 +986,7 @@ private:
         pool_.check_usable("DataParallel::resync");
         const int root = diverged_ ? diverged_->root : 0;
         std::vector<char> root_has;  // which of the root's optimizer states exist (PyTorch's None otherwise)
-        if (optimizer != nullptr) {
+        if constexpr (detail::has_optimizer<Optimizer>) {
             optimizer->prepare(world_);
             optimizer->visit_state(root, core_->replicas[static_cast<std::size_t>(root)]->module,
                                    [&](const std::string&, const auto& state, const auto&) { root_has.push_back(state.numel() > 0); });
@@ -988,17 +995,18 @@ private:
         pool_.run([core = core_, root, root_has = std::move(root_has), optimizer](int r) {
             auto& rep = *core->replicas[static_cast<std::size_t>(r)];
             const std::uint64_t next = broadcast_module(rep, root);
-            if (optimizer == nullptr) return;
-            std::size_t i = 0;
-            optimizer->visit_state(r, rep.module, [&](const std::string&, auto& state, const auto& p) {
-                using S = std::remove_reference_t<decltype(state)>;
-                if (root_has[i] == 0) state = S();
-                else {
-                    if (state.numel() != p.numel()) state = S::empty_like(p.value);
-                    rep.layer_comm->broadcast(DeviceSpan(state), root, comm::CollectiveSite::broadcast(next + i));
-                }
-                ++i;
-            });
+            if constexpr (detail::has_optimizer<Optimizer>) {
+                std::size_t i = 0;
+                optimizer->visit_state(r, rep.module, [&](const std::string&, auto& state, const auto& p) {
+                    using S = std::remove_reference_t<decltype(state)>;
+                    if (root_has[i] == 0) state = S();
+                    else {
+                        if (state.numel() != p.numel()) state = S::empty_like(p.value);
+                        rep.layer_comm->broadcast(DeviceSpan(state), root, comm::CollectiveSite::broadcast(next + i));
+                    }
+                    ++i;
+                });
+            }
         });
         diverged_.reset();
         pending_ = 0;
@@ -1010,7 +1018,7 @@ private:
         const nn::Checkpoint& ck = *held;
         // Check everything against replica 0 before any replica changes.
         nn::check_module_fits(ck, module(), {}, true, "optimizer.");
-        if (optimizer != nullptr) {
+        if constexpr (detail::has_optimizer<Optimizer>) {
             optimizer->prepare(world_);
             std::set<std::string> states;
             optimizer->visit_state(0, core_->replicas[0]->module, [&](const std::string& name, const auto&, const auto& p) {
@@ -1025,7 +1033,7 @@ private:
         pool_.run([core = core_, held, optimizer](int r) {  // Note [jobs own their state]: the job owns the checkpoint
             auto& rep = *core->replicas[static_cast<std::size_t>(r)];
             nn::assign_module(*held, rep.module);  // checked above, against replica 0
-            if (optimizer != nullptr) nn::get_optimizer(*held, *optimizer, rep.module, r);
+            if constexpr (detail::has_optimizer<Optimizer>) nn::get_optimizer(*held, *optimizer, rep.module, r);
         });
         pending_ = 0;
         diverged_.reset();  // every replica holds the checkpoint now
@@ -1043,7 +1051,7 @@ private:
         const int P = procs.size();
         std::vector<double> counts(static_cast<std::size_t>(P), 0.0);
         counts[static_cast<std::size_t>(procs.rank())] = static_cast<double>(rows);
-        procs.channel(comm::ProcessGroup::control).all_reduce_sum(DeviceSpan<double>::host(counts), comm::CollectiveSite::control(1));
+        procs.channel(comm::ProcessGroup::control).all_reduce_sum(DeviceSpan<double>::host(counts), comm::CollectiveSite::control(comm::Exchange::batch_rows));
         std::int64_t batch = 0;
         for (const double c : counts) batch += static_cast<std::int64_t>(c);
         const auto all = parallel::shard_ranges(batch, core_->global_world);
@@ -1084,7 +1092,7 @@ private:
             for (std::size_t i = 0; i < static_cast<std::size_t>(status[0]); ++i)
                 status[1 + i] = static_cast<unsigned char>(failure[i]);
         }
-        procs.channel(comm::ProcessGroup::control).broadcast(DeviceSpan<std::int64_t>::host(status), 0, comm::CollectiveSite::control(3));
+        procs.channel(comm::ProcessGroup::control).broadcast(DeviceSpan<std::int64_t>::host(status), 0, comm::CollectiveSite::control(comm::Exchange::checkpoint_status));
         if (status[0] > 0) {
             std::string message;
             for (std::int64_t i = 0; i < status[0]; ++i) message += static_cast<char>(status[static_cast<std::size_t>(1 + i)]);
@@ -1201,7 +1209,7 @@ private:
         // the same error.
         std::vector<double> counts(static_cast<std::size_t>(procs.size()), 0.0);
         counts[static_cast<std::size_t>(procs.rank())] = core->world;
-        procs.channel(comm::ProcessGroup::control).all_reduce_sum(DeviceSpan<double>::host(counts), comm::CollectiveSite::control(0));
+        procs.channel(comm::ProcessGroup::control).all_reduce_sum(DeviceSpan<double>::host(counts), comm::CollectiveSite::control(comm::Exchange::replica_counts));
         if (std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<>()) != counts.end()) {
             std::string list;
             for (std::size_t p = 0; p < counts.size(); ++p)
