@@ -9,6 +9,8 @@
 
 #include <lockstep/cuda.cuh>
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <algorithm>
 #include <chrono>

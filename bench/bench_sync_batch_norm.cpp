@@ -8,6 +8,7 @@
 //! names the SIMD level of the host kernels (LOCKSTEP_SIMD=baseline|avx2|avx512 picks another).
 #include <benchmark/benchmark.h>
 
+#include <lockstep/host.hpp>
 #include <lockstep/lockstep.hpp>
 #include <lockstep/nn/sync_batch_norm.hpp>
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <lockstep/kernels/host_blas.hpp>
+#include <lockstep/parallel.hpp>
 
 #include "../examples/mnist/net.hpp"
 

@@ -5,6 +5,8 @@
 
 #include <cblas.h>
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <algorithm>
 #include <array>

@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <sys/stat.h>
 #include <sys/sysmacros.h>

@@ -9,6 +9,8 @@
 
 #include <lockstep/comm/stream_group.hpp>
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <algorithm>
 #include <array>

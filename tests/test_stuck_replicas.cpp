@@ -6,6 +6,8 @@
 #include <catch2/catch.hpp>
 
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <atomic>
 #include <chrono>

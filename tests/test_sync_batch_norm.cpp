@@ -2,6 +2,7 @@
 //! SyncBatchNorm on host replicas against an fp64 batch norm of the whole (concatenated) batch.
 #include <catch2/catch.hpp>
 
+#include <lockstep/host.hpp>
 #include <lockstep/lockstep.hpp>
 #include <lockstep/nn/activation.hpp>
 #include <lockstep/nn/sync_batch_norm.hpp>

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
 
 namespace mnist {
 

@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <lockstep/parallel.hpp>
+
 #include "idx.hpp"
 #include "net.hpp"
 

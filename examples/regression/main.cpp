@@ -3,6 +3,8 @@
 //! MLP on 3 host replicas learns y = (x0 + x1, x0 * x1); each optimizer step takes two
 //! micro-batches of different sizes, and their gradients are all-reduced once.
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <cstdio>
 #include <random>

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 //! SyncBatchNorm on its own: two host replicas normalize their shards with the statistics of the
 //! whole batch, and the result equals batch norm of the whole batch on one replica.
+#include <lockstep/host.hpp>
 #include <lockstep/lockstep.hpp>
 #include <lockstep/nn/sync_batch_norm.hpp>
 

@@ -2,6 +2,8 @@
 //! A complete data-parallel training loop (the one README.md shows): a small conv-net with
 //! SyncBatchNorm learns to tell bright-top images from bright-bottom ones on 3 host replicas.
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <cstdio>
 #include <random>

@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: MIT
-//! lockstep's layer kit and DataParallel for the host backend (needs CBLAS and nlohmann-json).
+//! lockstep's layer kit: layers, losses, SGD, modules and checkpoints, for any backend (needs
+//! nlohmann-json). A backend's operations come with its own umbrella: <lockstep/host.hpp>
+//! (OpenBLAS) or <lockstep/cuda.cuh>; DataParallel with <lockstep/parallel.hpp>.
 #pragma once
 
 #include "lockstep/lockstep.hpp"
@@ -14,4 +16,3 @@
 #include "lockstep/nn/sequential.hpp"
 #include "lockstep/nn/sgd.hpp"
 #include "lockstep/nn/sync_batch_norm.hpp"
-#include "lockstep/parallel/data_parallel.hpp"

@@ -2,6 +2,7 @@
 //! Runs two host replicas and all-reduces, and runs a layer, through an installed lockstep;
 //! exits non-zero on a wrong result.
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
 
 #include <cstdio>
 #include <vector>

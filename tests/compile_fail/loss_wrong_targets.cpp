@@ -2,6 +2,8 @@
 //! Must NOT compile: a classification loss handed regression targets; the error says which loss
 //! takes which targets.
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 int main() {
     using namespace lockstep;

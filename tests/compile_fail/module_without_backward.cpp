@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
 //! Must NOT compile: DataParallel of a module without backward() names what is missing.
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 struct NoBackward {
     using backend = lockstep::Host;

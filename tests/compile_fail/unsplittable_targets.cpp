@@ -2,6 +2,8 @@
 //! Must NOT compile: targets DataParallel cannot split (labels of the wrong integer type); the
 //! error says what it takes.
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 int main() {
     using namespace lockstep;

@@ -6,6 +6,7 @@
 //! library in CI; nothing here runs.
 #include <lockstep/cuda.cuh>
 #include <lockstep/nn.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <vector>
 

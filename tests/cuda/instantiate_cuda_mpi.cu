@@ -7,6 +7,7 @@
 #include <lockstep/cuda.cuh>
 #include <lockstep/mpi.hpp>
 #include <lockstep/nn.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <chrono>
 #include <memory>

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <cstdint>
 #include <random>

@@ -7,6 +7,8 @@
 //! hang. Exits 77 (skipped) where no GPU is present; built in CI so it always compiles.
 #include <lockstep/cuda.cuh>
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <atomic>
 #include <chrono>

@@ -65,6 +65,14 @@ void set_delay_cap_us(unsigned us);
 //! communicators first.
 void reset();
 
+//! reset() when made and when destroyed: a test case that starts and ends on a clean device.
+struct Clean {
+    Clean() { reset(); }
+    ~Clean() { reset(); }
+    Clean(const Clean&) = delete;
+    Clean& operator=(const Clean&) = delete;
+};
+
 //! The seed of the workers' delays (LOCKSTEP_TEST_SEED, else random, printed once to stderr).
 std::uint64_t seed();
 

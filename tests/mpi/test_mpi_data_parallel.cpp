@@ -14,6 +14,8 @@
 //!                  backward: every process's step fails within the timeout, naming global rank 3
 #include <lockstep/mpi.hpp>
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <unistd.h>
 

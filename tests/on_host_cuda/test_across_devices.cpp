@@ -7,6 +7,8 @@
 
 #include <lockstep/cuda.cuh>
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -31,10 +33,7 @@ using gpu_test::make_batch;
 using gpu_test::make_small;
 using gpu_test::Small;
 
-struct Clean {
-    Clean() { host_cuda::reset(); }
-    ~Clean() { host_cuda::reset(); }
-};
+using host_cuda::Clean;
 
 const std::vector<Device> two{Device::cuda(0), Device::cuda(1)};
 

@@ -8,6 +8,8 @@
 
 #include <lockstep/cuda.cuh>
 #include <lockstep/nn.hpp>
+#include <lockstep/host.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -34,10 +36,7 @@ std::vector<float> values(const Tensor<float, Cuda>& t) {
 }
 
 // Every test starts from a clean device: no injection left, no sticky error.
-struct Clean {
-    Clean() { host_cuda::reset(); }
-    ~Clean() { host_cuda::reset(); }
-};
+using host_cuda::Clean;
 
 }  // namespace
 

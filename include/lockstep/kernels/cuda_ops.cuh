@@ -254,4 +254,6 @@ private:
     }
 };
 
+static_assert(BackendOps<Ops<Cuda>, Cuda>, "Ops<Cuda> lacks an operation of BackendOps (kernels/ops.hpp)");
+
 }  // namespace lockstep::kernels

@@ -24,9 +24,9 @@ namespace lockstep::kernels::dnnl_conv {
 // Note [oneDNN convolutions]
 // oneDNN's fast convolution kernels work on blocked layouts of their own choosing; a layer's
 // tensors are plain NCHW or NHWC. Each primitive is made with `any` layouts, and the plain tensors
-// are reordered into the primitive's layouts and back around it: for the example's conv2 the
-// blocked kernel runs at about 2.5x the throughput oneDNN reaches on plain NCHW, which pays for
-// the reorders many times over. Weights are reordered on every call (they change every step) and
+// are reordered into the primitive's layouts and back around it: the blocked kernels outrun
+// oneDNN's plain-NCHW ones by far more than the reorders cost (bench_train_step measures the
+// whole step). Weights are reordered on every call (they change every step) and
 // weight gradients reordered back and added to the layer's (oneDNN overwrites, a layer
 // accumulates). The input staged for forward is reused by backward-weights, and dy staged for
 // backward-data by backward-weights, when the layouts agree.
@@ -300,10 +300,10 @@ inline void single_thread() { omp_set_num_threads(1); }
 
 // Note [oneDNN matmul for linear layers]
 // bench_linear_gemm times OpenBLAS's sgemm and oneDNN's matmul alternately, one thread each, on
-// the example's fc1 (12544 -> 128) at 32 and 64 rows. On an idle 2-core AMD EPYC (AVX-512)
-// oneDNN ran forward (N x 128 x 12544) at 2.0x, backward-data (N x 12544 x 128) at 2.0-2.2x and
-// backward-weights (128 x 12544 x N, accumulating) at 1.1-1.4x OpenBLAS's rate. So the linear
-// layers' three products go through matmul primitives (the accumulation as a sum post-op).
+// the example's fc1 (12544 -> 128) at 32 and 64 rows, for the three products of a linear layer:
+// oneDNN's matmul is the faster of the two on all three (the ratios are the benchmark's output).
+// So the linear layers' three products go through matmul primitives (the accumulation as a sum
+// post-op).
 // Primitives are made once per shape on each thread that runs them (a replica's thread), kept
 // in a thread-local cache of the 16 most recently used (a network's linear layers need 3 per
 // batch shape, and an epoch has two shapes), and run on a thread-local stream: nothing is

@@ -638,4 +638,6 @@ private:
     }
 };
 
+static_assert(BackendOps<Ops<Host>, Host>, "Ops<Host> lacks an operation of BackendOps (kernels/ops.hpp)");
+
 }  // namespace lockstep::kernels

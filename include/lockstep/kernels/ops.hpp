@@ -3,8 +3,12 @@
 //! and DataParallel call instead of touching tensor memory, and the geometry they take.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
+#include <span>
+#include <utility>
+#include <vector>
 
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -25,10 +29,13 @@ namespace lockstep::kernels {
 // Values a step needs on the host (the loss, counters) stay in small device tensors until the step
 // ends; `read` is the one operation that waits for the device, for code outside a step.
 
-//! The operations of backend `B`. Specialized for `Host` in host_ops.hpp and for `Cuda` in
-//! <lockstep/cuda.cuh>.
+//! The operations of backend `B`. Specialized for `Host` in host_ops.hpp (<lockstep/host.hpp>)
+//! and for `Cuda` in <lockstep/cuda.cuh>; what each must offer is `BackendOps`.
 template <BackendTag B>
-struct Ops;
+struct Ops {
+    static_assert(sizeof(B) == 0, "lockstep: this backend's operations are not included: include <lockstep/host.hpp> "
+                                  "for Host (link lockstep::host) or <lockstep/cuda.cuh> for Cuda (link lockstep::cuda)");
+};
 
 //! A 2-D convolution with a square kernel: (N, C, H, W) -> (N, O, OH, OW), input and output in
 //! NCHW, or both NHWC (`channels_last`); weights [O, C, k, k] always.
@@ -131,6 +138,62 @@ struct CopyPiece {
     const Tensor<float, B>* src = nullptr;
     std::int64_t src_offset = 0;
     std::int64_t count = 0;
+};
+
+//! What a backend's `Ops<B>` provides to the generic code (nn/, parallel/), checked by a
+//! static_assert next to each specialization so that the backends cannot drift apart. Every
+//! operation takes the replica's `Execution<B>` first (Note [backend operations]).
+template <class K, class B>
+concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tensor<float, B>& f, const Tensor<float, B>& cf,
+                              Tensor<double, B>& d, const Tensor<double, B>& cd, Tensor<std::int64_t, B>& i64,
+                              Tensor<std::int32_t, B>& i32, const Tensor<std::int32_t, B>& ci32, Tensor<std::uint8_t, B>& mask,
+                              const Tensor<std::uint8_t, B>& cmask, std::span<const std::int64_t> labels,
+                              typename K::ConvScratch& conv, BnConstants<B>& bn, const BnConstants<B>& cbn,
+                              std::span<const SgdTensors<B>> sgd, std::span<const CopyPiece<B>> pieces) {
+    // A replica's resources: made for its device, entered by a thread (a guard) or bound to it.
+    typename K::ReplicaResources;
+    requires std::constructible_from<typename K::ReplicaResources, const Device&>;
+    { std::declval<const typename K::ReplicaResources&>().execution() } -> std::same_as<Execution<B>>;
+    std::declval<const typename K::ReplicaResources&>().enter();
+    std::declval<const typename K::ReplicaResources&>().bind_thread();
+    typename K::Range;  // a profiler range
+    requires std::constructible_from<typename K::Range, const char*>;
+    typename K::Runtime;  // the backend's process-wide settings while replicas exist
+    { K::default_devices(1) } -> std::same_as<std::vector<Device>>;
+    { K::caller_execution(device) } -> std::same_as<Execution<B>>;
+    K::order_after(ex, ex);
+    K::mark_inputs_read(ex);
+    K::wait_inputs_read(ex);
+    // Generic work.
+    K::fill(ex, f, 0.0f);
+    K::copy(ex, f, 0, cf, 0, 0);
+    K::copy_many(ex, pieces);
+    K::scale(ex, f, 1.0);
+    K::add(ex, d, cd);
+    { K::read(ex, cd, 0) } -> std::same_as<double>;
+    { K::to_vector(ex, cd) } -> std::same_as<std::vector<double>>;
+    K::add_sum_squares(ex, cf, d, 0);
+    K::clip_to_norm(ex, f, cd, 1.0);
+    // Layers, losses, the optimizer.
+    K::conv2d_forward(ex, ConvGeometry{}, cf, cf, &cf, f, conv);
+    K::conv2d_backward(ex, ConvGeometry{}, cf, cf, cf, f, &f, f, conv);
+    K::linear_forward(ex, cf, cf, &cf, f, false, &mask);
+    K::linear_backward(ex, cf, cf, &cmask, cf, f, &f, f);
+    K::relu_forward(ex, f, &mask);
+    K::relu_backward(ex, cf, cmask, f);
+    K::maxpool_forward(ex, PoolGeometry{}, cf, f, i32);
+    K::maxpool_backward(ex, PoolGeometry{}, cf, ci32, f);
+    K::softmax_cross_entropy(ex, cf, labels, 1.0, f, d);
+    K::mse(ex, cf, cf, 1.0, f, d);
+    K::sgd_step_many(ex, sgd, SgdUpdate{});
+    // Batch norm (Note [batch-norm kernels]).
+    K::bn_local_stats(ex, cf, BnGeometry{}, &cf, bn, d);
+    K::bn_forward_finish(ex, cd, BnFinishOptions{}, &f, &f, &i64, &cf, &cf, bn);
+    K::bn_eval_constants(ex, cf, cf, 1e-5, &cf, &cf, bn);
+    K::bn_normalize(ex, f, f, BnGeometry{}, bn, false, &mask);  // CUDA finishes a deferred forward here
+    K::bn_backward_sums(ex, cf, cf, &cmask, BnGeometry{}, cbn, d);
+    K::bn_param_grads(ex, cd, cbn, f, f);
+    K::bn_backward_dx(ex, cd, cbn, &cf, f, cf, &cmask, BnGeometry{});
 };
 
 }  // namespace lockstep::kernels

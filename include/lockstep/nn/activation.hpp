@@ -7,7 +7,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/kernels/host_ops.hpp"
+#include "lockstep/kernels/ops.hpp"
 #include "lockstep/nn/context.hpp"
 
 namespace lockstep::nn {

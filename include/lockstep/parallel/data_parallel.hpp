@@ -32,7 +32,7 @@
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/kernels/host_ops.hpp"
+#include "lockstep/kernels/ops.hpp"
 #include "lockstep/nn/checkpoint.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/loss.hpp"
@@ -245,7 +245,8 @@ inline CollectiveAborted caller_gone() {
 
 }  // namespace detail
 
-//! Data parallelism over persistent replicas of `Module` (see DESIGN.md, "Replicas and threads").
+//! Data parallelism over persistent replicas of `Module` (docs/design.md; Notes [step order] and
+//! [commit point] below).
 //! No call waits for a replica without bound: one that has not finished `options().timeout` after
 //! a peer failed or finished makes the call throw `ReplicaStuck` naming it, and the object then
 //! refuses every later call; its destructor waits the timeout again, then leaves the stuck thread
