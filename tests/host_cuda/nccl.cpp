@@ -563,22 +563,20 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
     }
     c.name = name;
     c.ordered = comm->ordered;
-    const auto make_op = [&] {
-        Op op;
-        op.device_work = false;  // run_collective drops it on a dead device, giving its ticket back
-        op.body = [comm, seq, c] { run_collective(comm, seq, c); };
-        return op;
-    };
-    std::uint64_t at = 0;
-    if (hazard_on()) {  // the ticket and the stream position taken together: host order is enqueue order
+    // Under the hazard model the ticket and the stream position are taken together, so that the
+    // host's order is the enqueue order.
+    std::unique_lock<std::mutex> ticketing;
+    if (hazard_on()) {
         DeviceSched& d = sched(comm->device);
-        std::lock_guard lock(d.m);
+        ticketing = std::unique_lock(d.m);
         c.ticket = ++d.next_ticket;
         d.unstarted.emplace(c.ticket, comm->clique->id);
-        at = enqueue(s, make_op());
-    } else {
-        at = enqueue(s, make_op());
     }
+    Op op;
+    op.device_work = false;  // run_collective drops it on a dead device, giving its ticket back
+    op.body = [comm, seq, c] { run_collective(comm, seq, c); };
+    const std::uint64_t at = enqueue(s, std::move(op));
+    if (ticketing.owns_lock()) ticketing.unlock();
     std::lock_guard lock(comm->m);
     bool found = false;
     for (auto& [st, n] : comm->last_ops)
