@@ -210,7 +210,7 @@ public:
         in.seekg(0, std::ios::end);
         const auto file_size = static_cast<std::uint64_t>(in.tellg());
         in.seekg(0);
-        const auto bad = [&](const std::string& what) { return IoError("'" + path + "' is not a valid checkpoint: " + what); };
+        const Invalid bad{path};
         std::uint64_t length = 0;
         if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8)) throw bad("shorter than the 8-byte header length");
         if (length > file_size - 8 || length > (std::uint64_t{100} << 20))
@@ -218,6 +218,47 @@ public:
                       " bytes (truncated?)");
         std::string text(length, '\0');
         if (!in.read(text.data(), static_cast<std::streamsize>(length))) throw bad("header truncated");
+        const nlohmann::json header = parse_header(text, bad);
+        const std::uint64_t data_size = file_size - 8 - length;
+        Checkpoint ck;
+        ck.source_ = path;
+        std::vector<Span> spans;
+        for (auto it = header.begin(); it != header.end(); ++it) {
+            if (it.key() == "__metadata__") {
+                if (!it->is_object()) throw bad("__metadata__ is not an object");
+                for (auto m = it->begin(); m != it->end(); ++m) {
+                    if (!m->is_string()) throw bad("metadata '" + m.key() + "' is not a string");
+                    ck.metadata[m.key()] = m->get<std::string>();
+                }
+                continue;
+            }
+            const std::string& name = it.key();
+            Entry e = parse_entry(name, *it, data_size, bad, spans);
+            e.data.resize(spans.back().end - spans.back().begin);
+            in.seekg(static_cast<std::streamoff>(8 + length + spans.back().begin));
+            if (!e.data.empty() && !in.read(reinterpret_cast<char*>(e.data.data()), static_cast<std::streamsize>(e.data.size())))
+                throw bad("tensor '" + name + "' data truncated");
+            ck.entries_.emplace(name, std::move(e));
+        }
+        check_tiling(spans, data_size, bad);
+        return ck;
+    }
+
+private:
+    // The error of a file that is not a valid checkpoint.
+    struct Invalid {
+        const std::string& path;
+        IoError operator()(const std::string& what) const { return IoError("'" + path + "' is not a valid checkpoint: " + what); }
+    };
+
+    // Where a tensor's bytes lie in the data area.
+    struct Span {
+        std::uint64_t begin, end;
+        std::string name;
+    };
+
+    // The header as JSON: an object whose keys are unique at every level, nested at most 128 deep.
+    static nlohmann::json parse_header(const std::string& text, const Invalid& bad) {
         nlohmann::json header;
         std::string duplicate;  // a name the header gives twice (the JSON parser would keep the last)
         // A header nests three levels (header, tensor, shape). Deeper nesting is refused, as the
@@ -248,66 +289,53 @@ public:
         }
         if (!duplicate.empty()) throw bad("the header names '" + duplicate + "' twice");
         if (!header.is_object()) throw bad("header is not a JSON object");
-        const std::uint64_t data_size = file_size - 8 - length;
-        Checkpoint ck;
-        ck.source_ = path;
-        struct Span {
-            std::uint64_t begin, end;
-            std::string name;
-        };
-        std::vector<Span> spans;
-        for (auto it = header.begin(); it != header.end(); ++it) {
-            if (it.key() == "__metadata__") {
-                if (!it->is_object()) throw bad("__metadata__ is not an object");
-                for (auto m = it->begin(); m != it->end(); ++m) {
-                    if (!m->is_string()) throw bad("metadata '" + m.key() + "' is not a string");
-                    ck.metadata[m.key()] = m->get<std::string>();
-                }
-                continue;
-            }
-            const std::string& name = it.key();
-            const auto malformed = [&](const std::string& what) { return bad("tensor '" + name + "' " + what); };
-            if (!it->is_object() || !it->contains("dtype") || !it->contains("shape") || !it->contains("data_offsets"))
-                throw malformed("needs dtype, shape and data_offsets");
-            const auto& dtype = it->at("dtype");
-            const auto& shape = it->at("shape");
-            const auto& offsets = it->at("data_offsets");
-            if (!dtype.is_string()) throw malformed("has a dtype that is not a string");
-            Entry e;
-            e.dtype = dtype.get<std::string>();
-            std::uint64_t elem = 0;
-            if (e.dtype == "F32") elem = 4;
-            else if (e.dtype == "I64") elem = 8;
-            else throw malformed("has dtype " + e.dtype + "; lockstep reads F32 and I64");
-            if (!shape.is_array()) throw malformed("has a shape that is not an array");
-            if (shape.size() > static_cast<std::size_t>(Shape::max_rank))
-                throw malformed("has rank " + std::to_string(shape.size()) + ", beyond lockstep's " + std::to_string(Shape::max_rank));
-            std::uint64_t count = 1;
-            for (const auto& d : shape) {
-                if (!d.is_number_integer() || (d.is_number_unsigned() ? false : d.get<std::int64_t>() < 0))
-                    throw malformed("has an extent that is not a non-negative integer: " + excerpt(d));
-                const auto extent = d.get<std::uint64_t>();
-                if (extent > static_cast<std::uint64_t>(INT64_MAX) || __builtin_mul_overflow(count, extent, &count))
-                    throw malformed("has a shape whose element count does not fit 64 bits");
-                e.shape.push_back(static_cast<std::int64_t>(extent));
-            }
-            std::uint64_t bytes = 0;
-            if (__builtin_mul_overflow(count, elem, &bytes)) throw malformed("has a shape whose byte count does not fit 64 bits");
-            if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
-                throw malformed("needs data_offsets [begin, end] of two non-negative integers");
-            const auto begin = offsets[0].get<std::uint64_t>(), end = offsets[1].get<std::uint64_t>();
-            if (end < begin || end > data_size || end - begin != bytes)
-                throw malformed("has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                ") that do not match its shape or the " + std::to_string(data_size) + " data bytes (truncated?)");
-            spans.push_back({begin, end, name});
-            e.data.resize(end - begin);
-            in.seekg(static_cast<std::streamoff>(8 + length + begin));
-            if (!e.data.empty() && !in.read(reinterpret_cast<char*>(e.data.data()), static_cast<std::streamsize>(e.data.size())))
-                throw malformed("data truncated");
-            ck.entries_.emplace(name, std::move(e));
+        return header;
+    }
+
+    // Tensor `name`'s header entry, checked against the data area of `data_size` bytes; its bytes'
+    // place is appended to `spans`.
+    static Entry parse_entry(const std::string& name, const nlohmann::json& value, std::uint64_t data_size,
+                             const Invalid& bad, std::vector<Span>& spans) {
+        const auto malformed = [&](const std::string& what) { return bad("tensor '" + name + "' " + what); };
+        if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets"))
+            throw malformed("needs dtype, shape and data_offsets");
+        const auto& dtype = value.at("dtype");
+        const auto& shape = value.at("shape");
+        const auto& offsets = value.at("data_offsets");
+        if (!dtype.is_string()) throw malformed("has a dtype that is not a string");
+        Entry e;
+        e.dtype = dtype.get<std::string>();
+        std::uint64_t elem = 0;
+        if (e.dtype == "F32") elem = 4;
+        else if (e.dtype == "I64") elem = 8;
+        else throw malformed("has dtype " + e.dtype + "; lockstep reads F32 and I64");
+        if (!shape.is_array()) throw malformed("has a shape that is not an array");
+        if (shape.size() > static_cast<std::size_t>(Shape::max_rank))
+            throw malformed("has rank " + std::to_string(shape.size()) + ", beyond lockstep's " + std::to_string(Shape::max_rank));
+        std::uint64_t count = 1;
+        for (const auto& d : shape) {
+            if (!d.is_number_integer() || (d.is_number_unsigned() ? false : d.get<std::int64_t>() < 0))
+                throw malformed("has an extent that is not a non-negative integer: " + excerpt(d));
+            const auto extent = d.get<std::uint64_t>();
+            if (extent > static_cast<std::uint64_t>(INT64_MAX) || __builtin_mul_overflow(count, extent, &count))
+                throw malformed("has a shape whose element count does not fit 64 bits");
+            e.shape.push_back(static_cast<std::int64_t>(extent));
         }
-        // As the safetensors format requires: the tensors' bytes tile the data area exactly, one
-        // after another, with no gap, no overlap and nothing after the last.
+        std::uint64_t bytes = 0;
+        if (__builtin_mul_overflow(count, elem, &bytes)) throw malformed("has a shape whose byte count does not fit 64 bits");
+        if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
+            throw malformed("needs data_offsets [begin, end] of two non-negative integers");
+        const auto begin = offsets[0].get<std::uint64_t>(), end = offsets[1].get<std::uint64_t>();
+        if (end < begin || end > data_size || end - begin != bytes)
+            throw malformed("has data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                            ") that do not match its shape or the " + std::to_string(data_size) + " data bytes (truncated?)");
+        spans.push_back({begin, end, name});
+        return e;
+    }
+
+    // As the safetensors format requires: the tensors' bytes tile the data area exactly, one
+    // after another, with no gap, no overlap and nothing after the last.
+    static void check_tiling(std::vector<Span>& spans, std::uint64_t data_size, const Invalid& bad) {
         std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
             return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
         });
@@ -321,10 +349,8 @@ public:
         if (at != data_size)
             throw bad(std::to_string(data_size - at) + " bytes after the last tensor (the data area is " +
                       std::to_string(data_size) + " bytes, the tensors cover " + std::to_string(at) + ")");
-        return ck;
     }
 
-private:
     // A header value as an error message shows it: a scalar as written (its first 40 characters),
     // an array or object by its type.
     static std::string excerpt(const nlohmann::json& j) {
