@@ -429,6 +429,56 @@ TEST_CASE("Gradients and values live in their buckets, and a tensor replaced fro
     }
 }
 
+// An optimizer that keeps the layout DataParallel hands it.
+struct LayoutRecorder {
+    nn::Sgd<> sgd{{.lr = 0.1, .momentum = 0.9}};
+    nn::BucketLayout seen;
+    int prepared = 0;
+    void prepare(int replicas, const nn::BucketLayout& layout) {
+        seen = layout;
+        ++prepared;
+        sgd.prepare(replicas, layout);
+    }
+    template <class M>
+    void step(const nn::Context<>& ctx, M& module) {
+        sgd.step(ctx, module);
+    }
+    template <class M, class F>
+    void visit_state(int rank, M& module, F&& f) {
+        sgd.visit_state(rank, module, f);
+    }
+};
+
+TEST_CASE("DataParallel hands its optimizer the bucket layout its parameters lie in", "[parallel]") {
+    std::mt19937_64 gen(22);
+    const auto batches = make_batches(1, 9, gen);
+    for (const std::size_t bucket_bytes : {std::size_t{1} << 20, std::size_t{1}}) {
+        CAPTURE(bucket_bytes);
+        DataParallel<Scaled<in_place>> dp(make_scaled<in_place>(), 2, {.bucket_bytes = bucket_bytes});
+        const auto& layout = dp.bucket_layout();
+        std::vector<const nn::Parameter<>*> params;
+        nn::for_each_parameter(dp.replica(1), [&](const std::string&, const nn::Parameter<>& p) { params.push_back(&p); });
+        REQUIRE(layout.parameters() == params.size());
+        CHECK(layout.buckets.size() == (bucket_bytes > 1 ? 1u : params.size()));
+        CHECK(dp.bucket_count() == layout.buckets.size());
+        for (const auto& b : layout.buckets) {  // each parameter where the layout says, values and gradients alike
+            REQUIRE_FALSE(b.params.empty());
+            const auto& first = *params[b.params[0]];
+            for (std::size_t k = 0; k < b.params.size(); ++k) {
+                const auto& p = *params[b.params[k]];
+                CHECK(p.value.offset_from(first.value) == b.offsets[k] - b.offsets[0]);
+                CHECK(p.grad.offset_from(first.grad) == b.offsets[k] - b.offsets[0]);
+                CHECK(b.offsets[k] % 16 == 0);
+                CHECK(b.offsets[k] + p.numel() <= b.size);
+            }
+        }
+        LayoutRecorder opt;
+        dp.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, opt);
+        CHECK(opt.prepared == 1);
+        CHECK(opt.seen == layout);
+    }
+}
+
 TEST_CASE("DataParallel forward scatters and gathers in rank order", "[parallel]") {
     const auto seed = test::fresh_seed();
     CAPTURE(seed);
@@ -1063,7 +1113,7 @@ struct PoisonedLoss {
 struct FlakyOptimizer {
     nn::Sgd<> sgd{{.lr = 0.05, .momentum = 0.9}};
     bool fail = false;
-    void prepare(int replicas) { sgd.prepare(replicas); }
+    void prepare(int replicas, const nn::BucketLayout& layout) { sgd.prepare(replicas, layout); }
     template <class M>
     void step(const nn::Context<>& ctx, M& module) {
         if (fail && ctx.rank == 1) throw std::runtime_error("optimizer of replica 1 failed");

@@ -252,7 +252,9 @@ TEST_CASE("Sgd keeps a module's momentum buffers back to back where its paramete
     for (std::int64_t i = 0; i < 28; ++i) grads[i] = 0.01f * static_cast<float>(i);
     nn::Linear<> twin = fc;  // tensors of their own: the same updates one parameter at a time
     nn::Sgd sgd({.lr = 0.1, .momentum = 0.9}), sgd_twin({.lr = 0.1, .momentum = 0.9});
-    sgd.prepare(1);
+    // The layout DataParallel hands its optimizer for that bucket (parameters by visit index).
+    const nn::BucketLayout layout{{{{0, 1}, {0, 24}, 28}}};
+    sgd.prepare(1, layout);
     sgd_twin.prepare(1);
     const auto buffers = [](nn::Sgd<>& o, nn::Linear<>& m) {
         std::vector<Tensor<float>*> out;
@@ -285,6 +287,10 @@ TEST_CASE("Sgd keeps a module's momentum buffers back to back where its paramete
     CHECK(same());
     b = buffers(sgd, fc);
     CHECK(b[1]->follows(*b[0]));
+    // The layout of another model is refused, saying what to pass.
+    nn::Sgd other({.lr = 0.1, .momentum = 0.9});
+    other.prepare(1, nn::BucketLayout{{{{0}, {0}, 24}}});
+    CHECK_THROWS_WITH(other.step(nn::Context<>{}, fc), Catch::Contains("places 1 parameters, but the model has 2"));
 }
 
 TEST_CASE("Layers use PyTorch layouts, names and default initialization", "[nn]") {

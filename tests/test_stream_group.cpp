@@ -747,7 +747,7 @@ TEST_CASE("stream group across processes: 2 processes x 2 GPUs equal 4 GPUs in o
 }
 
 TEST_CASE("stream group across processes: replicas sharing a GPU sum locally, then over the processes", "[comm][parallel]") {
-    // The same grouping as the host's hierarchical group: (a0 + a1) + (a2 + a3), bit for bit.
+    // The same grouping as a host group across processes: (a0 + a1) + (a2 + a3), bit for bit.
     std::vector<Trained> want(2), got(2);
     const Net net = make_net();
     auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
@@ -774,6 +774,28 @@ TEST_CASE("stream group across processes: replicas sharing a GPU sum locally, th
         CHECK(same_bits(g.state, w.state));
     }
     CHECK(same_bits(got[0].state, got[1].state));
+}
+
+TEST_CASE("host group across processes: one replica per process adds as threads of one process, and different counts are refused alike", "[comm][parallel]") {
+    const Net net = make_net();
+    DataParallel<Net> reference(net, 2, small_buckets());
+    const Trained want = train(reference, 3);
+    std::vector<Trained> got(2);
+    auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        DataParallel<Net> dp(net, 1, across(procs));
+        CHECK(dp.global_size() == 2);
+        got[static_cast<std::size_t>(p)] = train(dp, 3, 2, p);
+    });
+    for (auto& e : errors) REQUIRE_FALSE(e);
+    for (const auto& g : got) {
+        for (std::size_t s = 0; s < g.losses.size(); ++s) CHECK(g.losses[s] == Approx(want.losses[s]).epsilon(1e-14));
+        CHECK(same_bits(g.state, want.state));
+    }
+    errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) { DataParallel<Net> dp(net, p + 1, across(procs)); });
+    for (auto& e : errors) {
+        REQUIRE(e);
+        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("they run different replica counts (1, 2, by process)"));
+    }
 }
 
 TEST_CASE("stream group across processes: a mismatch between processes is caught before any enqueue", "[comm]") {

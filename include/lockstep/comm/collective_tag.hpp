@@ -26,11 +26,10 @@ concept Reducible = dtype_of<T>() != DType::none;
 
 //! The exchanges between processes outside the replicas' collectives (`CollectiveSite::control`).
 enum class Exchange : std::uint32_t {
-    replica_counts,         // DataParallel: every process runs as many replicas
     batch_rows,             // DataParallel: each process's rows of a global batch
     step_totals,            // DataParallel: a step's loss and correct counts
     checkpoint_status,      // DataParallel: whether process 0 wrote or read a checkpoint
-    group_layout,           // a stream group: each process's replicas and their layout
+    group_layout,           // a replica group: each process's replicas and their arrangement
     device_keys,            // a stream group: the GPUs each process's communicators use
     nccl_unique_id,         // a stream group: process 0's NCCL unique id
     setup_failures,         // which processes failed to set up
@@ -40,7 +39,6 @@ enum class Exchange : std::uint32_t {
 //! What `Exchange` `e` exchanges, for messages.
 constexpr const char* to_string(Exchange e) {
     switch (e) {
-        case Exchange::replica_counts: return "replica counts";
         case Exchange::batch_rows: return "a batch's rows";
         case Exchange::step_totals: return "a step's totals";
         case Exchange::checkpoint_status: return "a checkpoint's status";

@@ -4,9 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 #include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/core/backend.hpp"
 #include "lockstep/core/device_span.hpp"
+#include "lockstep/core/error.hpp"
 
 namespace lockstep::comm {
 
@@ -46,6 +50,46 @@ public:
     //! call: the replica thread itself must then make every call, in program order (DataParallel
     //! starts gradient buckets inline instead of on a communication thread).
     virtual bool stream_ordered() const { return false; }
+};
+
+//! The base of every communicator: the typed entry points of `Collectives` forwarded to the
+//! communicator's own two templates, `reduce(DeviceSpan<T>, site)` and `bcast(DeviceSpan<T>,
+//! root, site)` (private, with this base a friend), and the checks every communicator makes of
+//! its arguments.
+template <class Derived>
+class TypedCollectives : public Collectives {
+public:
+    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { self().reduce(data, site); }
+    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { self().reduce(data, site); }
+    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override { self().bcast(data, root, site); }
+    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override { self().bcast(data, root, site); }
+    void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override { self().bcast(data, root, site); }
+
+protected:
+    TypedCollectives() = default;
+
+    //! Throws unless `data` holds storage for its elements and lies in memory this communicator
+    //! reaches: on a device of kind `kind`, and when `index` >= 0 on that device. `who` names the
+    //! communicator ("a HostCommunicator"), `hint` says what to pass instead.
+    template <class T>
+    static void check_buffer(const DeviceSpan<T>& data, const char* what, Device::Kind kind, int index, std::string_view who,
+                             std::string_view hint) {
+        LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size,
+                       " elements; pass the tensor's storage");
+        if (data.device.kind != kind || (index >= 0 && data.device.index != index)) [[unlikely]]
+            throw DeviceMismatch(std::string(what) + ": " + std::string(who) + " works on " +
+                                 (index >= 0 ? Device{kind, index}.str() : kind == Device::Kind::host ? std::string("host memory")
+                                                                                                      : std::string("device memory")) +
+                                 ", got a buffer on " + data.device.str() + "; " + std::string(hint));
+    }
+    //! Throws unless `root` is a rank of a group of `size`.
+    static void check_root(int root, int size) {
+        LOCKSTEP_CHECK(root >= 0 && root < size, "broadcast root ", root, " is outside a group of ", size,
+                       "; pass a rank from 0 to ", size - 1);
+    }
+
+private:
+    Derived& self() noexcept { return static_cast<Derived&>(*this); }
 };
 
 }  // namespace lockstep::comm

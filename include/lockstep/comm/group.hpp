@@ -10,6 +10,7 @@
 
 #include "lockstep/comm/collectives.hpp"
 #include "lockstep/comm/host_communicator.hpp"
+#include "lockstep/comm/process_group.hpp"
 #include "lockstep/core/backend.hpp"
 #include "lockstep/runtime/abortable_barrier.hpp"
 
@@ -19,13 +20,18 @@ namespace lockstep::comm {
 //! a GPU. Defined in `<lockstep/cuda.cuh>`.
 class CudaGroup;
 
-//! What DataParallel needs of a replica group: built from the replicas' devices and a timeout,
-//! one `Collectives` per rank, something a failing replica can abort, and `bind(rank, execution)`.
+//! What DataParallel needs of a replica group, the one shape of host, CUDA and multi-process
+//! groups: built from this process's replicas' devices and a timeout, and optionally a process
+//! group with the channel it uses (null: this process alone; Note [replicas across processes]
+//! in comm/process_group.hpp); one `Collectives` per local rank, whose rank() is global;
+//! something a failing replica can abort; and `bind(rank, execution)`.
 template <class G>
 concept GroupLike = requires(G& g, const std::vector<Device>& devices, std::chrono::milliseconds timeout, int rank) {
     typename G::backend;
     requires BackendTag<typename G::backend>;
     requires std::constructible_from<G, const std::vector<Device>&, std::chrono::milliseconds>;
+    requires std::constructible_from<G, const std::vector<Device>&, std::chrono::milliseconds, std::shared_ptr<ProcessGroup>,
+                                     ProcessGroup::Channel>;
     { g.size() } -> std::convertible_to<int>;
     { g.communicator(rank) } -> std::convertible_to<Collectives&>;
     { g.abortable() } -> std::convertible_to<std::shared_ptr<Abortable>>;

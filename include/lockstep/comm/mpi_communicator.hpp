@@ -179,7 +179,7 @@ namespace lockstep::comm {
 
 //! Collectives between the processes of an MPI communicator (one `MpiCommunicator` per process;
 //! host buffers). Needs `mpi::Environment` (or MPI initialized at MPI_THREAD_MULTIPLE).
-class MpiCommunicator final : public Collectives {
+class MpiCommunicator final : public TypedCollectives<MpiCommunicator> {
     using clock = std::chrono::steady_clock;
 
 public:
@@ -217,11 +217,8 @@ public:
     void set_timeout(std::chrono::milliseconds t) noexcept { timeout_ = t; }
     std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
-    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { reduce(data, site); }
-    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { reduce(data, site); }
-    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override { bcast(data, root, site); }
-    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override { bcast(data, root, site); }
-    void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override { bcast(data, root, site); }
+    using TypedCollectives::all_reduce_sum;
+    using TypedCollectives::broadcast;
     void barrier(CollectiveSite site) override {
         ++count_;
         agree(CollectiveTag{site, CollectiveKind::barrier, DType::none, 0, -1});
@@ -294,6 +291,8 @@ public:
     const std::string& failure() const noexcept { return failure_; }
 
 private:
+    friend class TypedCollectives<MpiCommunicator>;
+
     using Wire = std::array<std::int64_t, 7>;
     static constexpr std::size_t slot_bytes = sizeof(Wire) + folded_limit;  // one rank's message: tag, payload
 
@@ -359,11 +358,8 @@ private:
     }
 
     template <class T>
-    void check_buffer(const DeviceSpan<T>& data, const char* what) const {
-        LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size, " elements");
-        if (data.device.kind != Device::Kind::host) [[unlikely]]
-            throw DeviceMismatch(std::string(what) + ": an MpiCommunicator moves host memory, got a buffer on " +
-                                 data.device.str() + "; use NCCL for device buffers");
+    static void check(const DeviceSpan<T>& data, const char* what) {
+        check_buffer(data, what, Device::Kind::host, -1, "an MpiCommunicator", "use NCCL for device buffers");
         LOCKSTEP_CHECK_AS(UsageError, data.size <= static_cast<std::size_t>(INT32_MAX), what, " of ", data.size,
                           " elements: one MPI message holds at most 2^31 - 1; split the buffer");
     }
@@ -461,7 +457,7 @@ private:
 
     template <class T>
     void reduce(DeviceSpan<T> data, CollectiveSite site) {
-        check_buffer(data, "all_reduce_sum");
+        check(data, "all_reduce_sum");
         ++count_;
         const CollectiveTag tag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1};
         const auto n = static_cast<std::size_t>(size_);
@@ -540,8 +536,8 @@ private:
 
     template <class T>
     void bcast(DeviceSpan<T> data, int root, CollectiveSite site) {
-        check_buffer(data, "broadcast");
-        LOCKSTEP_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is outside a group of ", size_);
+        check(data, "broadcast");
+        check_root(root, size_);
         ++count_;
         agree(CollectiveTag{site, CollectiveKind::broadcast, dtype_of<T>(), data.size, root});
         if (size_ == 1 || data.empty()) return;

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: MIT
 //! `ProcessGroup` (the processes one DataParallel spans, each running some of its replicas) and
-//! `HierarchicalGroup`: replicas = processes x threads, threads meeting in the process's
-//! SharedTensor and one leader thread per process running the process-level collective.
+//! `ProcessSpan`, the level of a replica group that spans processes, the same for every group.
 #pragma once
 
 #include <algorithm>
@@ -10,14 +9,15 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/collective_tag.hpp"
 #include "lockstep/comm/collectives.hpp"
-#include "lockstep/comm/host_communicator.hpp"
-#include "lockstep/comm/shared_tensor.hpp"
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/runtime/abortable_barrier.hpp"
@@ -115,133 +115,100 @@ inline void tell_processes(ProcessGroup& procs, int local_replicas, const std::s
     }
 }
 
-// Note [hierarchical groups]
-// Replicas = processes x threads, global rank = process rank x local replicas + local rank. A
-// collective is: the threads of a process meet in the process's SharedTensor (tag check); the
-// leader (local rank 0) sums the local buffers in local rank order into its own and runs the
-// process-level collective on it (tags checked across processes, sums in process rank order);
-// the other threads then copy the leader's result. So a group of P processes with one replica
-// each adds exactly as a HostGroup of P threads (bit-identical), and a process running all
-// replicas adds as a HostGroup; other groupings add the same values in another order. A failure
-// aborts the process's SharedTensor and tells the other processes (ProcessGroup::abort): every
-// replica of every process fails its step. The process-level communicator stays failed: a
-// multi-process DataParallel does not continue after a failed step.
+// Note [replicas across processes]
+// A replica group made with a ProcessGroup spans processes: this process's L replicas are global
+// ranks p x L .. p x L + L - 1 of P x L. That level is `ProcessSpan`, the same for every group:
+// - Made by every process together: first every process learns whether any refused its own part
+//   (comm::agreed_failure), then every process's replica count and arrangement are exchanged
+//   once, and unless all are alike every process throws the same UsageError. So no process waits
+//   in a collective for one that left.
+// - A collective's process-level step is made by local rank 0 on the group's channel; the other
+//   local replicas wait for it that much longer (`timeout()`), so the process that is late is
+//   the one named, not rank 0.
+// - A failure is passed on to the other processes (`tell`, naming the failing global rank when
+//   it started here).
+// What moves the data differs: a host group sums on the channel itself (Note [host groups across
+// processes] in comm/host_communicator.hpp); a stream group checks the tag on the channel and
+// moves the data with NCCL (Note [stream groups across processes] in comm/stream_group.hpp).
 
-//! One replica's handle on a `HierarchicalGroup` (Note [hierarchical groups]).
-class HierarchicalCommunicator final : public Collectives {
+//! This process's part of a replica group (Note [replicas across processes]): its replicas'
+//! global ranks and, when the group spans processes, the process-level channel.
+class ProcessSpan {
 public:
-    HierarchicalCommunicator(std::shared_ptr<SharedTensor> local, std::shared_ptr<ProcessGroup> processes,
-                             ProcessGroup::Channel channel, int local_rank)
-        : local_(std::move(local)), procs_(std::move(processes)), channel_(channel), l_(local_rank) {}
-
-    int rank() const noexcept override { return procs_->rank() * local_->world_size() + l_; }
-    int size() const noexcept override { return procs_->size() * local_->world_size(); }
-    std::uint64_t collective_count() const noexcept override { return local_->collectives(l_); }
-
-    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { reduce(data, site); }
-    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { reduce(data, site); }
-    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override { bcast(data, root, site); }
-    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override { bcast(data, root, site); }
-    void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override { bcast(data, root, site); }
-    void barrier(CollectiveSite site) override {
-        local_->count_collective(l_);
-        const CollectiveTag tag{site, CollectiveKind::barrier, DType::none, 0, -1};
-        local_->arrive(l_, tag, nullptr);
-        if (l_ == 0) procs_->channel(channel_).barrier(site);
-        local_->arrive(l_, phase(tag, 1), nullptr, procs_->timeout());
-    }
-
-private:
-    template <class T>
-    void check_buffer(const DeviceSpan<T>& data, const char* what) const {
-        LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size, " elements");
-        if (data.device.kind != Device::Kind::host) [[unlikely]]
-            throw DeviceMismatch(std::string(what) + ": a multi-process group moves host memory, got a buffer on " +
-                                 data.device.str());
-    }
-
-    template <class T>
-    void reduce(DeviceSpan<T> data, CollectiveSite site) {
-        check_buffer(data, "all_reduce_sum");
-        local_->count_collective(l_);
-        const CollectiveTag tag{site, CollectiveKind::all_reduce_sum, dtype_of<T>(), data.size, -1};
-        const int parity = local_->arrive(l_, tag, data.data);
-        const void* leader = local_->buffer(parity, 0);  // read before the next crossing may rewrite the slot
-        const int n = local_->world_size();
-        if (l_ == 0 && !data.empty()) {
-            std::vector<const T*> bufs(static_cast<std::size_t>(n));  // local rank order; bufs[0] is data
-            for (int r = 0; r < n; ++r) bufs[static_cast<std::size_t>(r)] = static_cast<const T*>(local_->buffer(parity, r));
-            sum_in_rank_order(bufs, data.data, 0, data.size);
-            procs_->channel(channel_).all_reduce_sum(data, site);
-        }
-        share_from_leader(tag, leader, data);
-    }
-
-    template <class T>
-    void bcast(DeviceSpan<T> data, int root, CollectiveSite site) {
-        check_buffer(data, "broadcast");
-        LOCKSTEP_CHECK(root >= 0 && root < size(), "broadcast root ", root, " is outside a group of ", size());
-        local_->count_collective(l_);
-        const int n = local_->world_size();
-        const CollectiveTag tag{site, CollectiveKind::broadcast, dtype_of<T>(), data.size, root};
-        const int parity = local_->arrive(l_, tag, data.data);
-        const void* leader = local_->buffer(parity, 0);  // read before the next crossing may rewrite the slot
-        const int root_process = root / n, root_local = root % n;
-        if (l_ == 0 && !data.empty()) {
-            if (procs_->rank() == root_process && root_local != 0)
-                std::memcpy(data.data, local_->buffer(parity, root_local), data.size * sizeof(T));
-            procs_->channel(channel_).broadcast(data, root_process, site);
-        }
-        share_from_leader(tag, leader, data);
-    }
-
-    // After the leader's process-level collective: every other thread copies the leader's buffer
-    // (`leader`, taken from the first crossing's slot: the third crossing rewrites that slot).
-    template <class T>
-    void share_from_leader(const CollectiveTag& tag, const void* leader, DeviceSpan<T> data) {
-        local_->arrive(l_, phase(tag, 1), data.data, procs_->timeout());  // the leader is in the process-level collective
-        if (l_ != 0 && !data.empty())
-            std::memcpy(data.data, leader, data.size * sizeof(T));
-        local_->arrive(l_, phase(tag, 2), data.data);  // the leader's buffer is read by now
-    }
-
-    std::shared_ptr<SharedTensor> local_;
-    std::shared_ptr<ProcessGroup> procs_;
-    ProcessGroup::Channel channel_;
-    int l_;
-};
-
-//! The replicas of this process in a group that spans processes (Note [hierarchical groups]).
-class HierarchicalGroup {
-public:
-    HierarchicalGroup(int local_replicas, std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel,
-                      std::chrono::milliseconds timeout)
-        : local_(std::make_shared<SharedTensor>(local_replicas, timeout)),
-          abortable_(std::make_shared<Aborter>(local_, processes)) {
-        LOCKSTEP_CHECK(processes != nullptr, "a hierarchical group needs a process group");
-        for (int r = 0; r < local_replicas; ++r) comms_.emplace_back(local_, processes, channel, r);
-    }
-
-    int size() const noexcept { return static_cast<int>(comms_.size()); }
-    HierarchicalCommunicator& communicator(int local_rank) { return comms_.at(static_cast<std::size_t>(local_rank)); }
-    //! Aborts the process's threads and tells the other processes.
-    std::shared_ptr<Abortable> abortable() const { return abortable_; }
-
-private:
-    struct Aborter final : Abortable {
-        Aborter(std::shared_ptr<SharedTensor> l, std::shared_ptr<ProcessGroup> p) : local(std::move(l)), procs(std::move(p)) {}
-        void abort(const std::string& reason, int failed_rank) noexcept override {
-            local->abort(reason, failed_rank);
-            tell_processes(*procs, local->world_size(), reason, failed_rank);
-        }
-        void reset() override { local->reset(); }
-        std::shared_ptr<SharedTensor> local;
-        std::shared_ptr<ProcessGroup> procs;
+    //! What a process says of its replicas when a group is made: how many, and how they are
+    //! arranged (the group's own code, e.g. one replica per GPU).
+    struct Layout {
+        int replicas = 0;
+        int arrangement = 0;
+        friend bool operator==(const Layout&, const Layout&) = default;
     };
+    //! The message every process throws when the layouts differ, given every process's layout.
+    using Refusal = std::function<std::string(std::span<const Layout>)>;
 
-    std::shared_ptr<SharedTensor> local_;
-    std::shared_ptr<Aborter> abortable_;
-    std::vector<HierarchicalCommunicator> comms_;
+    //! This process alone, with `replicas` replicas.
+    explicit ProcessSpan(int replicas) : local_(replicas), global_(replicas) {}
+
+    //! Made by every process of `procs` together (by this process alone when `procs` is null):
+    //! `local()` checks this process's part and returns its layout (throwing when it refuses it);
+    //! every process throws alike when any refuses, or when their layouts differ (`refusal`).
+    template <class Local>
+    static ProcessSpan join(std::shared_ptr<ProcessGroup> procs, ProcessGroup::Channel channel, Local&& local,
+                            const Refusal& refusal) {
+        if (procs == nullptr) return ProcessSpan(local().replicas);
+        Layout mine;
+        std::exception_ptr failure;
+        try {
+            mine = local();
+        } catch (...) {
+            failure = std::current_exception();
+        }
+        const std::string agreed = agreed_failure(*procs, channel, failure);
+        if (!agreed.empty()) throw UsageError("a replica group across processes: " + agreed);
+        const auto P = static_cast<std::size_t>(procs->size()), p = static_cast<std::size_t>(procs->rank());
+        std::vector<double> all(2 * P, 0.0);  // by process: replicas, then arrangements
+        all[p] = mine.replicas;
+        all[P + p] = mine.arrangement;
+        procs->channel(channel).all_reduce_sum(DeviceSpan<double>::host(all), CollectiveSite::control(Exchange::group_layout));
+        std::vector<Layout> layouts(P);
+        for (std::size_t q = 0; q < P; ++q) layouts[q] = {static_cast<int>(all[q]), static_cast<int>(all[P + q])};
+        for (const Layout& l : layouts)
+            if (l != layouts[0]) throw UsageError(refusal(layouts));
+        ProcessSpan span(mine.replicas);
+        span.first_ = procs->rank() * mine.replicas;
+        span.global_ = procs->size() * mine.replicas;
+        span.procs_ = std::move(procs);
+        span.channel_ = channel;
+        return span;
+    }
+
+    //! Whether the group spans more than this process.
+    bool spans() const noexcept { return procs_ != nullptr; }
+    //! This process's replicas, the global rank of the first, and the replicas of every process.
+    int local() const noexcept { return local_; }
+    int first_rank() const noexcept { return first_; }
+    int global() const noexcept { return global_; }
+    //! The processes (null: this process alone) and the group's channel among them.
+    ProcessGroup* processes() const noexcept { return procs_.get(); }
+    Collectives& link() const { return procs_->channel(channel_); }
+    //! Checks with every process that they reached `tag` (ProcessGroup::agree), on local rank 0.
+    void agree(const CollectiveTag& tag) const { procs_->agree(channel_, tag); }
+    //! How much longer the local replicas wait for local rank 0's process-level step.
+    std::chrono::milliseconds timeout() const noexcept { return procs_->timeout(); }
+    //! Throws once another process has failed (ProcessGroup::check_peers); nothing alone.
+    void check_peers() const {
+        if (procs_) procs_->check_peers();
+    }
+    //! Tells the other processes that this one failed (comm::tell_processes); nothing alone.
+    void tell(const std::string& reason, int failed_rank) const noexcept {
+        if (procs_) tell_processes(*procs_, local_, reason, failed_rank);
+    }
+
+private:
+    std::shared_ptr<ProcessGroup> procs_;
+    ProcessGroup::Channel channel_ = ProcessGroup::layer;
+    int local_ = 0;
+    int first_ = 0;
+    int global_ = 0;
 };
 
 }  // namespace lockstep::comm

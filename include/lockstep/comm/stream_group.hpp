@@ -85,13 +85,12 @@ namespace lockstep::comm {
 //   void copy(int device, Stream, void* dst, const void* src, std::size_t bytes);
 
 // Note [stream groups across processes]
-// A stream group made with a ProcessGroup spans processes: this process's replicas are ranks
-// first_rank = process rank x L .. + L - 1 of P x L. When the group is made, every process sees
-// every process's layout and all throw the same UsageError unless: each runs L replicas laid out
-// alike, and no GPU serves two processes (NCCL refuses a GPU twice in a communicator;
-// Api::device_key identifies GPUs across processes, whatever each one's numbering, e.g. under
-// CUDA_VISIBLE_DEVICES). A layout one process refuses on its own (a mix) is refused by all alike
-// too (comm::agreed_failure), before anything waits on it.
+// A stream group made with a ProcessGroup spans processes through its ProcessSpan (Note [replicas
+// across processes] in comm/process_group.hpp): every process runs L replicas laid out alike (the
+// span's arrangement: one per GPU or all on one), or all throw the same UsageError, as they do
+// when one refuses its own layout (a mix). Then no GPU may serve two processes (NCCL refuses a
+// GPU twice in a communicator; Api::device_key identifies GPUs across processes, whatever each
+// one's numbering, e.g. under CUDA_VISIBLE_DEVICES): every process sees every GPU's identity.
 // - Setup: process 0 makes the NCCL unique id and broadcasts it over the process group (MPI);
 //   every process then creates its communicators in one group call (ncclCommInitRankConfig).
 // - Layouts. `peer` (one replica per GPU): every replica holds a communicator of all P x L ranks,
@@ -132,40 +131,32 @@ class StreamGroup;
 //! One replica's handle on a `StreamGroup` (see Note [stream-ordered collectives]). Buffers are
 //! device memory of the replica's GPU; the calls enqueue and return.
 template <class Api>
-class StreamCommunicator final : public Collectives, public DeviceWatch {
+class StreamCommunicator final : public TypedCollectives<StreamCommunicator<Api>>, public DeviceWatch {
+    using Base = TypedCollectives<StreamCommunicator<Api>>;
     using Stream = typename Api::Stream;
     using Event = typename Api::Event;
     using clock = std::chrono::steady_clock;
 
 public:
     //! The global rank (across processes) and the number of ranks of the group.
-    int rank() const noexcept override { return st_->first_rank + rank_; }
-    int size() const noexcept override { return st_->global; }
+    int rank() const noexcept override { return st_->span.first_rank() + rank_; }
+    int size() const noexcept override { return st_->span.global(); }
     std::uint64_t collective_count() const noexcept override { return st_->rendezvous.collectives(rank_); }
     bool stream_ordered() const noexcept override { return true; }
 
-    void all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override { run(data, Request::all_reduce(), site, DType::f32); }
-    void all_reduce_sum(DeviceSpan<double> data, CollectiveSite site) override { run(data, Request::all_reduce(), site, DType::f64); }
+    using Base::all_reduce_sum;
+    using Base::broadcast;
     void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override {
         run(data, Request::started_all_reduce(), site, DType::f32);
-    }
-    void broadcast(DeviceSpan<float> data, int root, CollectiveSite site) override {
-        run(data, Request::broadcast(root), site, DType::f32);
-    }
-    void broadcast(DeviceSpan<double> data, int root, CollectiveSite site) override {
-        run(data, Request::broadcast(root), site, DType::f64);
-    }
-    void broadcast(DeviceSpan<std::int64_t> data, int root, CollectiveSite site) override {
-        run(data, Request::broadcast(root), site, DType::i64);
     }
     void barrier(CollectiveSite site) override {
         st_->check_usable();
         st_->rendezvous.count_collective(rank_);
         const CollectiveTag tag{site, CollectiveKind::barrier, DType::none, 0, -1};
         st_->rendezvous.arrive(rank_, tag, nullptr);
-        if (st_->procs) {
-            if (rank_ == 0) st_->procs->agree(st_->channel, tag);
-            st_->rendezvous.arrive(rank_, phase(tag, 1), nullptr, st_->procs->timeout());
+        if (st_->span.spans()) {
+            if (rank_ == 0) st_->span.agree(tag);
+            st_->rendezvous.arrive(rank_, phase(tag, 1), nullptr, st_->span.timeout());
         }
     }
     //! Sums 16-bit floats in place over all ranks (on CUDA: `DeviceSpan<__half>` with DType::f16,
@@ -190,7 +181,7 @@ public:
     void poll() override {
         if (st_->aborted.load(std::memory_order_acquire)) [[unlikely]]
             throw CollectiveAborted("the replica group was aborted: " + st_->abort_reason());
-        if (st_->procs) st_->procs->check_peers();
+        st_->span.check_peers();
         if (!st_->holds_comm(rank_)) return;
         std::shared_lock lock(st_->comms_mutex);
         if (!st_->comms_aborted && !st_->comms.empty()) st_->api.check(st_->comm_of(rank_));
@@ -202,6 +193,7 @@ public:
 
 private:
     friend class StreamGroup<Api>;
+    friend class TypedCollectives<StreamCommunicator<Api>>;
     struct State;
 
     StreamCommunicator(std::shared_ptr<State> st, int rank) : st_(std::move(st)), rank_(rank) {}
@@ -217,6 +209,15 @@ private:
     };
 
     template <class T>
+    void reduce(DeviceSpan<T> data, CollectiveSite site) {
+        run(data, Request::all_reduce(), site, dtype_of<T>());
+    }
+    template <class T>
+    void bcast(DeviceSpan<T> data, int root, CollectiveSite site) {
+        run(data, Request::broadcast(root), site, dtype_of<T>());
+    }
+
+    template <class T>
     void run(DeviceSpan<T> data, Request what, CollectiveSite site, DType dtype) {
         State& st = *st_;
         const auto ur = static_cast<std::size_t>(rank_);
@@ -224,9 +225,10 @@ private:
         LOCKSTEP_CHECK_AS(UsageError, me.bound, "rank ", rank_, " of a stream group made a collective before its replica was "
                           "bound to it (StreamGroup::bind)");
         const bool broadcast = what.kind == CollectiveKind::broadcast;
-        check_buffer(data, broadcast ? "broadcast" : "all_reduce_sum");
-        LOCKSTEP_CHECK(!broadcast || (what.root >= 0 && what.root < st.global), "broadcast root ", what.root,
-                       " is outside a group of ", st.global, "; pass a rank from 0 to ", st.global - 1);
+        const char* name = broadcast ? "broadcast" : "all_reduce_sum";
+        Base::check_buffer(data, name, device_kind_of<typename Api::backend>(), st.devices[ur], "this replica of the group",
+                           "pass the replica's own tensors");
+        if (broadcast) Base::check_root(what.root, st.span.global());
         const int root = what.root;
         const bool started = what.started;
         st.check_usable();
@@ -249,13 +251,13 @@ private:
         if (rank_ == 0 && st.mode != StreamGroupMode::peer)
             for (int r = 0; r < st.size(); ++r) bufs.push_back(st.rendezvous.buffer(parity, r));
         int next_phase = 1;
-        if (st.procs) {  // Note [stream groups across processes]
-            if (rank_ == 0) st.procs->agree(st.channel, tag);
+        if (st.span.spans()) {  // Note [stream groups across processes]
+            if (rank_ == 0) st.span.agree(tag);
             // Rank 0 may wait in agree for as long as the process group allows: the others wait
             // that much longer here, so that a late process is named, not rank 0.
-            st.rendezvous.arrive(rank_, phase(tag, next_phase++), data.data, st.procs->timeout());
+            st.rendezvous.arrive(rank_, phase(tag, next_phase++), data.data, st.span.timeout());
         }
-        if (st.global > 1 && !data.empty()) {
+        if (st.span.global() > 1 && !data.empty()) {
             if (st.mode == StreamGroupMode::peer) {
                 enqueue_nccl(data.data, data.size, root, s, dtype);
             } else {
@@ -288,16 +290,16 @@ private:
         };
         if (root < 0) {
             if (n > 1) st.api.rank_sum(device, s, std::span<void* const>(bufs), data.size, dtype);
-            if (st.procs) {
+            if (st.span.spans()) {
                 enqueue_nccl(data.data, data.size, -1, s, dtype);
                 copy_out(-1);
             }
-        } else if (!st.procs) {
+        } else if (!st.span.spans()) {
             for (int r = 0; r < n; ++r)
                 if (r != root) st.api.copy(device, s, bufs[static_cast<std::size_t>(r)], bufs[static_cast<std::size_t>(root)], bytes);
         } else {
             const int root_process = root / n, root_local = root % n;
-            const bool mine = st.procs->rank() == root_process;
+            const bool mine = st.span.processes()->rank() == root_process;
             if (mine && root_local != 0) st.api.copy(device, s, bufs[0], bufs[static_cast<std::size_t>(root_local)], bytes);
             enqueue_nccl(data.data, data.size, root_process, s, dtype);
             copy_out(mine ? root_local : -1);
@@ -315,17 +317,6 @@ private:
         const auto deadline = clock::now() + st.rendezvous.timeout();
         if (root < 0) st.api.all_reduce(comm, data, count, dtype, s, deadline, st.aborted);
         else st.api.broadcast(comm, data, count, dtype, root, s, deadline, st.aborted);
-    }
-
-    template <class T>
-    void check_buffer(const DeviceSpan<T>& data, const char* what) const {
-        LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size,
-                       " elements; pass the tensor's storage");
-        const int want = st_->devices[static_cast<std::size_t>(rank_)];
-        if (data.device.kind != device_kind_of<typename Api::backend>() || data.device.index != want) [[unlikely]]
-            throw DeviceMismatch(std::string(what) + ": rank " + std::to_string(rank_) + " of this group works on " +
-                                 Device{device_kind_of<typename Api::backend>(), want}.str() + " but got a buffer on " +
-                                 data.device.str() + "; pass the replica's own tensors");
     }
 
     std::shared_ptr<State> st_;
@@ -348,9 +339,9 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         bool bound = false;
     };
 
-    State(std::vector<int> devs, StreamGroupMode m, std::chrono::milliseconds timeout)
+    State(std::vector<int> devs, StreamGroupMode m, std::chrono::milliseconds timeout, ProcessSpan s)
         : rendezvous(static_cast<int>(devs.size()), timeout), devices(std::move(devs)), mode(m),
-          ranks(devices.size()), global(static_cast<int>(devices.size())) {}
+          ranks(devices.size()), span(std::move(s)) {}
 
     ~State() override { teardown(); }
 
@@ -358,7 +349,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
 
     // Which local ranks hold a communicator: all in peer mode; across processes in the other
     // modes, local rank 0 (Note [stream groups across processes]).
-    bool holds_comm(int r) const noexcept { return mode == StreamGroupMode::peer || (procs != nullptr && r == 0); }
+    bool holds_comm(int r) const noexcept { return mode == StreamGroupMode::peer || (span.spans() && r == 0); }
     typename Api::Comm comm_of(int r) const { return comms[mode == StreamGroupMode::peer ? static_cast<std::size_t>(r) : 0]; }
 
     // Peer mode in one process: a communicator per rank, from a fresh unique id.
@@ -380,7 +371,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
                 comms_aborted = true;
             }
         }
-        if (procs) comm::tell_processes(*procs, size(), reason, failed_rank);  // after: this process's kernels end first
+        span.tell(reason, failed_rank);  // after: this process's kernels end first
     }
 
     // After a failed call, with every replica out of it (the pool calls this before it rethrows):
@@ -391,7 +382,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         rendezvous.reset();
         {
             std::unique_lock lock(comms_mutex);
-            if (procs) {  // Note [stream groups across processes]: not rebuilt
+            if (span.spans()) {  // Note [stream groups across processes]: not rebuilt
                 if (unusable.empty()) unusable = "a step failed across processes (" + abort_reason() + ")";
             } else if (comms_aborted) {
                 rebuild = true;
@@ -475,11 +466,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     std::vector<int> devices;  // device of each rank
     StreamGroupMode mode;
     std::vector<Rank> ranks;
-    // Across processes (Note [stream groups across processes]); otherwise null, 0 and size().
-    std::shared_ptr<ProcessGroup> procs;
-    ProcessGroup::Channel channel = ProcessGroup::layer;
-    int first_rank = 0;  // global rank of local rank 0
-    int global;          // ranks over every process
+    ProcessSpan span;  // this process's part (Note [stream groups across processes])
     Event local_done{};  // local mode: rank 0's reduction is done
     bool local_done_made = false;
 
@@ -518,66 +505,25 @@ public:
     //! process together; `channel` carries its setup and its tag checks. Null `processes`: this
     //! process alone.
     StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout,
-                std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel)
-        : st_(make_state(devices, timeout, processes.get(), channel)) {
+                std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel) {
+        StreamGroupMode mode = StreamGroupMode::single;
+        auto span = ProcessSpan::join(
+            std::move(processes), channel,
+            [&] {
+                mode = choose_mode(devices);
+                return ProcessSpan::Layout{static_cast<int>(devices.size()), mode == StreamGroupMode::peer ? 1 : 0};
+            },
+            refusal);
+        st_ = std::make_shared<State>(device_indices(devices), mode, timeout, std::move(span));
         State& st = *st_;
-        if (processes == nullptr) {
+        if (!st.span.spans()) {
             if (st.mode == StreamGroupMode::peer) st.comms = st.make_comms(clock::now() + timeout, st.aborted_never);
-            make_communicators();
-            return;
+        } else {
+            check_gpus_apart();
+            connect(timeout);
         }
-        Collectives& link = processes->channel(channel);
-        const int P = processes->size(), p = processes->rank(), L = st.size();
-        const bool peer = st.mode == StreamGroupMode::peer;
-        // Every process must lay out its replicas alike, and no GPU may serve two processes (NCCL
-        // refuses a GPU twice in a communicator): all see every layout and every GPU's identity, so
-        // all agree or all throw the same error.
-        const auto Pz = static_cast<std::size_t>(P), pz = static_cast<std::size_t>(p);
-        std::vector<double> layout(2 * Pz, 0.0);  // by process: replicas, then 1 for peer mode
-        layout[pz] = L;
-        layout[Pz + pz] = peer ? 1.0 : 0.0;
-        link.all_reduce_sum(DeviceSpan<double>::host(layout), CollectiveSite::control(Exchange::group_layout));
-        std::string list;
-        bool alike = true;
-        for (std::size_t q = 0; q < Pz; ++q) {
-            const double lq = layout[q], pq = layout[Pz + q];
-            alike = alike && lq == layout[0] && pq == layout[Pz];
-            list += (q ? ", " : "") + std::to_string(static_cast<long long>(lq)) +
-                    (pq != 0 ? " on as many GPUs" : lq > 1 ? " on one GPU" : "");
-        }
-        LOCKSTEP_CHECK_AS(UsageError, alike, "a replica group across ", P, " processes: they lay out their replicas "
-                          "differently (", list, ", by process); every process must run as many replicas, laid out alike "
-                          "(one per GPU, or all on one GPU)");
-        // The GPUs each process's communicators use: every replica's in peer mode, else local rank 0's.
-        const std::size_t K = peer ? static_cast<std::size_t>(L) : 1;
-        std::vector<double> keys(Pz * K, 0.0);
-        for (std::size_t i = 0; i < K; ++i) keys[pz * K + i] = static_cast<double>(st.api.device_key(st.devices[i]));
-        link.all_reduce_sum(DeviceSpan<double>::host(keys), CollectiveSite::control(Exchange::device_keys));
-        for (std::size_t i = 0; i < keys.size(); ++i)
-            for (std::size_t j = i + 1; j < keys.size(); ++j)
-                if (keys[i] == keys[j] && i / K != j / K) {
-                    const int d = st.devices[pz == i / K ? i % K : pz == j / K ? j % K : 0];
-                    throw UsageError("a replica group across " + std::to_string(P) + " processes: processes " +
-                                     std::to_string(i / K) + " and " + std::to_string(j / K) +
-                                     " use the same GPU (this process's " + Device{device_kind_of<backend>(), d}.str() +
-                                     " if it is one of them), which NCCL refuses; give each process GPUs of its own "
-                                     "(at most as many processes per machine as GPUs, --devices lists that do not "
-                                     "overlap, or CUDA_VISIBLE_DEVICES per process)");
-                }
-        st.procs = std::move(processes);
-        st.channel = channel;
-        st.first_rank = p * L;
-        st.global = P * L;
-        typename Api::UniqueId id{};
-        if (p == 0) id = st.api.unique_id();
-        std::array<std::int64_t, (sizeof(id) + 7) / 8> words{};
-        std::memcpy(words.data(), &id, sizeof(id));
-        link.broadcast(DeviceSpan<std::int64_t>::host(std::span<std::int64_t>(words)), 0, CollectiveSite::control(Exchange::nccl_unique_id));
-        std::memcpy(&id, words.data(), sizeof(id));
-        const auto deadline = clock::now() + timeout;
-        if (peer) st.comms = st.api.init(st.devices, id, st.first_rank, st.global, deadline, st.aborted_never);
-        else st.comms = st.api.init(std::vector<int>{st.devices[0]}, id, p, P, deadline, st.aborted_never);
-        make_communicators();
+        comms_.reserve(static_cast<std::size_t>(st.size()));
+        for (int r = 0; r < st.size(); ++r) comms_.push_back(communicator_type(st_, r));
     }
     StreamGroup(const StreamGroup&) = delete;
     StreamGroup& operator=(const StreamGroup&) = delete;
@@ -610,26 +556,62 @@ public:
     }
 
 private:
-    // The group's state; across processes, a layout one process refuses is refused by all alike
-    // (comm::agreed_failure) rather than leave the others waiting in the layout exchange.
-    static std::shared_ptr<State> make_state(const std::vector<Device>& devices, std::chrono::milliseconds timeout,
-                                             ProcessGroup* procs, ProcessGroup::Channel channel) {
-        if (procs == nullptr) return std::make_shared<State>(device_indices(devices), choose_mode(devices), timeout);
-        std::exception_ptr failure;
-        StreamGroupMode mode = StreamGroupMode::single;
-        try {
-            mode = choose_mode(devices);
-        } catch (...) {
-            failure = std::current_exception();
+    // Note [stream groups across processes]: every process's layout, as its replicas' counts and
+    // whether each has a GPU of its own.
+    static std::string refusal(std::span<const ProcessSpan::Layout> layouts) {
+        std::string list;
+        for (std::size_t q = 0; q < layouts.size(); ++q) {
+            const auto& l = layouts[q];
+            list += (q ? ", " : "") + std::to_string(l.replicas) +
+                    (l.arrangement != 0 ? " on as many GPUs" : l.replicas > 1 ? " on one GPU" : "");
         }
-        const std::string agreed = agreed_failure(*procs, channel, failure);
-        if (!agreed.empty()) throw UsageError("a replica group across processes: " + agreed);
-        return std::make_shared<State>(device_indices(devices), mode, timeout);
+        return "a replica group across " + std::to_string(layouts.size()) + " processes: they lay out their replicas "
+               "differently (" + list + ", by process); every process must run as many replicas, laid out alike (one per "
+               "GPU, or all on one GPU)";
     }
 
-    void make_communicators() {
-        comms_.reserve(static_cast<std::size_t>(st_->size()));
-        for (int r = 0; r < st_->size(); ++r) comms_.push_back(communicator_type(st_, r));
+    // No GPU may serve two processes (NCCL refuses a GPU twice in a communicator): every process
+    // sees every GPU's identity, so all agree or all throw the same error. The GPUs of each
+    // process's communicators: every replica's in peer mode, else local rank 0's.
+    void check_gpus_apart() {
+        State& st = *st_;
+        const auto& procs = *st.span.processes();
+        const int P = procs.size();
+        const auto pz = static_cast<std::size_t>(procs.rank());
+        const std::size_t K = st.mode == StreamGroupMode::peer ? static_cast<std::size_t>(st.size()) : 1;
+        std::vector<double> keys(static_cast<std::size_t>(P) * K, 0.0);
+        for (std::size_t i = 0; i < K; ++i) keys[pz * K + i] = static_cast<double>(st.api.device_key(st.devices[i]));
+        st.span.link().all_reduce_sum(DeviceSpan<double>::host(keys), CollectiveSite::control(Exchange::device_keys));
+        for (std::size_t i = 0; i < keys.size(); ++i)
+            for (std::size_t j = i + 1; j < keys.size(); ++j)
+                if (keys[i] == keys[j] && i / K != j / K) {
+                    const int d = st.devices[pz == i / K ? i % K : pz == j / K ? j % K : 0];
+                    throw UsageError("a replica group across " + std::to_string(P) + " processes: processes " +
+                                     std::to_string(i / K) + " and " + std::to_string(j / K) +
+                                     " use the same GPU (this process's " + Device{device_kind_of<backend>(), d}.str() +
+                                     " if it is one of them), which NCCL refuses; give each process GPUs of its own "
+                                     "(at most as many processes per machine as GPUs, --devices lists that do not "
+                                     "overlap, or CUDA_VISIBLE_DEVICES per process)");
+                }
+    }
+
+    // Process 0's NCCL unique id to every process, then this process's communicators: every
+    // replica's in peer mode (global ranks), else local rank 0's (process ranks).
+    void connect(std::chrono::milliseconds timeout) {
+        State& st = *st_;
+        const auto& procs = *st.span.processes();
+        typename Api::UniqueId id{};
+        if (procs.rank() == 0) id = st.api.unique_id();
+        std::array<std::int64_t, (sizeof(id) + 7) / 8> words{};
+        std::memcpy(words.data(), &id, sizeof(id));
+        st.span.link().broadcast(DeviceSpan<std::int64_t>::host(std::span<std::int64_t>(words)), 0,
+                                 CollectiveSite::control(Exchange::nccl_unique_id));
+        std::memcpy(&id, words.data(), sizeof(id));
+        const auto deadline = clock::now() + timeout;
+        if (st.mode == StreamGroupMode::peer)
+            st.comms = st.api.init(st.devices, id, st.span.first_rank(), st.span.global(), deadline, st.aborted_never);
+        else
+            st.comms = st.api.init(std::vector<int>{st.devices[0]}, id, procs.rank(), procs.size(), deadline, st.aborted_never);
     }
 
     static std::vector<int> device_indices(const std::vector<Device>& devices) {

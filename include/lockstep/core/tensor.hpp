@@ -242,7 +242,7 @@ public:
     //! (a device pointer on CUDA): the tensor reads and writes that memory and never frees it. The
     //! caller keeps the memory alive while the view (or what it is moved into) lives. DataParallel
     //! makes each replica's parameters and gradients views of its flat bucket buffers (Note
-    //! [gradients in their buckets] in parallel/data_parallel.hpp).
+    //! [gradients in their buckets] in parallel/replica.hpp).
     static Tensor view(T* data, Shape shape, Device device, MemoryFormat format = MemoryFormat::nchw) {
         LOCKSTEP_CHECK(data != nullptr || shape.numel() == 0, "a view of ", shape.numel(), " elements needs memory, got null");
         Tensor t;

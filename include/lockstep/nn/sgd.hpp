@@ -12,6 +12,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/ops.hpp"
+#include "lockstep/nn/bucket_layout.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/module.hpp"
 
@@ -19,7 +20,9 @@ namespace lockstep::nn {
 
 // Note [optimizer protocol]
 // An optimizer keeps one state per replica, so replicas never share a buffer:
-//   prepare(replicas)                  makes room for that many states (before a parallel region);
+//   prepare(replicas, layout)          makes room for that many states (before a parallel region)
+//                                      and takes the parameters' BucketLayout (the same for every
+//                                      replica; empty outside DataParallel) to lay state out alike;
 //   step(ctx, module)                  updates `module` with replica ctx.local_rank's state;
 //   visit_state(rank, module, f)       calls f(name, Tensor<float, B>& state, const Parameter<B>& p)
 //                                      for every state tensor of replica `rank`, named as in
@@ -37,8 +40,8 @@ struct ArchetypeStateVisitor {
 //! What DataParallel needs of an optimizer for module `M` (see Note [optimizer protocol]).
 template <class O, class M>
 concept OptimizerLike = requires(O& o, M& module, int rank, const Context<typename M::backend>& ctx,
-                                 detail::ArchetypeStateVisitor<typename M::backend> v) {
-    o.prepare(rank);
+                                 const BucketLayout& layout, detail::ArchetypeStateVisitor<typename M::backend> v) {
+    o.prepare(rank, layout);
     o.step(ctx, module);
     o.visit_state(rank, module, v);
 };
@@ -53,15 +56,14 @@ struct SgdOptions {
 
 // Note [momentum beside its bucket]
 // Under DataParallel a replica's parameters and gradients are views of flat bucket buffers (Note
-// [gradients in their buckets] in parallel/data_parallel.hpp). Sgd lays the momentum buffers out
-// to match: for every run of parameters laid out alike in value and gradient, in visit order, it
-// keeps one block holding the run's buffers at the same distances, as views of the block. The
-// update of a bucket then runs over three flat arrays laid out alike: one loop for every stretch
-// of parameters that lie back to back (Ops<Host>::sgd_step_many merges those), one launch per 32
-// parameters on CUDA. A buffer replaced from outside (a checkpoint loaded through visit_state) is
-// copied into a new block at the next step; blocks no buffer uses any more are freed. Outside
-// DataParallel every parameter is a run of its own. The arithmetic per element is the same
-// either way, so the layout changes no bit.
+// [gradients in their buckets] in parallel/replica.hpp), whose layout DataParallel hands to
+// `prepare`. Sgd lays the momentum buffers out to match: one block per bucket, holding the
+// bucket's buffers at the bucket's offsets, as views of the block. The update of a bucket then
+// runs over three flat arrays laid out alike: one loop for every stretch of parameters that lie
+// back to back (Ops<Host>::sgd_step_many merges those), one launch per 32 parameters on CUDA. A
+// buffer replaced from outside (a checkpoint loaded through visit_state) is copied into a new
+// block for its bucket at the next step. Without a layout every parameter is a bucket of its own.
+// The arithmetic per element is the same either way, so the layout changes no bit.
 
 //! SGD as torch.optim.SGD: g = grad + wd * p; v = mu * v + (1 - dampening) * g (v = g on the
 //! first step); g = nesterov ? g + mu * v : v; p -= lr * g. Every replica keeps its own momentum
@@ -84,9 +86,12 @@ public:
     const SgdOptions& options() const noexcept { return options_; }
     void set_lr(double lr) { options_.lr = lr; }
 
-    //! Makes room for `replicas` states; called before a parallel region, never inside one.
-    void prepare(int replicas) {
-        if (static_cast<int>(states_.size()) < replicas) states_.resize(static_cast<std::size_t>(replicas));
+    //! Makes room for `replicas` states and lays the momentum buffers out as `layout` from the
+    //! next step (Note [momentum beside its bucket]); called before a parallel region, never
+    //! inside one.
+    void prepare(int replicas, const BucketLayout& layout = {}) {
+        make_room(replicas);
+        if (layout != layout_) layout_ = layout;
     }
 
     //! One update of `module`'s parameters with the state of replica `ctx.local_rank`.
@@ -118,7 +123,7 @@ public:
     //! of `module`, named "<parameter>.momentum_buffer" (see Note [optimizer protocol]).
     template <class M, class F>
     void visit_state(int rank, M& module, F&& f) {
-        prepare(rank + 1);
+        make_room(rank + 1);
         auto& buffers = states_[static_cast<std::size_t>(rank)].buffers;
         std::size_t i = 0;
         for_each_parameter(module, [&](const std::string& name, const Parameter<B>& p) {
@@ -128,60 +133,69 @@ public:
     }
 
 private:
+    void make_room(int replicas) {
+        if (static_cast<int>(states_.size()) < replicas) states_.resize(static_cast<std::size_t>(replicas));
+    }
+
     struct State {
         std::vector<Tensor<float, B>> buffers;  // parameter order; empty before the first step
-        std::vector<Tensor<float, B>> blocks;   // what the buffers view (Note [momentum beside its bucket])
+        std::vector<Tensor<float, B>> blocks;   // what the buffers view, by bucket (Note [momentum beside its bucket])
+        BucketLayout own_layout;                // every parameter a bucket of its own, without a layout
         // The last step's parameters and entries, kept for their capacity.
         std::vector<Parameter<B>*> params;
         std::vector<kernels::SgdTensors<B>> items;
     };
 
-    // Note [momentum beside its bucket]: gives every run of parameters laid out alike in value
-    // and gradient (each next one at the same distance from the one before in both, past its end
-    // by at most 64 bytes of padding) a momentum block laid out alike, unless its buffers
-    // already are.
+    // Note [momentum beside its bucket]: gives every bucket a momentum block laid out as the
+    // bucket, unless its buffers already are views of it at the bucket's offsets.
     void place_buffers(const Context<B>& ctx, State& state) {
+        const BucketLayout& layout = layout_for(state);
         auto& items = state.items;
-        bool changed = false;
-        for (std::size_t lo = 0; lo < items.size();) {
-            std::size_t hi = lo + 1;
-            while (hi < items.size()) {
-                const auto d = items[hi].value->offset_from(*items[hi - 1].value);
-                const std::int64_t end = items[hi - 1].value->numel();
-                if (!d || *d < end || *d > end + 16 || items[hi].grad->offset_from(*items[hi - 1].grad) != d) break;
-                ++hi;
+        state.blocks.resize(layout.buckets.size());
+        for (std::size_t b = 0; b < layout.buckets.size(); ++b) {
+            const auto& bucket = layout.buckets[b];
+            auto& block = state.blocks[b];
+            bool placed = block.numel() == bucket.size;
+            for (std::size_t k = 0; placed && k < bucket.params.size(); ++k) {
+                const auto& item = items[bucket.params[k]];
+                placed = !item.first && item.momentum->views(block, bucket.offsets[k]);
             }
-            bool placed = true;
-            for (std::size_t k = lo; placed && k < hi; ++k)
-                placed = !items[k].first && items[k].momentum->is_view() &&
-                         (k == lo || items[k].momentum->offset_from(*items[k - 1].momentum) ==
-                                         items[k].value->offset_from(*items[k - 1].value));
-            if (!placed) {
-                const auto& first = *items[lo].value;
-                const auto& last = *items[hi - 1].value;
-                // Zero-filled: the padding between buffers stays zero.
-                const std::int64_t size = (hi - 1 == lo ? 0 : *last.offset_from(first)) + last.numel();
-                Tensor<float, B> block(Shape{size}, MemoryFormat::nchw, first.device());
-                for (std::size_t k = lo; k < hi; ++k) {
-                    auto& buf = *items[k].momentum;
-                    const auto& value = *items[k].value;
-                    const std::int64_t offset = lo == k ? 0 : *value.offset_from(first);
-                    if (!items[k].first) K::copy(ctx.exec, block, offset, buf, 0, value.numel());  // a buffer it had
-                    buf = Tensor<float, B>::view(block, offset, value.shape(), value.format());
-                }
-                state.blocks.push_back(std::move(block));
-                changed = true;
+            if (placed) continue;
+            // Zero-filled: the padding between buffers stays zero.
+            Tensor<float, B> fresh(Shape{bucket.size}, MemoryFormat::nchw, items[bucket.params[0]].value->device());
+            for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+                auto& item = items[bucket.params[k]];
+                const auto& value = *item.value;
+                LOCKSTEP_CHECK_AS(UsageError, bucket.offsets[k] + value.numel() <= bucket.size, "Sgd: parameter ",
+                                  bucket.params[k], " does not fit its place in the bucket layout handed to prepare(); "
+                                  "prepare with the layout of the model being stepped");
+                if (!item.first) K::copy(ctx.exec, fresh, bucket.offsets[k], *item.momentum, 0, value.numel());  // a buffer it had
+                *item.momentum = Tensor<float, B>::view(fresh, bucket.offsets[k], value.shape(), value.format());
             }
-            lo = hi;
+            block = std::move(fresh);
         }
-        if (!changed) return;
-        std::erase_if(state.blocks, [&](const Tensor<float, B>& block) {
-            return std::none_of(state.buffers.begin(), state.buffers.end(), [&](const Tensor<float, B>& buf) {
-                return buf.views(block);
-            });
-        });
     }
+
+    // The layout handed to prepare(), or, without one, every parameter a bucket of its own.
+    const BucketLayout& layout_for(State& state) {
+        const std::size_t count = state.items.size();
+        if (!layout_.empty()) {
+            LOCKSTEP_CHECK_AS(UsageError, layout_.parameters() == count, "Sgd: the bucket layout handed to prepare() places ",
+                              layout_.parameters(), " parameters, but the model has ", count,
+                              "; prepare with the layout of the model being stepped (or none)");
+            return layout_;
+        }
+        auto& own = state.own_layout;
+        if (own.parameters() != count) {
+            own.buckets.clear();
+            for (std::size_t i = 0; i < count; ++i) own.buckets.push_back({{i}, {0}, 0});
+        }
+        for (std::size_t i = 0; i < count; ++i) own.buckets[i].size = state.items[i].value->numel();
+        return own;
+    }
+
     SgdOptions options_;
+    BucketLayout layout_;  // DataParallel's (Note [momentum beside its bucket]); empty outside it
     std::vector<State> states_;
 };
 

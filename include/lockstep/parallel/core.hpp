@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: MIT
+//! What a DataParallel's replica threads touch (`Core`): the options, devices, replica groups,
+//! the replicas and their backend resources, owned by the object and by every job it gives its
+//! replicas (Note [jobs own their state] in parallel/call_state.hpp).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "lockstep/comm/collectives.hpp"
+#include "lockstep/comm/group.hpp"
+#include "lockstep/comm/process_group.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/kernels/ops.hpp"
+#include "lockstep/nn/bucket_layout.hpp"
+#include "lockstep/parallel/options.hpp"
+#include "lockstep/parallel/process_coordination.hpp"
+#include "lockstep/parallel/replica.hpp"
+#include "lockstep/runtime/abortable_barrier.hpp"
+
+namespace lockstep::parallel::detail {
+
+//! A DataParallel's shared state. A thread the pool gave up on keeps it alive, and destroys it
+//! when it comes back after the object is gone.
+template <class Module, class Group>
+struct Core {
+    using backend = typename Module::backend;
+    using K = kernels::Ops<backend>;
+
+    DataParallelOptions options;
+    std::vector<Device> devices;
+    int world = 0;  // this process's replicas
+    // Destroyed in reverse: the replicas, then the groups (a CUDA group finalizes its
+    // communicators and destroys its streams), then the replicas' resources (their streams).
+    std::vector<std::unique_ptr<typename K::ReplicaResources>> resources;  // made on the replica threads
+    std::unique_ptr<Group> layer_group;  // layer collectives (SyncBatchNorm), on the replica threads
+    std::unique_ptr<Group> grad_group;   // gradient buckets and commit barriers (Note [gradient buckets])
+    comm::ProcessGroup* procs = nullptr;  // options.process_group: null for this process alone
+    int first_rank = 0;    // global rank of this process's replica 0
+    int global_world = 0;  // replicas over all processes
+    nn::BucketLayout layout;  // every replica's buckets, handed to the optimizer
+    std::vector<std::unique_ptr<Replica<Module>>> replicas;  // destroyed first: they use the groups and resources
+
+    comm::Collectives& layer(int r) { return layer_group->communicator(r); }
+    comm::Collectives& grad(int r) { return grad_group->communicator(r); }
+    std::shared_ptr<Abortable> abortable(int which) const {
+        return which == 0 ? layer_group->abortable() : grad_group->abortable();
+    }
+    void bind(int r, Execution<backend>& ex) {
+        layer_group->bind(r, ex);
+        grad_group->bind(r, ex);
+    }
+    Replica<Module>& replica(int r) { return *replicas[static_cast<std::size_t>(r)]; }
+
+    //! Checks the options and devices (every process alike when they span processes) and makes
+    //! the two replica groups.
+    static std::shared_ptr<Core> make(const DataParallelOptions& options, const std::vector<Device>& devices) {
+        auto core = std::make_shared<Core>();
+        core->procs = options.process_group.get();
+        agree_on_setup(core->procs, [&] {
+            core->options = check_options(options);
+            core->devices = check_devices(devices);
+        });
+        core->world = static_cast<int>(core->devices.size());
+        core->resources.resize(core->devices.size());
+        core->layer_group = std::make_unique<Group>(core->devices, options.timeout, options.process_group, comm::ProcessGroup::layer);
+        core->grad_group = std::make_unique<Group>(core->devices, options.timeout, options.process_group, comm::ProcessGroup::gradients);
+        core->first_rank = core->layer(0).rank();
+        core->global_world = core->layer(0).size();
+        return core;
+    }
+
+private:
+    static DataParallelOptions check_options(const DataParallelOptions& o) {
+        LOCKSTEP_CHECK(o.bucket_bytes > 0, "DataParallelOptions::bucket_bytes must be positive");
+        LOCKSTEP_CHECK(!o.clip_grad_norm || *o.clip_grad_norm > 0, "DataParallelOptions::clip_grad_norm must be positive, got ",
+                       o.clip_grad_norm.value_or(0), "; leave it unset to not clip");
+        return o;
+    }
+
+    static std::vector<Device> check_devices(const std::vector<Device>& devices) {
+        LOCKSTEP_CHECK(!devices.empty(), "DataParallel needs at least one device, got none; pass e.g. "
+                                         "lockstep::DataParallel(model, 2) for two host replicas");
+        for (const auto& d : devices)
+            LOCKSTEP_CHECK_AS(DeviceMismatch, d.kind == device_kind_of<backend>(), "DataParallel of a ", backend::name,
+                              " module cannot use device ", d);
+        return devices;
+    }
+};
+
+}  // namespace lockstep::parallel::detail

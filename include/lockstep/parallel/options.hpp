@@ -1,0 +1,52 @@
+// SPDX-License-Identifier: MIT
+//! `DataParallelOptions` (how a DataParallel runs) and `StepResult` (what a training step reports).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "lockstep/comm/process_group.hpp"
+#include "lockstep/runtime/abortable_barrier.hpp"
+#include "lockstep/runtime/replica_pool.hpp"
+
+namespace lockstep {
+
+//! How a DataParallel runs.
+struct DataParallelOptions {
+    //! Gradients are all-reduced in flat buckets of about this many bytes, last layers first.
+    std::size_t bucket_bytes = std::size_t{25} << 20;
+    //! Run each bucket's all-reduce on the replica's communication thread as soon as the bucket's
+    //! gradients are final, overlapping the rest of backward (false: after backward, in line).
+    bool overlap = true;
+    //! No collective waits longer than this for a peer, and no call waits longer than this for
+    //! a replica once another has failed or finished (then it throws `ReplicaStuck`).
+    std::chrono::milliseconds timeout = AbortableBarrier::default_timeout;
+    //! Where the replica threads run (see Note [replica CPU binding]).
+    CpuBinding cpu_binding = CpuBinding::automatic;
+    //! Clip the all-reduced gradients to this global L2 norm before the optimizer step, as
+    //! torch.nn.utils.clip_grad_norm_ (must be positive; unset: no clipping).
+    std::optional<double> clip_grad_norm = std::nullopt;
+    //! Check the loss and the all-reduced gradients before the commit point: a step with NaN or
+    //! infinity throws `NonFinite` and no replica applies it (costs a pass over the gradients).
+    bool check_finite = false;
+    //! The processes this DataParallel spans (Note [replicas across processes] in
+    //! comm/process_group.hpp; `comm::MpiProcessGroup` from `<lockstep/mpi.hpp>`); empty: this
+    //! process alone. Then the devices are this process's replicas, every process runs as many,
+    //! global rank = process rank x replicas + local rank, and train_step and forward take this
+    //! process's rows of the global batch: those of its global ranks' shards, contiguous, in
+    //! global-rank order.
+    std::shared_ptr<comm::ProcessGroup> process_group = nullptr;
+};
+
+//! What one training step reports, computed identically for any split of the batch. It covers
+//! every sample since the previous step: the step's own batch and those of `accumulate` calls.
+struct StepResult {
+    double loss = 0;           //!< mean loss over those samples
+    std::int64_t count = 0;    //!< samples
+    std::int64_t correct = 0;  //!< samples classified correctly (classification losses only; 0 otherwise)
+};
+
+}  // namespace lockstep
