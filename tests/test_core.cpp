@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-//! Tests of core/: Shape, Tensor and the error types.
+//! Tests of core/: Shape, Tensor, the error types and the backend tags.
 #include <catch2/catch.hpp>
 
 #include <lockstep/lockstep.hpp>
@@ -11,10 +11,50 @@
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 using namespace lockstep;
+
+namespace {
+
+// Backend tags defined outside lockstep: BackendTag asks only for their members.
+struct ThirdBackend {
+    static constexpr std::string_view name = "third";
+    static constexpr Device::Kind device_kind = Device::Kind::host;
+};
+struct ThirdDeviceBackend {
+    static constexpr std::string_view name = "third-device";
+    static constexpr Device::Kind device_kind = Device::Kind::cuda;
+};
+struct WithoutDeviceKind {
+    static constexpr std::string_view name = "incomplete";
+};
+struct WithRuntimeKind {
+    static constexpr std::string_view name = "runtime";
+    static inline Device::Kind device_kind = Device::Kind::host;  // not a constant
+};
+
+template <BackendTag B>
+constexpr std::string_view name_of() { return B::name; }
+
+}  // namespace
+
+static_assert(BackendTag<ThirdBackend> && BackendTag<ThirdDeviceBackend>, "a third backend's tag is a BackendTag");
+static_assert(!BackendTag<WithoutDeviceKind> && !BackendTag<WithRuntimeKind> && !BackendTag<int>,
+              "a tag needs constant `name` and `device_kind` members");
+static_assert(device_kind_of<ThirdBackend>() == Device::Kind::host && device_kind_of<ThirdDeviceBackend>() == Device::Kind::cuda,
+              "device_kind_of reads the tag's member");
+
+TEST_CASE("A backend tag is any type that names itself and its device kind", "[core]") {
+    CHECK(device_kind_of<Host>() == Device::Kind::host);
+    CHECK(device_kind_of<Cuda>() == Device::Kind::cuda);
+    CHECK(device_kind_of<ThirdBackend>() == Device::Kind::host);
+    CHECK(device_kind_of<ThirdDeviceBackend>() == Device::Kind::cuda);
+    CHECK(name_of<ThirdBackend>() == "third");
+    CHECK(name_of<Cuda>() == "cuda");
+}
 
 TEST_CASE("Shape counts elements and rejects bad extents", "[core]") {
     Shape s{2, 3, 4, 5};

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-//! Backend tag types (`Host`, `Cuda`), `Device` (the place a replica runs) and `Execution<B>`,
-//! the backend's part of a replica's execution context.
+//! Backend tag types (`Host`, `Cuda`) and the concept every tag meets, `Device` (the place a
+//! replica runs) and `Execution<B>`, the backend's part of a replica's execution context.
 #pragma once
 
 #include <array>
@@ -11,6 +11,7 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "lockstep/core/error.hpp"
 
@@ -21,19 +22,6 @@ struct CUevent_st;
 struct cublasContext;
 
 namespace lockstep {
-
-//! Threads of this process act as devices; memory is ordinary host memory.
-struct Host {
-    static constexpr std::string_view name = "host";
-};
-
-//! CUDA devices. Storage, kernels and communicators for it live behind `<lockstep/cuda.cuh>`.
-struct Cuda {
-    static constexpr std::string_view name = "cuda";
-};
-
-template <class B>
-concept BackendTag = std::same_as<B, Host> || std::same_as<B, Cuda>;
 
 //! Where a replica lives: a backend and an index (GPU ordinal, or host replica number).
 struct Device {
@@ -51,9 +39,34 @@ struct Device {
     std::string str() const { return (kind == Kind::host ? "host:" : "cuda:") + std::to_string(index); }
 };
 
+//! A backend tag: a type naming its backend (`name`, for messages) and the kind of device its
+//! memory lives on (`device_kind`), both constants. Templates ask only for these members, so the
+//! tag of a new backend needs no change here (its operations come from its `kernels::Ops<B>`).
+template <class B>
+concept BackendTag = requires {
+    { B::name } -> std::convertible_to<std::string_view>;
+    { B::device_kind } -> std::same_as<const Device::Kind&>;
+    typename std::integral_constant<Device::Kind, B::device_kind>;  // a constant expression
+};
+
+//! Threads of this process act as devices; memory is ordinary host memory.
+struct Host {
+    static constexpr std::string_view name = "host";
+    static constexpr Device::Kind device_kind = Device::Kind::host;
+};
+
+//! CUDA devices. Storage, kernels and communicators for it live behind `<lockstep/cuda.cuh>`.
+struct Cuda {
+    static constexpr std::string_view name = "cuda";
+    static constexpr Device::Kind device_kind = Device::Kind::cuda;
+};
+
+static_assert(BackendTag<Host> && BackendTag<Cuda>);
+
+//! The kind of device backend B's memory lives on.
 template <BackendTag B>
 constexpr Device::Kind device_kind_of() {
-    return std::same_as<B, Host> ? Device::Kind::host : Device::Kind::cuda;
+    return B::device_kind;
 }
 
 //! Whether memory on `a` can be used where `b` is expected: the same backend and, for CUDA, the
