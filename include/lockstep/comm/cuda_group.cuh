@@ -61,16 +61,7 @@ struct NcclApi {
         return ex.stream;
     }
 
-    static void watch(Execution<Cuda>& ex, DeviceWatch* w, std::chrono::milliseconds timeout) {
-        for (auto& slot : ex.watches) {
-            if (slot == nullptr || slot == w) {
-                slot = w;
-                ex.wait_timeout_ms = std::min<std::int64_t>(ex.wait_timeout_ms, timeout.count());
-                return;
-            }
-        }
-        throw UsageError("a CUDA replica belongs to more than " + std::to_string(ex.watches.size()) + " replica groups");
-    }
+    static void watch(Execution<Cuda>& ex, DeviceWatch* w, std::chrono::milliseconds timeout) { ex.waits.watch(w, timeout); }
 
     static Stream make_stream(int device) {
         cuda::DeviceGuard guard(device);

@@ -3,23 +3,14 @@
 //! replica runs) and `Execution<B>`, the backend's part of a replica's execution context.
 #pragma once
 
-#include <array>
 #include <concepts>
-#include <cstdint>
-#include <cstddef>
-#include <memory>
 #include <ostream>
 #include <string>
 #include <string_view>
 #include <type_traits>
 
+#include "lockstep/core/device_watch.hpp"  // DeviceWatch: what a group bound to an execution gives its waits
 #include "lockstep/core/error.hpp"
-
-// Opaque CUDA handle types, named here so the CUDA execution part is typed without any CUDA
-// header being reachable from the host umbrella header.
-struct CUstream_st;
-struct CUevent_st;
-struct cublasContext;
 
 namespace lockstep {
 
@@ -86,52 +77,19 @@ inline void check_device(const Device& want, const Device& got, std::string_view
 // Each replica owns one execution context (nn::Context), handed to every forward and backward.
 // Its backend part, `Execution<B>`, is what the backend operations need besides their operands:
 // on the host nothing (a replica is its thread), on CUDA the replica's device, compute stream,
-// cuBLAS handle and workspace. Backend operations take it as their first argument, so a layer
-// written once runs on either backend.
+// cuBLAS handle, workspace and kernel scratch (`Execution<Cuda>`, defined with the CUDA backend in
+// kernels/cuda_execution.cuh). Backend operations take it as their first argument, so a layer
+// written once runs on either backend. A replica group registers with the execution of each
+// replica bound to it (`Api::watch(Execution<B>&, DeviceWatch*, timeout)`, Note [stream-ordered
+// collectives]), so the backend's host waits on the device consult the group (device_watch.hpp).
 
-//! The backend's part of an execution context (see Note [execution context]).
+//! The backend's part of an execution context (see Note [execution context]); each backend
+//! specializes it beside its operations.
 template <BackendTag B>
 struct Execution;
 
 template <>
 struct Execution<Host> {};
-
-//! What a replica's host waits on its device consult while they poll (Note [stream-ordered
-//! collectives] in comm/stream_group.hpp): a group whose collectives run on the device.
-class DeviceWatch {
-public:
-    //! Throws when the group has failed (an aborted group, an asynchronous communicator error).
-    virtual void poll() = 0;
-    //! A wait of this replica passed its deadline: abort the group, naming `what`.
-    virtual void timed_out(const std::string& what) noexcept = 0;
-
-protected:
-    ~DeviceWatch() = default;
-};
-
-template <>
-struct Execution<Cuda> {
-    int device = -1;                     // the replica's CUDA ordinal
-    CUstream_st* stream = nullptr;       // its compute stream (a cudaStream_t)
-    std::weak_ptr<const void> stream_owner;  // expires with the stream (Note [current stream])
-    cublasContext* blas = nullptr;       // its cuBLAS handle (a cublasHandle_t), bound to `stream`
-    void* workspace = nullptr;           // cuBLAS workspace on `device`
-    std::size_t workspace_bytes = 0;
-    // The reducing kernels' scratch on `device` (kernels/device/grid.cuh): `reduce_counters`
-    // zeroed tickets that every kernel leaves zeroed again, then `reduce_partial_bytes` of partials.
-    unsigned int* reduce_counters = nullptr;
-    int reduce_counter_count = 0;
-    void* reduce_partials = nullptr;
-    std::size_t reduce_partial_bytes = 0;
-    // Host waits for the device (a step's scalars): an event recorded on `stream`, polled until
-    // `wait_timeout_ms` passes, consulting the replica's groups (`watches`) meanwhile.
-    CUevent_st* done_event = nullptr;  // a cudaEvent_t on `device`
-    // Recorded after a call's copies of the caller's input; the call returns only once it has
-    // completed, so the caller may then free or refill its input (a cudaEvent_t on `device`).
-    CUevent_st* inputs_read_event = nullptr;
-    std::int64_t wait_timeout_ms = 5 * 60 * 1000;
-    std::array<DeviceWatch*, 4> watches{};
-};
 
 namespace detail {
 inline int& host_device_slot() noexcept {
