@@ -1,20 +1,112 @@
 // SPDX-License-Identifier: MIT
-//! Tests of core/: Shape, Tensor and the error types.
+//! Tests of core/: Shape, Tensor, the error types, the backend tags and the device waits' watches.
 #include <catch2/catch.hpp>
 
 #include <lockstep/lockstep.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <numeric>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 using namespace lockstep;
+
+namespace {
+
+// Backend tags defined outside lockstep: BackendTag asks only for their members.
+struct ThirdBackend {
+    static constexpr std::string_view name = "third";
+    static constexpr Device::Kind device_kind = Device::Kind::host;
+};
+struct ThirdDeviceBackend {
+    static constexpr std::string_view name = "third-device";
+    static constexpr Device::Kind device_kind = Device::Kind::cuda;
+};
+struct WithoutDeviceKind {
+    static constexpr std::string_view name = "incomplete";
+};
+struct WithRuntimeKind {
+    static constexpr std::string_view name = "runtime";
+    static inline Device::Kind device_kind = Device::Kind::host;  // not a constant
+};
+
+template <BackendTag B>
+constexpr std::string_view name_of() { return B::name; }
+
+}  // namespace
+
+static_assert(BackendTag<ThirdBackend> && BackendTag<ThirdDeviceBackend>, "a third backend's tag is a BackendTag");
+static_assert(!BackendTag<WithoutDeviceKind> && !BackendTag<WithRuntimeKind> && !BackendTag<int>,
+              "a tag needs constant `name` and `device_kind` members");
+static_assert(device_kind_of<ThirdBackend>() == Device::Kind::host && device_kind_of<ThirdDeviceBackend>() == Device::Kind::cuda,
+              "device_kind_of reads the tag's member");
+
+TEST_CASE("A backend tag is any type that names itself and its device kind", "[core]") {
+    CHECK(device_kind_of<Host>() == Device::Kind::host);
+    CHECK(device_kind_of<Cuda>() == Device::Kind::cuda);
+    CHECK(device_kind_of<ThirdBackend>() == Device::Kind::host);
+    CHECK(device_kind_of<ThirdDeviceBackend>() == Device::Kind::cuda);
+    CHECK(name_of<ThirdBackend>() == "third");
+    CHECK(name_of<Cuda>() == "cuda");
+}
+
+namespace {
+
+//! A group as a replica's waits see it: records what it was told, throws from poll when failed.
+struct RecordingWatch final : DeviceWatch {
+    int id = 0;
+    bool failed = false;
+    std::vector<std::string>* log = nullptr;
+    void poll() override {
+        log->push_back("poll " + std::to_string(id));
+        if (failed) throw std::runtime_error("group " + std::to_string(id) + " failed");
+    }
+    void timed_out(const std::string& what) noexcept override { log->push_back("timed out " + std::to_string(id) + ": " + what); }
+};
+
+}  // namespace
+
+TEST_CASE("A replica's device waits consult any number of groups, each once, with the shortest timeout", "[core]") {
+    using std::chrono::milliseconds;
+    std::vector<std::string> log;
+    std::vector<RecordingWatch> groups(DeviceWaits::inline_watches + 3);  // past the ones held in place
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+        groups[i].id = static_cast<int>(i);
+        groups[i].log = &log;
+    }
+    DeviceWaits waits;
+    CHECK(waits.size() == 0);
+    CHECK(waits.timeout() == DeviceWaits::default_timeout);
+    waits.poll();  // no group: nothing to consult
+    CHECK(log.empty());
+
+    for (std::size_t i = 0; i < groups.size(); ++i) waits.watch(&groups[i], milliseconds(1000 + static_cast<int>(i)));
+    waits.watch(&groups[1], milliseconds(500));  // a group bound again is not added twice; its timeout still counts
+    CHECK(waits.size() == groups.size());
+    CHECK(waits.timeout() == milliseconds(500));
+
+    const DeviceWaits copy = waits;  // an execution's copy consults the same groups
+    copy.poll();
+    REQUIRE(log.size() == groups.size());
+    for (std::size_t i = 0; i < groups.size(); ++i) CHECK(log[i] == "poll " + std::to_string(i));
+
+    log.clear();
+    groups.back().failed = true;
+    CHECK_THROWS_WITH(waits.poll(), "group " + std::to_string(groups.size() - 1) + " failed");
+    log.clear();
+    waits.timed_out("a step's scalars");
+    REQUIRE(log.size() == groups.size());
+    CHECK(log.front() == "timed out 0: a step's scalars");
+    CHECK(log.back() == "timed out " + std::to_string(groups.size() - 1) + ": a step's scalars");
+}
 
 TEST_CASE("Shape counts elements and rejects bad extents", "[core]") {
     Shape s{2, 3, 4, 5};

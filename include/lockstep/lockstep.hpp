@@ -5,6 +5,7 @@
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/device_span.hpp"
+#include "lockstep/core/device_watch.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/shape.hpp"
 #include "lockstep/core/tensor.hpp"

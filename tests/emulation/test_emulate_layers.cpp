@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-//! The CUDA layer kernels (layer_kernels.cuh), run on the host through the grid emulator (Note
+//! The CUDA layer kernels (layer_kernels.cuh, gemm_layers.cuh, loss_kernels.cuh, table_kernels.cuh)
+//! and the rank-order sum (comm_kernels.cuh), run on the host through the grid emulator (Note
 //! [kernels proven on the host]) with the launch configurations, vector widths and cuBLAS
 //! arguments the device uses, against the host backend on the same inputs: bit for bit where the
 //! kernels promise it (fills, arithmetic, ReLU, max pooling with its gather backward, SGD), and
@@ -8,7 +9,11 @@
 //! run by a column-major reference here: a wrong transpose, leading dimension or stride fails.
 #include <catch2/catch.hpp>
 
+#include <lockstep/kernels/device/comm_kernels.cuh>
+#include <lockstep/kernels/device/gemm_layers.cuh>
 #include <lockstep/kernels/device/layer_kernels.cuh>
+#include <lockstep/kernels/device/loss_kernels.cuh>
+#include <lockstep/kernels/device/table_kernels.cuh>
 #include <lockstep/comm/host_communicator.hpp>
 #include <lockstep/kernels/host_ops.hpp>
 
@@ -25,6 +30,7 @@
 
 using namespace lockstep;
 namespace lk = lockstep::kernels::device::layer_kernels;
+namespace ck = lockstep::kernels::device::comm_kernels;
 namespace dev = lockstep::kernels::device;
 using HostOps = kernels::Ops<Host>;
 
@@ -770,7 +776,7 @@ void check_rank_sum(std::mt19937_64& rng) {
                 std::vector<T*> bufs;
                 for (auto& b : in) bufs.push_back(b.data());
                 const int before = run.launches;
-                lk::rank_sum<T>(run, std::span<T* const>(bufs), n);
+                ck::rank_sum<T>(run, std::span<T* const>(bufs), n);
                 CHECK(run.launches - before == (n > 0 ? 1 : 0));  // one kernel for all ranks
                 for (int r = 0; r < ranks; ++r) CHECK(same_bits(in[static_cast<std::size_t>(r)], want[static_cast<std::size_t>(r)]));
             }
@@ -800,7 +806,7 @@ void check_rank_sum_16(std::mt19937_64& rng) {
             }
             std::vector<H*> bufs;
             for (auto& b : in) bufs.push_back(b.data());
-            lk::rank_sum<H>(run, std::span<H* const>(bufs), n);
+            ck::rank_sum<H>(run, std::span<H* const>(bufs), n);
             for (const auto& b : in) CHECK(same_bits(b, want));
         }
     }
@@ -817,5 +823,5 @@ TEST_CASE("emulated device-local all-reduce equals the host group's bit for bit 
     dev::HostScratch scratch;
     EmulatedLayerRun run{devices[0], &scratch};
     std::vector<float*> too_many(17, nullptr);
-    CHECK_THROWS_WITH(lk::rank_sum<float>(run, std::span<float* const>(too_many), 4), Catch::Contains("fewer replicas on each GPU"));
+    CHECK_THROWS_WITH(ck::rank_sum<float>(run, std::span<float* const>(too_many), 4), Catch::Contains("fewer replicas on each GPU"));
 }

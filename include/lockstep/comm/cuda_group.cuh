@@ -28,7 +28,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/cuda_common.cuh"
 #include "lockstep/kernels/device/launch.cuh"
-#include "lockstep/kernels/device/layer_kernels.cuh"
+#include "lockstep/kernels/device/comm_kernels.cuh"
 #include "lockstep/runtime/abortable_barrier.hpp"
 
 //! Throws `lockstep::DeviceError` when an NCCL call fails, with NCCL's own error string.
@@ -61,16 +61,7 @@ struct NcclApi {
         return ex.stream;
     }
 
-    static void watch(Execution<Cuda>& ex, DeviceWatch* w, std::chrono::milliseconds timeout) {
-        for (auto& slot : ex.watches) {
-            if (slot == nullptr || slot == w) {
-                slot = w;
-                ex.wait_timeout_ms = std::min<std::int64_t>(ex.wait_timeout_ms, timeout.count());
-                return;
-            }
-        }
-        throw UsageError("a CUDA replica belongs to more than " + std::to_string(ex.watches.size()) + " replica groups");
-    }
+    static void watch(Execution<Cuda>& ex, DeviceWatch* w, std::chrono::milliseconds timeout) { ex.waits.watch(w, timeout); }
 
     static Stream make_stream(int device) {
         cuda::DeviceGuard guard(device);
@@ -79,10 +70,10 @@ struct NcclApi {
         // Kernels are loaded before the first collective (CUDA loads lazily, and loading while a
         // peer's NCCL kernel spins can wait on it): the group's own kernels now, on every device.
         cudaFuncAttributes attributes{};
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<float>>)));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<double>>)));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__half>>)));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::layer_kernels::RankSum<__nv_bfloat16>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<float>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<double>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__half>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__nv_bfloat16>>)));
         return s;
     }
     static void destroy_stream(int device, Stream s, clock::time_point deadline) noexcept {
@@ -270,7 +261,7 @@ private:
     static void sum_as(kernels::device::DeviceRun& run, std::span<void* const> buffers, std::size_t count) {
         std::vector<T*> typed;
         for (void* b : buffers) typed.push_back(static_cast<T*>(b));
-        kernels::device::layer_kernels::rank_sum<T>(run, std::span<T* const>(typed), static_cast<std::int64_t>(count));
+        kernels::device::comm_kernels::rank_sum<T>(run, std::span<T* const>(typed), static_cast<std::int64_t>(count));
     }
 
     // A non-blocking communicator's call may return ncclInProgress: poll until it settles.

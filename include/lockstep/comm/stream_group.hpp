@@ -25,6 +25,7 @@
 #include "lockstep/comm/shared_tensor.hpp"
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/device_span.hpp"
+#include "lockstep/core/device_watch.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/runtime/abortable_barrier.hpp"
 

@@ -15,6 +15,7 @@
 #include "lockstep/core/cuda_runtime.cuh"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "lockstep/kernels/cuda_execution.cuh"
 #include "lockstep/kernels/device/grid.cuh"
 #include "lockstep/kernels/ops.hpp"
 
@@ -52,9 +53,9 @@ using T_ = Tensor<T, Cuda>;
 
 //! The replica's scratch for reducing kernels (Note [kernels proven on the host]).
 inline device::Scratch scratch(const Ex& ex) {
-    LOCKSTEP_CHECK_AS(UsageError, ex.reduce_counters != nullptr, "a CUDA operation ran without its replica's scratch; "
+    LOCKSTEP_CHECK_AS(UsageError, ex.scratch.counters != nullptr, "a CUDA operation ran without its replica's scratch; "
                       "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
-    return {ex.reduce_counters, ex.reduce_counter_count, ex.reduce_partials, ex.reduce_partial_bytes};
+    return ex.scratch;
 }
 
 //! The multiprocessor count and L2 size of `device`, asked once per device.

@@ -12,7 +12,10 @@
 
 #include "lockstep/kernels/cuda_common.cuh"
 #include "lockstep/kernels/device/launch.cuh"
+#include "lockstep/kernels/device/gemm_layers.cuh"
 #include "lockstep/kernels/device/layer_kernels.cuh"
+#include "lockstep/kernels/device/loss_kernels.cuh"
+#include "lockstep/kernels/device/table_kernels.cuh"
 
 namespace lockstep::kernels::cuda_ops {
 
@@ -20,7 +23,7 @@ namespace layer_detail {
 
 namespace lk = device::layer_kernels;
 
-//! The device as a runner of the layer kernels (layer_kernels.cuh): kernels and cuBLAS calls on
+//! The device as a runner of the layer kernels (Note [kernel runners]): kernels and cuBLAS calls on
 //! the replica's stream. For the runner's lifetime the replica's device is current and its stream
 //! is the thread's current one, so tensors made meanwhile are allocated, and freed, in the
 //! stream's order.
@@ -33,7 +36,7 @@ struct LayerRun : device::DeviceRun {
         scratch_view = cuda_ops::scratch(ex);
     }
 
-    //! One cuBLAS SGEMM as `call` says (layer_kernels.cuh: Note [convolution on CUDA]).
+    //! One cuBLAS SGEMM as `call` says (gemm_layers.cuh: Note [convolution on CUDA]).
     void gemm(const lk::GemmCall& c) {
         const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
         if (c.batch == 1)
@@ -147,8 +150,9 @@ private:
 }  // namespace layer_detail
 
 //! The layer part of `Ops<Cuda>` (see Note [backend operations]); everything runs on `ex.stream`
-//! and nothing waits for the device. The kernels, their launch configurations and the cuBLAS
-//! arguments are in device/layer_kernels.cuh (Note [layer kernels], Note [convolution on CUDA]).
+//! and nothing waits for the device. The kernels and their launch configurations are in device/
+//! (layer_kernels.cuh, loss_kernels.cuh, table_kernels.cuh: Note [layer kernels]), the cuBLAS
+//! arguments in device/gemm_layers.cuh (Note [convolution on CUDA]).
 struct LayerOps {
     template <class T>
     static void fill(const Ex& ex, T_<T>& t, T value) {

@@ -81,10 +81,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             ex.blas = blas;
             ex.workspace = workspace;
             ex.workspace_bytes = workspace_bytes;
-            ex.reduce_counters = scratch_view.counters;
-            ex.reduce_counter_count = scratch_view.counter_count;
-            ex.reduce_partials = scratch_view.partials;
-            ex.reduce_partial_bytes = scratch_view.partial_bytes;
+            ex.scratch = scratch_view;
             ex.done_event = done.get();
             ex.inputs_read_event = inputs_read.get();
             return ex;
@@ -221,12 +218,12 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     }
 
     //! Waits until the replica's stream has done everything enqueued so far, with a deadline: an
-    //! event polled until `ex.wait_timeout_ms` passes, consulting the replica's groups meanwhile
+    //! event polled until `ex.waits.timeout()` passes, consulting the replica's groups meanwhile
     //! (an aborted group or an NCCL error ends the wait). Past the deadline the groups are aborted
     //! and `Timeout` is thrown (Note [stream-ordered collectives] in comm/stream_group.hpp).
     static void wait(const Ex& ex, const char* what) {
         if (ex.done_event == nullptr) {  // an execution made by hand, not by ReplicaResources
-            cuda::wait_stream(ex.stream, what, std::chrono::milliseconds(ex.wait_timeout_ms));
+            cuda::wait_stream(ex.stream, what, ex.waits.timeout());
             return;
         }
         LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.done_event, ex.stream));
@@ -234,21 +231,16 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     }
 
 private:
-    // Polls `event` until `ex.wait_timeout_ms` passes, consulting the replica's groups meanwhile.
+    // Polls `event` until `ex.waits.timeout()` passes, consulting the replica's groups meanwhile.
     static void wait_for(const Ex& ex, cudaEvent_t event, const char* what) {
         cuda::poll_event(
-            event, std::chrono::milliseconds(ex.wait_timeout_ms),
-            [&] {
-                for (DeviceWatch* w : ex.watches)
-                    if (w != nullptr) w->poll();
-            },
+            event, ex.waits.timeout(), [&] { ex.waits.poll(); },
             [&] {
                 const std::string message = std::string(what) + " on cuda:" + std::to_string(ex.device) + " took longer than " +
-                                            std::to_string(ex.wait_timeout_ms) +
+                                            std::to_string(ex.waits.timeout().count()) +
                                             " ms; a peer replica may be stuck (raise DataParallelOptions::timeout if "
                                             "the step is legitimately that slow)";
-                for (DeviceWatch* w : ex.watches)
-                    if (w != nullptr) w->timed_out(message);
+                ex.waits.timed_out(message);
                 throw Timeout(message);
             });
     }
