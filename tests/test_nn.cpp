@@ -287,10 +287,32 @@ TEST_CASE("Sgd keeps a module's momentum buffers back to back where its paramete
     CHECK(same());
     b = buffers(sgd, fc);
     CHECK(b[1]->follows(*b[0]));
+    // An Sgd stepped without a layout, then handed one, keeps its momentum through the move (the
+    // blocks it leaves are read before they go), and a prepare without a layout keeps the one it has.
+    nn::Linear<> lone = fc, lone_twin = fc;
+    nn::Sgd switching({.lr = 0.1, .momentum = 0.9}), switching_twin({.lr = 0.1, .momentum = 0.9});
+    switching.prepare(1);
+    switching_twin.prepare(1);
+    switching.step(nn::Context<>{}, lone);
+    switching_twin.step(nn::Context<>{}, lone_twin);
+    switching.prepare(1, layout);
+    switching.prepare(1);
+    for (int i = 0; i < 2; ++i) {
+        switching.step(nn::Context<>{}, lone);
+        switching_twin.step(nn::Context<>{}, lone_twin);
+    }
+    CHECK(std::equal(lone.weight.value.span().begin(), lone.weight.value.span().end(), lone_twin.weight.value.span().begin()));
+    CHECK(std::equal(lone.bias.value.span().begin(), lone.bias.value.span().end(), lone_twin.bias.value.span().begin()));
+    b = buffers(switching, lone);
+    CHECK(b[1]->follows(*b[0]));
     // The layout of another model is refused, saying what to pass.
     nn::Sgd other({.lr = 0.1, .momentum = 0.9});
     other.prepare(1, nn::BucketLayout{{{{0}, {0}, 24}}});
     CHECK_THROWS_WITH(other.step(nn::Context<>{}, fc), Catch::Contains("places 1 parameters, but the model has 2"));
+    other.prepare(1, nn::BucketLayout{{{{0, 0}, {0, 24}, 28}}});
+    CHECK_THROWS_WITH(other.step(nn::Context<>{}, fc), Catch::Contains("names parameter 0 twice"));
+    other.prepare(1, nn::BucketLayout{{{{0, 1}, {0, 26}, 28}}});
+    CHECK_THROWS_WITH(other.step(nn::Context<>{}, fc), Catch::Contains("parameter 1 does not fit its place"));
 }
 
 TEST_CASE("Layers use PyTorch layouts, names and default initialization", "[nn]") {

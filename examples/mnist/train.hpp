@@ -279,7 +279,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
             throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count()) +
                                    " test images, fewer than the " + std::to_string(replicas) +
                                    " replicas; the test set must give every replica an image");
-        if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, true, "optimizer.");
+        if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, nn::Unmatched::refused, "optimizer.");
         if (!opt.resume.empty()) load_resume(opt, train, replicas, resume, start_epoch, epoch_step, step);
     } catch (...) {
         setup_failure = std::current_exception();

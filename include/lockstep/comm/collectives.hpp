@@ -70,14 +70,16 @@ protected:
 
     //! Throws unless `data` holds storage for its elements and lies in memory this communicator
     //! reaches: on a device of kind `kind`, and when `index` >= 0 on that device. `who` names the
-    //! communicator ("a HostCommunicator"), `hint` says what to pass instead.
+    //! communicator ("a HostCommunicator"; with `rank` >= 0, "rank <rank> of <who>"), `hint` says
+    //! what to pass instead.
     template <class T>
     static void check_buffer(const DeviceSpan<T>& data, const char* what, Device::Kind kind, int index, std::string_view who,
-                             std::string_view hint) {
+                             std::string_view hint, int rank = -1) {
         LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size,
                        " elements; pass the tensor's storage");
         if (data.device.kind != kind || (index >= 0 && data.device.index != index)) [[unlikely]]
-            throw DeviceMismatch(std::string(what) + ": " + std::string(who) + " works on " +
+            throw DeviceMismatch(std::string(what) + ": " + (rank >= 0 ? "rank " + std::to_string(rank) + " of " : std::string()) +
+                                 std::string(who) + " works on " +
                                  (index >= 0 ? Device{kind, index}.str() : kind == Device::Kind::host ? std::string("host memory")
                                                                                                       : std::string("device memory")) +
                                  ", got a buffer on " + data.device.str() + "; " + std::string(hint));

@@ -264,12 +264,8 @@ private:
         return static_cast<int>(devices.size());
     }
 
-    static std::string refusal(std::span<const ProcessSpan::Layout> layouts) {
-        std::string list;
-        for (std::size_t q = 0; q < layouts.size(); ++q) list += (q ? ", " : "") + std::to_string(layouts[q].replicas);
-        return "a replica group across " + std::to_string(layouts.size()) + " processes: they run different replica counts (" +
-               list + ", by process); every process must run the same number (the same --replicas or --devices on every "
-               "rank)";
+    static std::string refusal(std::span<const ProcessSpan::Layout>) {
+        return "every process must run the same number (the same --replicas or --devices on every rank)";
     }
 
     // Across processes: aborts this process's threads and tells the other processes.

@@ -476,12 +476,17 @@ private:
         if (size_ == 1) return;
         std::vector<MPI_Request> reqs;
         std::vector<int> who;
-        const auto post = [&](bool send, T* p, std::size_t count, int peer, int tag) {
+        const auto send = [&](T* p, std::size_t count, int peer, int tag) {
             if (count == 0) return;
             reqs.emplace_back();
-            who.push_back(send ? -1 - peer : peer);
-            if (send) MPI_Isend(p, static_cast<int>(count), mpi_type<T>(), peer, tag, comm_, &reqs.back());
-            else MPI_Irecv(p, static_cast<int>(count), mpi_type<T>(), peer, tag, comm_, &reqs.back());
+            who.push_back(-1 - peer);
+            MPI_Isend(p, static_cast<int>(count), mpi_type<T>(), peer, tag, comm_, &reqs.back());
+        };
+        const auto receive = [&](T* p, std::size_t count, int peer, int tag) {
+            if (count == 0) return;
+            reqs.emplace_back();
+            who.push_back(peer);
+            MPI_Irecv(p, static_cast<int>(count), mpi_type<T>(), peer, tag, comm_, &reqs.back());
         };
         // Operands arrive in this communicator's scratch buffer (kept between calls: no page
         // faults on fresh memory for every bucket); this rank's own operand is read in place, and
@@ -489,9 +494,9 @@ private:
         if (data.size * n <= whole_limit) {  // every rank sums every operand
             T* others = scratch<T>(data.size * n);  // slot r: rank r's operand (slot `me` unused)
             for (int r = 0; r < size_; ++r)
-                if (r != rank_) post(false, others + static_cast<std::size_t>(r) * data.size, data.size, r, tag_data);
+                if (r != rank_) receive(others + static_cast<std::size_t>(r) * data.size, data.size, r, tag_data);
             for (int r = 0; r < size_; ++r)
-                if (r != rank_) post(true, data.data, data.size, r, tag_data);
+                if (r != rank_) send(data.data, data.size, r, tag_data);
             wait_all(reqs, who, "all_reduce_sum");
             for (std::size_t r = 0; r < n; ++r) bufs[r] = r == me ? data.data : others + r * data.size;
             sum_in_rank_order(bufs, data.data, 0, data.size);
@@ -504,10 +509,10 @@ private:
         const std::size_t len = hi - lo;
         T* parts = scratch<T>(len * n);  // slot r: rank r's part of this rank's slice (slot `me` unused)
         for (int r = 0; r < size_; ++r)
-            if (r != rank_) post(false, parts + static_cast<std::size_t>(r) * len, len, r, tag_data);
+            if (r != rank_) receive(parts + static_cast<std::size_t>(r) * len, len, r, tag_data);
         for (int r = 0; r < size_; ++r) {
             const auto [rlo, rhi] = slices[static_cast<std::size_t>(r)];
-            if (r != rank_) post(true, data.data + rlo, rhi - rlo, r, tag_data);
+            if (r != rank_) send(data.data + rlo, rhi - rlo, r, tag_data);
         }
         wait_all(reqs, who, "all_reduce_sum");
         reqs.clear(), who.clear();
@@ -515,10 +520,10 @@ private:
         sum_in_rank_order(bufs, data.data + lo, 0, len);  // this rank's slice, summed in place
         for (int r = 0; r < size_; ++r) {
             const auto [rlo, rhi] = slices[static_cast<std::size_t>(r)];
-            if (r != rank_) post(false, data.data + rlo, rhi - rlo, r, tag_gather);
+            if (r != rank_) receive(data.data + rlo, rhi - rlo, r, tag_gather);
         }
         for (int r = 0; r < size_; ++r)
-            if (r != rank_) post(true, data.data + lo, len, r, tag_gather);
+            if (r != rank_) send(data.data + lo, len, r, tag_gather);
         wait_all(reqs, who, "all_reduce_sum");
     }
 

@@ -57,6 +57,19 @@ public:
     virtual void abort(const std::string& reason) noexcept = 0;
 };
 
+//! Makes every rank's `text` rank `root`'s (its first 1024 bytes) over `link`, at `site`: one
+//! broadcast of a fixed size, so the other ranks need not know the length.
+inline void broadcast_text(Collectives& link, int root, std::string& text, CollectiveSite site) {
+    std::vector<std::int64_t> words(1 + 1024, 0);  // length, then the bytes
+    if (link.rank() == root) {
+        words[0] = static_cast<std::int64_t>(std::min<std::size_t>(text.size(), 1024));
+        for (std::size_t i = 0; i < static_cast<std::size_t>(words[0]); ++i) words[1 + i] = static_cast<unsigned char>(text[i]);
+    }
+    link.broadcast(DeviceSpan<std::int64_t>::host(words), root, site);
+    text.clear();
+    for (std::int64_t i = 0; i < words[0]; ++i) text += static_cast<char>(words[static_cast<std::size_t>(1 + i)]);
+}
+
 //! After each process's own checks, which need no collective (options, devices, files): every
 //! process learns whether any failed. Returns "" when none did, else the same text on every
 //! process, "process q of P: <q's error>" for the first failed process q (", and k more" when
@@ -85,14 +98,8 @@ inline std::string agreed_failure(ProcessGroup& procs, ProcessGroup::Channel cha
     if (first == failed.end()) return {};
     const int who = static_cast<int>(first - failed.begin());
     const auto more = std::count(failed.begin(), failed.end(), 1.0) - 1;
-    std::vector<std::int64_t> message(1 + 1024, 0);  // length, then the bytes
-    if (procs.rank() == who) {
-        message[0] = static_cast<std::int64_t>(std::min<std::size_t>(text.size(), 1024));
-        for (std::size_t i = 0; i < static_cast<std::size_t>(message[0]); ++i) message[1 + i] = static_cast<unsigned char>(text[i]);
-    }
-    link.broadcast(DeviceSpan<std::int64_t>::host(message), who, CollectiveSite::control(Exchange::setup_failure_message));
-    std::string quoted;
-    for (std::int64_t i = 0; i < message[0]; ++i) quoted += static_cast<char>(message[static_cast<std::size_t>(1 + i)]);
+    std::string quoted = text;
+    broadcast_text(link, who, quoted, CollectiveSite::control(Exchange::setup_failure_message));
     return "process " + std::to_string(who) + " of " + std::to_string(procs.size()) +
            (more > 0 ? " (and " + std::to_string(more) + " more)" : std::string()) + ": " + quoted;
 }
@@ -142,7 +149,8 @@ public:
         int arrangement = 0;
         friend bool operator==(const Layout&, const Layout&) = default;
     };
-    //! The message every process throws when the layouts differ, given every process's layout.
+    //! What every process says, after the replica counts when they differ, when the layouts
+    //! differ, given every process's layout.
     using Refusal = std::function<std::string(std::span<const Layout>)>;
 
     //! This process alone, with `replicas` replicas.
@@ -171,8 +179,15 @@ public:
         procs->channel(channel).all_reduce_sum(DeviceSpan<double>::host(all), CollectiveSite::control(Exchange::group_layout));
         std::vector<Layout> layouts(P);
         for (std::size_t q = 0; q < P; ++q) layouts[q] = {static_cast<int>(all[q]), static_cast<int>(all[P + q])};
-        for (const Layout& l : layouts)
-            if (l != layouts[0]) throw UsageError(refusal(layouts));
+        if (std::any_of(layouts.begin(), layouts.end(), [&](const Layout& l) { return l != layouts[0]; })) {
+            std::string text = "a replica group across " + std::to_string(P) + " processes: ";
+            if (std::any_of(layouts.begin(), layouts.end(), [&](const Layout& l) { return l.replicas != layouts[0].replicas; })) {
+                text += "they run different replica counts (";
+                for (std::size_t q = 0; q < P; ++q) text += std::to_string(layouts[q].replicas) + ", ";
+                text += "by process); ";
+            }
+            throw UsageError(text + refusal(layouts));
+        }
         ProcessSpan span(mine.replicas);
         span.first_ = procs->rank() * mine.replicas;
         span.global_ = procs->size() * mine.replicas;

@@ -227,8 +227,8 @@ private:
                           "bound to it (StreamGroup::bind)");
         const bool broadcast = what.kind == CollectiveKind::broadcast;
         const char* name = broadcast ? "broadcast" : "all_reduce_sum";
-        Base::check_buffer(data, name, device_kind_of<typename Api::backend>(), st.devices[ur], "this replica of the group",
-                           "pass the replica's own tensors");
+        Base::check_buffer(data, name, device_kind_of<typename Api::backend>(), st.devices[ur], "this group",
+                           "pass the replica's own tensors", rank_);
         if (broadcast) Base::check_root(what.root, st.span.global());
         const int root = what.root;
         const bool started = what.started;
@@ -566,9 +566,8 @@ private:
             list += (q ? ", " : "") + std::to_string(l.replicas) +
                     (l.arrangement != 0 ? " on as many GPUs" : l.replicas > 1 ? " on one GPU" : "");
         }
-        return "a replica group across " + std::to_string(layouts.size()) + " processes: they lay out their replicas "
-               "differently (" + list + ", by process); every process must run as many replicas, laid out alike (one per "
-               "GPU, or all on one GPU)";
+        return "they lay out their replicas differently (" + list + ", by process); every process must run as many "
+               "replicas, laid out alike (one per GPU, or all on one GPU)";
     }
 
     // No GPU may serve two processes (NCCL refuses a GPU twice in a communicator): every process

@@ -329,21 +329,21 @@ public:
     const T* data() const noexcept { return data_; }
 
     //! Whole storage as a span (host tensors).
-    std::span<T> span() noexcept requires std::same_as<B, Host> { return {data_, static_cast<std::size_t>(numel())}; }
-    std::span<const T> span() const noexcept requires std::same_as<B, Host> {
+    std::span<T> span() noexcept requires(B::device_kind == Device::Kind::host) { return {data_, static_cast<std::size_t>(numel())}; }
+    std::span<const T> span() const noexcept requires(B::device_kind == Device::Kind::host) {
         return {data_, static_cast<std::size_t>(numel())};
     }
     template <class D = void>
-    void span() const requires(!std::same_as<B, Host>) {
+    void span() const requires(B::device_kind != Device::Kind::host) {
         static_assert(detail::dependent_false<D>,
                       "lockstep: a CUDA tensor's memory is not readable on the host; copy it with to_host() first");
     }
 
     //! Element access for host tensors, in memory order.
-    T& operator[](std::int64_t i) noexcept requires std::same_as<B, Host> { return data_[i]; }
-    const T& operator[](std::int64_t i) const noexcept requires std::same_as<B, Host> { return data_[i]; }
+    T& operator[](std::int64_t i) noexcept requires(B::device_kind == Device::Kind::host) { return data_[i]; }
+    const T& operator[](std::int64_t i) const noexcept requires(B::device_kind == Device::Kind::host) { return data_[i]; }
     template <class D = void>
-    void operator[](std::int64_t) const requires(!std::same_as<B, Host>) {
+    void operator[](std::int64_t) const requires(B::device_kind != Device::Kind::host) {
         static_assert(detail::dependent_false<D>,
                       "lockstep: a CUDA tensor's elements are not readable on the host; copy it with to_host() first");
     }
@@ -359,7 +359,7 @@ public:
 
     //! A host copy (of a host tensor too), for reading values on the host.
     Tensor<T, Host> to_host() const {
-        return to<Host>(std::same_as<B, Host> ? device_ : current_host_device());
+        return to<Host>(B::device_kind == Device::Kind::host ? device_ : current_host_device());
     }
 
     //! Overwrites this tensor's elements with `src`'s, which may live on any backend and device;

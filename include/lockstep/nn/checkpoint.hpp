@@ -470,12 +470,15 @@ void put_module(Checkpoint& ck, const M& module, std::string_view prefix = {}) {
     walk(module, put_parameter, [&](const std::string& name, const auto& t) { ck.put(name, t); }, prefix);
 }
 
+//! What `check_module_fits` and `get_module` make of a checkpoint's tensors the model does not have.
+enum class Unmatched { refused, allowed };
+
 //! Throws `IoError` naming the checkpoint and the tensor unless `ck` holds every parameter and
-//! buffer of `module` with its dtype and shape, and (with `strict`) nothing else under `prefix`
-//! except names starting with `ignore` (e.g. "optimizer." state). Changes nothing.
+//! buffer of `module` with its dtype and shape, and (unless `unmatched` is allowed) nothing else
+//! under `prefix` except names starting with `ignore` (e.g. "optimizer." state). Changes nothing.
 template <class M>
-void check_module_fits(const Checkpoint& ck, const M& module, std::string_view prefix = {}, bool strict = true,
-                       std::string_view ignore = {}) {
+void check_module_fits(const Checkpoint& ck, const M& module, std::string_view prefix = {},
+                       Unmatched unmatched = Unmatched::refused, std::string_view ignore = {}) {
     std::map<std::string, bool> used;
     for (const auto& n : ck.names())
         if ((prefix.empty() || n.rfind(std::string(prefix) + ".", 0) == 0) && (ignore.empty() || n.rfind(ignore, 0) != 0))
@@ -486,7 +489,7 @@ void check_module_fits(const Checkpoint& ck, const M& module, std::string_view p
         used[name] = true;
     };
     walk(module, [&](const std::string& name, const auto& p) { fits(name, p.value); }, fits, prefix);
-    if (strict)
+    if (unmatched == Unmatched::refused)
         for (const auto& [name, seen] : used)
             if (!seen) throw IoError(ck.label() + " has tensor '" + name + "' that the model does not have");
 }
@@ -501,9 +504,9 @@ void assign_module(const Checkpoint& ck, M& module, std::string_view prefix = {}
 //! Loads every parameter and buffer of `module` from `ck` after `check_module_fits` passed, so a
 //! checkpoint that does not fit leaves the module unchanged.
 template <class M>
-void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, bool strict = true,
+void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, Unmatched unmatched = Unmatched::refused,
                 std::string_view ignore = {}) {
-    check_module_fits(ck, module, prefix, strict, ignore);
+    check_module_fits(ck, module, prefix, unmatched, ignore);
     assign_module(ck, module, prefix);
 }
 

@@ -86,10 +86,11 @@ public:
     const SgdOptions& options() const noexcept { return options_; }
     void set_lr(double lr) { options_.lr = lr; }
 
+    //! Makes room for `replicas` states; called before a parallel region, never inside one.
+    void prepare(int replicas) { make_room(replicas); }
     //! Makes room for `replicas` states and lays the momentum buffers out as `layout` from the
-    //! next step (Note [momentum beside its bucket]); called before a parallel region, never
-    //! inside one.
-    void prepare(int replicas, const BucketLayout& layout = {}) {
+    //! next step (Note [momentum beside its bucket]).
+    void prepare(int replicas, const BucketLayout& layout) {
         make_room(replicas);
         if (layout != layout_) layout_ = layout;
     }
@@ -147,10 +148,14 @@ private:
     };
 
     // Note [momentum beside its bucket]: gives every bucket a momentum block laid out as the
-    // bucket, unless its buffers already are views of it at the bucket's offsets.
+    // bucket, unless its buffers already are views of it at the bucket's offsets. Buffers are
+    // views: a block some buffer may still view (a bucket not placed yet, a layout that changed)
+    // is kept until every bucket is placed.
     void place_buffers(const Context<B>& ctx, State& state) {
         const BucketLayout& layout = layout_for(state);
         auto& items = state.items;
+        std::vector<Tensor<float, B>> retired;
+        for (std::size_t b = layout.buckets.size(); b < state.blocks.size(); ++b) retired.push_back(std::move(state.blocks[b]));
         state.blocks.resize(layout.buckets.size());
         for (std::size_t b = 0; b < layout.buckets.size(); ++b) {
             const auto& bucket = layout.buckets[b];
@@ -166,23 +171,39 @@ private:
             for (std::size_t k = 0; k < bucket.params.size(); ++k) {
                 auto& item = items[bucket.params[k]];
                 const auto& value = *item.value;
-                LOCKSTEP_CHECK_AS(UsageError, bucket.offsets[k] + value.numel() <= bucket.size, "Sgd: parameter ",
-                                  bucket.params[k], " does not fit its place in the bucket layout handed to prepare(); "
-                                  "prepare with the layout of the model being stepped");
                 if (!item.first) K::copy(ctx.exec, fresh, bucket.offsets[k], *item.momentum, 0, value.numel());  // a buffer it had
                 *item.momentum = Tensor<float, B>::view(fresh, bucket.offsets[k], value.shape(), value.format());
             }
+            retired.push_back(std::move(block));
             block = std::move(fresh);
         }
     }
 
-    // The layout handed to prepare(), or, without one, every parameter a bucket of its own.
+    // The layout handed to prepare(), checked against this step's parameters before any buffer
+    // moves, or, without one, every parameter a bucket of its own.
     const BucketLayout& layout_for(State& state) {
-        const std::size_t count = state.items.size();
+        const auto& items = state.items;
+        const std::size_t count = items.size();
         if (!layout_.empty()) {
             LOCKSTEP_CHECK_AS(UsageError, layout_.parameters() == count, "Sgd: the bucket layout handed to prepare() places ",
                               layout_.parameters(), " parameters, but the model has ", count,
                               "; prepare with the layout of the model being stepped (or none)");
+            std::vector<char> seen(count, 0);
+            for (const auto& bucket : layout_.buckets) {
+                LOCKSTEP_CHECK_AS(UsageError, !bucket.params.empty() && bucket.offsets.size() == bucket.params.size(),
+                                  "Sgd: a bucket of the layout handed to prepare() has no parameters or not one offset per "
+                                  "parameter; prepare with DataParallel's layout (bucket_layout())");
+                for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+                    const std::size_t i = bucket.params[k];
+                    LOCKSTEP_CHECK_AS(UsageError, i < count && seen[i] == 0, "Sgd: the bucket layout handed to prepare() "
+                                      "names parameter ", i, (i < count ? " twice" : ", which the model does not have"),
+                                      "; prepare with the layout of the model being stepped");
+                    seen[i] = 1;
+                    LOCKSTEP_CHECK_AS(UsageError, bucket.offsets[k] >= 0 && bucket.offsets[k] + items[i].value->numel() <= bucket.size,
+                                      "Sgd: parameter ", i, " does not fit its place in the bucket layout handed to prepare(); "
+                                      "prepare with the layout of the model being stepped");
+                }
+            }
             return layout_;
         }
         auto& own = state.own_layout;
@@ -190,7 +211,7 @@ private:
             own.buckets.clear();
             for (std::size_t i = 0; i < count; ++i) own.buckets.push_back({{i}, {0}, 0});
         }
-        for (std::size_t i = 0; i < count; ++i) own.buckets[i].size = state.items[i].value->numel();
+        for (std::size_t i = 0; i < count; ++i) own.buckets[i].size = items[i].value->numel();
         return own;
     }
 

@@ -37,18 +37,10 @@ nn::Checkpoint::SaveReport save_once(comm::ProcessGroup* procs, Write&& write) {
             if (failure.empty()) failure = "the checkpoint could not be written";
         }
     }
-    std::vector<std::int64_t> status(1 + 1024, 0);  // length, then the message's bytes
-    if (procs->rank() == 0) {
-        status[0] = static_cast<std::int64_t>(std::min<std::size_t>(failure.size(), 1024));
-        for (std::size_t i = 0; i < static_cast<std::size_t>(status[0]); ++i) status[1 + i] = static_cast<unsigned char>(failure[i]);
-    }
-    procs->channel(comm::ProcessGroup::control)
-        .broadcast(DeviceSpan<std::int64_t>::host(status), 0, comm::CollectiveSite::control(comm::Exchange::checkpoint_status));
-    if (status[0] > 0) {
-        std::string message;
-        for (std::int64_t i = 0; i < status[0]; ++i) message += static_cast<char>(status[static_cast<std::size_t>(1 + i)]);
-        throw IoError(procs->rank() == 0 ? message : "process 0 failed to write the checkpoint: " + message);
-    }
+    comm::broadcast_text(procs->channel(comm::ProcessGroup::control), 0, failure,
+                         comm::CollectiveSite::control(comm::Exchange::checkpoint_status));
+    if (!failure.empty())
+        throw IoError(procs->rank() == 0 ? failure : "process 0 failed to write the checkpoint: " + failure);
     return report;
 }
 
@@ -58,7 +50,7 @@ nn::Checkpoint::SaveReport save_once(comm::ProcessGroup* procs, Write&& write) {
 template <class Module, class Optimizer>
 void check_loadable(const nn::Checkpoint& ck, Module& module, Optimizer* optimizer, int replicas,
                     const nn::BucketLayout& layout) {
-    nn::check_module_fits(ck, module, {}, true, "optimizer.");
+    nn::check_module_fits(ck, module, {}, nn::Unmatched::refused, "optimizer.");
     if constexpr (detail::has_optimizer<Optimizer>) {
         optimizer->prepare(replicas, layout);
         std::set<std::string> states;

@@ -51,8 +51,8 @@ namespace lockstep {
 //! No call waits for a replica without bound: one that has not finished `options().timeout` after
 //! a peer failed or finished makes the call throw `ReplicaStuck` naming it, and the object then
 //! refuses every later call; its destructor waits the timeout again, then leaves the stuck thread
-//! behind (reported on stderr), with the replica state it still uses (Notes [stuck replicas] and
-//! [jobs own their state] in parallel/call_state.hpp).
+//! behind (reported on stderr), with the replica state it still uses (Note [stuck replicas] in
+//! runtime/replica_pool.hpp, Note [jobs own their state] in parallel/call_state.hpp).
 template <class Module, class Group = comm::default_group_t<typename Module::backend>>
 class DataParallel {
     static_assert(nn::check_module<Module>());

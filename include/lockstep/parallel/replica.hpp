@@ -53,7 +53,6 @@ namespace lockstep::parallel::detail {
 // and made a view again: at the start of every step for both, and at the bucket's launch for a
 // gradient. A gradient replaced after its bucket was launched missed the all-reduce: the step
 // fails with UsageError, as does a parameter whose size changed.
-//
 
 //! One gradient bucket of a replica (Note [gradients in their buckets]).
 template <class B>

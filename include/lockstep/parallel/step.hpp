@@ -68,7 +68,6 @@ namespace lockstep::parallel::detail {
 // the replicas equal again (replica 0's state). With check_finite the failure is seen before
 // the commit barrier and no replica applies the step.
 
-
 // Scales every gradient by min(1, max_norm / (global norm + 1e-6)) (Note [step order]).
 template <class Module>
 void clip(Replica<Module>& rep, double max_norm) {
@@ -133,19 +132,18 @@ struct StepCall {
 };
 
 //! What a replica does first, step or micro-batch: its tensors back in their buckets (Note
-//! [gradients in their buckets]), gradients zeroed at the first micro-batch, buckets armed for
-//! a step (none for a micro-batch), its buffers saved (Note [commit point]).
-template <class Module>
-void begin_part(Replica<Module>& rep, std::int64_t batch, bool first, bool step, bool overlap) {
+//! [gradients in their buckets]), gradients zeroed at the first micro-batch, no bucket armed yet,
+//! its buffers saved (Note [commit point]).
+template <class Module, class Loss>
+void begin_part(Replica<Module>& rep, const StepCall<Loss>& call) {
     rep.ctx.training = true;
-    rep.ctx.global_batch = batch;
+    rep.ctx.global_batch = call.batch;
+    rep.ctx.grad_ready = nullptr;
     rep.place_all();
-    if (first) {
+    if (call.before == 0) {
         nn::zero_grad(rep.module);
         rep.totals.zero();
     }
-    if (step) rep.begin_buckets(overlap);
-    else rep.ctx.grad_ready = nullptr;
     rep.save_buffers();
 }
 
@@ -247,7 +245,8 @@ template <class Module, class Group, class Loss, class View, class Optimizer>
 void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Tensor<float, typename Module::backend>& x,
                 const View& targets, Optimizer& optimizer) {
     auto& rep = core.replica(r);
-    begin_part(rep, call.batch, call.before == 0, true, core.options.overlap);
+    begin_part(rep, call);
+    rep.begin_buckets(core.options.overlap);  // Note [gradient buckets]: all-reduced as backward finishes them
     try {
         forward_backward(core, r, call, x, targets);
         reduce_and_commit(rep, core.options, r, call);
@@ -263,7 +262,7 @@ template <class Module, class Group, class Loss, class View>
 void accumulate_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Tensor<float, typename Module::backend>& x,
                      const View& targets) {
     auto& rep = core.replica(r);
-    begin_part(rep, call.batch, call.before == 0, false, false);
+    begin_part(rep, call);  // no bucket armed: the gradients are kept
     try {
         forward_backward(core, r, call, x, targets);
     } catch (...) {
