@@ -12,6 +12,7 @@
 
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "lockstep/kernels/batch_norm_math.hpp"  // the batch-norm payload layout layers and backends share
 
 namespace lockstep::kernels {
 

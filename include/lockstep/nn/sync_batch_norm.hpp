@@ -13,7 +13,6 @@
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
-#include "lockstep/kernels/batch_norm_math.hpp"
 #include "lockstep/kernels/ops.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/init.hpp"
