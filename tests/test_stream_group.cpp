@@ -781,12 +781,14 @@ TEST_CASE("host group across processes: one replica per process adds as threads 
     DataParallel<Net> reference(net, 2, small_buckets());
     const Trained want = train(reference, 3);
     std::vector<Trained> got(2);
+    std::vector<int> global_sizes(2, 0);
     auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
         DataParallel<Net> dp(net, 1, across(procs));
-        CHECK(dp.global_size() == 2);
+        global_sizes[static_cast<std::size_t>(p)] = dp.global_size();  // checked here: Catch asserts on this thread only
         got[static_cast<std::size_t>(p)] = train(dp, 3, 2, p);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
+    CHECK(global_sizes == std::vector<int>{2, 2});
     for (const auto& g : got) {
         for (std::size_t s = 0; s < g.losses.size(); ++s) CHECK(g.losses[s] == Approx(want.losses[s]).epsilon(1e-14));
         CHECK(same_bits(g.state, want.state));
