@@ -51,7 +51,8 @@ void run_case(benchmark::State& state, bool through_group) {
         auto& buf = *bufs[ur];
         for (int i = 0; i < batch; ++i) {
             if (through_group) {
-                w.group->communicator(r).all_reduce_sum(DeviceSpan(buf), comm::CollectiveSite::user(static_cast<std::uint64_t>(i)));
+                w.group->communicator(r).all_reduce_sum(DeviceSpan(buf),
+                                                        comm::CollectiveSite::user(static_cast<std::uint64_t>(i)));
             } else if (!local) {
                 static const std::atomic<bool> never{false};
                 Api::all_reduce(w.bare_comms[ur], buf.data(), static_cast<std::size_t>(count), dtype, w.ex[ur].stream,
@@ -85,12 +86,16 @@ void run_case(benchmark::State& state, bool through_group) {
 }
 
 void BM_Bare(benchmark::State& state) {
-    if (state.range(0) == 129) run_case<double>(state, false);
-    else run_case<float>(state, false);
+    if (state.range(0) == 129)
+        run_case<double>(state, false);
+    else
+        run_case<float>(state, false);
 }
 void BM_Group(benchmark::State& state) {
-    if (state.range(0) == 129) run_case<double>(state, true);
-    else run_case<float>(state, true);
+    if (state.range(0) == 129)
+        run_case<double>(state, true);
+    else
+        run_case<float>(state, true);
 }
 // 129 doubles: SyncBatchNorm's 2C + 1 at C = 64; 6553600 floats: 25 MiB, a gradient bucket.
 BENCHMARK(BM_Bare)->ArgName("count")->Arg(129)->Arg(6553600)->UseManualTime()->Unit(benchmark::kMicrosecond);
@@ -119,7 +124,8 @@ int main(int argc, char** argv) {
             std::vector<int> idx;
             for (const auto& d : w.devices) idx.push_back(d.index);
             static const std::atomic<bool> never{false};
-            w.bare_comms = Api::init(idx, Api::unique_id(), 0, static_cast<int>(idx.size()), clock_type::now() + std::chrono::seconds(60), never);
+            w.bare_comms = Api::init(idx, Api::unique_id(), 0, static_cast<int>(idx.size()),
+                                     clock_type::now() + std::chrono::seconds(60), never);
         }
         w.res.resize(static_cast<std::size_t>(n));
         w.ex.resize(static_cast<std::size_t>(n));

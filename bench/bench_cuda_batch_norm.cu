@@ -76,8 +76,8 @@ constexpr int copy_threads = 256;
 constexpr int copy_unroll = 4;
 
 //! dst = src in 16-byte vectors, `copy_unroll` loads in flight per thread before its stores.
-__global__ void __launch_bounds__(copy_threads) copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                                            std::int64_t vectors) {
+__global__ void __launch_bounds__(copy_threads)
+    copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, std::int64_t vectors) {
     const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * copy_threads * copy_unroll + threadIdx.x;
     uint4 v[copy_unroll];
 #pragma unroll
@@ -148,8 +148,8 @@ struct Args {
     std::int64_t numel() const { return N * C * HW * HW; }
     bool shape_is(std::int64_t n, std::int64_t c, std::int64_t hw) const { return N == n && C == c && HW == hw; }
     std::string str() const {
-        return "(" + std::to_string(N) + ", " + std::to_string(C) + ", " + std::to_string(HW) + ", " + std::to_string(HW) +
-               ") " + (nhwc ? "NHWC" : "NCHW") + " " + (bf16 ? "bf16" : "fp32");
+        return "(" + std::to_string(N) + ", " + std::to_string(C) + ", " + std::to_string(HW) + ", " + std::to_string(HW) + ") " +
+               (nhwc ? "NHWC" : "NCHW") + " " + (bf16 ? "bf16" : "fp32");
     }
 };
 
@@ -365,9 +365,9 @@ private:
         const auto dim = [](std::int64_t v) { return static_cast<int>(v); };
         cudnn_check(cudnnCreateTensorDescriptor(&x_desc_), "cudnnCreateTensorDescriptor");
         cudnn_check(cudnnCreateTensorDescriptor(&bn_desc_), "cudnnCreateTensorDescriptor");
-        const cudnnStatus_t set = cudnnSetTensor4dDescriptor(
-            x_desc_, args_.nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW, args_.bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT,
-            dim(args_.N), dim(C), dim(args_.HW), dim(args_.HW));
+        const cudnnStatus_t set = cudnnSetTensor4dDescriptor(x_desc_, args_.nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
+                                                             args_.bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT, dim(args_.N),
+                                                             dim(C), dim(args_.HW), dim(args_.HW));
         const cudnnStatus_t derived =
             set == CUDNN_STATUS_SUCCESS ? cudnnDeriveBNTensorDescriptor(bn_desc_, x_desc_, CUDNN_BATCHNORM_SPATIAL) : set;
         if (derived != CUDNN_STATUS_SUCCESS) {
@@ -401,9 +401,8 @@ private:
     cudnnStatus_t cudnn_step(cudnnBatchNormMode_t mode) {
         const float one = 1.0f, zero = 0.0f;
         const cudnnStatus_t fwd = cudnnBatchNormalizationForwardTraining(
-            cudnn->handle, mode, &one, &zero, x_desc_, x_.data(), x_desc_, a_.data(), bn_desc_, scale_.data(),
-            cudnn_bias_.data(), 0.1, cudnn_running_mean_.data(), cudnn_running_var_.data(), 1e-5, save_mean_.data(),
-            save_invstd_.data());
+            cudnn->handle, mode, &one, &zero, x_desc_, x_.data(), x_desc_, a_.data(), bn_desc_, scale_.data(), cudnn_bias_.data(),
+            0.1, cudnn_running_mean_.data(), cudnn_running_var_.data(), 1e-5, save_mean_.data(), save_invstd_.data());
         if (fwd != CUDNN_STATUS_SUCCESS) return fwd;
         // Parameter gradients accumulate (beta 1), as the step's do.
         return cudnnBatchNormalizationBackward(cudnn->handle, mode, &one, &zero, &one, &one, x_desc_, x_.data(), x_desc_,
@@ -412,8 +411,7 @@ private:
     }
 
     cudnnTensorDescriptor_t x_desc_ = nullptr, bn_desc_ = nullptr;
-    Tensor<float, Cuda> scale_, cudnn_bias_, cudnn_running_mean_, cudnn_running_var_, save_mean_, save_invstd_, dscale_,
-        dbias_;
+    Tensor<float, Cuda> scale_, cudnn_bias_, cudnn_running_mean_, cudnn_running_var_, save_mean_, save_invstd_, dscale_, dbias_;
 #endif
 
     Args args_;
@@ -444,8 +442,10 @@ Args current_args;
 Workload& workload(const Args& a) {
     if (!current || !(current_args == a)) {
         current.reset();
-        if (a.bf16) current = std::make_unique<Case<__nv_bfloat16>>(a);
-        else current = std::make_unique<Case<float>>(a);
+        if (a.bf16)
+            current = std::make_unique<Case<__nv_bfloat16>>(a);
+        else
+            current = std::make_unique<Case<float>>(a);
         current_args = a;
     }
     return *current;
@@ -537,8 +537,11 @@ void print_goals(const std::string& device) {
         std::printf("  %-28s vs_floor %.3f (goal >= %.2f%s): %s", r.args.str().c_str(), r.vs_floor, g.vs_floor,
                     g.vs_floor > 0.55 ? ", L2 path" : "", r.vs_floor >= g.vs_floor ? "met" : "NOT met");
         if (g.vs_cudnn > 0) {
-            if (r.vs_cudnn < 0) std::printf("; vs_cudnn not measured");
-            else std::printf("; vs_cudnn %.3f (goal >= %.2f): %s", r.vs_cudnn, g.vs_cudnn, r.vs_cudnn >= g.vs_cudnn ? "met" : "NOT met");
+            if (r.vs_cudnn < 0)
+                std::printf("; vs_cudnn not measured");
+            else
+                std::printf("; vs_cudnn %.3f (goal >= %.2f): %s", r.vs_cudnn, g.vs_cudnn,
+                            r.vs_cudnn >= g.vs_cudnn ? "met" : "NOT met");
         }
         std::printf("\n");
     }

@@ -54,8 +54,7 @@ void BM_CudaTrainStep(benchmark::State& state) {
         state.counters["images_per_s"] = ips;
         state.counters["gpus_used"] = std::min(replicas, gpus);
         images_per_s[replicas] = ips;
-        if (replicas > 1 && images_per_s.count(1) != 0)
-            state.counters["weak_scaling"] = ips / (replicas * images_per_s[1]);
+        if (replicas > 1 && images_per_s.count(1) != 0) state.counters["weak_scaling"] = ips / (replicas * images_per_s[1]);
     } catch (const std::exception& e) {
         state.SkipWithError(e.what());
     }
@@ -78,7 +77,9 @@ int main(int argc, char** argv) {
     if (images_per_s.count(1) != 0)
         for (const auto& [n, ips] : images_per_s)
             if (n > 1)
-                std::printf("weak_scaling %d replicas on %d GPU(s): %.3f (images/s %.0f vs %.0f at 1 replica; goal >= 0.9 on %d "
-                            "real GPUs)\n", n, std::min(n, gpus), ips / (n * images_per_s[1]), ips, images_per_s[1], n);
+                std::printf(
+                    "weak_scaling %d replicas on %d GPU(s): %.3f (images/s %.0f vs %.0f at 1 replica; goal >= 0.9 on %d "
+                    "real GPUs)\n",
+                    n, std::min(n, gpus), ips / (n * images_per_s[1]), ips, images_per_s[1], n);
     return 0;
 }

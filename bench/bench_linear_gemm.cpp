@@ -35,9 +35,9 @@ struct Shape {
 Shape shape_of(int which, std::int64_t rows) {
     constexpr std::int64_t in = 64 * 14 * 14, out = 128;
     switch (which) {
-        case 0: return {false, true, rows, out, in, 0.0f};   // forward: y = x W^T
-        case 1: return {true, false, out, in, rows, 1.0f};   // backward-weights: dW += dy^T x
-        default: return {false, false, rows, in, out, 0.0f}; // backward-data: dx = dy W
+        case 0: return {false, true, rows, out, in, 0.0f};    // forward: y = x W^T
+        case 1: return {true, false, out, in, rows, 1.0f};    // backward-weights: dW += dy^T x
+        default: return {false, false, rows, in, out, 0.0f};  // backward-data: dx = dy W
     }
 }
 
@@ -83,8 +83,8 @@ void BM_LinearGemm(benchmark::State& state) {
     DnnlMatmul mm(s);
 
     // The same product once each, from the same C, compared.
-    lockstep::kernels::blas::gemm(s.trans_a, s.trans_b, s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, s.beta,
-                                  c_blas.data(), s.n);
+    lockstep::kernels::blas::gemm(s.trans_a, s.trans_b, s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, s.beta, c_blas.data(),
+                                  s.n);
     mm.run(a.data(), b.data(), c_dnnl.data());
     double diff = 0, scale = 0;
     for (std::size_t i = 0; i < c0.size(); ++i) {
@@ -108,7 +108,8 @@ void BM_LinearGemm(benchmark::State& state) {
         benchmark::DoNotOptimize(c_dnnl.data());
     }
     const double flops = 2.0 * static_cast<double>(s.m) * static_cast<double>(s.n) * static_cast<double>(s.k);
-    const double blas_rate = flops * static_cast<double>(rounds) / blas_s, dnnl_rate = flops * static_cast<double>(rounds) / dnnl_s;
+    const double blas_rate = flops * static_cast<double>(rounds) / blas_s,
+                 dnnl_rate = flops * static_cast<double>(rounds) / dnnl_s;
     state.counters["openblas_GFLOPs"] = blas_rate / 1e9;
     state.counters["onednn_GFLOPs"] = dnnl_rate / 1e9;
     state.counters["vs_openblas"] = dnnl_rate / blas_rate;

@@ -31,9 +31,11 @@ void run(benchmark::State& state, bool ours) {
     double total = 0;
     for (auto _ : state) {
         const auto t0 = std::chrono::steady_clock::now();
-        if (ours) comm_->all_reduce_sum(std::span<T>(data));
-        else MPI_Allreduce(MPI_IN_PLACE, data.data(), static_cast<int>(count), sizeof(T) == 4 ? MPI_FLOAT : MPI_DOUBLE, MPI_SUM,
-                           MPI_COMM_WORLD);
+        if (ours)
+            comm_->all_reduce_sum(std::span<T>(data));
+        else
+            MPI_Allreduce(MPI_IN_PLACE, data.data(), static_cast<int>(count), sizeof(T) == 4 ? MPI_FLOAT : MPI_DOUBLE, MPI_SUM,
+                          MPI_COMM_WORLD);
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         state.SetIterationTime(s);
         total += s;
@@ -49,12 +51,16 @@ void run(benchmark::State& state, bool ours) {
 }
 
 void BM_MpiAllreduce(benchmark::State& state) {
-    if (state.range(0) == 129) run<double>(state, false);
-    else run<float>(state, false);
+    if (state.range(0) == 129)
+        run<double>(state, false);
+    else
+        run<float>(state, false);
 }
 void BM_LockstepAllreduce(benchmark::State& state) {
-    if (state.range(0) == 129) run<double>(state, true);
-    else run<float>(state, true);
+    if (state.range(0) == 129)
+        run<double>(state, true);
+    else
+        run<float>(state, true);
 }
 // Fixed iterations: every process makes the same number of collectives.
 BENCHMARK(BM_MpiAllreduce)->ArgName("count")->Arg(129)->Iterations(2000)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -85,7 +85,9 @@ private:
 class Passes {
 public:
     Passes(std::int64_t N, std::int64_t C, std::int64_t HW, MemoryFormat format, int world)
-        : g_{N / world, C, HW * HW, format == MemoryFormat::nhwc}, pool_(world), zero_(static_cast<std::size_t>(C), 0.0f),
+        : g_{N / world, C, HW * HW, format == MemoryFormat::nhwc},
+          pool_(world),
+          zero_(static_cast<std::size_t>(C), 0.0f),
           one_(static_cast<std::size_t>(C), 1.0f) {
         // Tensors, not vectors: the same allocator (and pages) as the layer's.
         const Shape shape{g_.batch * C * g_.inner};

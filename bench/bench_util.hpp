@@ -22,7 +22,8 @@ inline double memcpy_bandwidth(std::size_t bytes) {
         const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < reps; ++i) {
             std::memcpy(dst.data(), src.data(), bytes);
-            src[static_cast<std::size_t>(i) % bytes] = static_cast<char>(dst[bytes - 1 - static_cast<std::size_t>(i) % bytes] + 1);
+            src[static_cast<std::size_t>(i) % bytes] =
+                static_cast<char>(dst[bytes - 1 - static_cast<std::size_t>(i) % bytes] + 1);
         }
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
         best = std::min(best, s);

@@ -128,7 +128,8 @@ TEST_CASE("a replica that throws before, inside or after a collective never hang
     CHECK(clock_type::now() - t0 < 1s);
     // The next job runs normally on the same pool and group.
     for (auto& b : bufs) std::fill(b.begin(), b.end(), 1.0f);
-    pool.run([&](int r) { comms[static_cast<std::size_t>(r)].all_reduce_sum(std::span<float>(bufs[static_cast<std::size_t>(r)])); });
+    pool.run(
+        [&](int r) { comms[static_cast<std::size_t>(r)].all_reduce_sum(std::span<float>(bufs[static_cast<std::size_t>(r)])); });
     for (auto& b : bufs) CHECK(b[999] == static_cast<float>(world));
 }
 
@@ -145,7 +146,8 @@ TEST_CASE("peers of a failed replica see CollectiveAborted naming it", "[comm]")
             seen[static_cast<std::size_t>(r)] = e.what();
             throw;
         }
-    }), InvalidArgument);
+    }),
+                    InvalidArgument);
     CHECK(seen[0].find("rank 1 failed: bad shard") != std::string::npos);
     CHECK(seen[2].find("rank 1 failed: bad shard") != std::string::npos);
 }
@@ -166,30 +168,35 @@ TEST_CASE("mismatched collectives throw CollectiveMismatch on every replica", "[
                 messages[static_cast<std::size_t>(r)] = e.what();
                 throw;
             }
-        }), CollectiveMismatch);
+        }),
+                        CollectiveMismatch);
         for (const auto& m : messages) CHECK(m.find("all_reduce_sum<double>[9]") != std::string::npos);
     }
     SECTION("different call sites") {
         CHECK_THROWS_AS(pool.run([&](int r) {
             try {
                 comms[static_cast<std::size_t>(r)].all_reduce_sum(std::span<double>(bufs[0].data(), 8),
-                                                                   CollectiveSite::layer(7, r == 0 ? 0 : 1));
+                                                                  CollectiveSite::layer(7, r == 0 ? 0 : 1));
             } catch (const CollectiveMismatch&) {
                 ++mismatches;
                 throw;
             }
-        }), CollectiveMismatch);
+        }),
+                        CollectiveMismatch);
     }
     SECTION("different kinds") {
         CHECK_THROWS_AS(pool.run([&](int r) {
             try {
-                if (r == 2) comms[2].barrier();
-                else comms[static_cast<std::size_t>(r)].all_reduce_sum(std::span<double>(bufs[static_cast<std::size_t>(r)]));
+                if (r == 2)
+                    comms[2].barrier();
+                else
+                    comms[static_cast<std::size_t>(r)].all_reduce_sum(std::span<double>(bufs[static_cast<std::size_t>(r)]));
             } catch (const CollectiveMismatch&) {
                 ++mismatches;
                 throw;
             }
-        }), CollectiveMismatch);
+        }),
+                        CollectiveMismatch);
     }
     CHECK(mismatches == 3);
     pool.run([&](int r) { comms[static_cast<std::size_t>(r)].barrier(); });  // usable again
@@ -197,8 +204,7 @@ TEST_CASE("mismatched collectives throw CollectiveMismatch on every replica", "[
 
 TEST_CASE("collectives reject bad input with a typed error", "[comm]") {
     auto comms = HostCommunicator::create_group(1);
-    CHECK_THROWS_WITH(comms[0].all_reduce_sum(std::span<float>(static_cast<float*>(nullptr), 4)),
-                      Catch::Contains("null buffer"));
+    CHECK_THROWS_WITH(comms[0].all_reduce_sum(std::span<float>(static_cast<float*>(nullptr), 4)), Catch::Contains("null buffer"));
     std::vector<float> v(4);
     CHECK_THROWS_AS(comms[0].broadcast(std::span<float>(v), 3), InvalidArgument);
     CHECK_THROWS_AS(HostCommunicator::create_group(0), InvalidArgument);
@@ -214,7 +220,8 @@ TEST_CASE("a replica that never reaches a collective times out naming it", "[com
     const auto t0 = clock_type::now();
     CHECK_THROWS_WITH(pool.run([&](int r) {
         if (r != 2) comms[static_cast<std::size_t>(r)].barrier();
-    }), Catch::Contains("ranks that never arrived: 2"));
+    }),
+                      Catch::Contains("ranks that never arrived: 2"));
     CHECK(clock_type::now() - t0 < 1s);
 }
 
@@ -259,8 +266,8 @@ TEST_CASE("a replica group is reached through one interface, on device-tagged bu
     }
     // A buffer on a GPU is not host memory: refused before any rank waits.
     std::vector<float> v(4);
-    CHECK_THROWS_AS(group.communicator(0).all_reduce_sum(DeviceSpan<float>(v.data(), v.size(), Device::cuda(0)),
-                                                         CollectiveSite::user()),
-                    DeviceMismatch);
+    CHECK_THROWS_AS(
+        group.communicator(0).all_reduce_sum(DeviceSpan<float>(v.data(), v.size(), Device::cuda(0)), CollectiveSite::user()),
+        DeviceMismatch);
     CHECK_THROWS_WITH(comm::HostGroup({Device::host(0), Device::cuda(1)}), Catch::Contains("cannot hold device cuda:1"));
 }

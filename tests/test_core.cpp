@@ -39,7 +39,9 @@ struct WithRuntimeKind {
 };
 
 template <BackendTag B>
-constexpr std::string_view name_of() { return B::name; }
+constexpr std::string_view name_of() {
+    return B::name;
+}
 
 }  // namespace
 

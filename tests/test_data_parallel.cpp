@@ -163,7 +163,8 @@ double decision_margin(const Net& net, const Tensor<float>& x) {
         for (std::int64_t i = 0; i + 1 < H; i += 2)
             for (std::int64_t j = 0; j + 1 < W; j += 2) {
                 std::array<float, 4> w{};
-                for (int k = 0; k < 4; ++k) w[static_cast<std::size_t>(k)] = std::max(0.0f, h[(p * H + i + k / 2) * W + j + k % 2]);
+                for (int k = 0; k < 4; ++k)
+                    w[static_cast<std::size_t>(k)] = std::max(0.0f, h[(p * H + i + k / 2) * W + j + k % 2]);
                 std::sort(w.begin(), w.end());
                 if (w[3] > 0) margin = std::min(margin, static_cast<double>(w[3] - w[2]));
             }
@@ -241,7 +242,7 @@ TEST_CASE("One training step makes one all-reduce per bucket, two per SyncBatchN
     const auto b = make_batches(1, 6, gen)[0];
     const auto layer0 = dp.layer_collectives(0), grad0 = dp.gradient_collectives(0);
     dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
-    CHECK(dp.layer_collectives(0) - layer0 == 2);  // SyncBatchNorm forward + backward
+    CHECK(dp.layer_collectives(0) - layer0 == 2);                        // SyncBatchNorm forward + backward
     CHECK(dp.gradient_collectives(0) - grad0 == dp.bucket_count() + 2);  // + the barriers around the optimizer
 }
 
@@ -311,8 +312,10 @@ struct Scale {
                 g[i] += input[r * 5 + i] * dy[r * 5 + i];
                 dx[r * 5 + i] = dy[r * 5 + i] * weight.value[i];
             }
-        if constexpr (Mode == replace) weight.grad = std::move(g);
-        else weight.grad.copy_from(g);
+        if constexpr (Mode == replace)
+            weight.grad = std::move(g);
+        else
+            weight.grad.copy_from(g);
         ctx.mark_grad_ready(&weight);
         // A new tensor of zeros, not a copy: reading the gradient after marking it ready would race
         // with its bucket's all-reduce on the communication thread (the misuse this mode stands for).
@@ -373,9 +376,8 @@ TEST_CASE("Gradients and values live in their buckets, and a tensor replaced fro
         }
         // With momentum, each bucket's buffers lie back to back (Note [momentum beside its bucket]).
         std::vector<const Tensor<float>*> buffers;
-        a.visit_state(0, replacing.replica(0), [&](const std::string&, const Tensor<float>& t, const nn::Parameter<>&) {
-            buffers.push_back(&t);
-        });
+        a.visit_state(0, replacing.replica(0),
+                      [&](const std::string&, const Tensor<float>& t, const nn::Parameter<>&) { buffers.push_back(&t); });
         REQUIRE(buffers.size() == 3);
         // (With a bucket per parameter, separate allocations may still happen to lie back to back,
         // as ThreadSanitizer's allocator lays them: nothing to check there.)
@@ -405,11 +407,13 @@ TEST_CASE("Gradients and values live in their buckets, and a tensor replaced fro
         if (one_bucket)
             CHECK_NOTHROW(late.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, still));
         else
-            CHECK_THROWS_WITH(late.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, still),
-                              Catch::Contains("the gradient of parameter '2.weight' was replaced after its layer marked it ready"));
+            CHECK_THROWS_WITH(
+                late.train_step(batches[0].x, batches[0].labels, nn::SoftmaxCrossEntropy{}, still),
+                Catch::Contains("the gradient of parameter '2.weight' was replaced after its layer marked it ready"));
 
         // A value assigned through parallel_apply is what the next step starts from.
-        DataParallel<Net> dp(make_net(3), 2, {.bucket_bytes = bucket_bytes}), twin(make_net(3), 2, {.bucket_bytes = bucket_bytes});
+        DataParallel<Net> dp(make_net(3), 2, {.bucket_bytes = bucket_bytes}),
+            twin(make_net(3), 2, {.bucket_bytes = bucket_bytes});
         dp.parallel_apply([](Net& m, nn::Context<>&) {
             auto& w = m.get<5>().weight;
             Tensor<float> halved = w.value;
@@ -506,7 +510,8 @@ TEST_CASE("A checkpoint saved during training continues with identical losses", 
     std::mt19937_64 gen(seed);
     const auto batches = make_batches(5, 9, gen);
     const auto path =
-        (std::filesystem::temp_directory_path() / ("lockstep-resume-" + std::to_string(test::unique_number()) + ".safetensors")).string();
+        (std::filesystem::temp_directory_path() / ("lockstep-resume-" + std::to_string(test::unique_number()) + ".safetensors"))
+            .string();
     std::vector<double> uninterrupted, resumed;
     {
         DataParallel<Net> dp(make_net(seed), 3);
@@ -634,8 +639,7 @@ Batch concat(const Batch& a, const Batch& b) {
 
 }  // namespace
 
-TEST_CASE("accumulate then train_step equals one step on the union, micro-batches weighted by their samples",
-          "[parallel]") {
+TEST_CASE("accumulate then train_step equals one step on the union, micro-batches weighted by their samples", "[parallel]") {
     const auto seed = test::fresh_seed();
     CAPTURE(seed);
     std::mt19937_64 gen(seed);
@@ -737,8 +741,9 @@ TEST_CASE("Regression with MseLoss: any replica count equals one replica, target
         }
         CHECK_THROWS_WITH(dp.train_step(xs[0], Tensor<float>(Shape{10, 2}), nn::MseLoss{}, sgd),
                           Catch::Contains("train_step: 10 target rows for a batch of 11"));
-        CHECK_THROWS_WITH(dp.train_step(xs[0], Tensor<float>(Shape{11, 3}), nn::MseLoss{}, sgd),
-                          Catch::Contains("MseLoss: targets of shape (") && Catch::Contains(", 3) NCHW for an output of shape ("));
+        CHECK_THROWS_WITH(
+            dp.train_step(xs[0], Tensor<float>(Shape{11, 3}), nn::MseLoss{}, sgd),
+            Catch::Contains("MseLoss: targets of shape (") && Catch::Contains(", 3) NCHW for an output of shape ("));
     }
 }
 
@@ -758,8 +763,10 @@ TEST_CASE("clip_grad_norm scales the all-reduced gradients as torch.nn.utils.cli
             nn::for_each_parameter(dp.replica(r), [&](const std::string&, const nn::Parameter<>& p) {
                 mine.insert(mine.end(), p.grad.span().begin(), p.grad.span().end());
             });
-            if (r == 0) g = mine;
-            else CHECK(mine == g);  // the same bits on every replica
+            if (r == 0)
+                g = mine;
+            else
+                CHECK(mine == g);  // the same bits on every replica
         }
         return g;
     };
@@ -816,7 +823,8 @@ TEST_CASE("A step that fails in backward changes no replica's parameters or opti
     }
     // The forward collectives completed everywhere, so the running statistics moved alike.
     std::map<std::string, std::vector<double>> buffers0;
-    nn::for_each_buffer(dp.replica(0), [&](const std::string& n, const auto& t) { buffers0[n].assign(t.span().begin(), t.span().end()); });
+    nn::for_each_buffer(dp.replica(0),
+                        [&](const std::string& n, const auto& t) { buffers0[n].assign(t.span().begin(), t.span().end()); });
     for (int r = 1; r < 3; ++r)
         nn::for_each_buffer(dp.replica(r), [&](const std::string& n, const auto& t) {
             CHECK(std::vector<double>(t.span().begin(), t.span().end()) == buffers0.at(n));
@@ -955,7 +963,8 @@ TEST_CASE("SyncBatchNorm options through DataParallel match an fp64 batch norm o
             for (std::int64_t n = 0; n < N; ++n)
                 for (std::int64_t k = 0; k < C; ++k)
                     for (std::int64_t p = 0; p < P; ++p)
-                        xt[test::offset(n, k, p, C, P, o.format)] = static_cast<float>(x[static_cast<std::size_t>((n * C + k) * P + p)]);
+                        xt[test::offset(n, k, p, C, P, o.format)] =
+                            static_cast<float>(x[static_cast<std::size_t>((n * C + k) * P + p)]);
             const auto y = dp.forward(xt);
             const auto ref = o.track_running_stats ? bn_mse_reference(x, t, gamma, beta, N, C, P, o.eps, &rmean, &rvar)
                                                    : bn_mse_reference(x, t, gamma, beta, N, C, P, o.eps);
@@ -969,7 +978,8 @@ TEST_CASE("SyncBatchNorm options through DataParallel match an fp64 batch norm o
     }
 }
 
-TEST_CASE("DataParallel loads only a checkpoint of its own model, and the failed load changes nothing", "[parallel][checkpoint]") {
+TEST_CASE("DataParallel loads only a checkpoint of its own model, and the failed load changes nothing",
+          "[parallel][checkpoint]") {
     const auto dir = std::filesystem::temp_directory_path() / ("lockstep-dp-" + std::to_string(test::unique_number()));
     std::filesystem::create_directories(dir);
     const std::string other = (dir / "other.safetensors").string();
@@ -1127,7 +1137,9 @@ struct FlakyOptimizer {
 
 std::vector<double> parameters_of(const Net& net) {
     std::vector<double> v;
-    nn::for_each_parameter(net, [&](const std::string&, const nn::Parameter<>& p) { v.insert(v.end(), p.value.span().begin(), p.value.span().end()); });
+    nn::for_each_parameter(net, [&](const std::string&, const nn::Parameter<>& p) {
+        v.insert(v.end(), p.value.span().begin(), p.value.span().end());
+    });
     return v;
 }
 }  // namespace
@@ -1168,7 +1180,8 @@ TEST_CASE("A failure after the commit point marks DataParallel diverged until re
     const auto b = make_batches(1, 9, gen)[0];
     dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, opt);
     opt.fail = true;
-    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, opt), Catch::Contains("optimizer of replica 1 failed"));
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, opt),
+                      Catch::Contains("optimizer of replica 1 failed"));
     CHECK(dp.diverged());
     CHECK_FALSE(bit_identical(dp.replica(0), dp.replica(1)));  // replica 1 did not step, 0 and 2 did
     opt.fail = false;

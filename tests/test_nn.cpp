@@ -118,7 +118,8 @@ TEST_CASE("ReLU, MaxPool2d and Flatten gradients match finite differences", "[nn
     std::vector<int> order(static_cast<std::size_t>(x.numel()));
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), gen);
-    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = 0.01f * static_cast<float>(order[static_cast<std::size_t>(i)] - 72) + 0.005f;
+    for (std::int64_t i = 0; i < x.numel(); ++i)
+        x[i] = 0.01f * static_cast<float>(order[static_cast<std::size_t>(i)] - 72) + 0.005f;
     nn::ReLU<> relu;
     check_gradients(relu, x, gen, 1e-3, 1e-3);
     nn::MaxPool2d<> pool(2);
@@ -153,14 +154,14 @@ TEST_CASE("SoftmaxCrossEntropy: value and gradient of the mean over the global b
     }
     CHECK(test::rel_error(out.grad.span(), numeric) <= 1e-4);
     CHECK_THROWS_WITH(ce(ctx, logits, std::vector<std::int64_t>{0, 1, 2}), Catch::Contains("3 labels for a batch of 4"));
-    CHECK_THROWS_WITH(ce(ctx, logits, std::vector<std::int64_t>{0, 1, 5, 2}), Catch::Contains("label 5 of sample 2 is out of range"));
+    CHECK_THROWS_WITH(ce(ctx, logits, std::vector<std::int64_t>{0, 1, 5, 2}),
+                      Catch::Contains("label 5 of sample 2 is out of range"));
 }
 
 TEST_CASE("Sgd follows torch.optim.SGD", "[nn]") {
     const auto opts = GENERATE(nn::SgdOptions{.lr = 0.1, .momentum = 0.9},
                                nn::SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true},
-                               nn::SgdOptions{.lr = 0.2, .momentum = 0.5, .dampening = 0.3},
-                               nn::SgdOptions{.lr = 0.3});
+                               nn::SgdOptions{.lr = 0.2, .momentum = 0.5, .dampening = 0.3}, nn::SgdOptions{.lr = 0.3});
     nn::Linear<> fc(3, 2);
     nn::Sgd sgd(opts);
     sgd.prepare(1);
@@ -328,9 +329,11 @@ TEST_CASE("Layers use PyTorch layouts, names and default initialization", "[nn]"
     CHECK(lo >= -bound);
     CHECK(hi <= bound);
     CHECK(hi - lo > 1.8 * bound);  // spread over the whole interval
-    nn::Sequential net(nn::Conv2d<>(1, 2, 3, {}, g), nn::SyncBatchNorm<>(2), nn::ReLU<>(), nn::Flatten<>(), nn::Linear<>(2, 3, true, g));
+    nn::Sequential net(nn::Conv2d<>(1, 2, 3, {}, g), nn::SyncBatchNorm<>(2), nn::ReLU<>(), nn::Flatten<>(),
+                       nn::Linear<>(2, 3, true, g));
     std::vector<std::string> names;
-    nn::walk(net, [&](const std::string& n, auto&) { names.push_back(n); }, [&](const std::string& n, auto&) { names.push_back(n); });
+    nn::walk(
+        net, [&](const std::string& n, auto&) { names.push_back(n); }, [&](const std::string& n, auto&) { names.push_back(n); });
     CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
                                             "1.num_batches_tracked", "4.weight", "4.bias"});
     nn::Generator a(3), b(3);
@@ -391,7 +394,8 @@ TEST_CASE("Loading a checkpoint that does not fit the model names the tensor", "
     nn::Sequential small(nn::Linear<>(4, 3), nn::ReLU<>());
     nn::save(path, small);
     nn::Sequential wider(nn::Linear<>(5, 3), nn::ReLU<>());
-    CHECK_THROWS_WITH(nn::load(path, wider), Catch::Contains("m.safetensors' has tensor '0.weight' of shape (3, 4) but the model's is (3, 5)"));
+    CHECK_THROWS_WITH(nn::load(path, wider),
+                      Catch::Contains("m.safetensors' has tensor '0.weight' of shape (3, 4) but the model's is (3, 5)"));
     nn::Sequential more(nn::Linear<>(4, 3), nn::ReLU<>(), nn::Linear<>(3, 2));
     CHECK_THROWS_WITH(nn::load(path, more), Catch::Contains("missing tensor '2.weight'"));
     nn::Sequential nobias(nn::Linear<>(4, 3, false), nn::ReLU<>());
@@ -416,7 +420,10 @@ TEST_CASE("clone makes an independent deep copy for a device of the module's bac
     nn::Sequential a(nn::Linear<>(3, 2), nn::SyncBatchNorm<>(2));
     auto b = nn::clone(a, Device::host(1));
     nn::walk(
-        b, [](const std::string&, const nn::Parameter<>& p) { CHECK((p.value.device() == Device::host(1) && p.grad.device() == Device::host(1))); },
+        b,
+        [](const std::string&, const nn::Parameter<>& p) {
+            CHECK((p.value.device() == Device::host(1) && p.grad.device() == Device::host(1)));
+        },
         [](const std::string&, const auto& t) { CHECK(t.device() == Device::host(1)); });
     b.get<0>().weight.value[0] += 1.0f;
     b.get<1>().running_mean[0] = 5.0f;
@@ -433,8 +440,8 @@ std::vector<double> to_f64(const Tensor<float>& t) { return {t.span().begin(), t
 
 // y[n, o, oh, ow] = b[o] + sum_{c, i, j} w[o, c, i, j] * x[n, c, oh*s - p + i, ow*s - p + j] (zero outside).
 std::vector<double> conv_reference(const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b,
-                                   std::int64_t N, std::int64_t C, std::int64_t H, std::int64_t W, std::int64_t O,
-                                   std::int64_t k, std::int64_t s, std::int64_t p) {
+                                   std::int64_t N, std::int64_t C, std::int64_t H, std::int64_t W, std::int64_t O, std::int64_t k,
+                                   std::int64_t s, std::int64_t p) {
     const std::int64_t OH = (H + 2 * p - k) / s + 1, OW = (W + 2 * p - k) / s + 1;
     std::vector<double> y(static_cast<std::size_t>(N * O * OH * OW));
     for (std::int64_t n = 0; n < N; ++n)
@@ -528,47 +535,52 @@ TEST_CASE("Conv2d forward and backward match direct fp64 loops and their finite 
     nn::Generator g(seed);
     const std::int64_t N = 2, H = 7, W = 6;
     for (const auto format : {MemoryFormat::nchw, MemoryFormat::nhwc})
-    for (const std::int64_t stride : {1, 2})
-        for (const std::int64_t pad : {0, 1, 2})
-            for (const std::int64_t k : {1, 3, 5})
-                for (const std::int64_t C : {1, 3, 8})
-                    for (const std::int64_t O : {1, 3, 8}) {
-                        if (format == MemoryFormat::nhwc && (k == 5 || O == 1)) continue;  // a smaller sweep for NHWC
-                        CAPTURE(to_string(format), stride, pad, k, C, O);
-                        const bool bias = (C + O + k) % 2 == 0;  // both kinds over the sweep
-                        nn::Conv2d<> conv(C, O, k, {.stride = stride, .padding = pad, .bias = bias}, g);
-                        const auto x_nchw = random_tensor(Shape{N, C, H, W}, gen);
-                        const auto x = in_format(x_nchw, format);
-                        auto xs = to_f64(x_nchw), ws = to_f64(conv.weight.value);
-                        auto bs = bias ? to_f64(conv.bias.value) : std::vector<double>{};
-                        auto axs = abs_of(xs), aws = abs_of(ws), abs_ = abs_of(bs);
-                        nn::Context<> ctx;
-                        const auto y = conv.forward(ctx, x);
-                        REQUIRE(y.format() == format);
-                        const auto ref = conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad);
-                        const auto terms = conv_reference(axs, aws, abs_, N, C, H, W, O, k, stride, pad);
-                        REQUIRE(y.numel() == static_cast<std::int64_t>(ref.size()));
-                        double forward_error = 0;
-                        for (std::size_t i = 0; i < ref.size(); ++i)
-                            forward_error = std::max(forward_error, std::abs(at_logical(y, i) - ref[i]) / std::max(terms[i], 1e-30));
-                        CHECK(forward_error <= 1e-5);
+        for (const std::int64_t stride : {1, 2})
+            for (const std::int64_t pad : {0, 1, 2})
+                for (const std::int64_t k : {1, 3, 5})
+                    for (const std::int64_t C : {1, 3, 8})
+                        for (const std::int64_t O : {1, 3, 8}) {
+                            if (format == MemoryFormat::nhwc && (k == 5 || O == 1)) continue;  // a smaller sweep for NHWC
+                            CAPTURE(to_string(format), stride, pad, k, C, O);
+                            const bool bias = (C + O + k) % 2 == 0;  // both kinds over the sweep
+                            nn::Conv2d<> conv(C, O, k, {.stride = stride, .padding = pad, .bias = bias}, g);
+                            const auto x_nchw = random_tensor(Shape{N, C, H, W}, gen);
+                            const auto x = in_format(x_nchw, format);
+                            auto xs = to_f64(x_nchw), ws = to_f64(conv.weight.value);
+                            auto bs = bias ? to_f64(conv.bias.value) : std::vector<double>{};
+                            auto axs = abs_of(xs), aws = abs_of(ws), abs_ = abs_of(bs);
+                            nn::Context<> ctx;
+                            const auto y = conv.forward(ctx, x);
+                            REQUIRE(y.format() == format);
+                            const auto ref = conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad);
+                            const auto terms = conv_reference(axs, aws, abs_, N, C, H, W, O, k, stride, pad);
+                            REQUIRE(y.numel() == static_cast<std::int64_t>(ref.size()));
+                            double forward_error = 0;
+                            for (std::size_t i = 0; i < ref.size(); ++i)
+                                forward_error =
+                                    std::max(forward_error, std::abs(at_logical(y, i) - ref[i]) / std::max(terms[i], 1e-30));
+                            CHECK(forward_error <= 1e-5);
 
-                        const auto dy_nchw = random_tensor(y.shape(), gen);
-                        const auto dys = to_f64(dy_nchw), adys = abs_of(dys);
-                        nn::zero_grad(conv);
-                        const auto dx = conv.backward(ctx, in_format(dy_nchw, format));
-                        REQUIRE(dx.format() == format);
-                        // L = sum(dy * conv(x)) in fp64; its derivatives by central differences.
-                        const auto L = [&] { return dot64(dys, conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad)); };
-                        const auto La = [&] { return dot64(adys, conv_reference(axs, aws, abs_, N, C, H, W, O, k, stride, pad)); };
-                        CHECK(derivative_error(xs, axs, sample_indices(xs.size(), 16, gen), L, La,
-                                               [&](std::size_t i) { return at_logical(dx, i); }) <= 1e-5);
-                        CHECK(derivative_error(ws, aws, sample_indices(ws.size(), 16, gen), L, La,
-                                               [&](std::size_t i) { return conv.weight.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
-                        if (bias)
-                            CHECK(derivative_error(bs, abs_, sample_indices(bs.size(), bs.size(), gen), L, La,
-                                                   [&](std::size_t i) { return conv.bias.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
-                    }
+                            const auto dy_nchw = random_tensor(y.shape(), gen);
+                            const auto dys = to_f64(dy_nchw), adys = abs_of(dys);
+                            nn::zero_grad(conv);
+                            const auto dx = conv.backward(ctx, in_format(dy_nchw, format));
+                            REQUIRE(dx.format() == format);
+                            // L = sum(dy * conv(x)) in fp64; its derivatives by central differences.
+                            const auto L = [&] { return dot64(dys, conv_reference(xs, ws, bs, N, C, H, W, O, k, stride, pad)); };
+                            const auto La = [&] {
+                                return dot64(adys, conv_reference(axs, aws, abs_, N, C, H, W, O, k, stride, pad));
+                            };
+                            CHECK(derivative_error(xs, axs, sample_indices(xs.size(), 16, gen), L, La,
+                                                   [&](std::size_t i) { return at_logical(dx, i); }) <= 1e-5);
+                            CHECK(derivative_error(ws, aws, sample_indices(ws.size(), 16, gen), L, La, [&](std::size_t i) {
+                                      return conv.weight.grad[static_cast<std::int64_t>(i)];
+                                  }) <= 1e-5);
+                            if (bias)
+                                CHECK(derivative_error(
+                                          bs, abs_, sample_indices(bs.size(), bs.size(), gen), L, La,
+                                          [&](std::size_t i) { return conv.bias.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
+                        }
 }
 
 TEST_CASE("Linear forward and backward match direct fp64 loops and their finite differences", "[nn]") {
@@ -608,7 +620,8 @@ TEST_CASE("Linear forward and backward match direct fp64 loops and their finite 
                 const auto ref = reference(), scale = terms();
                 double forward_error = 0;
                 for (std::size_t i = 0; i < ref.size(); ++i)
-                    forward_error = std::max(forward_error, std::abs(y[static_cast<std::int64_t>(i)] - ref[i]) / std::max(scale[i], 1e-30));
+                    forward_error =
+                        std::max(forward_error, std::abs(y[static_cast<std::int64_t>(i)] - ref[i]) / std::max(scale[i], 1e-30));
                 CHECK(forward_error <= 1e-5);
                 const auto dy = random_tensor(y.shape(), gen);
                 const auto dys = to_f64(dy), adys = abs_of(dys);
@@ -621,7 +634,8 @@ TEST_CASE("Linear forward and backward match direct fp64 loops and their finite 
                     std::iota(v.begin(), v.end(), 0);
                     return v;
                 };
-                CHECK(derivative_error(xs, axs, all(xs.size()), L, La, [&](std::size_t i) { return dx[static_cast<std::int64_t>(i)]; }) <= 1e-5);
+                CHECK(derivative_error(xs, axs, all(xs.size()), L, La,
+                                       [&](std::size_t i) { return dx[static_cast<std::int64_t>(i)]; }) <= 1e-5);
                 CHECK(derivative_error(ws, aws, all(ws.size()), L, La,
                                        [&](std::size_t i) { return fc.weight.grad[static_cast<std::int64_t>(i)]; }) <= 1e-5);
                 if (bias)
@@ -766,8 +780,12 @@ TEST_CASE("Checkpoints get the mode of a new file and hold optimizer state", "[n
     nn::Sgd fresh({.lr = 0.1, .momentum = 0.9});
     nn::get_optimizer(ck, fresh, net, 0);
     std::vector<float> a, b;
-    sgd.visit_state(0, net, [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) { a.insert(a.end(), m.span().begin(), m.span().end()); });
-    fresh.visit_state(0, net, [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) { b.insert(b.end(), m.span().begin(), m.span().end()); });
+    sgd.visit_state(0, net, [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) {
+        a.insert(a.end(), m.span().begin(), m.span().end());
+    });
+    fresh.visit_state(0, net, [&](const std::string&, const Tensor<float>& m, const nn::Parameter<>&) {
+        b.insert(b.end(), m.span().begin(), m.span().end());
+    });
     CHECK(a == b);
     CHECK(a.size() == 8);
     fs::remove_all(dir);
@@ -893,16 +911,18 @@ TEST_CASE("Checkpoint files looser than the safetensors format are refused, nami
     const auto refused = [&](const std::string& header, std::size_t data, const std::string& why) {
         CAPTURE(header);
         write_raw(path, header, data);
-        CHECK_THROWS_WITH(nn::Checkpoint::load(path), Catch::Contains("'" + path + "' is not a valid checkpoint") &&
-                                                          Catch::Contains(why));
+        CHECK_THROWS_WITH(nn::Checkpoint::load(path),
+                          Catch::Contains("'" + path + "' is not a valid checkpoint") && Catch::Contains(why));
     };
     // Two tensors of 8 bytes each, well formed: accepted.
-    write_raw(path, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);
+    write_raw(path,
+              R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+              16);
     CHECK(nn::Checkpoint::load(path).names() == std::vector<std::string>{"a", "b"});
     refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 16,
             "overlap or leave a gap");  // b loads a's bytes
-    refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})", 20,
-            "overlap or leave a gap");
+    refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})",
+            20, "overlap or leave a gap");
     refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12, "4 bytes after the last tensor");
     refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16,
             "names 'a' twice");
@@ -949,8 +969,8 @@ TEST_CASE("Checkpoint headers nested deeper than 128 levels are refused without 
     CHECK_THAT(load_error(R"({"a":{"dtype":"F32","shape":[)" + nested(126, "1") + R"(],"data_offsets":[0,4]}})"),
                Catch::Contains(deep));
     // A long scalar is cut in the message.
-    const std::string message = load_error(R"({"a":{"dtype":"F32","shape":[")" + std::string(100'000, 'x') +
-                                           R"("],"data_offsets":[0,4]}})");
+    const std::string message =
+        load_error(R"({"a":{"dtype":"F32","shape":[")" + std::string(100'000, 'x') + R"("],"data_offsets":[0,4]}})");
     CHECK_THAT(message, Catch::Contains(R"(integer: "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...)"));
     CHECK(message.size() < 300);
     fs::remove_all(dir);
@@ -984,7 +1004,8 @@ TEST_CASE("A save replaces only a regular file, writes through a symlink and cle
     CHECK(report.written == fs::weakly_canonical(real).string());
     nn::Sequential back(nn::Linear<>(3, 2));
     nn::load(link, back);
-    CHECK(std::memcmp(back.get<0>().weight.value.data(), net.get<0>().weight.value.data(), net.get<0>().weight.value.bytes()) == 0);
+    CHECK(std::memcmp(back.get<0>().weight.value.data(), net.get<0>().weight.value.data(), net.get<0>().weight.value.bytes()) ==
+          0);
     // A killed save's full-size temporary is removed by the next save of the same file, and said.
     const std::string stale = real + ".tmp-Ab12Cd", other = (dir / "other.safetensors.tmp-Ab12Cd").string();
     std::ofstream(stale) << "partial";

@@ -12,7 +12,6 @@
 #include <thread>
 #include <vector>
 
-
 using namespace lockstep;
 using namespace std::chrono_literals;
 using clock_type = std::chrono::steady_clock;
@@ -71,10 +70,11 @@ TEST_CASE("ReplicaPool rejects bad use", "[runtime]") {
 
 TEST_CASE("ReplicaPool rolls back when a thread fails to initialise", "[runtime]") {
     std::atomic<int> inits{0};
-    CHECK_THROWS_WITH(ReplicaPool(4, [&](int r) {
-                          ++inits;
-                          if (r == 3) throw std::runtime_error("cannot bind device 3");
-                      }),
+    CHECK_THROWS_WITH(ReplicaPool(4,
+                                  [&](int r) {
+                                      ++inits;
+                                      if (r == 3) throw std::runtime_error("cannot bind device 3");
+                                  }),
                       "[rank 3] cannot bind device 3");
     CHECK(inits == 4);  // every started thread ran and was joined (no detach, no leak under ASan)
 }

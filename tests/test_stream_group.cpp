@@ -99,9 +99,12 @@ void sum_in_rank_order(const std::vector<void*>& bufs, std::size_t count) {
 }
 
 void sum_as(comm::DType t, const std::vector<void*>& bufs, std::size_t count) {
-    if (t == comm::DType::f32) sum_in_rank_order<float>(bufs, count);
-    else if (t == comm::DType::f64) sum_in_rank_order<double>(bufs, count);
-    else FAIL("an all-reduce of a type the group does not sum");
+    if (t == comm::DType::f32)
+        sum_in_rank_order<float>(bufs, count);
+    else if (t == comm::DType::f64)
+        sum_in_rank_order<double>(bufs, count);
+    else
+        FAIL("an all-reduce of a type the group does not sum");
 }
 
 std::size_t size_of(comm::DType t) { return t == comm::DType::f32 ? 4 : 8; }
@@ -142,7 +145,9 @@ struct RecordingApi {
         return m;
     }
     // A GPU's identity: its machine's and its number there.
-    static std::uint64_t device_key(int device) { return static_cast<std::uint64_t>(test_machine()) * 1000 + static_cast<std::uint64_t>(device); }
+    static std::uint64_t device_key(int device) {
+        return static_cast<std::uint64_t>(test_machine()) * 1000 + static_cast<std::uint64_t>(device);
+    }
 
     using UniqueId = std::array<long, 2>;
     static UniqueId unique_id() { return {0x1d, log_of_calls().next_id++}; }
@@ -206,16 +211,20 @@ struct RecordingApi {
     }
 
 private:
-    static void exchange(Comm c, void* buf, std::size_t count, comm::DType t, int root, tp deadline, const std::atomic<bool>& stop) {
+    static void exchange(Comm c, void* buf, std::size_t count, comm::DType t, int root, tp deadline,
+                         const std::atomic<bool>& stop) {
         Round& rd = *c.round;
         std::unique_lock lock(rd.m);
         if (rd.aborted) throw CollectiveAborted("test communicator aborted");
         rd.bufs[static_cast<std::size_t>(c.rank)] = buf;
         if (++rd.arrived == rd.n) {
-            if (root < 0) sum_as(t, rd.bufs, count);
+            if (root < 0)
+                sum_as(t, rd.bufs, count);
             else
                 for (int r = 0; r < rd.n; ++r)
-                    if (r != root) std::memcpy(rd.bufs[static_cast<std::size_t>(r)], rd.bufs[static_cast<std::size_t>(root)], count * size_of(t));
+                    if (r != root)
+                        std::memcpy(rd.bufs[static_cast<std::size_t>(r)], rd.bufs[static_cast<std::size_t>(root)],
+                                    count * size_of(t));
             rd.arrived = 0;
             ++rd.generation;
             rd.cv.notify_all();
@@ -371,16 +380,19 @@ TEST_CASE("stream group: no rank enqueues before every rank has reached the rend
     const auto t0 = clock_type::now();
     std::vector<std::vector<float>> data(3, std::vector<float>(37));
     const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
-        for (std::size_t i = 0; i < 37; ++i) data[static_cast<std::size_t>(r)][i] = static_cast<float>(r + 1) * 0.5f + static_cast<float>(i);
+        for (std::size_t i = 0; i < 37; ++i)
+            data[static_cast<std::size_t>(r)][i] = static_cast<float>(r + 1) * 0.5f + static_cast<float>(i);
         if (r == 2) std::this_thread::sleep_for(150ms);  // the late rank
-        c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 37, Device::host(r)), comm::CollectiveSite::user(1));
+        c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 37, Device::host(r)),
+                         comm::CollectiveSite::user(1));
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     const auto enqueues = only(log_of_calls().snapshot(), {"all_reduce"});
     REQUIRE(enqueues.size() == 3);
     for (const auto& c : enqueues) CHECK(c.when - t0 >= 150ms);  // none enqueued while rank 2 was away
     for (int r = 0; r < 3; ++r)
-        for (std::size_t i = 0; i < 37; ++i) REQUIRE(data[static_cast<std::size_t>(r)][i] == (0.5f + 1.0f) + 1.5f + 3.0f * static_cast<float>(i));
+        for (std::size_t i = 0; i < 37; ++i)
+            REQUIRE(data[static_cast<std::size_t>(r)][i] == (0.5f + 1.0f) + 1.5f + 3.0f * static_cast<float>(i));
 }
 
 TEST_CASE("stream group: a collective mismatch is reported on every rank before any enqueue", "[comm]") {
@@ -389,7 +401,8 @@ TEST_CASE("stream group: a collective mismatch is reported on every rank before 
     std::vector<std::vector<double>> data(3, std::vector<double>(8, 1.0));
     const auto errors = on_threads(g, [&](int r, comm::Collectives& c) {
         const std::size_t n = r == 1 ? 7 : 8;  // rank 1 reaches a different collective
-        c.all_reduce_sum(DeviceSpan<double>(data[static_cast<std::size_t>(r)].data(), n, Device::host(r)), comm::CollectiveSite::user(2));
+        c.all_reduce_sum(DeviceSpan<double>(data[static_cast<std::size_t>(r)].data(), n, Device::host(r)),
+                         comm::CollectiveSite::user(2));
     });
     for (auto& e : errors) {
         REQUIRE(e);
@@ -408,7 +421,8 @@ TEST_CASE("stream group: 16-bit all-reduces carry their type in the tag, so fp16
     });
     for (auto& e : errors) {
         REQUIRE(e);
-        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("all_reduce_sum<half>[6]") && Catch::Contains("all_reduce_sum<bfloat16>[6]"));
+        CHECK_THROWS_WITH(std::rethrow_exception(e),
+                          Catch::Contains("all_reduce_sum<half>[6]") && Catch::Contains("all_reduce_sum<bfloat16>[6]"));
     }
     CHECK(only(log_of_calls().snapshot(), {"all_reduce"}).empty());
 }
@@ -424,7 +438,8 @@ TEST_CASE("stream group: a started all-reduce runs on the communication stream b
             std::lock_guard lock(m);
             thread_of[r] = std::this_thread::get_id();
         }
-        c.start_all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 5, Device::host(r)), comm::CollectiveSite::bucket(0));
+        c.start_all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 5, Device::host(r)),
+                               comm::CollectiveSite::bucket(0));
         c.join();
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
@@ -441,10 +456,10 @@ TEST_CASE("stream group: a started all-reduce runs on the communication stream b
         REQUIRE(compute != 0);
         REQUIRE(side != 0);
         REQUIRE(mine.size() == 5);
-        CHECK((mine[0].op == "record" && mine[0].stream == compute));                          // compute work so far
+        CHECK((mine[0].op == "record" && mine[0].stream == compute));                               // compute work so far
         CHECK((mine[1].op == "wait" && mine[1].stream == side && mine[1].event == mine[0].event));  // side waits for it
         CHECK((mine[2].op == "all_reduce" && mine[2].stream == side && mine[2].rank == r));
-        CHECK((mine[3].op == "record" && mine[3].stream == side));                             // the bucket is done
+        CHECK((mine[3].op == "record" && mine[3].stream == side));                                     // the bucket is done
         CHECK((mine[4].op == "wait" && mine[4].stream == compute && mine[4].event == mine[3].event));  // join
     }
     for (auto& d : data)
@@ -511,7 +526,8 @@ TEST_CASE("stream group: replicas on one device sum in one rank-order kernel on 
 }
 
 TEST_CASE("stream group: layouts it cannot serve are refused with the devices named", "[comm]") {
-    CHECK_THROWS_WITH(Group(hosts({0, 0, 1}), 1s), Catch::Contains("{host:0, host:0, host:1}") && Catch::Contains("not supported"));
+    CHECK_THROWS_WITH(Group(hosts({0, 0, 1}), 1s),
+                      Catch::Contains("{host:0, host:0, host:1}") && Catch::Contains("not supported"));
     CHECK_THROWS_AS(Group(hosts({0, 0, 1}), 1s), NotImplemented);
     CHECK_THROWS_WITH(Group(hosts({0, 7}), 1s), Catch::Contains("no device host:7"));
     CHECK_THROWS_AS(Group(std::vector<Device>{Device::cuda(0)}, 1s), DeviceMismatch);
@@ -577,7 +593,8 @@ TEST_CASE("stream group: every rank enqueues layer and bucket collectives in one
     CHECK(*layer_streams.begin() != *bucket_streams.begin());
 }
 
-TEST_CASE("stream group: a replica that throws aborts every communicator, and the next step runs on new ones", "[comm][parallel]") {
+TEST_CASE("stream group: a replica that throws aborts every communicator, and the next step runs on new ones",
+          "[comm][parallel]") {
     Failing model;
     log_of_calls().clear();
     DataParallel<Failing, Group> dp(model, hosts({0, 1, 2}), small_buckets());
@@ -587,12 +604,13 @@ TEST_CASE("stream group: a replica that throws aborts every communicator, and th
     const auto b = make_batch(6, 7);
     *dp.replica(0).fail = true;  // replicas share the flag with the prototype
     const auto t0 = clock_type::now();
-    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("replica 1's backward failed"));
+    CHECK_THROWS_WITH(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd),
+                      Catch::Contains("replica 1's backward failed"));
     CHECK(clock_type::now() - t0 < 2s);
     const auto calls = log_of_calls().snapshot();
     std::set<std::pair<int, int>> aborted;
     for (const auto& c : only(calls, {"abort"})) aborted.insert({c.group, c.rank});
-    CHECK(aborted.size() == 6);  // every communicator of both groups
+    CHECK(aborted.size() == 6);                           // every communicator of both groups
     CHECK(only(calls, {"init"}).size() == inits_before);  // not rebuilt inside the failing call
     *dp.replica(0).fail = false;
     CHECK_NOTHROW(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
@@ -776,7 +794,9 @@ TEST_CASE("stream group across processes: replicas sharing a GPU sum locally, th
     CHECK(same_bits(got[0].state, got[1].state));
 }
 
-TEST_CASE("host group across processes: one replica per process adds as threads of one process, and different counts are refused alike", "[comm][parallel]") {
+TEST_CASE(
+    "host group across processes: one replica per process adds as threads of one process, and different counts are refused alike",
+    "[comm][parallel]") {
     const Net net = make_net();
     DataParallel<Net> reference(net, 2, small_buckets());
     const Trained want = train(reference, 3);
@@ -793,7 +813,8 @@ TEST_CASE("host group across processes: one replica per process adds as threads 
         for (std::size_t s = 0; s < g.losses.size(); ++s) CHECK(g.losses[s] == Approx(want.losses[s]).epsilon(1e-14));
         CHECK(same_bits(g.state, want.state));
     }
-    errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) { DataParallel<Net> dp(net, p + 1, across(procs)); });
+    errors = as_processes(
+        2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) { DataParallel<Net> dp(net, p + 1, across(procs)); });
     for (auto& e : errors) {
         REQUIRE(e);
         CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("they run different replica counts (1, 2, by process)"));
@@ -806,10 +827,14 @@ TEST_CASE("stream group across processes: a mismatch between processes is caught
     const auto errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
         Group g(hosts({0, 1}), 5s, procs, comm::ProcessGroup::gradients);
         std::vector<std::vector<float>> data(2, std::vector<float>(8, 1.0f));
-        rank_errors[static_cast<std::size_t>(p)] = on_threads(g, [&](int r, comm::Collectives& c) {
-            const std::size_t n = p == 1 ? 7 : 8;  // both replicas of process 1 agree with each other
-            c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), n, Device::host(r)), comm::CollectiveSite::user(3));
-        }, true);
+        rank_errors[static_cast<std::size_t>(p)] = on_threads(
+            g,
+            [&](int r, comm::Collectives& c) {
+                const std::size_t n = p == 1 ? 7 : 8;  // both replicas of process 1 agree with each other
+                c.all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), n, Device::host(r)),
+                                 comm::CollectiveSite::user(3));
+            },
+            true);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     for (int p = 0; p < 2; ++p) {
@@ -829,26 +854,35 @@ TEST_CASE("stream group across processes: processes that lay out their replicas 
     });
     for (auto& e : errors) {
         REQUIRE(e);
-        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("differently (2 on as many GPUs, 2 on one GPU, by process)"));
+        CHECK_THROWS_WITH(std::rethrow_exception(e),
+                          Catch::Contains("differently (2 on as many GPUs, 2 on one GPU, by process)"));
     }
     const auto counts = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
         Group g(p == 0 ? hosts({0, 1}) : hosts({0, 1, 2}), 5s, procs, comm::ProcessGroup::layer);
     });
     for (auto& e : counts) {
         REQUIRE(e);
-        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("differently (2 on as many GPUs, 3 on as many GPUs, by process)"));
+        CHECK_THROWS_WITH(std::rethrow_exception(e),
+                          Catch::Contains("differently (2 on as many GPUs, 3 on as many GPUs, by process)"));
     }
     // Two processes of one machine on one GPU: NCCL would refuse it; refused by all, naming the GPU.
-    const auto shared = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
-        Group g(p == 0 ? hosts({0, 1}) : hosts({2, 1}), 5s, procs, comm::ProcessGroup::layer);
-    }, true);
+    const auto shared = as_processes(
+        2,
+        [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+            Group g(p == 0 ? hosts({0, 1}) : hosts({2, 1}), 5s, procs, comm::ProcessGroup::layer);
+        },
+        true);
     for (auto& e : shared) {
         REQUIRE(e);
-        CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("processes 0 and 1 use the same GPU (this process's host:1"));
+        CHECK_THROWS_WITH(std::rethrow_exception(e),
+                          Catch::Contains("processes 0 and 1 use the same GPU (this process's host:1"));
     }
-    CHECK_FALSE(as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {  // GPUs of their own: fine
-        Group g(p == 0 ? hosts({0, 1}) : hosts({2, 3}), 5s, procs, comm::ProcessGroup::layer);
-    }, true)[0]);
+    CHECK_FALSE(as_processes(
+        2,
+        [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {  // GPUs of their own: fine
+            Group g(p == 0 ? hosts({0, 1}) : hosts({2, 3}), 5s, procs, comm::ProcessGroup::layer);
+        },
+        true)[0]);
     // A layout one process refuses (a mix) is refused by every process alike, none left waiting.
     const auto t0 = clock_type::now();
     const auto mixed = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
@@ -861,7 +895,8 @@ TEST_CASE("stream group across processes: processes that lay out their replicas 
     }
 }
 
-TEST_CASE("stream group across processes: a failing replica fails every process's step, naming its global rank", "[comm][parallel]") {
+TEST_CASE("stream group across processes: a failing replica fails every process's step, naming its global rank",
+          "[comm][parallel]") {
     Failing model;
     *model.fail = true;  // global rank 1 (process 0, replica 1) throws; every replica shares the flag
     std::vector<std::string> what(2);
@@ -892,7 +927,8 @@ TEST_CASE("stream group across processes: a failing replica fails every process'
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     CHECK_THAT(what[0], Catch::Contains("replica 1's backward failed"));
-    CHECK_THAT(what[1], Catch::Contains("global rank 1 (process 0, replica 1)") && Catch::Contains("replica 1's backward failed"));
+    CHECK_THAT(what[1],
+               Catch::Contains("global rank 1 (process 0, replica 1)") && Catch::Contains("replica 1's backward failed"));
     for (int p = 0; p < 2; ++p) {
         CHECK(took[static_cast<std::size_t>(p)] < 2s);
         CHECK(later_failed[static_cast<std::size_t>(p)]);
@@ -965,7 +1001,8 @@ TEST_CASE("stream group across processes: a process passing on another's failure
     CHECK_THAT(seen[2], !Catch::Contains("(process 1, replica"));
 }
 
-TEST_CASE("stream group across processes: replicas waiting for their leader's exchange wait as long as the processes may", "[comm]") {
+TEST_CASE("stream group across processes: replicas waiting for their leader's exchange wait as long as the processes may",
+          "[comm]") {
     // The group's own timeout is 200 ms; process 1 comes 500 ms late. Process 0's rank 0 waits for
     // it in agree (the process group's timeout), its rank 1 for rank 0: neither gives up, and no
     // local replica is blamed for a late process.
@@ -975,9 +1012,13 @@ TEST_CASE("stream group across processes: replicas waiting for their leader's ex
         Group g(hosts({0, 1}), 200ms, procs, comm::ProcessGroup::layer);
         auto& mine = data[static_cast<std::size_t>(p)];
         if (p == 1) std::this_thread::sleep_for(500ms);
-        rank_errors[static_cast<std::size_t>(p)] = on_threads(g, [&](int r, comm::Collectives& c) {
-            c.all_reduce_sum(DeviceSpan<float>(mine[static_cast<std::size_t>(r)].data(), 4, Device::host(r)), comm::CollectiveSite::user(8));
-        }, true);
+        rank_errors[static_cast<std::size_t>(p)] = on_threads(
+            g,
+            [&](int r, comm::Collectives& c) {
+                c.all_reduce_sum(DeviceSpan<float>(mine[static_cast<std::size_t>(r)].data(), 4, Device::host(r)),
+                                 comm::CollectiveSite::user(8));
+            },
+            true);
     });
     for (auto& e : errors) REQUIRE_FALSE(e);
     for (const auto& per_process : data)

@@ -34,10 +34,10 @@ Mlp make_mlp() {
 
 // What the test tells the replicas of a `Sticky` model; the prototype and its replicas share it.
 struct Hold {
-    std::atomic<bool> stuck{false};   // replica 1 blocks in forward, outside any collective
+    std::atomic<bool> stuck{false};    // replica 1 blocks in forward, outside any collective
     std::atomic<bool> release{false};  // ... until this is set
-    std::atomic<bool> fail{false};    // replica 1 throws a std::runtime_error in forward
-    std::atomic<int> late_ms{0};      // replica 1 sleeps this long in forward
+    std::atomic<bool> fail{false};     // replica 1 throws a std::runtime_error in forward
+    std::atomic<int> late_ms{0};       // replica 1 sleeps this long in forward
 };
 
 struct Sticky {
@@ -72,9 +72,7 @@ struct Batch {
     }
 };
 
-double ms_since(clock_type::time_point t0) {
-    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
-}
+double ms_since(clock_type::time_point t0) { return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count(); }
 
 }  // namespace
 
@@ -166,8 +164,7 @@ TEST_CASE("A replica late past the timeout but back within the grace fails the s
     CHECK(std::isfinite(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd).loss));  // still usable
 }
 
-TEST_CASE("A barrier's Timeout is attributed to the replica that never arrived, not to the one that waited",
-          "[runtime]") {
+TEST_CASE("A barrier's Timeout is attributed to the replica that never arrived, not to the one that waited", "[runtime]") {
     SECTION("the barrier itself") {
         AbortableBarrier barrier(2, 50ms);
         try {
@@ -249,8 +246,7 @@ TEST_CASE("An exception that is not lockstep's reaches the caller with the rank 
     }
 }
 
-TEST_CASE("ReplicaPool gives up on a stuck replica the timeout after a peer failed, and refuses later jobs",
-          "[runtime]") {
+TEST_CASE("ReplicaPool gives up on a stuck replica the timeout after a peer failed, and refuses later jobs", "[runtime]") {
     auto pool = std::make_unique<ReplicaPool>(3);
     pool->set_timeout(150ms);
     CHECK(pool->timeout() == 150ms);
@@ -270,7 +266,8 @@ TEST_CASE("ReplicaPool gives up on a stuck replica the timeout after a peer fail
         INFO(e.what());
         CHECK(e.rank() == 2);
         CHECK(e.stuck_ranks() == std::vector<int>{2});
-        CHECK_THAT(e.what(), Contains("replica 2 did not finish within 150 ms after rank 0 failed: [rank 0] replica 0 failed first"));
+        CHECK_THAT(e.what(),
+                   Contains("replica 2 did not finish within 150 ms after rank 0 failed: [rank 0] replica 0 failed first"));
         CHECK_THROWS_AS(std::rethrow_if_nested(e), InvalidArgument);  // the first failure, nested
     }
     CHECK(threw);
@@ -289,8 +286,7 @@ TEST_CASE("ReplicaPool gives up on a stuck replica the timeout after a peer fail
     CHECK(ms_since(t1) < 100);
 }
 
-TEST_CASE("ReplicaPool never waits forever: with no failure, the others have the timeout after the first finished",
-          "[runtime]") {
+TEST_CASE("ReplicaPool never waits forever: with no failure, the others have the timeout after the first finished", "[runtime]") {
     auto pool = std::make_unique<ReplicaPool>(3, ReplicaPool::ThreadInit{}, CpuBinding::automatic, 150ms);
     CHECK(pool->timeout() == 150ms);
     CHECK_THROWS_AS(pool->set_timeout(0ms), InvalidArgument);
@@ -362,15 +358,14 @@ TEST_CASE("ReplicaPool's constructor gives up on a ThreadInit that does not retu
     CHECK(release.use_count() == 1);
 }
 
-TEST_CASE("DataParallel::forward on a model without collectives does not wait forever for a stuck replica",
-          "[runtime]") {
+TEST_CASE("DataParallel::forward on a model without collectives does not wait forever for a stuck replica", "[runtime]") {
     Sticky proto{make_mlp()};
     const auto hold = proto.hold;
     auto dp = std::make_unique<DataParallel<Sticky>>(proto, 2, DataParallelOptions{.timeout = 150ms});
     const Batch b;
     std::atomic<int> visited{0};
     const auto visit = [&visited](Sticky&, nn::Context<>&) { ++visited; };
-    dp->parallel_apply(visit);                                                 // a const lvalue: referenced
+    dp->parallel_apply(visit);                                               // a const lvalue: referenced
     dp->parallel_apply([&visited](Sticky&, nn::Context<>&) { ++visited; });  // a temporary: the job owns it
     CHECK(visited == 4);
     hold->stuck = true;

@@ -28,8 +28,7 @@ inline std::uint64_t fresh_seed() {
 }
 
 //! Memory offset of logical element (n, c, p) of an (N, C, P) batch in `format`.
-inline std::int64_t offset(std::int64_t n, std::int64_t c, std::int64_t p, std::int64_t C, std::int64_t P,
-                           MemoryFormat format) {
+inline std::int64_t offset(std::int64_t n, std::int64_t c, std::int64_t p, std::int64_t C, std::int64_t P, MemoryFormat format) {
     return format == MemoryFormat::nhwc ? (n * P + p) * C + c : (n * C + c) * P + p;
 }
 

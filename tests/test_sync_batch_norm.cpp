@@ -29,14 +29,16 @@ namespace {
 // fp64 batch norm of the global batch, PyTorch semantics.
 struct Reference {
     std::vector<double> y, dx, dgamma, dbeta, mean, var;
-    double dx_terms = 0;  // largest |gamma * invstd * dy|: the size of the terms dx cancels from
+    double dx_terms = 0;                       // largest |gamma * invstd * dy|: the size of the terms dx cancels from
     double dgamma_terms = 0, dbeta_terms = 0;  // largest sum |dy * xhat|, sum |dy| over channels
 };
 
 Reference reference_bn(const std::vector<double>& x, const std::vector<double>& dy, const std::vector<double>& gamma,
                        const std::vector<double>& beta, std::int64_t N, std::int64_t C, std::int64_t P, double eps) {
     Reference r;
-    const auto idx = [&](std::int64_t n, std::int64_t c, std::int64_t p) { return static_cast<std::size_t>((n * C + c) * P + p); };
+    const auto idx = [&](std::int64_t n, std::int64_t c, std::int64_t p) {
+        return static_cast<std::size_t>((n * C + c) * P + p);
+    };
     r.y.resize(x.size());
     r.dx.resize(x.size());
     r.dgamma.assign(static_cast<std::size_t>(C), 0.0);
@@ -87,8 +89,7 @@ Reference reference_bn(const std::vector<double>& x, const std::vector<double>& 
 // Host replicas of one SyncBatchNorm prototype, each with its own communicator, as DataParallel
 // will hold them.
 struct Replicas {
-    Replicas(int world, const SyncBatchNorm<>& proto)
-        : comms(comm::HostCommunicator::create_group(world, 30s)), pool(world) {
+    Replicas(int world, const SyncBatchNorm<>& proto) : comms(comm::HostCommunicator::create_group(world, 30s)), pool(world) {
         pool.attach(comms[0].group_ptr());
         for (int r = 0; r < world; ++r) {
             bns.push_back(proto);
@@ -157,13 +158,13 @@ struct SimdLevelScope {
 #else
 #define LOCKSTEP_SIMD_LEVELS kernels::simd::Level::baseline, kernels::simd::Level::avx2, kernels::simd::Level::avx512
 #endif
-#define LOCKSTEP_EACH_SIMD_LEVEL()                                                                          \
-    const auto simd_level = GENERATE(LOCKSTEP_SIMD_LEVELS);                                                 \
-    SimdLevelScope simd_scope;                                                                              \
-    if (kernels::simd::set_active(simd_level) != simd_level) {                                              \
+#define LOCKSTEP_EACH_SIMD_LEVEL()                                                                           \
+    const auto simd_level = GENERATE(LOCKSTEP_SIMD_LEVELS);                                                  \
+    SimdLevelScope simd_scope;                                                                               \
+    if (kernels::simd::set_active(simd_level) != simd_level) {                                               \
         WARN("SIMD level " << kernels::simd::to_string(simd_level) << " is not supported here: not tested"); \
-        return;                                                                                             \
-    }                                                                                                       \
+        return;                                                                                              \
+    }                                                                                                        \
     INFO("SIMD level " << kernels::simd::to_string(simd_level))
 
 TEST_CASE("SyncBatchNorm matches fp64 batch norm of the whole batch", "[syncbn]") {
@@ -203,7 +204,8 @@ TEST_CASE("SyncBatchNorm matches fp64 batch norm of the whole batch", "[syncbn]"
                 auto xs = scatter(xg, sizes, C, H, W, four_d, format);
                 auto dys = scatter(dyg, sizes, C, H, W, four_d, format);
                 std::vector<Tensor<float>> ys(static_cast<std::size_t>(world)), dxs(static_cast<std::size_t>(world));
-                std::vector<std::uint64_t> fwd_collectives(static_cast<std::size_t>(world)), bwd_collectives(static_cast<std::size_t>(world));
+                std::vector<std::uint64_t> fwd_collectives(static_cast<std::size_t>(world)),
+                    bwd_collectives(static_cast<std::size_t>(world));
                 for (auto& bn : reps.bns) {
                     bn.weight.grad.zero();
                     bn.bias.grad.zero();
@@ -410,12 +412,14 @@ TEST_CASE("SyncBatchNorm: one value per channel over all replicas is an error on
     std::atomic<int> failures{0};
     CHECK_THROWS_WITH(reps.pool.run([&](int r) {
         try {
-            reps.bns[static_cast<std::size_t>(r)].forward(reps.contexts[static_cast<std::size_t>(r)], xs[static_cast<std::size_t>(r)]);
+            reps.bns[static_cast<std::size_t>(r)].forward(reps.contexts[static_cast<std::size_t>(r)],
+                                                          xs[static_cast<std::size_t>(r)]);
         } catch (const InvalidArgument&) {
             ++failures;
             throw;
         }
-    }), Catch::Contains("expected more than 1 value per channel when training"));
+    }),
+                      Catch::Contains("expected more than 1 value per channel when training"));
     CHECK(failures == 2);
 }
 

@@ -27,8 +27,8 @@ int main(int argc, char** argv) {
                     std::fprintf(stderr, "replica %zu element %zu: wrong sum %g\n", r, i, data[r][i]);
                     return 1;
                 }
-        std::printf("%d host replicas all-reduced %zu doubles in lockstep; every replica holds the same, correct sum\n",
-                    replicas, count);
+        std::printf("%d host replicas all-reduced %zu doubles in lockstep; every replica holds the same, correct sum\n", replicas,
+                    count);
         return 0;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "hello_replicas: %s\n", e.what());

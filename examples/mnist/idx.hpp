@@ -156,8 +156,7 @@ inline std::optional<Opened> shared_copy(const std::string& path, int fd, bool& 
     const std::string dir = temp_dir() + "/lockstep-" + std::to_string(me);
     if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return std::nullopt;
     struct stat ds {};
-    if (::lstat(dir.c_str(), &ds) != 0 || !S_ISDIR(ds.st_mode) || ds.st_uid != me || (ds.st_mode & 077) != 0)
-        return std::nullopt;
+    if (::lstat(dir.c_str(), &ds) != 0 || !S_ISDIR(ds.st_mode) || ds.st_uid != me || (ds.st_mode & 077) != 0) return std::nullopt;
     std::uint64_t h = 1469598103934665603ull;  // FNV-1a
     const auto mix = [&](const void* p, std::size_t n) {
         for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<const std::uint8_t*>(p)[i]) * 1099511628211ull;
@@ -202,7 +201,7 @@ inline std::optional<Opened> shared_copy(const std::string& path, int fd, bool& 
     }
     // Whole on disk before it has its name; replaces a copy that was refused above.
     if (::fchmod(out.fd, 0600) != 0 || ::fsync(out.fd) != 0 || ::rename(part.c_str(), name.c_str()) != 0)
-        ::unlink(part.c_str());  // this process's copy still serves it
+        ::unlink(part.c_str());           // this process's copy still serves it
     return Opened{std::move(out), size};  // the lock is released as `lock` closes
 }
 
@@ -248,8 +247,7 @@ public:
     //! `limit` > 0 keeps the first `limit` samples. `share_inflated`: a gzipped images file is
     //! inflated once per machine into a copy its processes share (detail::shared_copy), else
     //! into an anonymous file of this object's own.
-    IdxSource(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0,
-              bool share_inflated = true)
+    IdxSource(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0, bool share_inflated = true)
         : path_(images_path) {
         auto [fd, size] = detail::open_uncompressed(images_path, share_inflated, inflated_);
         fd_ = std::move(fd);
@@ -301,8 +299,8 @@ public:
     //! Reads the images of samples [first, first + n) into `out` (n x rows x cols bytes), from the file.
     void read_images(std::int64_t first, std::int64_t n, std::uint8_t* out) const {
         if (first < 0 || n < 0 || first + n > count_)
-            throw std::out_of_range("images [" + std::to_string(first) + ", " + std::to_string(first + n) + ") of a data set of " +
-                                    std::to_string(count_));
+            throw std::out_of_range("images [" + std::to_string(first) + ", " + std::to_string(first + n) +
+                                    ") of a data set of " + std::to_string(count_));
         detail::read_at(fd_.fd, path_, out, static_cast<std::size_t>(n * image_bytes()), 16 + first * image_bytes());
         read_ += n;
     }

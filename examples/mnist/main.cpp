@@ -33,14 +33,16 @@ inline int mnist_cuda_device_count() { return 0; }
 
 namespace {
 
-using mnist_example::Options;
 using lockstep::Device;
+using mnist_example::Options;
 
 // "0,1" or "0,0,0,0": one CUDA device index per replica.
 std::vector<int> parse_devices(const std::string& text) {
     const auto bad = [&] {
-        return lockstep::InvalidArgument("--devices: expected GPU indices separated by commas, such as 0,1 or 0,0,0,0 (one "
-                                         "per replica); got \"" + text + "\"");
+        return lockstep::InvalidArgument(
+            "--devices: expected GPU indices separated by commas, such as 0,1 or 0,0,0,0 (one "
+            "per replica); got \"" +
+            text + "\"");
     };
     std::vector<int> out;
     std::size_t at = 0;
@@ -92,14 +94,16 @@ std::pair<std::string, std::vector<Device>> plan(const Options& opt) {
     const std::string backend = opt.backend == "auto" ? (gpus > 0 || !listed.empty() ? "cuda" : "host") : opt.backend;
     if (backend == "host") {
         if (!opt.devices.empty())
-            throw lockstep::UsageError("--devices names CUDA devices, but this run trains on the host backend; count host "
-                                       "replicas with --replicas N");
+            throw lockstep::UsageError(
+                "--devices names CUDA devices, but this run trains on the host backend; count host "
+                "replicas with --replicas N");
         // Under mpirun: each process with --replicas host replicas.
         return {backend, lockstep::kernels::Ops<lockstep::Host>::default_devices(opt.replicas > 0 ? opt.replicas : 2)};
     }
 #if !defined(LOCKSTEP_EXAMPLE_CUDA)
-    throw lockstep::UsageError("--backend cuda: this build has no CUDA backend (nvcc and NCCL were not found when it was "
-                               "configured); use --backend host");
+    throw lockstep::UsageError(
+        "--backend cuda: this build has no CUDA backend (nvcc and NCCL were not found when it was "
+        "configured); use --backend host");
 #else
     if (gpus == 0)
         throw lockstep::DeviceMismatch("--backend cuda: no GPU is visible here (no driver or no device); use --backend host");
@@ -113,7 +117,8 @@ std::pair<std::string, std::vector<Device>> plan(const Options& opt) {
         }
         if (opt.replicas > 0 && opt.replicas != static_cast<int>(devices.size()))
             throw lockstep::UsageError("--replicas " + std::to_string(opt.replicas) + " but --devices lists " +
-                                       std::to_string(devices.size()) + "; --devices gives one replica per entry, so pass one of them");
+                                       std::to_string(devices.size()) +
+                                       "; --devices gives one replica per entry, so pass one of them");
     } else {  // round-robin over the visible GPUs: one per GPU, or all on the one GPU there is
         // Under mpirun, one replica per process by default, the processes of a machine taking its
         // GPUs in turn from their local rank on.
@@ -122,8 +127,8 @@ std::pair<std::string, std::vector<Device>> plan(const Options& opt) {
         if (n > gpus && gpus > 1)
             throw lockstep::UsageError("--replicas " + std::to_string(n) + " over " + std::to_string(gpus) +
                                        " GPUs would put two replicas on some GPUs and one on others, which a replica "
-                                       "group does not take; use at most " + std::to_string(gpus) +
-                                       " replicas, or --devices 0,0,0,0 for several on one GPU");
+                                       "group does not take; use at most " +
+                                       std::to_string(gpus) + " replicas, or --devices 0,0,0,0 for several on one GPU");
         const int first = several && gpus > 1 ? local_process_index() * n : 0;
         for (int r = 0; r < n; ++r) devices.push_back(Device::cuda((first + r) % gpus));
     }
@@ -158,35 +163,45 @@ int main(int argc, char** argv) {
     Options opt;
     CLI::App app{"Train the MNIST conv-net data-parallel with lockstep (SyncBatchNorm, host or CUDA replicas)"};
     app.add_option("--backend", opt.backend, "auto | host | cuda")->check(CLI::IsMember({"auto", "host", "cuda"}));
-    app.add_option("--replicas", opt.replicas, "replicas (default: one per visible GPU, or 2 host replicas); on CUDA "
-                   "spread over the visible GPUs round-robin")->check(CLI::Range(1, 64));
-    app.add_option("--devices", opt.devices, "CUDA devices of the replicas, one entry per replica: 0,1 or 0,0,0,0 "
+    app.add_option("--replicas", opt.replicas,
+                   "replicas (default: one per visible GPU, or 2 host replicas); on CUDA "
+                   "spread over the visible GPUs round-robin")
+        ->check(CLI::Range(1, 64));
+    app.add_option("--devices", opt.devices,
+                   "CUDA devices of the replicas, one entry per replica: 0,1 or 0,0,0,0 "
                    "(several replicas may share a GPU)");
     app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::Range(1, 1000));
     app.add_option("--batch", opt.batch, "global batch size")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
     // NaN passes a range check (every comparison with it is false): refuse it first.
-    const CLI::Validator finite([](const std::string& text) -> std::string {
-        try {
-            return std::isfinite(std::stod(text)) ? "" : "must be a finite number, got " + text;
-        } catch (const std::exception&) {
-            return "must be a number, got " + text;
-        }
-    }, "FINITE");
+    const CLI::Validator finite(
+        [](const std::string& text) -> std::string {
+            try {
+                return std::isfinite(std::stod(text)) ? "" : "must be a finite number, got " + text;
+            } catch (const std::exception&) {
+                return "must be a number, got " + text;
+            }
+        },
+        "FINITE");
     app.add_option("--lr", opt.lr, "learning rate")->check(finite & CLI::Range(0.0, 100.0));
     app.add_option("--momentum", opt.momentum, "SGD momentum")->check(finite & CLI::Range(0.0, 1.0));
     // Digits only, and it must fit 64 bits: "-1" or 2^64 is a mistake, not a wrapped seed.
-    const CLI::Validator seed_digits([](const std::string& text) -> std::string {
-        std::uint64_t v = 0;
-        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-        return !text.empty() && ec == std::errc() && end == text.data() + text.size()
-                   ? ""
-                   : "must be an integer in [0, 2^64), got " + text;
-    }, "SEED");
+    const CLI::Validator seed_digits(
+        [](const std::string& text) -> std::string {
+            std::uint64_t v = 0;
+            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+            return !text.empty() && ec == std::errc() && end == text.data() + text.size()
+                       ? ""
+                       : "must be an integer in [0, 2^64), got " + text;
+        },
+        "SEED");
     app.add_option("--seed", opt.seed, "seed for initialization and shuffling")->check(seed_digits);
     app.add_flag("--no-shuffle", opt.no_shuffle, "take batches in file order");
-    app.add_option("--steps", opt.steps, "stop after this many steps in total")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
-    app.add_option("--train-limit", opt.train_limit, "use only the first M training images")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
-    app.add_option("--test-limit", opt.test_limit, "evaluate on the first M test images only")->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+    app.add_option("--steps", opt.steps, "stop after this many steps in total")
+        ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+    app.add_option("--train-limit", opt.train_limit, "use only the first M training images")
+        ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+    app.add_option("--test-limit", opt.test_limit, "evaluate on the first M test images only")
+        ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
     app.add_option("--data", opt.data, "directory with the IDX files (gzipped or not)");
     app.add_option("--init", opt.init, "start from this safetensors checkpoint's weights");
     app.add_option("--save", opt.save, "write a checkpoint here after each epoch and at the end (atomic)");

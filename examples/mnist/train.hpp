@@ -41,7 +41,7 @@ namespace nn = lockstep::nn;
 struct Options {
     std::string backend = "auto";
     int replicas = 0;
-    std::string devices;  // CUDA devices of the replicas, "0,1" or "0,0,0,0"
+    std::string devices;         // CUDA devices of the replicas, "0,1" or "0,0,0,0"
     bool devices_given = false;  // --devices was passed (an empty list is an error, not "not given")
     int epochs = 2;
     std::int64_t batch = 64;
@@ -154,8 +154,10 @@ Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::IdxSource& test) {
         const auto [first, count] = my_rows(dp, n);
         make_batch(test, order, b + first, count, x, labels);
         Tensor<float> logits;
-        if constexpr (std::is_same_v<B, lockstep::Host>) logits = dp.forward(x);
-        else logits = dp.forward(x.template to<B>(dp.devices()[0])).to_host();
+        if constexpr (std::is_same_v<B, lockstep::Host>)
+            logits = dp.forward(x);
+        else
+            logits = dp.forward(x.template to<B>(dp.devices()[0])).to_host();
         const auto out = nn::SoftmaxCrossEntropy{}(nn::Context{}, logits, labels);
         loss += out.sum();
         correct += out.correct();
@@ -180,7 +182,7 @@ inline std::string clock_text(double seconds) {
 
 // The integer `text` of checkpoint field `key`, in [lo, hi]: all digits (an optional '-'), no more.
 inline std::int64_t counter(const nn::Checkpoint& ck, const std::string& path, const std::string& key, std::int64_t lo,
-                     std::int64_t hi, const std::string& range) {
+                            std::int64_t hi, const std::string& range) {
     const auto it = ck.metadata.find(key);
     if (it == ck.metadata.end())
         throw lockstep::IoError("'" + path + "' has no '" + key + "' counter; it was not written by --save");
@@ -189,22 +191,21 @@ inline std::int64_t counter(const nn::Checkpoint& ck, const std::string& path, c
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
     if (ec != std::errc() || end != text.data() + text.size() || text.empty())
         throw lockstep::IoError("'" + path + "': '" + key + "' is \"" + text + "\", not an integer");
-    if (value < lo || value > hi)
-        throw lockstep::IoError("'" + path + "': '" + key + "' is " + text + ", outside " + range);
+    if (value < lo || value > hi) throw lockstep::IoError("'" + path + "': '" + key + "' is " + text + ", outside " + range);
     return value;
 }
 
 // A resume continues the same run only with the same data order and batches: the checkpoint's
 // seed, batch size and number of training images must be this run's.
 inline void check_same_run(const nn::Checkpoint& ck, const std::string& path, const std::string& key, const std::string& flag,
-                    const std::string& ours) {
+                           const std::string& ours) {
     const auto it = ck.metadata.find(key);
     if (it == ck.metadata.end())
         throw lockstep::IoError("'" + path + "' does not record its " + flag + "; it was not written by this version's --save");
     if (it->second != ours)
         throw lockstep::InvalidArgument("'" + path + "' was written with " + flag + " " + it->second + " but this run has " +
-                                        flag + " " + ours + ": the resumed run could not continue the same one; pass " +
-                                        flag + " " + it->second + ", or start afresh from its weights with --init");
+                                        flag + " " + ours + ": the resumed run could not continue the same one; pass " + flag +
+                                        " " + it->second + ", or start afresh from its weights with --init");
 }
 
 // The checkpoint of --resume, checked against this run, and the counters it continues from.
@@ -216,14 +217,14 @@ inline void load_resume(const Options& opt, const mnist::IdxSource& train, int r
     check_same_run(ck, opt.resume, "batch", "--batch", std::to_string(opt.batch));
     check_same_run(ck, opt.resume, "train_images", "training images (--data, --train-limit)", std::to_string(train.count()));
     const auto batches = static_cast<std::int64_t>(batch_starts(train.count(), opt.batch, replicas).size()) - 1;
-    start_epoch = static_cast<int>(counter(ck, opt.resume, "epoch", 0, opt.epochs, "[0, " + std::to_string(opt.epochs) +
-                                                                                      "] for --epochs " + std::to_string(opt.epochs)));
-    epoch_step = counter(ck, opt.resume, "epoch_step", 0, batches - 1,
-                         "[0, " + std::to_string(batches - 1) + "]: an epoch of this data has " + std::to_string(batches) +
-                             " batches");
-    step = counter(ck, opt.resume, "step", start_epoch * batches + epoch_step, INT64_MAX,
-                   "the steps its epoch and epoch_step imply (at least " + std::to_string(start_epoch * batches + epoch_step) +
-                       ")");
+    start_epoch = static_cast<int>(counter(ck, opt.resume, "epoch", 0, opt.epochs,
+                                           "[0, " + std::to_string(opt.epochs) + "] for --epochs " + std::to_string(opt.epochs)));
+    epoch_step =
+        counter(ck, opt.resume, "epoch_step", 0, batches - 1,
+                "[0, " + std::to_string(batches - 1) + "]: an epoch of this data has " + std::to_string(batches) + " batches");
+    step =
+        counter(ck, opt.resume, "step", start_epoch * batches + epoch_step, INT64_MAX,
+                "the steps its epoch and epoch_step imply (at least " + std::to_string(start_epoch * batches + epoch_step) + ")");
 }
 
 //! The error every process of a run reports when one of them failed to set up.
@@ -253,7 +254,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     using Model = mnist::Net<B>;
     const int processes = procs ? procs->size() : 1;
     const int replicas = static_cast<int>(devices.size()) * processes;  // over all processes
-    const bool leader = !procs || procs->rank() == 0;  // prints and writes metrics
+    const bool leader = !procs || procs->rank() == 0;                   // prints and writes metrics
     nn::Generator gen(opt.seed);
     Model prototype(gen);
     nn::Sgd<B> sgd({.lr = opt.lr, .momentum = opt.momentum});
@@ -279,7 +280,8 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
             throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count()) +
                                    " test images, fewer than the " + std::to_string(replicas) +
                                    " replicas; the test set must give every replica an image");
-        if (!opt.init.empty()) nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, nn::Unmatched::refused, "optimizer.");
+        if (!opt.init.empty())
+            nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, nn::Unmatched::refused, "optimizer.");
         if (!opt.resume.empty()) load_resume(opt, train, replicas, resume, start_epoch, epoch_step, step);
     } catch (...) {
         setup_failure = std::current_exception();
@@ -305,9 +307,12 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     const auto save = [&](int epoch, std::int64_t in_epoch) {
         if (opt.save.empty()) return;
         nn::Checkpoint ck = dp.checkpoint(sgd);
-        ck.metadata = {{"step", std::to_string(step)},          {"epoch", std::to_string(epoch)},
-                       {"epoch_step", std::to_string(in_epoch)}, {"seed", std::to_string(opt.seed)},
-                       {"batch", std::to_string(opt.batch)},    {"train_images", std::to_string(train.count())},
+        ck.metadata = {{"step", std::to_string(step)},
+                       {"epoch", std::to_string(epoch)},
+                       {"epoch_step", std::to_string(in_epoch)},
+                       {"seed", std::to_string(opt.seed)},
+                       {"batch", std::to_string(opt.batch)},
+                       {"train_images", std::to_string(train.count())},
                        {"format", "pt"}};
         for (const auto& stale : dp.save(ck, opt.save).removed_stale)
             std::fprintf(stderr, "mnist: removed %s, left by an earlier save that was killed\n", stale.c_str());
@@ -342,19 +347,25 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
             make_batch(train, order, starts[static_cast<std::size_t>(b)] + first, count, x, labels);
             const auto t0 = Clock::now();
             lockstep::StepResult res;
-            if constexpr (std::is_same_v<B, lockstep::Host>) res = dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
-            else res = dp.train_step(x.template to<B>(devices[0]), labels, nn::SoftmaxCrossEntropy{}, sgd);
+            if constexpr (std::is_same_v<B, lockstep::Host>)
+                res = dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
+            else
+                res = dp.train_step(x.template to<B>(devices[0]), labels, nn::SoftmaxCrossEntropy{}, sgd);
             const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
             ++step;
             images += n;
             epoch_images += n;
             loss_sum += res.loss * static_cast<double>(n);
             loss_count += n;
-            write_metrics({{"kind", "step"}, {"step", step}, {"epoch", epoch}, {"loss", res.loss},
+            write_metrics({{"kind", "step"},
+                           {"step", step},
+                           {"epoch", epoch},
+                           {"loss", res.loss},
                            {"images_per_s", static_cast<double>(n) / secs}});
             const double elapsed = std::chrono::duration<double>(Clock::now() - t_epoch).count();
             const double rate = static_cast<double>(epoch_images) / std::max(elapsed, 1e-9);
-            const double eta = static_cast<double>(train.count() - starts[static_cast<std::size_t>(b + 1)]) / std::max(rate, 1e-9);
+            const double eta =
+                static_cast<double>(train.count() - starts[static_cast<std::size_t>(b + 1)]) / std::max(rate, 1e-9);
             if (tty) {
                 const int width = 30, filled = static_cast<int>(width * (b + 1) / total);
                 std::printf("\repoch %d/%d [%s%s] %lld/%lld loss %.4f %6.0f img/s ETA %s   ", epoch + 1, opt.epochs,
@@ -381,11 +392,14 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
         const double secs = std::chrono::duration<double>(Clock::now() - t_epoch).count();
         const double train_loss = loss_count ? loss_sum / static_cast<double>(loss_count) : 0.0;
         if (!quiet)
-            std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.4f, %.1f s, %.0f img/s training\n",
-                        epoch + 1, train_loss, last.loss, last.accuracy, secs,
-                        static_cast<double>(epoch_images) / epoch_train_s);
-        write_metrics({{"kind", "epoch"}, {"epoch", epoch}, {"train_loss", train_loss}, {"test_loss", last.loss},
-                       {"test_accuracy", last.accuracy}, {"seconds", secs}});
+            std::printf("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.4f, %.1f s, %.0f img/s training\n", epoch + 1,
+                        train_loss, last.loss, last.accuracy, secs, static_cast<double>(epoch_images) / epoch_train_s);
+        write_metrics({{"kind", "epoch"},
+                       {"epoch", epoch},
+                       {"train_loss", train_loss},
+                       {"test_loss", last.loss},
+                       {"test_accuracy", last.accuracy},
+                       {"seconds", secs}});
     }
     if (evaluations == 0) {
         last = evaluate(dp, test);
@@ -408,9 +422,9 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
     if (leader)
         std::printf("test accuracy %.4f | replicas %d%s | backend %s | %lld steps | %.1f s total | %.0f img/s training\n",
-                last.accuracy, replicas, procs ? (" over " + std::to_string(processes) + " processes").c_str() : "",
-                std::string(B::name).c_str(), static_cast<long long>(step), total_s,
-                train_seconds > 0 ? static_cast<double>(images) / train_seconds : 0.0);
+                    last.accuracy, replicas, procs ? (" over " + std::to_string(processes) + " processes").c_str() : "",
+                    std::string(B::name).c_str(), static_cast<long long>(step), total_s,
+                    train_seconds > 0 ? static_cast<double>(images) / train_seconds : 0.0);
     if (opt.expect_accuracy >= 0 && last.accuracy < opt.expect_accuracy) {
         std::fprintf(stderr, "mnist: test accuracy %.4f is below the expected %.4f\n", last.accuracy, opt.expect_accuracy);
         return 1;

@@ -36,13 +36,13 @@ int main() {
     nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
     double first = 0, last = 0;
     for (int step = 0; step < 150; ++step) {
-        make_batch(16, rng, x1, y1);                     // micro-batch 1: shards of 6, 5, 5
-        make_batch(24, rng, x2, y2);                     // micro-batch 2: shards of 8, 8, 8
-        dp.accumulate(x1, y1, nn::MseLoss{});            // forward + backward, no gradient all-reduce
+        make_batch(16, rng, x1, y1);                               // micro-batch 1: shards of 6, 5, 5
+        make_batch(24, rng, x2, y2);                               // micro-batch 2: shards of 8, 8, 8
+        dp.accumulate(x1, y1, nn::MseLoss{});                      // forward + backward, no gradient all-reduce
         const auto r = dp.train_step(x2, y2, nn::MseLoss{}, sgd);  // one all-reduce for both, one step
-        (step == 0 ? first : last) = r.loss;             // mean over all 40 samples
+        (step == 0 ? first : last) = r.loss;                       // mean over all 40 samples
     }
-    dp.save("regression.safetensors", sgd);              // model and momentum, PyTorch names
+    dp.save("regression.safetensors", sgd);  // model and momentum, PyTorch names
     // --- end of the training loop ---
 
     std::printf("MSE went from %.4f to %.4f over 150 steps of 2 micro-batches on 3 replicas\n", first, last);

@@ -17,8 +17,8 @@ int main() {
 
     // --- the snippet shown in README.md ---
     auto comms = comm::HostCommunicator::create_group(2);  // one group of 2 replicas
-    nn::SyncBatchNorm<> prototype(3);  // eps 1e-5, momentum 0.1, affine, NCHW
-    std::vector<nn::SyncBatchNorm<>> bn(2, prototype);  // one copy per replica
+    nn::SyncBatchNorm<> prototype(3);                      // eps 1e-5, momentum 0.1, affine, NCHW
+    std::vector<nn::SyncBatchNorm<>> bn(2, prototype);     // one copy per replica
     std::vector<Tensor<float>> shard{Tensor<float>(Shape{3, 3, 4, 4}), Tensor<float>(Shape{2, 3, 4, 4})};
     std::copy_n(batch.data(), shard[0].numel(), shard[0].data());
     std::copy_n(batch.data() + shard[0].numel(), shard[1].numel(), shard[1].data());
@@ -42,8 +42,8 @@ int main() {
     for (std::int64_t i = 0; i < y[1].numel(); ++i)
         worst = std::max(worst, std::abs(double(y[1][i]) - reference[y[0].numel() + i]));
     const bool same_stats = bn[0].running_mean[0] == bn[1].running_mean[0] && bn[0].running_var[2] == bn[1].running_var[2];
-    std::printf("2 replicas vs 1: largest output difference %.3g; running statistics identical on both replicas: %s\n",
-                worst, same_stats ? "yes" : "no");
+    std::printf("2 replicas vs 1: largest output difference %.3g; running statistics identical on both replicas: %s\n", worst,
+                same_stats ? "yes" : "no");
     std::printf("running_mean = [%.5f, %.5f, %.5f]\n", bn[0].running_mean[0], bn[0].running_mean[1], bn[0].running_mean[2]);
     return worst < 1e-5 && same_stats ? 0 : 1;
 }

@@ -14,17 +14,17 @@ using namespace lockstep;
 int main() {
     // --- the training loop shown in README.md ---
     nn::Generator gen(42);
-    nn::Sequential net(nn::Conv2d<>(1, 8, 3, {.padding = 1}, gen), nn::SyncBatchNorm<>(8), nn::ReLU<>(),
-                       nn::MaxPool2d<>(2), nn::Flatten<>(), nn::Linear<>(8 * 4 * 4, 2, true, gen));
-    DataParallel dp(net, 3);                            // 3 replicas, persistent threads
+    nn::Sequential net(nn::Conv2d<>(1, 8, 3, {.padding = 1}, gen), nn::SyncBatchNorm<>(8), nn::ReLU<>(), nn::MaxPool2d<>(2),
+                       nn::Flatten<>(), nn::Linear<>(8 * 4 * 4, 2, true, gen));
+    DataParallel dp(net, 3);  // 3 replicas, persistent threads
     nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
     std::mt19937 rng(1);
     double first = 0, last = 0;
     for (int step = 0; step < 60; ++step) {
-        Tensor<float> x(Shape{32, 1, 8, 8});            // global batch of 32: shards of 11, 11, 10
+        Tensor<float> x(Shape{32, 1, 8, 8});  // global batch of 32: shards of 11, 11, 10
         std::vector<std::int64_t> labels(32);
         for (std::int64_t n = 0; n < 32; ++n) {
-            labels[n] = rng() % 2;                      // class 1: the bright half is the bottom
+            labels[n] = rng() % 2;  // class 1: the bright half is the bottom
             for (std::int64_t p = 0; p < 64; ++p)
                 x[n * 64 + p] = ((p / 32) == labels[n]) + 0.3f * std::normal_distribution<float>()(rng);
         }

@@ -25,7 +25,8 @@ int main() {
     lockstep::nn::Sgd<lockstep::Cuda> sgd({.lr = 0.1});
     lockstep::Tensor<float> x(lockstep::Shape{6, 4});
     const std::vector<std::int64_t> labels{0, 1, 2, 0, 1, 2};
-    const double loss = dp.train_step(x.to<lockstep::Cuda>(lockstep::Device::cuda(0)), labels, lockstep::nn::SoftmaxCrossEntropy{}, sgd).loss;
+    const double loss =
+        dp.train_step(x.to<lockstep::Cuda>(lockstep::Device::cuda(0)), labels, lockstep::nn::SoftmaxCrossEntropy{}, sgd).loss;
     std::printf("consumer_cuda: one DataParallel step on cuda:0, loss %g\n", loss);
     return loss > 0 ? 0 : 1;
 }

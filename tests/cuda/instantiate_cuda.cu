@@ -23,8 +23,8 @@ template class nn::ReLU<Cuda>;
 template class nn::MaxPool2d<Cuda>;
 template class nn::Flatten<Cuda>;
 template class nn::Sgd<Cuda>;
-template class nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::ReLU<Cuda>, nn::MaxPool2d<Cuda>,
-                              nn::Flatten<Cuda>, nn::Linear<Cuda>>;
+template class nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::ReLU<Cuda>, nn::MaxPool2d<Cuda>, nn::Flatten<Cuda>,
+                              nn::Linear<Cuda>>;
 template class DataParallel<mnist::Net<Cuda>>;
 
 //! Calls what a CUDA training loop calls (never run).

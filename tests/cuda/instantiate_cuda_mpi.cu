@@ -18,7 +18,8 @@
 namespace lockstep {
 
 //! What a multi-process CUDA training loop calls (never run).
-void instantiate_cuda_across_processes(nn::Generator& gen, const Tensor<float, Cuda>& x, const std::vector<std::int64_t>& labels) {
+void instantiate_cuda_across_processes(nn::Generator& gen, const Tensor<float, Cuda>& x,
+                                       const std::vector<std::int64_t>& labels) {
     mpi::Environment env;
     auto procs = std::make_shared<comm::MpiProcessGroup>(MPI_COMM_WORLD, std::chrono::seconds(30));
     comm::CudaGroup group({Device::cuda(0)}, std::chrono::seconds(30), procs, comm::ProcessGroup::layer);

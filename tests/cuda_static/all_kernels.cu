@@ -34,8 +34,8 @@ using kernels::device::DeviceRun;
 // channels-first with scalars; the per-channel kernels (shift, finish count, eval constants,
 // parameter gradients) have no storage type.
 template <class T>
-void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::uint8_t* mask, double* payload,
-                        double* stats, float* folded, float* running, std::int64_t* count) {
+void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::uint8_t* mask, double* payload, double* stats,
+                        float* folded, float* running, std::int64_t* count) {
     bk::local_stats(run, x, g, running, payload, folded);
     bk::FinishRequest finish;
     finish.payload = payload;
@@ -48,14 +48,14 @@ void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::u
     bk::backward_dx(run, x, dy, mask, x, g, payload, stats, folded, folded);
 }
 
-void all_batch_norm_kernels(DeviceRun& run, const BnGeometry& g, void* data, std::uint8_t* mask, double* payload,
-                            double* stats, float* folded, float* running, std::int64_t* count) {
-    batch_norm_kernels(run, g, static_cast<float*>(data), static_cast<float*>(data), mask, payload, stats, folded,
+void all_batch_norm_kernels(DeviceRun& run, const BnGeometry& g, void* data, std::uint8_t* mask, double* payload, double* stats,
+                            float* folded, float* running, std::int64_t* count) {
+    batch_norm_kernels(run, g, static_cast<float*>(data), static_cast<float*>(data), mask, payload, stats, folded, running,
+                       count);
+    batch_norm_kernels(run, g, static_cast<__half*>(data), static_cast<__half*>(data), mask, payload, stats, folded, running,
+                       count);
+    batch_norm_kernels(run, g, static_cast<__nv_bfloat16*>(data), static_cast<__nv_bfloat16*>(data), mask, payload, stats, folded,
                        running, count);
-    batch_norm_kernels(run, g, static_cast<__half*>(data), static_cast<__half*>(data), mask, payload, stats, folded,
-                       running, count);
-    batch_norm_kernels(run, g, static_cast<__nv_bfloat16*>(data), static_cast<__nv_bfloat16*>(data), mask, payload,
-                       stats, folded, running, count);
     bk::eval_constants(run, g.channels, running, running, 1e-5, folded, folded, stats, folded);
     bk::param_grads(run, g.channels, payload, stats, folded, folded);
 }
@@ -66,8 +66,8 @@ using Ops = kernels::Ops<Cuda>;
 template <class T>
 using T_ = Tensor<T, Cuda>;
 
-void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T_<std::uint8_t>& mask,
-                       T_<std::int32_t>& index, std::span<const std::int64_t> labels, Ops::ConvScratch& scratch) {
+void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T_<std::uint8_t>& mask, T_<std::int32_t>& index,
+                       std::span<const std::int64_t> labels, Ops::ConvScratch& scratch) {
     Ops::fill(ex, f, 0.0f);
     Ops::fill(ex, d, 0.0);
     Ops::scale(ex, f, 0.5);

@@ -27,16 +27,22 @@ namespace {
 // Unit roundoff of the storage type: the error of rounding one fp32 result into it.
 template <class T>
 constexpr double unit_roundoff() {
-    if constexpr (std::is_same_v<T, float>) return 0.0;
-    else if constexpr (std::is_same_v<T, __half>) return 1.0 / 2048;  // 2^-11
-    else return 1.0 / 256;                                           // bf16: 2^-8
+    if constexpr (std::is_same_v<T, float>)
+        return 0.0;
+    else if constexpr (std::is_same_v<T, __half>)
+        return 1.0 / 2048;  // 2^-11
+    else
+        return 1.0 / 256;  // bf16: 2^-8
 }
 
 template <class T>
 std::string type_name() {
-    if constexpr (std::is_same_v<T, float>) return "fp32";
-    else if constexpr (std::is_same_v<T, __half>) return "fp16";
-    else return "bf16";
+    if constexpr (std::is_same_v<T, float>)
+        return "fp32";
+    else if constexpr (std::is_same_v<T, __half>)
+        return "fp16";
+    else
+        return "bf16";
 }
 
 struct Case {
@@ -51,10 +57,12 @@ struct Case {
     dev::DeviceInfo info{};
     float centre = 0;  // added to x: a large mean tests the shifted sums
     std::string str() const {
-        return "N=" + std::to_string(N) + " C=" + std::to_string(C) + (two_d ? " 2-D" : " HxW=" + std::to_string(H) + "x" + std::to_string(W)) +
-               (nhwc ? " nhwc" : " nchw") + (relu ? " relu" : "") + (affine ? "" : " no-affine") + (track ? "" : " untracked") +
-               (momentum ? "" : " cumulative") + " misalign=" + std::to_string(misalign) + " sms=" +
-               std::to_string(info.multiprocessors) + " l2=" + std::to_string(info.l2_bytes) + " centre=" + std::to_string(centre);
+        return "N=" + std::to_string(N) + " C=" + std::to_string(C) +
+               (two_d ? " 2-D" : " HxW=" + std::to_string(H) + "x" + std::to_string(W)) + (nhwc ? " nhwc" : " nchw") +
+               (relu ? " relu" : "") + (affine ? "" : " no-affine") + (track ? "" : " untracked") +
+               (momentum ? "" : " cumulative") + " misalign=" + std::to_string(misalign) +
+               " sms=" + std::to_string(info.multiprocessors) + " l2=" + std::to_string(info.l2_bytes) +
+               " centre=" + std::to_string(centre);
     }
 };
 
@@ -89,8 +97,7 @@ Tensor<float, Host> host_tensor(std::vector<float> v) {
 
 // Elementwise closeness with a scale: |a - b| <= tol * max(scale, |b|) for each element.
 template <class A>
-void require_close(const A& got, const std::vector<float>& want, double rel, double roundoff, double scale,
-                   const char* what) {
+void require_close(const A& got, const std::vector<float>& want, double rel, double roundoff, double scale, const char* what) {
     double worst = 0;
     std::size_t at = 0;
     for (std::size_t i = 0; i < want.size(); ++i) {
@@ -175,7 +182,8 @@ void run_case(const Case& k) {
     require_close([&](std::size_t i) { return payload[i]; }, std::vector<float>(hpay.data(), hpay.data() + hpay.numel()), 1e-5, 0,
                   n * term * term, "forward payload");
     for (std::int64_t c = 0; c < C; ++c)
-        CHECK(shift[static_cast<std::size_t>(c)] == (k.track ? kernels::bn::usable_shift(rmean[static_cast<std::size_t>(c)]) : 0.0f));
+        CHECK(shift[static_cast<std::size_t>(c)] ==
+              (k.track ? kernels::bn::usable_shift(rmean[static_cast<std::size_t>(c)]) : 0.0f));
     // Tickets are left at zero for the next launch.
     for (int i = 0; i < 64; ++i) REQUIRE(scratch.view().counters[i] == 0u);
 
@@ -216,9 +224,11 @@ void run_case(const Case& k) {
     std::vector<double> hstats(hk.stats.data(), hk.stats.data() + hk.stats.numel());
     bk::backward_sums(run, x.data(), dy.data(), k.relu ? hmaskv.data() : nullptr, g, hfolded.data(), bpayload.data());
     double dterm = 0;
-    for (std::size_t i = 0; i < count; ++i) dterm = std::max(dterm, std::abs(static_cast<double>(dyf[i])) * (std::abs(static_cast<double>(xf[i]) - hstats[i % static_cast<std::size_t>(C)]) + 1));
-    require_close([&](std::size_t i) { return bpayload[i]; }, std::vector<float>(hbpay.data(), hbpay.data() + hbpay.numel()), 1e-5,
-                  0, n * dterm, "backward payload");
+    for (std::size_t i = 0; i < count; ++i)
+        dterm = std::max(dterm, std::abs(static_cast<double>(dyf[i])) *
+                                    (std::abs(static_cast<double>(xf[i]) - hstats[i % static_cast<std::size_t>(C)]) + 1));
+    require_close([&](std::size_t i) { return bpayload[i]; }, std::vector<float>(hbpay.data(), hbpay.data() + hbpay.numel()),
+                  1e-5, 0, n * dterm, "backward payload");
     for (int i = 0; i < 64; ++i) REQUIRE(scratch.view().counters[i] == 0u);
 
     std::vector<double> hbpayload(hbpay.data(), hbpay.data() + hbpay.numel());
@@ -313,7 +323,8 @@ TEST_CASE("emulated batch-norm launch plans stay inside the grid and the scratch
                     REQUIRE(grid.x >= 1);
                     REQUIRE(static_cast<std::int64_t>(grid.x - 1) * s.chunk_items < s.items);  // no empty chunk
                     REQUIRE(static_cast<std::int64_t>(grid.x) * s.chunk_items >= s.items);     // every item covered
-                    REQUIRE(static_cast<std::size_t>(grid.x) * static_cast<std::size_t>(grid.y) * (last ? 32u : 1u) * sizeof(bk::Sums2) <=
+                    REQUIRE(static_cast<std::size_t>(grid.x) * static_cast<std::size_t>(grid.y) * (last ? 32u : 1u) *
+                                sizeof(bk::Sums2) <=
                             dev::scratch_partial_bytes);
                     REQUIRE(grid.y <= dev::scratch_counters);
                 }
@@ -335,8 +346,8 @@ TEST_CASE("emulated SyncBatchNorm: an empty shard contributes zeros and still fi
         // The other replicas' payload: the empty shard still finishes and updates its running statistics.
         std::vector<double> global(11);
         for (int c = 0; c < 5; ++c) {
-            global[static_cast<std::size_t>(c)] = 2.0 * (c + 1);   // S
-            global[static_cast<std::size_t>(5 + c)] = 8.0;         // Q
+            global[static_cast<std::size_t>(c)] = 2.0 * (c + 1);  // S
+            global[static_cast<std::size_t>(5 + c)] = 8.0;        // Q
         }
         global[10] = 4;
         std::vector<double> stats(11);
@@ -370,7 +381,8 @@ TEST_CASE("emulated SyncBatchNorm over two replicas equals the host on the whole
 
             // Host: the whole batch.
             const Execution<Host> ex;
-            auto hx = host_tensor(x), hy = host_tensor(std::vector<float>(x.size())), hrm = host_tensor(rm), hrv = host_tensor(rv);
+            auto hx = host_tensor(x), hy = host_tensor(std::vector<float>(x.size())), hrm = host_tensor(rm),
+                 hrv = host_tensor(rv);
             auto hnbt = make_tensor<std::int64_t>(Shape{}, std::vector<std::int64_t>{0});
             kernels::BnConstants<Host> hk{Tensor<double, Host>(Shape{2 * C + 1}), Tensor<float, Host>(Shape{4 * C})};
             auto hpay = Tensor<double, Host>(Shape{2 * C + 1});
@@ -459,6 +471,7 @@ TEST_CASE("emulated SyncBatchNorm: partials beyond the scratch are a ShapeError,
     } catch (const ShapeError& e) {
         CHECK(std::string(e.what()).find("scratch") != std::string::npos);
     }
-    CHECK_THROWS_AS(scratch.view().partials_as<double>(static_cast<std::int64_t>(dev::scratch_partial_bytes / 8) + 1), ShapeError);
+    CHECK_THROWS_AS(scratch.view().partials_as<double>(static_cast<std::int64_t>(dev::scratch_partial_bytes / 8) + 1),
+                    ShapeError);
     CHECK(scratch.view().partials_as<double>(static_cast<std::int64_t>(dev::scratch_partial_bytes / 8)) != nullptr);
 }

@@ -57,8 +57,10 @@ void reference_gemm(const lk::GemmCall& c) {
             for (int i = 0; i < c.m; ++i) {
                 double s = 0;
                 for (int l = 0; l < c.k; ++l) {
-                    const double a = c.trans_a ? A[l + static_cast<std::int64_t>(i) * c.lda] : A[i + static_cast<std::int64_t>(l) * c.lda];
-                    const double v = c.trans_b ? B[j + static_cast<std::int64_t>(l) * c.ldb] : B[l + static_cast<std::int64_t>(j) * c.ldb];
+                    const double a =
+                        c.trans_a ? A[l + static_cast<std::int64_t>(i) * c.lda] : A[i + static_cast<std::int64_t>(l) * c.lda];
+                    const double v =
+                        c.trans_b ? B[j + static_cast<std::int64_t>(l) * c.ldb] : B[l + static_cast<std::int64_t>(j) * c.ldb];
                     s += a * v;
                 }
                 float& out = C[i + static_cast<std::int64_t>(j) * c.ldc];
@@ -191,7 +193,8 @@ TEST_CASE("emulated fill, scale and add equal the host bit for bit", "[emulation
                 INFO(where(d, n, misalign));
                 dev::HostScratch scratch;
                 EmulatedLayerRun run{d, &scratch};
-                const auto a = random_floats(static_cast<std::size_t>(n), rng), b = random_floats(static_cast<std::size_t>(n), rng);
+                const auto a = random_floats(static_cast<std::size_t>(n), rng),
+                           b = random_floats(static_cast<std::size_t>(n), rng);
 
                 Buffer<float> f(a, misalign);
                 lk::fill(run, f.data(), n, 0.75f);
@@ -281,20 +284,23 @@ TEST_CASE("emulated SGD equals the host's update bit for bit in every mode", "[e
         for (const std::int64_t n : {0, 1, 3, 5, 7, 257, 4099})
             for (const int misalign : {0, 1})
                 for (const bool first : {true, false}) {
-                    INFO(where(devices[1], n, misalign) << " lr=" << u.lr << " momentum=" << u.momentum << " dampening="
-                                                        << u.dampening << " wd=" << u.weight_decay << " nesterov=" << u.nesterov
-                                                        << " first=" << first);
+                    INFO(where(devices[1], n, misalign)
+                         << " lr=" << u.lr << " momentum=" << u.momentum << " dampening=" << u.dampening
+                         << " wd=" << u.weight_decay << " nesterov=" << u.nesterov << " first=" << first);
                     dev::HostScratch scratch;
                     EmulatedLayerRun run{devices[1], &scratch};
-                    const auto w = random_floats(static_cast<std::size_t>(n), rng), g = random_floats(static_cast<std::size_t>(n), rng),
+                    const auto w = random_floats(static_cast<std::size_t>(n), rng),
+                               g = random_floats(static_cast<std::size_t>(n), rng),
                                v = random_floats(static_cast<std::size_t>(n), rng);
                     Buffer<float> dw(w, misalign), dg(g, misalign), dv(v, misalign);
                     lk::sgd_step(run, dw.data(), dg.data(), dv.data(), n, first, u);
                     auto hw = host_tensor(w), hv = host_tensor(v);
                     HostOps::sgd_step(ex, hw, host_tensor(g), hv, first, u);
                     CHECK(same_bits(dw.vec(), values_of(hw)));
-                    if (u.momentum != 0.0) CHECK(same_bits(dv.vec(), values_of(hv)));
-                    else CHECK(same_bits(dv.vec(), v));  // untouched without momentum
+                    if (u.momentum != 0.0)
+                        CHECK(same_bits(dv.vec(), values_of(hv)));
+                    else
+                        CHECK(same_bits(dv.vec(), v));  // untouched without momentum
                 }
 }
 
@@ -357,12 +363,13 @@ TEST_CASE("emulated max pooling equals the host bit for bit, overlapping windows
     struct Shape4 {
         std::int64_t N, C, H, W, k, s;
     };
-    for (const Shape4& sh : {Shape4{2, 3, 28, 28, 2, 2}, Shape4{3, 2, 7, 5, 3, 1}, Shape4{1, 5, 9, 9, 3, 2}, Shape4{2, 1, 4, 6, 4, 4},
-                            Shape4{0, 3, 8, 8, 2, 2}, Shape4{1, 1, 1, 1, 1, 1}})
+    for (const Shape4& sh : {Shape4{2, 3, 28, 28, 2, 2}, Shape4{3, 2, 7, 5, 3, 1}, Shape4{1, 5, 9, 9, 3, 2},
+                             Shape4{2, 1, 4, 6, 4, 4}, Shape4{0, 3, 8, 8, 2, 2}, Shape4{1, 1, 1, 1, 1, 1}})
         for (const auto& d : devices) {
             kernels::PoolGeometry g;
             g.batch = sh.N, g.channels = sh.C, g.height = sh.H, g.width = sh.W, g.kernel = sh.k, g.stride = sh.s;
-            const std::int64_t in = g.batch * g.channels * g.height * g.width, out = g.batch * g.channels * g.out_height() * g.out_width();
+            const std::int64_t in = g.batch * g.channels * g.height * g.width,
+                               out = g.batch * g.channels * g.out_height() * g.out_width();
             INFO("N=" << sh.N << " C=" << sh.C << " " << sh.H << "x" << sh.W << " k=" << sh.k << " s=" << sh.s
                       << " sms=" << d.multiprocessors);
             dev::HostScratch scratch;
@@ -404,8 +411,8 @@ struct ConvCase {
 //! Direct convolution in fp64: y, and the gradients of sum(y * dy) for the given dy.
 struct ConvReference {
     std::vector<double> y, dw, db, dx;
-    ConvReference(const kernels::ConvGeometry& g, const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>* b,
-                  const std::vector<float>& dy) {
+    ConvReference(const kernels::ConvGeometry& g, const std::vector<float>& x, const std::vector<float>& w,
+                  const std::vector<float>* b, const std::vector<float>& dy) {
         const std::int64_t N = g.batch, C = g.in_channels, H = g.height, W = g.width, O = g.out_channels, k = g.kernel;
         const std::int64_t OH = g.out_height(), OW = g.out_width();
         y.assign(static_cast<std::size_t>(N * O * OH * OW), 0.0);
@@ -442,10 +449,10 @@ TEST_CASE("emulated convolution (im2col, cuBLAS calls, col2im) matches a direct 
     const std::uint64_t seed = lockstep::test::fresh_seed();
     CAPTURE(seed);
     std::mt19937_64 rng(seed);
-    for (const ConvCase& cc : {ConvCase{2, 1, 28, 28, 4, 5, 1, 0, true}, ConvCase{3, 3, 7, 5, 4, 3, 1, 1, true},
-                              ConvCase{2, 4, 9, 8, 3, 3, 2, 1, false}, ConvCase{1, 2, 5, 5, 2, 5, 1, 2, true},
-                              ConvCase{2, 3, 6, 6, 5, 1, 1, 0, true}, ConvCase{1, 1, 1, 1, 1, 1, 1, 0, true},
-                              ConvCase{0, 3, 8, 8, 4, 3, 1, 1, true}})
+    for (const ConvCase& cc :
+         {ConvCase{2, 1, 28, 28, 4, 5, 1, 0, true}, ConvCase{3, 3, 7, 5, 4, 3, 1, 1, true},
+          ConvCase{2, 4, 9, 8, 3, 3, 2, 1, false}, ConvCase{1, 2, 5, 5, 2, 5, 1, 2, true}, ConvCase{2, 3, 6, 6, 5, 1, 1, 0, true},
+          ConvCase{1, 1, 1, 1, 1, 1, 1, 0, true}, ConvCase{0, 3, 8, 8, 4, 3, 1, 1, true}})
         for (const auto& d : {devices[0], devices[2]}) {
             kernels::ConvGeometry g;
             g.batch = cc.N, g.in_channels = cc.C, g.height = cc.H, g.width = cc.W, g.out_channels = cc.O, g.kernel = cc.k,
@@ -455,14 +462,16 @@ TEST_CASE("emulated convolution (im2col, cuBLAS calls, col2im) matches a direct 
             const lk::ConvPlan plan(g);
             const std::int64_t nx = cc.N * cc.C * cc.H * cc.W, ny = cc.N * cc.O * plan.P, nw = cc.O * cc.C * cc.k * cc.k;
             const auto x = random_floats(static_cast<std::size_t>(nx), rng), w = random_floats(static_cast<std::size_t>(nw), rng),
-                       b = random_floats(static_cast<std::size_t>(cc.O), rng), dy = random_floats(static_cast<std::size_t>(ny), rng);
-            const auto w_grad0 = random_floats(static_cast<std::size_t>(nw), rng), b_grad0 = random_floats(static_cast<std::size_t>(cc.O), rng);
+                       b = random_floats(static_cast<std::size_t>(cc.O), rng),
+                       dy = random_floats(static_cast<std::size_t>(ny), rng);
+            const auto w_grad0 = random_floats(static_cast<std::size_t>(nw), rng),
+                       b_grad0 = random_floats(static_cast<std::size_t>(cc.O), rng);
             const ConvReference ref(g, x, w, cc.bias ? &b : nullptr, dy);
 
             dev::HostScratch scratch;
             EmulatedLayerRun run{d, &scratch};
-            Buffer<float> X(x, 0), Wt(w, 0), B(b, 0), Y(static_cast<std::size_t>(ny), 0), DY(dy, 0), DX(static_cast<std::size_t>(nx), 0),
-                WG(w_grad0, 0), BG(b_grad0, 0);
+            Buffer<float> X(x, 0), Wt(w, 0), B(b, 0), Y(static_cast<std::size_t>(ny), 0), DY(dy, 0),
+                DX(static_cast<std::size_t>(nx), 0), WG(w_grad0, 0), BG(b_grad0, 0);
             std::fill(DX.p, DX.p + nx, 77.0f);
             const auto fwd = lk::conv_forward_buffers(plan), bwd = lk::conv_backward_buffers(plan);
             std::vector<float> cols(static_cast<std::size_t>(std::max(fwd.cols, bwd.cols) + 1)),
@@ -504,21 +513,25 @@ TEST_CASE("emulated linear layer (cuBLAS calls, bias, fused ReLU) matches fp64 a
     struct LinCase {
         std::int64_t N, in, out;
     };
-    for (const LinCase& lc : {LinCase{64, 1024, 128}, LinCase{3, 5, 7}, LinCase{1, 1, 1}, LinCase{33, 40, 10}, LinCase{0, 8, 4},
-                             LinCase{5, 0, 3}})
+    for (const LinCase& lc :
+         {LinCase{64, 1024, 128}, LinCase{3, 5, 7}, LinCase{1, 1, 1}, LinCase{33, 40, 10}, LinCase{0, 8, 4}, LinCase{5, 0, 3}})
         for (const bool bias : {true, false})
             for (const bool relu : {true, false}) {
                 INFO("N=" << lc.N << " in=" << lc.in << " out=" << lc.out << " bias=" << bias << " relu=" << relu);
                 const std::int64_t N = lc.N, in = lc.in, out = lc.out;
-                const auto x = random_floats(static_cast<std::size_t>(N * in), rng), w = random_floats(static_cast<std::size_t>(out * in), rng),
-                           b = random_floats(static_cast<std::size_t>(out), rng), dy = random_floats(static_cast<std::size_t>(N * out), rng),
-                           wg0 = random_floats(static_cast<std::size_t>(out * in), rng), bg0 = random_floats(static_cast<std::size_t>(out), rng);
+                const auto x = random_floats(static_cast<std::size_t>(N * in), rng),
+                           w = random_floats(static_cast<std::size_t>(out * in), rng),
+                           b = random_floats(static_cast<std::size_t>(out), rng),
+                           dy = random_floats(static_cast<std::size_t>(N * out), rng),
+                           wg0 = random_floats(static_cast<std::size_t>(out * in), rng),
+                           bg0 = random_floats(static_cast<std::size_t>(out), rng);
                 dev::HostScratch scratch;
                 EmulatedLayerRun run{devices[1], &scratch};
-                Buffer<float> X(x, 0), Wt(w, 0), B(b, 0), Y(static_cast<std::size_t>(N * out), 0), DY(dy, 0), WG(wg0, 0), BG(bg0, 0),
-                    DX(static_cast<std::size_t>(N * in), 0), masked(static_cast<std::size_t>(N * out), 0);
+                Buffer<float> X(x, 0), Wt(w, 0), B(b, 0), Y(static_cast<std::size_t>(N * out), 0), DY(dy, 0), WG(wg0, 0),
+                    BG(bg0, 0), DX(static_cast<std::size_t>(N * in), 0), masked(static_cast<std::size_t>(N * out), 0);
                 Buffer<std::uint8_t> M(static_cast<std::size_t>(N * out), 0);
-                lk::linear_forward(run, N, in, out, X.data(), Wt.data(), bias ? B.data() : nullptr, Y.data(), relu, relu ? M.data() : nullptr);
+                lk::linear_forward(run, N, in, out, X.data(), Wt.data(), bias ? B.data() : nullptr, Y.data(), relu,
+                                   relu ? M.data() : nullptr);
 
                 // fp64 reference.
                 std::vector<double> y(static_cast<std::size_t>(N * out)), dx(static_cast<std::size_t>(N * in), 0.0),
@@ -527,7 +540,9 @@ TEST_CASE("emulated linear layer (cuBLAS calls, bias, fused ReLU) matches fp64 a
                 for (std::int64_t n = 0; n < N; ++n)
                     for (std::int64_t o = 0; o < out; ++o) {
                         double s = bias ? b[static_cast<std::size_t>(o)] : 0.0;
-                        for (std::int64_t i = 0; i < in; ++i) s += static_cast<double>(x[static_cast<std::size_t>(n * in + i)]) * w[static_cast<std::size_t>(o * in + i)];
+                        for (std::int64_t i = 0; i < in; ++i)
+                            s += static_cast<double>(x[static_cast<std::size_t>(n * in + i)]) *
+                                 w[static_cast<std::size_t>(o * in + i)];
                         const std::size_t yi = static_cast<std::size_t>(n * out + o);
                         mask[yi] = s > 0;
                         y[yi] = relu ? std::max(s, 0.0) : s;
@@ -544,7 +559,8 @@ TEST_CASE("emulated linear layer (cuBLAS calls, bias, fused ReLU) matches fp64 a
                     auto hy = Tensor<float, Host>(Shape{N, out});
                     Tensor<std::uint8_t, Host> hm(Shape{N * out});
                     const Tensor<float, Host> hb = host_tensor(b);
-                    HostOps::linear_forward(ex, host_tensor(x, Shape{N, in}), host_tensor(w, Shape{out, in}), bias ? &hb : nullptr, hy, true, &hm);
+                    HostOps::linear_forward(ex, host_tensor(x, Shape{N, in}), host_tensor(w, Shape{out, in}),
+                                            bias ? &hb : nullptr, hy, true, &hm);
                     std::vector<std::uint8_t> from_y(static_cast<std::size_t>(N * out));
                     for (std::size_t i = 0; i < from_y.size(); ++i) from_y[i] = Y.p[i] > 0.0f;
                     CHECK(same_bits(M.vec(), from_y));
@@ -552,8 +568,8 @@ TEST_CASE("emulated linear layer (cuBLAS calls, bias, fused ReLU) matches fp64 a
                     for (std::size_t i = 0; i < from_y.size(); ++i) agree += M.p[i] == hm.data()[i];
                     CHECK(agree + 2 >= from_y.size());  // the host's GEMM rounds differently: a near-zero may flip
                 }
-                lk::linear_backward(run, N, in, out, X.data(), DY.data(), relu ? M.data() : nullptr, masked.data(), Wt.data(), WG.data(),
-                                    bias ? BG.data() : nullptr, DX.data());
+                lk::linear_backward(run, N, in, out, X.data(), DY.data(), relu ? M.data() : nullptr, masked.data(), Wt.data(),
+                                    WG.data(), bias ? BG.data() : nullptr, DX.data());
                 CHECK(rel_err(WG.vec(), wg, 1.0) < 1e-5);
                 CHECK(rel_err(BG.vec(), bg, 1.0) < 1e-5);
                 CHECK(rel_err(DX.vec(), dx, 1.0) < 1e-5);
@@ -577,7 +593,8 @@ TEST_CASE("emulated softmax cross-entropy and MSE match the host", "[emulation][
                 std::uniform_int_distribution<std::int64_t> label(0, K - 1);
                 std::vector<std::int64_t> labels(static_cast<std::size_t>(N));
                 for (auto& l : labels) l = label(rng);
-                if (N >= 7 && K >= 10) z[static_cast<std::size_t>(3 * K + 2)] = z[static_cast<std::size_t>(3 * K + 5)] = 50.0f;  // a tie
+                if (N >= 7 && K >= 10)
+                    z[static_cast<std::size_t>(3 * K + 2)] = z[static_cast<std::size_t>(3 * K + 5)] = 50.0f;  // a tie
                 const double inv = 1.0 / (2.0 * static_cast<double>(std::max<std::int64_t>(N, 1)));
 
                 Buffer<float> Z(z, 0), G(static_cast<std::size_t>(N * K), 0);
@@ -592,7 +609,8 @@ TEST_CASE("emulated softmax cross-entropy and MSE match the host", "[emulation][
                 CHECK(totals[1] == ht.data()[1]);
 
                 const std::int64_t D = K;
-                const auto o = random_floats(static_cast<std::size_t>(N * D), rng), t = random_floats(static_cast<std::size_t>(N * D), rng);
+                const auto o = random_floats(static_cast<std::size_t>(N * D), rng),
+                           t = random_floats(static_cast<std::size_t>(N * D), rng);
                 for (const int misalign : {0, 1}) {
                     Buffer<float> O(o, misalign), T(t, misalign), MG(static_cast<std::size_t>(N * D), misalign);
                     double mt[2] = {-1, -1};
@@ -630,7 +648,7 @@ TEST_CASE("emulated per-channel sums cover every channel and stay within the scr
         std::int64_t N, C, P;
     };
     for (const SumCase& sc : {SumCase{1, 1, 1}, SumCase{64, 10, 1}, SumCase{3, 70, 1}, SumCase{2, 33, 49}, SumCase{1000, 3, 1},
-                             SumCase{16, 2, 4096}, SumCase{0, 5, 7}})
+                              SumCase{16, 2, 4096}, SumCase{0, 5, 7}})
         for (const auto& d : devices) {
             INFO("N=" << sc.N << " C=" << sc.C << " P=" << sc.P << " sms=" << d.multiprocessors);
             dev::HostScratch scratch;
@@ -642,7 +660,8 @@ TEST_CASE("emulated per-channel sums cover every channel and stay within the scr
             std::vector<double> ref(acc0.begin(), acc0.end());
             for (std::int64_t n = 0; n < sc.N; ++n)
                 for (std::int64_t c = 0; c < sc.C; ++c)
-                    for (std::int64_t p = 0; p < sc.P; ++p) ref[static_cast<std::size_t>(c)] += v[static_cast<std::size_t>((n * sc.C + c) * sc.P + p)];
+                    for (std::int64_t p = 0; p < sc.P; ++p)
+                        ref[static_cast<std::size_t>(c)] += v[static_cast<std::size_t>((n * sc.C + c) * sc.P + p)];
             CHECK(rel_err(A.vec(), ref, 1.0) < 1e-5);
         }
 }
@@ -657,8 +676,9 @@ TEST_CASE("emulated SGD over a table of tensors equals the host's per-tensor upd
     // 70 tensors (three launches of at most 32), sizes from empty to a few vectors, each offset by
     // its own misalignment so vector and scalar tensors share a launch; `first` mixed.
     const std::vector<std::int64_t> pattern = {0, 1, 3, 4, 5, 8, 17, 128, 1000, 2, 33};
-    for (const kernels::SgdUpdate& u : {kernels::SgdUpdate{0.1, 0.0, 0.0, 1e-4, false}, kernels::SgdUpdate{0.01, 0.9, 0.1, 5e-4, false},
-                                        kernels::SgdUpdate{0.02, 0.9, 0.0, 0.0, true}})
+    for (const kernels::SgdUpdate& u :
+         {kernels::SgdUpdate{0.1, 0.0, 0.0, 1e-4, false}, kernels::SgdUpdate{0.01, 0.9, 0.1, 5e-4, false},
+          kernels::SgdUpdate{0.02, 0.9, 0.0, 0.0, true}})
         for (const auto& d : devices) {
             INFO("momentum=" << u.momentum << " nesterov=" << u.nesterov << " sms=" << d.multiprocessors);
             dev::HostScratch scratch;
@@ -674,7 +694,8 @@ TEST_CASE("emulated SGD over a table of tensors equals the host's per-tensor upd
                 const std::int64_t n = pattern[t % pattern.size()];
                 nonempty += n > 0;
                 const int misalign = static_cast<int>(t % 3 == 2);
-                const auto a = random_floats(static_cast<std::size_t>(n), rng), b = random_floats(static_cast<std::size_t>(n), rng),
+                const auto a = random_floats(static_cast<std::size_t>(n), rng),
+                           b = random_floats(static_cast<std::size_t>(n), rng),
                            c = random_floats(static_cast<std::size_t>(n), rng);
                 w.emplace_back(a, misalign), g.emplace_back(b, 0), v.emplace_back(c, t % 5 == 1 ? 1 : 0);
                 hw.push_back(host_tensor(a)), hg.push_back(host_tensor(b)), hv.push_back(host_tensor(c));
@@ -762,7 +783,8 @@ template <class T>
 void check_rank_sum(std::mt19937_64& rng) {
     for (const auto& d : devices) {
         for (const int ranks : {1, 2, 3, 5, 16}) {
-            for (const std::int64_t n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{17}, std::int64_t{4099}, std::int64_t{70001}}) {
+            for (const std::int64_t n :
+                 {std::int64_t{0}, std::int64_t{1}, std::int64_t{17}, std::int64_t{4099}, std::int64_t{70001}}) {
                 INFO(where(d, n, 0) << " ranks=" << ranks);
                 dev::HostScratch scratch;
                 EmulatedLayerRun run{d, &scratch};
@@ -778,7 +800,8 @@ void check_rank_sum(std::mt19937_64& rng) {
                 const int before = run.launches;
                 ck::rank_sum<T>(run, std::span<T* const>(bufs), n);
                 CHECK(run.launches - before == (n > 0 ? 1 : 0));  // one kernel for all ranks
-                for (int r = 0; r < ranks; ++r) CHECK(same_bits(in[static_cast<std::size_t>(r)], want[static_cast<std::size_t>(r)]));
+                for (int r = 0; r < ranks; ++r)
+                    CHECK(same_bits(in[static_cast<std::size_t>(r)], want[static_cast<std::size_t>(r)]));
             }
         }
     }
@@ -801,7 +824,8 @@ void check_rank_sum_16(std::mt19937_64& rng) {
             std::vector<H> want;
             for (std::int64_t i = 0; i < n; ++i) {
                 float acc = dev::to_float(in[0][static_cast<std::size_t>(i)]);
-                for (int r = 1; r < ranks; ++r) acc += dev::to_float(in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)]);
+                for (int r = 1; r < ranks; ++r)
+                    acc += dev::to_float(in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)]);
                 want.push_back(dev::from_float<H>(acc));
             }
             std::vector<H*> bufs;
@@ -823,5 +847,6 @@ TEST_CASE("emulated device-local all-reduce equals the host group's bit for bit 
     dev::HostScratch scratch;
     EmulatedLayerRun run{devices[0], &scratch};
     std::vector<float*> too_many(17, nullptr);
-    CHECK_THROWS_WITH(ck::rank_sum<float>(run, std::span<float* const>(too_many), 4), Catch::Contains("fewer replicas on each GPU"));
+    CHECK_THROWS_WITH(ck::rank_sum<float>(run, std::span<float* const>(too_many), 4),
+                      Catch::Contains("fewer replicas on each GPU"));
 }

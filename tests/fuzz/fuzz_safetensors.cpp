@@ -43,9 +43,12 @@ void check_loaded(const lockstep::nn::Checkpoint& ck, std::size_t file_size) {
         if (name == "__metadata__") finding("__metadata__ read as a tensor", name);
         const auto& e = ck.at(name);
         std::uint64_t elem = 0;
-        if (e.dtype == "F32") elem = 4;
-        else if (e.dtype == "I64") elem = 8;
-        else finding("dtype other than F32 or I64", name);
+        if (e.dtype == "F32")
+            elem = 4;
+        else if (e.dtype == "I64")
+            elem = 8;
+        else
+            finding("dtype other than F32 or I64", name);
         if (e.shape.size() > static_cast<std::size_t>(lockstep::Shape::max_rank)) finding("rank beyond Shape::max_rank", name);
         std::uint64_t count = 1;
         for (const auto d : e.shape) {

@@ -64,14 +64,16 @@ int main() {
     }
     const int count = 1000;
     std::vector<Row> rows(count);
-    for (int i = 0; i < count; ++i) rows[i] = {0.5f + 0.01f * static_cast<float>(i % 37), 0.1f * static_cast<float>(i % 11) - 0.5f};
+    for (int i = 0; i < count; ++i)
+        rows[i] = {0.5f + 0.01f * static_cast<float>(i % 37), 0.1f * static_cast<float>(i % 11) - 0.5f};
     const double n = 1000, s = 12.5, q = 40.0;
     Row* d_rows = nullptr;
     Out* d_out = nullptr;
     LOCKSTEP_CUDA_CHECK(cudaMalloc(&d_rows, sizeof(Row) * count));
     LOCKSTEP_CUDA_CHECK(cudaMalloc(&d_out, sizeof(Out) * count));
     LOCKSTEP_CUDA_CHECK(cudaMemcpy(d_rows, rows.data(), sizeof(Row) * count, cudaMemcpyHostToDevice));
-    lockstep::kernels::device::launch_map<Apply>({d_rows, d_out, count, n, s, q}, {(count + 255) / 256, 1, Apply::threads}, nullptr);
+    lockstep::kernels::device::launch_map<Apply>({d_rows, d_out, count, n, s, q}, {(count + 255) / 256, 1, Apply::threads},
+                                                 nullptr);
     std::vector<Out> got(count);
     LOCKSTEP_CUDA_CHECK(cudaMemcpy(got.data(), d_out, sizeof(Out) * count, cudaMemcpyDeviceToHost));
     LOCKSTEP_CUDA_CHECK(cudaFree(d_rows));

@@ -154,7 +154,8 @@ void accumulate_with_reused_input(const std::vector<Device>& devices, const std:
     nn::Sgd<Cuda> sgd_a({.lr = 0.05, .momentum = 0.9}), sgd_b({.lr = 0.05, .momentum = 0.9});
     bool identical = true;
     for (int s = 0; s < 3; ++s) {
-        const auto b1 = make_batch(13, 200 + static_cast<std::uint64_t>(s)), b2 = make_batch(13, 300 + static_cast<std::uint64_t>(s));
+        const auto b1 = make_batch(13, 200 + static_cast<std::uint64_t>(s)),
+                   b2 = make_batch(13, 300 + static_cast<std::uint64_t>(s));
         const auto x1 = b1.x.to<Cuda>(devices[0]), x2 = b2.x.to<Cuda>(devices[0]);
         Tensor<float, Cuda> buffer = x1;
         reuse.accumulate(buffer, b1.labels, nn::SoftmaxCrossEntropy{});
@@ -164,8 +165,9 @@ void accumulate_with_reused_input(const std::vector<Device>& devices, const std:
         const double lb = fresh.train_step(x2, b2.labels, nn::SoftmaxCrossEntropy{}, sgd_b).loss;
         identical &= la == lb && same_bits(tensors_of(reuse.module()), tensors_of(fresh.module()));
     }
-    expect(identical, label + ": accumulate with the input buffer refilled right after the call trains as with "
-                              "a buffer per batch (bit for bit)");
+    expect(identical, label +
+                          ": accumulate with the input buffer refilled right after the call trains as with "
+                          "a buffer per batch (bit for bit)");
 }
 
 // Three steps of the network of tests/golden on CUDA against PyTorch's losses, parameters and
@@ -173,8 +175,8 @@ void accumulate_with_reused_input(const std::vector<Device>& devices, const std:
 void golden_steps(const std::vector<Device>& devices, const std::string& label) {
     const auto golden = nn::Checkpoint::load(LOCKSTEP_GOLDEN_DIR "/tiny_net.safetensors");
     const auto want_losses = nlohmann::json::parse(golden.metadata.at("losses")).get<std::vector<double>>();
-    using Tiny = nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::ReLU<Cuda>, nn::MaxPool2d<Cuda>,
-                                nn::Flatten<Cuda>, nn::Linear<Cuda>>;
+    using Tiny = nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::ReLU<Cuda>, nn::MaxPool2d<Cuda>, nn::Flatten<Cuda>,
+                                nn::Linear<Cuda>>;
     nn::Generator g(0);
     Tiny net(nn::Conv2d<Cuda>(2, 3, 3, {.padding = 1}, g), nn::SyncBatchNorm<Cuda>(3), nn::ReLU<Cuda>(), nn::MaxPool2d<Cuda>(2),
              nn::Flatten<Cuda>(), nn::Linear<Cuda>(12, 4, true, g));
@@ -232,8 +234,8 @@ void failures_end_the_step(const std::vector<Device>& devices, const std::string
             right = matches(e);
         }
         const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
-        expect(threw && right && s < failure_bound_s(), label + ": " + what + " fails the step on every replica in " + std::to_string(s) +
-                                              " s (" + message.substr(0, 120) + ")");
+        expect(threw && right && s < failure_bound_s(), label + ": " + what + " fails the step on every replica in " +
+                                                            std::to_string(s) + " s (" + message.substr(0, 120) + ")");
         *dp.replica(0).trouble = Trouble::none;
         bool ok = true;
         try {
@@ -244,11 +246,13 @@ void failures_end_the_step(const std::vector<Device>& devices, const std::string
         }
         expect(ok, label + ": the next step after " + what + " runs" + (ok ? "" : " (" + message + ")"));
     };
-    timed(Trouble::throw_in_backward, "a replica that throws in backward",
-          [](const std::exception& e) { return std::string(e.what()).find("replica 1 failed in backward") != std::string::npos; });
-    timed(Trouble::mismatch, "a collective mismatch",
-          [](const std::exception& e) { return dynamic_cast<const CollectiveMismatch*>(&e) != nullptr ||
-                                               std::string(e.what()).find("different collectives") != std::string::npos; });
+    timed(Trouble::throw_in_backward, "a replica that throws in backward", [](const std::exception& e) {
+        return std::string(e.what()).find("replica 1 failed in backward") != std::string::npos;
+    });
+    timed(Trouble::mismatch, "a collective mismatch", [](const std::exception& e) {
+        return dynamic_cast<const CollectiveMismatch*>(&e) != nullptr ||
+               std::string(e.what()).find("different collectives") != std::string::npos;
+    });
 }
 
 // NCCL itself on one GPU (a 1-rank communicator: the lent machines have one GPU, so the group's

@@ -65,8 +65,8 @@ std::vector<std::vector<float>> gradients_of(auto& module) {
 // Forward and backward of the same layer on both backends from the same parameters; compares the
 // output, dx and every parameter gradient.
 template <class HostLayer, class CudaLayer>
-void compare_layer(const std::string& name, HostLayer&& host, CudaLayer&& dev, Shape in, MemoryFormat f,
-                   nn::Context<Cuda>& cctx, std::mt19937& rng) {
+void compare_layer(const std::string& name, HostLayer&& host, CudaLayer&& dev, Shape in, MemoryFormat f, nn::Context<Cuda>& cctx,
+                   std::mt19937& rng) {
     nn::Context<Host> hctx;
     const auto x = random_host(in, rng, f);
     auto yh = host.forward(hctx, Tensor<float, Host>(x));
@@ -77,7 +77,8 @@ void compare_layer(const std::string& name, HostLayer&& host, CudaLayer&& dev, S
     auto dxc = dev.backward(cctx, dy.template to<Cuda>(Device::cuda(cctx.exec.device)));
     expect_close(values(dxc), values(dxh), 1e-5, name + ": dx");
     const auto gh_ = gradients_of<Host>(host), gc_ = gradients_of<Cuda>(dev);
-    for (std::size_t i = 0; i < gh_.size(); ++i) expect_close(gc_[i], gh_[i], 1e-5, name + ": parameter gradient " + std::to_string(i));
+    for (std::size_t i = 0; i < gh_.size(); ++i)
+        expect_close(gc_[i], gh_[i], 1e-5, name + ": parameter gradient " + std::to_string(i));
 }
 
 // fp64 batch norm of (N, C, P) in `f`: y and dx for gamma = 1, beta = 0.
@@ -155,7 +156,8 @@ void bn_reduced_precision(const char* name, MemoryFormat f, double unit, nn::Con
     }
     expect_close(yv, values(y32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " y vs fp32");
     expect_close(dv, values(dx32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " dx vs fp32");
-    expect_close(values(b.running_mean), values(a.running_mean), 1e-6, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " running mean");
+    expect_close(values(b.running_mean), values(a.running_mean), 1e-6,
+                 std::string("SyncBatchNorm ") + name + " " + to_string(f) + " running mean");
 }
 
 }  // namespace
@@ -175,19 +177,23 @@ int main() {
         // ---- every layer against the host ----
         {
             nn::Generator g1(7), g2(7);
-            compare_layer("Conv2d 3->8 k3 p1", nn::Conv2d<Host>(3, 8, 3, {.padding = 1}, g1), nn::Conv2d<Cuda>(3, 8, 3, {.padding = 1}, g2), Shape{4, 3, 9, 7}, MemoryFormat::nchw, ctx, rng);
+            compare_layer("Conv2d 3->8 k3 p1", nn::Conv2d<Host>(3, 8, 3, {.padding = 1}, g1),
+                          nn::Conv2d<Cuda>(3, 8, 3, {.padding = 1}, g2), Shape{4, 3, 9, 7}, MemoryFormat::nchw, ctx, rng);
         }
         {
             nn::Generator g1(7), g2(7);
-            compare_layer("Conv2d 8->5 k3 s2", nn::Conv2d<Host>(8, 5, 3, {.stride = 2}, g1), nn::Conv2d<Cuda>(8, 5, 3, {.stride = 2}, g2), Shape{3, 8, 11, 11}, MemoryFormat::nchw, ctx, rng);
+            compare_layer("Conv2d 8->5 k3 s2", nn::Conv2d<Host>(8, 5, 3, {.stride = 2}, g1),
+                          nn::Conv2d<Cuda>(8, 5, 3, {.stride = 2}, g2), Shape{3, 8, 11, 11}, MemoryFormat::nchw, ctx, rng);
         }
         {
             nn::Generator g1(7), g2(7);
-            compare_layer("Linear 33->17", nn::Linear<Host>(33, 17, true, g1), nn::Linear<Cuda>(33, 17, true, g2), Shape{5, 33}, MemoryFormat::nchw, ctx, rng);
+            compare_layer("Linear 33->17", nn::Linear<Host>(33, 17, true, g1), nn::Linear<Cuda>(33, 17, true, g2), Shape{5, 33},
+                          MemoryFormat::nchw, ctx, rng);
         }
         {
             nn::Generator g1(7), g2(7);
-            compare_layer("Linear 33->17 + ReLU", nn::Linear<Host>(33, 17, {.fused_relu = true}, g1), nn::Linear<Cuda>(33, 17, {.fused_relu = true}, g2), Shape{5, 33}, MemoryFormat::nchw, ctx, rng);
+            compare_layer("Linear 33->17 + ReLU", nn::Linear<Host>(33, 17, {.fused_relu = true}, g1),
+                          nn::Linear<Cuda>(33, 17, {.fused_relu = true}, g2), Shape{5, 33}, MemoryFormat::nchw, ctx, rng);
         }
         {
             nn::Generator g1(7), g2(7);
@@ -195,11 +201,13 @@ int main() {
         }
         {
             nn::Generator g1(7), g2(7);
-            compare_layer("MaxPool2d 2", nn::MaxPool2d<Host>(2), nn::MaxPool2d<Cuda>(2), Shape{2, 3, 8, 6}, MemoryFormat::nchw, ctx, rng);
+            compare_layer("MaxPool2d 2", nn::MaxPool2d<Host>(2), nn::MaxPool2d<Cuda>(2), Shape{2, 3, 8, 6}, MemoryFormat::nchw,
+                          ctx, rng);
         }
         {
             nn::Generator g1(7), g2(7);
-            compare_layer("MaxPool2d 3 stride 2", nn::MaxPool2d<Host>(3, 2), nn::MaxPool2d<Cuda>(3, 2), Shape{2, 3, 9, 7}, MemoryFormat::nchw, ctx, rng);
+            compare_layer("MaxPool2d 3 stride 2", nn::MaxPool2d<Host>(3, 2), nn::MaxPool2d<Cuda>(3, 2), Shape{2, 3, 9, 7},
+                          MemoryFormat::nchw, ctx, rng);
         }
         {
             nn::Generator g1(7), g2(7);
@@ -209,7 +217,8 @@ int main() {
             const std::string tail = relu ? " + ReLU" : "";
             compare_layer("SyncBatchNorm NCHW" + tail, nn::SyncBatchNorm<Host>(33, {.fused_relu = relu}),
                           nn::SyncBatchNorm<Cuda>(33, {.fused_relu = relu}), Shape{4, 33, 7, 5}, MemoryFormat::nchw, ctx, rng);
-            compare_layer("SyncBatchNorm NHWC" + tail, nn::SyncBatchNorm<Host>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}),
+            compare_layer("SyncBatchNorm NHWC" + tail,
+                          nn::SyncBatchNorm<Host>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}),
                           nn::SyncBatchNorm<Cuda>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}), Shape{4, 33, 7, 5},
                           MemoryFormat::nhwc, ctx, rng);
         }
@@ -279,8 +288,8 @@ int main() {
             // The vector width the layer takes for an aligned tensor of this shape (cudaMallocAsync aligns).
             const int V = kernels::device::bn_kernels::vector_width<float>(geometry, {});
             (void)kernels::device::bn_kernels::plan(geometry, V, kernels::cuda_ops::device_info(0), grid);
-            expect(grid.x >= 4, "SyncBatchNorm " + std::string(nhwc ? "NHWC" : "NCHW") + " 32x3x28x28 reduces each channel over " +
-                                    std::to_string(grid.x) + " blocks (at least 4)");
+            expect(grid.x >= 4, "SyncBatchNorm " + std::string(nhwc ? "NHWC" : "NCHW") +
+                                    " 32x3x28x28 reduces each channel over " + std::to_string(grid.x) + " blocks (at least 4)");
             bn_against_fp64(Shape{N, C, H, W}, nhwc, ctx, rng,
                             std::string("SyncBatchNorm vs fp64 over several blocks per channel, ") + (nhwc ? "NHWC" : "NCHW"));
         }
@@ -319,11 +328,12 @@ int main() {
                 sh.step(hctx, host);
                 sc.step(nctx, dev);
                 const double a = lc.sum(), b = lh.sum();
-                expect(std::abs(a - b) <= 1e-4 * std::abs(b), "Net<Cuda> step " + std::to_string(step) + " loss " + std::to_string(a) +
-                                                                  " vs host " + std::to_string(b));
+                expect(std::abs(a - b) <= 1e-4 * std::abs(b),
+                       "Net<Cuda> step " + std::to_string(step) + " loss " + std::to_string(a) + " vs host " + std::to_string(b));
             }
             const auto ph = parameters_of<Host>(host), pc = parameters_of<Cuda>(dev);
-            for (std::size_t i = 0; i < ph.size(); ++i) expect_close(pc[i], ph[i], 5e-3, "Net<Cuda> parameter " + std::to_string(i) + " after 5 steps");
+            for (std::size_t i = 0; i < ph.size(); ++i)
+                expect_close(pc[i], ph[i], 5e-3, "Net<Cuda> parameter " + std::to_string(i) + " after 5 steps");
             // The library refuses the context that broke this test before: a global batch smaller
             // than the replica's shard.
             nctx.global_batch = 0;

@@ -69,12 +69,13 @@ std::vector<float> tf32_copy(const float* p, int rows, int cols, int ld) {
 
 //! One column-major GEMM with cuBLAS's semantics: beta == 0 ignores C (NaN in C does not
 //! propagate), alpha == 0 or k == 0 reads neither A nor B.
-void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-          float beta, float* c, int ldc, bool tf32) {
+void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb, float beta,
+          float* c, int ldc, bool tf32) {
     if (m == 0 || n == 0) return;
     for (int j = 0; j < n; ++j) {
         float* col = c + static_cast<std::ptrdiff_t>(j) * ldc;
-        if (beta == 0.0f) std::fill(col, col + m, 0.0f);
+        if (beta == 0.0f)
+            std::fill(col, col + m, 0.0f);
         else if (beta != 1.0f && (k == 0 || alpha == 0.0f))
             for (int i = 0; i < m; ++i) col[i] *= beta;
     }
@@ -86,8 +87,8 @@ void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, in
         a = ra.data();
         b = rb.data();
     }
-    cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda,
-                b, ldb, beta == 0.0f ? 0.0f : beta, c, ldc);
+    cblas_sgemm(CblasColMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb,
+                beta == 0.0f ? 0.0f : beta, c, ldc);
 }
 
 //! Bytes spanned by a column-major rows x cols operand with leading dimension ld.
@@ -107,10 +108,9 @@ bool operand_ok(const float* p, int rows, int cols, int ld, long long stride, in
 
 bool op_ok(cublasOperation_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T || op == CUBLAS_OP_C; }
 
-cublasStatus_t sgemm_batched(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
-                             int k, const float* alpha, const float* A, int lda, long long strideA, const float* B,
-                             int ldb, long long strideB, const float* beta, float* C, int ldc, long long strideC,
-                             int batchCount) {
+cublasStatus_t sgemm_batched(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
+                             const float* alpha, const float* A, int lda, long long strideA, const float* B, int ldb,
+                             long long strideB, const float* beta, float* C, int ldc, long long strideC, int batchCount) {
     const auto h = find(handle);
     if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (!op_ok(transa) || !op_ok(transb) || m < 0 || n < 0 || k < 0 || batchCount < 0) return CUBLAS_STATUS_INVALID_VALUE;
@@ -246,16 +246,16 @@ const char* cublasGetStatusString(cublasStatus_t status) {
     }
 }
 
-cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
-                           int k, const float* alpha, const float* A, int lda, const float* B, int ldb,
-                           const float* beta, float* C, int ldc) {
+cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
+                           const float* alpha, const float* A, int lda, const float* B, int ldb, const float* beta, float* C,
+                           int ldc) {
     return sgemm_batched(handle, transa, transb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
 }
 
-cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
-                                         int m, int n, int k, const float* alpha, const float* A, int lda,
-                                         long long int strideA, const float* B, int ldb, long long int strideB,
-                                         const float* beta, float* C, int ldc, long long int strideC, int batchCount) {
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                                         int k, const float* alpha, const float* A, int lda, long long int strideA,
+                                         const float* B, int ldb, long long int strideB, const float* beta, float* C, int ldc,
+                                         long long int strideC, int batchCount) {
     return sgemm_batched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC,
                          batchCount);
 }

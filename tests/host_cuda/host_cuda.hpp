@@ -40,9 +40,9 @@ void release_stalls();
 void fail_nccl(int rank, int k);
 
 //! The hazard model of collectives of several communicators on one device (default:
-//! LOCKSTEP_HOSTCUDA_NCCL_HAZARD, on unless "0"; off under ThreadSanitizer unless set): a collective holds its device until its peers
-//! arrive, and without NCCL_LAUNCH_ORDER_IMPLICIT (read when a communicator is made) devices
-//! start them in orders that differ, so two communicators per device can deadlock as on a GPU.
+//! LOCKSTEP_HOSTCUDA_NCCL_HAZARD, on unless "0"; off under ThreadSanitizer unless set): a collective holds its device until its
+//! peers arrive, and without NCCL_LAUNCH_ORDER_IMPLICIT (read when a communicator is made) devices start them in orders that
+//! differ, so two communicators per device can deadlock as on a GPU.
 void set_nccl_hazard(bool on);
 
 //! One line per collective a stream worker waits in now: the rank, device, collective, its

@@ -86,7 +86,7 @@ struct Registry {
     std::unordered_map<std::string, std::weak_ptr<Clique>> cliques;
     std::unordered_map<const void*, std::shared_ptr<Comm>> live;
     std::vector<std::shared_ptr<Comm>> dead;  // so that a dead handle's address is never reused
-    std::map<int, int> fail_in;                // rank -> k-th collective from now fails
+    std::map<int, int> fail_in;               // rank -> k-th collective from now fails
     std::uint64_t next_id = 1;
     std::uint64_t next_clique = 1;
     int version = default_version;
@@ -100,7 +100,7 @@ Registry& registry() {
 thread_local int group_depth = 0;
 // Blocking inits and finalizes deferred to ncclGroupEnd (second: a finalize).
 thread_local std::vector<std::pair<std::shared_ptr<Comm>, bool>> group_blocking;
-thread_local bool group_in_progress = false;                       // a non-blocking init in the group
+thread_local bool group_in_progress = false;  // a non-blocking init in the group
 thread_local std::string last_message;
 
 ncclResult_t refuse(ncclResult_t r, const std::string& why) {
@@ -119,27 +119,61 @@ bool failure(ncclResult_t r) { return r != ncclSuccess && r != ncclInProgress; }
 
 std::size_t type_size(ncclDataType_t t) {
     switch (t) {
-        case ncclInt8: case ncclUint8: return 1;
-        case ncclFloat16: case ncclBfloat16: return 2;
-        case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-        case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+        case ncclInt8:
+        case ncclUint8: return 1;
+        case ncclFloat16:
+        case ncclBfloat16: return 2;
+        case ncclInt32:
+        case ncclUint32:
+        case ncclFloat32: return 4;
+        case ncclInt64:
+        case ncclUint64:
+        case ncclFloat64: return 8;
         default: return 0;  // the fp8 types are not modelled
     }
 }
 
-template <class T> struct Acc { using type = T; };
-template <> struct Acc<__half> { using type = float; };
-template <> struct Acc<__nv_bfloat16> { using type = float; };
+template <class T>
+struct Acc {
+    using type = T;
+};
+template <>
+struct Acc<__half> {
+    using type = float;
+};
+template <>
+struct Acc<__nv_bfloat16> {
+    using type = float;
+};
 
-template <class T> typename Acc<T>::type load(T x) { return x; }
-template <> float load(__half x) { return __half2float(x); }
-template <> float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T>
+typename Acc<T>::type load(T x) {
+    return x;
+}
+template <>
+float load(__half x) {
+    return __half2float(x);
+}
+template <>
+float load(__nv_bfloat16 x) {
+    return __bfloat162float(x);
+}
 
-template <class T> T store(typename Acc<T>::type x) { return x; }
-template <> __half store<__half>(float x) { return __float2half_rn(x); }
-template <> __nv_bfloat16 store<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <class T>
+T store(typename Acc<T>::type x) {
+    return x;
+}
+template <>
+__half store<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <>
+__nv_bfloat16 store<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
 
-template <class A> A combine(A a, A b, ncclRedOp_t op) {
+template <class A>
+A combine(A a, A b, ncclRedOp_t op) {
     if constexpr (std::is_integral_v<A>) {
         using U = std::make_unsigned_t<A>;  // wraps as the device does, without UB
         if (op == ncclSum || op == ncclAvg) return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
@@ -222,11 +256,11 @@ const char* type_name(ncclDataType_t t) {
 struct DeviceSched {
     std::mutex m;
     std::condition_variable cv;
-    bool busy = false;                   // a collective holds the device
+    bool busy = false;  // a collective holds the device
     std::uint64_t next_ticket = 0;
     std::map<std::uint64_t, std::uint64_t> unstarted;  // enqueued and not started: ticket -> communicator
-    std::set<std::uint64_t> ready;       // of those, the ones whose stream reached them
-    std::uint64_t generation = 0;        // reset() starts a new one: holders from before release nothing
+    std::set<std::uint64_t> ready;                     // of those, the ones whose stream reached them
+    std::uint64_t generation = 0;                      // reset() starts a new one: holders from before release nothing
 };
 
 DeviceSched& sched(int device) {
@@ -275,7 +309,6 @@ constexpr auto hazard_window = std::chrono::milliseconds(200);
 #else
 constexpr auto hazard_window = std::chrono::milliseconds(20);
 #endif
-
 
 //! Whether a collective of another communicator than `clique` is queued on the device.
 bool others_queued(const DeviceSched& d, std::uint64_t clique) {
@@ -337,8 +370,8 @@ std::vector<std::string> describe_waits() {
         const double s = std::chrono::duration<double>(clock_type::now() - w.since).count();
         std::string line = "rank " + std::to_string(w.rank) + " (device " + std::to_string(w.device) + ") has waited " +
                            std::to_string(static_cast<int>(s * 1000)) + " ms in " + w.name + " (" + std::to_string(w.count) +
-                           " x " + type_name(w.type) + ") #" + std::to_string(w.seq) +
-                           " of communicator " + std::to_string(w.clique_id);
+                           " x " + type_name(w.type) + ") #" + std::to_string(w.seq) + " of communicator " +
+                           std::to_string(w.clique_id);
         if (!w.started) {
             line += ": its device runs another collective first";
         } else if (auto q = w.clique.lock()) {
@@ -435,8 +468,10 @@ Grant acquire_device(Comm& comm, const Collective& c, WaitRecord& record, std::u
         if (d.unstarted.count(c.ticket) == 0) return Grant::untracked;  // cleared by reset()
         if (!d.busy) {
             std::uint64_t pick = 0;
-            if (c.ordered) pick = d.unstarted.begin()->first;  // the launch-order rule: the host's order
-            else if (!latest) pick = *d.ready.begin();
+            if (c.ordered)
+                pick = d.unstarted.begin()->first;  // the launch-order rule: the host's order
+            else if (!latest)
+                pick = *d.ready.begin();
             else if (d.ready.size() > 1 || clock_type::now() >= window_end || !others_queued(d, comm.clique->id))
                 pick = *d.ready.rbegin();
             if (pick == c.ticket) {
@@ -503,14 +538,17 @@ void meet(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective
         slot.ready = true;
         q.cv.notify_all();
     } else {
-        while (!q.cv.wait_for(lock, WaitRecord::publish_after, [&] { return slot.ready || slot.failed || comm->aborted.load(); })) {
+        while (
+            !q.cv.wait_for(lock, WaitRecord::publish_after, [&] { return slot.ready || slot.failed || comm->aborted.load(); })) {
             lock.unlock();  // describe_waits() takes the clique's lock
             record.tick();
             lock.lock();
         }
     }
-    if (slot.ready && !comm->aborted.load()) std::memcpy(c.recv, slot.result.data(), slot.result.size());
-    else if (slot.failed) comm->error.store(ncclRemoteError);
+    if (slot.ready && !comm->aborted.load())
+        std::memcpy(c.recv, slot.result.data(), slot.result.size());
+    else if (slot.failed)
+        comm->error.store(ncclRemoteError);
     leave();
 }
 
@@ -624,8 +662,10 @@ namespace lockstep::host_cuda {
 void fail_nccl(int rank, int k) {
     Registry& reg = registry();
     std::lock_guard lock(reg.m);
-    if (k <= 0) reg.fail_in.erase(rank);
-    else reg.fail_in[rank] = k;
+    if (k <= 0)
+        reg.fail_in.erase(rank);
+    else
+        reg.fail_in[rank] = k;
 }
 
 void set_nccl_hazard(bool on) { hazard_setting.store(on ? 1 : 0); }
@@ -687,7 +727,8 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t* config) {
     if (comm == nullptr) return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: null comm pointer");
     *comm = nullptr;
-    if (nranks < 1 || rank < 0 || rank >= nranks) return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: invalid rank or nranks");
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+        return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: invalid rank or nranks");
     const int device = current_device();
     if (sticky(device) != cudaSuccess) return refuse(ncclUnhandledCudaError, "ncclCommInitRankConfig: CUDA error");
     auto c = std::make_shared<Comm>();
@@ -709,7 +750,8 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
             reg.cliques[id_key(commId)] = q;
         }
         std::lock_guard qlock(q->m);
-        if (q->nranks != nranks) return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: nranks differs from the other ranks'");
+        if (q->nranks != nranks)
+            return refuse(ncclInvalidArgument, "ncclCommInitRankConfig: nranks differs from the other ranks'");
         if (q->members[static_cast<std::size_t>(rank)] != nullptr)
             return refuse(ncclInvalidUsage, "ncclCommInitRankConfig: rank joined twice");
         for (const Comm* m : q->members)
@@ -793,8 +835,8 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
     return enqueue_collective(comm, stream, c, "ncclAllReduce");
 }
 
-ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
-                           ncclComm_t comm, cudaStream_t stream) {
+ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
+                           cudaStream_t stream) {
     if (root < 0) return refuse(ncclInvalidArgument, "ncclBroadcast: invalid root");
     Collective c;
     c.send = sendbuff;

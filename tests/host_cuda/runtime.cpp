@@ -310,9 +310,12 @@ cudaError_t copy(void* dst, const void* src, std::size_t count, cudaMemcpyKind k
         op.body = [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); };
     } else {
         op.body = [dst, src, count] { std::memcpy(dst, src, count); };
-        if (!to_device && !from_device) wait = true;                   // host to host: synchronous
-        else if (!to_device && ds == Space::pageable) wait = true;     // into pageable memory
-        else if (sync_api && !(to_device && from_device)) wait = true;  // cudaMemcpy except D2D
+        if (!to_device && !from_device)
+            wait = true;  // host to host: synchronous
+        else if (!to_device && ds == Space::pageable)
+            wait = true;  // into pageable memory
+        else if (sync_api && !(to_device && from_device))
+            wait = true;  // cudaMemcpy except D2D
     }
     const std::uint64_t seq = enqueue(s, std::move(op));
     if (wait) {
@@ -412,7 +415,8 @@ std::uint64_t enqueue(const std::shared_ptr<Stream>& s, Op op) {
         if (s->legacy) {
             // Legacy stream: waits for all earlier work of the device's blocking streams.
             std::erase_if(dev.streams, [](const std::shared_ptr<Stream>& o) {
-                return o->closing.load() && o->completed.load(std::memory_order_relaxed) == o->submitted.load(std::memory_order_relaxed);
+                return o->closing.load() &&
+                       o->completed.load(std::memory_order_relaxed) == o->submitted.load(std::memory_order_relaxed);
             });
             for (const auto& o : dev.streams)
                 if (o->blocking && o != s)
@@ -438,8 +442,10 @@ bool wait_until(Stream& s, std::uint64_t seq, std::chrono::steady_clock::time_po
     // would need a mutex the worker also takes.
     for (int round = 0; s.completed.load(std::memory_order_acquire) < seq; ++round) {
         if (std::chrono::steady_clock::now() > deadline) return false;
-        if (round < 16) std::this_thread::yield();
-        else std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, 5 << std::min(round - 16, 6))));
+        if (round < 16)
+            std::this_thread::yield();
+        else
+            std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, 5 << std::min(round - 16, 6))));
     }
     return true;
 }
@@ -561,70 +567,70 @@ using namespace lockstep::host_cuda::detail;
 
 namespace {
 
-#define LOCKSTEP_HOST_CUDA_ERRORS(X)                                                              \
-    X(cudaSuccess, "no error")                                                                     \
-    X(cudaErrorInvalidValue, "invalid argument")                                                   \
-    X(cudaErrorMemoryAllocation, "out of memory")                                                  \
-    X(cudaErrorInitializationError, "initialization error")                                        \
-    X(cudaErrorCudartUnloading, "driver shutting down")                                            \
-    X(cudaErrorInvalidConfiguration, "invalid configuration argument")                             \
-    X(cudaErrorInvalidPitchValue, "invalid pitch argument")                                        \
-    X(cudaErrorInvalidSymbol, "invalid device symbol")                                             \
-    X(cudaErrorInvalidMemcpyDirection, "invalid copy direction for memcpy")                        \
-    X(cudaErrorMissingConfiguration, "__global__ function call is not configured")                 \
-    X(cudaErrorLaunchMaxDepthExceeded, "launch would exceed maximum depth of nested launches")     \
-    X(cudaErrorInsufficientDriver, "CUDA driver version is insufficient for CUDA runtime version") \
-    X(cudaErrorCallRequiresNewerDriver, "API call is not supported in the installed CUDA driver")  \
-    X(cudaErrorInvalidSurface, "invalid surface reference")                                        \
-    X(cudaErrorNoDevice, "no CUDA-capable device is detected")                                     \
-    X(cudaErrorInvalidDevice, "invalid device ordinal")                                            \
-    X(cudaErrorStartupFailure, "device kernel image is invalid")                                   \
-    X(cudaErrorInvalidKernelImage, "device kernel image is invalid")                               \
-    X(cudaErrorDeviceUninitialized, "invalid device context")                                      \
-    X(cudaErrorMapBufferObjectFailed, "mapping of buffer object failed")                           \
-    X(cudaErrorNoKernelImageForDevice, "no kernel image is available for execution on the device") \
-    X(cudaErrorECCUncorrectable, "uncorrectable ECC error encountered")                            \
-    X(cudaErrorUnsupportedLimit, "limit is not supported on this architecture")                    \
-    X(cudaErrorPeerAccessUnsupported, "peer access is not supported between these two devices")    \
-    X(cudaErrorInvalidPtx, "a PTX JIT compilation failed")                                         \
-    X(cudaErrorUnsupportedPtxVersion, "the provided PTX was compiled with an unsupported toolchain.") \
-    X(cudaErrorInvalidSource, "device kernel image is invalid")                                    \
-    X(cudaErrorFileNotFound, "file not found")                                                     \
-    X(cudaErrorSharedObjectSymbolNotFound, "shared object symbol not found")                       \
-    X(cudaErrorSharedObjectInitFailed, "shared object initialization failed")                      \
-    X(cudaErrorOperatingSystem, "OS call failed or operation not supported on this OS")            \
-    X(cudaErrorInvalidResourceHandle, "invalid resource handle")                                   \
-    X(cudaErrorIllegalState, "the operation cannot be performed in the present state")             \
-    X(cudaErrorSymbolNotFound, "named symbol not found")                                           \
-    X(cudaErrorNotReady, "device not ready")                                                       \
-    X(cudaErrorIllegalAddress, "an illegal memory access was encountered")                         \
-    X(cudaErrorLaunchOutOfResources, "too many resources requested for launch")                    \
-    X(cudaErrorLaunchTimeout, "the launch timed out and was terminated")                           \
-    X(cudaErrorLaunchIncompatibleTexturing, "launch uses incompatible texturing mode")             \
-    X(cudaErrorPeerAccessAlreadyEnabled, "peer access is already enabled")                         \
-    X(cudaErrorPeerAccessNotEnabled, "peer access has not been enabled")                           \
-    X(cudaErrorSetOnActiveProcess, "cannot set while device is active in this process")            \
-    X(cudaErrorContextIsDestroyed, "context is destroyed")                                         \
-    X(cudaErrorAssert, "device-side assert triggered")                                             \
-    X(cudaErrorTooManyPeers, "peer mapping resources exhausted")                                   \
+#define LOCKSTEP_HOST_CUDA_ERRORS(X)                                                                       \
+    X(cudaSuccess, "no error")                                                                             \
+    X(cudaErrorInvalidValue, "invalid argument")                                                           \
+    X(cudaErrorMemoryAllocation, "out of memory")                                                          \
+    X(cudaErrorInitializationError, "initialization error")                                                \
+    X(cudaErrorCudartUnloading, "driver shutting down")                                                    \
+    X(cudaErrorInvalidConfiguration, "invalid configuration argument")                                     \
+    X(cudaErrorInvalidPitchValue, "invalid pitch argument")                                                \
+    X(cudaErrorInvalidSymbol, "invalid device symbol")                                                     \
+    X(cudaErrorInvalidMemcpyDirection, "invalid copy direction for memcpy")                                \
+    X(cudaErrorMissingConfiguration, "__global__ function call is not configured")                         \
+    X(cudaErrorLaunchMaxDepthExceeded, "launch would exceed maximum depth of nested launches")             \
+    X(cudaErrorInsufficientDriver, "CUDA driver version is insufficient for CUDA runtime version")         \
+    X(cudaErrorCallRequiresNewerDriver, "API call is not supported in the installed CUDA driver")          \
+    X(cudaErrorInvalidSurface, "invalid surface reference")                                                \
+    X(cudaErrorNoDevice, "no CUDA-capable device is detected")                                             \
+    X(cudaErrorInvalidDevice, "invalid device ordinal")                                                    \
+    X(cudaErrorStartupFailure, "device kernel image is invalid")                                           \
+    X(cudaErrorInvalidKernelImage, "device kernel image is invalid")                                       \
+    X(cudaErrorDeviceUninitialized, "invalid device context")                                              \
+    X(cudaErrorMapBufferObjectFailed, "mapping of buffer object failed")                                   \
+    X(cudaErrorNoKernelImageForDevice, "no kernel image is available for execution on the device")         \
+    X(cudaErrorECCUncorrectable, "uncorrectable ECC error encountered")                                    \
+    X(cudaErrorUnsupportedLimit, "limit is not supported on this architecture")                            \
+    X(cudaErrorPeerAccessUnsupported, "peer access is not supported between these two devices")            \
+    X(cudaErrorInvalidPtx, "a PTX JIT compilation failed")                                                 \
+    X(cudaErrorUnsupportedPtxVersion, "the provided PTX was compiled with an unsupported toolchain.")      \
+    X(cudaErrorInvalidSource, "device kernel image is invalid")                                            \
+    X(cudaErrorFileNotFound, "file not found")                                                             \
+    X(cudaErrorSharedObjectSymbolNotFound, "shared object symbol not found")                               \
+    X(cudaErrorSharedObjectInitFailed, "shared object initialization failed")                              \
+    X(cudaErrorOperatingSystem, "OS call failed or operation not supported on this OS")                    \
+    X(cudaErrorInvalidResourceHandle, "invalid resource handle")                                           \
+    X(cudaErrorIllegalState, "the operation cannot be performed in the present state")                     \
+    X(cudaErrorSymbolNotFound, "named symbol not found")                                                   \
+    X(cudaErrorNotReady, "device not ready")                                                               \
+    X(cudaErrorIllegalAddress, "an illegal memory access was encountered")                                 \
+    X(cudaErrorLaunchOutOfResources, "too many resources requested for launch")                            \
+    X(cudaErrorLaunchTimeout, "the launch timed out and was terminated")                                   \
+    X(cudaErrorLaunchIncompatibleTexturing, "launch uses incompatible texturing mode")                     \
+    X(cudaErrorPeerAccessAlreadyEnabled, "peer access is already enabled")                                 \
+    X(cudaErrorPeerAccessNotEnabled, "peer access has not been enabled")                                   \
+    X(cudaErrorSetOnActiveProcess, "cannot set while device is active in this process")                    \
+    X(cudaErrorContextIsDestroyed, "context is destroyed")                                                 \
+    X(cudaErrorAssert, "device-side assert triggered")                                                     \
+    X(cudaErrorTooManyPeers, "peer mapping resources exhausted")                                           \
     X(cudaErrorHostMemoryAlreadyRegistered, "part or all of the requested memory range is already mapped") \
-    X(cudaErrorHostMemoryNotRegistered, "pointer does not correspond to a registered memory region") \
-    X(cudaErrorHardwareStackError, "hardware stack error")                                         \
-    X(cudaErrorIllegalInstruction, "an illegal instruction was encountered")                       \
-    X(cudaErrorMisalignedAddress, "misaligned address")                                            \
-    X(cudaErrorInvalidAddressSpace, "operation not supported on global/shared address space")      \
-    X(cudaErrorInvalidPc, "invalid program counter")                                               \
-    X(cudaErrorLaunchFailure, "unspecified launch failure")                                        \
-    X(cudaErrorCooperativeLaunchTooLarge, "too many blocks in cooperative launch")                 \
-    X(cudaErrorNotPermitted, "operation not permitted")                                            \
-    X(cudaErrorNotSupported, "operation not supported")                                            \
-    X(cudaErrorSystemNotReady, "system not yet initialized")                                       \
-    X(cudaErrorSystemDriverMismatch, "system has unsupported display driver / cuda driver combination") \
-    X(cudaErrorStreamCaptureUnsupported, "operation not permitted when stream is capturing")       \
-    X(cudaErrorStreamCaptureInvalidated, "operation failed due to a previous error during capture") \
-    X(cudaErrorTimeout, "wait operation timed out")                                                \
-    X(cudaErrorInvalidDeviceFunction, "invalid device function")                                   \
-    X(cudaErrorDevicesUnavailable, "CUDA-capable device(s) is/are busy or unavailable")            \
+    X(cudaErrorHostMemoryNotRegistered, "pointer does not correspond to a registered memory region")       \
+    X(cudaErrorHardwareStackError, "hardware stack error")                                                 \
+    X(cudaErrorIllegalInstruction, "an illegal instruction was encountered")                               \
+    X(cudaErrorMisalignedAddress, "misaligned address")                                                    \
+    X(cudaErrorInvalidAddressSpace, "operation not supported on global/shared address space")              \
+    X(cudaErrorInvalidPc, "invalid program counter")                                                       \
+    X(cudaErrorLaunchFailure, "unspecified launch failure")                                                \
+    X(cudaErrorCooperativeLaunchTooLarge, "too many blocks in cooperative launch")                         \
+    X(cudaErrorNotPermitted, "operation not permitted")                                                    \
+    X(cudaErrorNotSupported, "operation not supported")                                                    \
+    X(cudaErrorSystemNotReady, "system not yet initialized")                                               \
+    X(cudaErrorSystemDriverMismatch, "system has unsupported display driver / cuda driver combination")    \
+    X(cudaErrorStreamCaptureUnsupported, "operation not permitted when stream is capturing")               \
+    X(cudaErrorStreamCaptureInvalidated, "operation failed due to a previous error during capture")        \
+    X(cudaErrorTimeout, "wait operation timed out")                                                        \
+    X(cudaErrorInvalidDeviceFunction, "invalid device function")                                           \
+    X(cudaErrorDevicesUnavailable, "CUDA-capable device(s) is/are busy or unavailable")                    \
     X(cudaErrorUnknown, "unknown error")
 
 constexpr int sm_count = 132;
@@ -950,11 +956,13 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t memPool, cudaMemPoolAttr attr,
 cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t memPool, cudaMemPoolAttr attr, void* value) {
     MemPool* pool = pool_of(memPool);
     if (pool == nullptr || value == nullptr) return fail(cudaErrorInvalidValue);
-    if (attr == cudaMemPoolAttrReleaseThreshold) *static_cast<std::uint64_t*>(value) = pool->release_threshold;
+    if (attr == cudaMemPoolAttrReleaseThreshold)
+        *static_cast<std::uint64_t*>(value) = pool->release_threshold;
     else if (attr == cudaMemPoolReuseFollowEventDependencies || attr == cudaMemPoolReuseAllowOpportunistic ||
              attr == cudaMemPoolReuseAllowInternalDependencies)
         *static_cast<int*>(value) = 1;
-    else *static_cast<std::uint64_t*>(value) = 0;
+    else
+        *static_cast<std::uint64_t*>(value) = 0;
     return cudaSuccess;
 }
 
@@ -996,8 +1004,7 @@ cudaError_t cudaMemsetAsync(void* devPtr, int value, size_t count, cudaStream_t 
 // --- Streams -----------------------------------------------------------------------------------
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* pStream, unsigned int flags) {
-    if (pStream == nullptr || (flags & ~static_cast<unsigned>(cudaStreamNonBlocking)) != 0)
-        return fail(cudaErrorInvalidValue);
+    if (pStream == nullptr || (flags & ~static_cast<unsigned>(cudaStreamNonBlocking)) != 0) return fail(cudaErrorInvalidValue);
     const int d = current_device();
     if (const cudaError_t e = sticky(d); e != cudaSuccess) return e;
     auto s = start_stream(d, (flags & cudaStreamNonBlocking) == 0, false);
@@ -1116,9 +1123,9 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* userD
         // As CUDA does for host functions, a launch queued behind a fault is never called.
         fn(userData);
         if (fault) {
-            std::fprintf(stderr, "host CUDA device: launch %llu%s%s%s on device %d faults as injected (cudaErrorIllegalAddress)\n",
-                         static_cast<unsigned long long>(number), name.empty() ? "" : " (", name.c_str(),
-                         name.empty() ? "" : ")", device);
+            std::fprintf(
+                stderr, "host CUDA device: launch %llu%s%s%s on device %d faults as injected (cudaErrorIllegalAddress)\n",
+                static_cast<unsigned long long>(number), name.empty() ? "" : " (", name.c_str(), name.empty() ? "" : ")", device);
             set_sticky(device, cudaErrorIllegalAddress);
         }
     };

@@ -51,7 +51,8 @@ struct Kernels {
     std::deque<std::function<void()>> bodies;
     cudaError_t launch(cudaStream_t s, std::function<void()> f) {
         bodies.push_back(std::move(f));
-        return cudaLaunchHostFunc(s, [](void* p) { (*static_cast<std::function<void()>*>(p))(); }, &bodies.back());
+        return cudaLaunchHostFunc(
+            s, [](void* p) { (*static_cast<std::function<void()>*>(p))(); }, &bodies.back());
     }
 };
 
@@ -509,9 +510,9 @@ TEST_CASE("host CUDA: cuBLAS SGEMM matches a double reference and checks its arg
                 if (beta != 0.0f) REQUIRE(cudaMemcpy(dc, c.data(), c.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
                 const float alpha = 1.25f;
                 const auto opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-                REQUIRE(cublasSgemmStridedBatched(h, opa, opb, m, n, k, &alpha, da, lda, static_cast<long long>(sa), db,
-                                                  ldb, static_cast<long long>(sb), &beta, dc, ldc,
-                                                  static_cast<long long>(sc), batch) == CUBLAS_STATUS_SUCCESS);
+                REQUIRE(cublasSgemmStridedBatched(h, opa, opb, m, n, k, &alpha, da, lda, static_cast<long long>(sa), db, ldb,
+                                                  static_cast<long long>(sb), &beta, dc, ldc, static_cast<long long>(sc),
+                                                  batch) == CUBLAS_STATUS_SUCCESS);
                 REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
                 const auto out = read_back(dc, c.size());
                 for (int i = 0; i < batch; ++i) {
@@ -558,8 +559,7 @@ TEST_CASE("host CUDA: cuBLAS SGEMM matches a double reference and checks its arg
 
     // A stream destroyed under the handle fails the next call.
     REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
-    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 4, d, 4, &zero, d, 4) ==
-          CUBLAS_STATUS_EXECUTION_FAILED);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 4, d, 4, &zero, d, 4) == CUBLAS_STATUS_EXECUTION_FAILED);
     REQUIRE(cublasSetStream(h, nullptr) == CUBLAS_STATUS_SUCCESS);
     REQUIRE(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, 4, d, 4, &zero, d, 4) == CUBLAS_STATUS_SUCCESS);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
@@ -575,27 +575,69 @@ TEST_CASE("host CUDA: cuBLAS SGEMM matches a double reference and checks its arg
 
 namespace {
 
-template <class T> T make(double x) { return static_cast<T>(x); }
-template <> __half make<__half>(double x) { return __float2half_rn(static_cast<float>(x)); }
-template <> __nv_bfloat16 make<__nv_bfloat16>(double x) { return __float2bfloat16_rn(static_cast<float>(x)); }
-
-template <class T> struct Acc { using type = T; };
-template <> struct Acc<__half> { using type = float; };
-template <> struct Acc<__nv_bfloat16> { using type = float; };
-template <class T> typename Acc<T>::type widen(T x) { return x; }
-template <> float widen(__half x) { return __half2float(x); }
-template <> float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class T> T narrow(typename Acc<T>::type x) { return x; }
-template <> __half narrow<__half>(float x) { return __float2half_rn(x); }
-template <> __nv_bfloat16 narrow<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-//! Rank r's input element i: with a fraction that forces rounding in the 16-bit sums.
-template <class T> T input(int r, std::size_t i) {
-    if constexpr (std::is_integral_v<T>) return static_cast<T>((r + 1) * 1000003LL + static_cast<long long>(i));
-    else return make<T>((r + 1) * 1.3 + static_cast<double>(i % 11) * 0.37);
+template <class T>
+T make(double x) {
+    return static_cast<T>(x);
+}
+template <>
+__half make<__half>(double x) {
+    return __float2half_rn(static_cast<float>(x));
+}
+template <>
+__nv_bfloat16 make<__nv_bfloat16>(double x) {
+    return __float2bfloat16_rn(static_cast<float>(x));
 }
 
-template <class T> bool same_bits(T a, T b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+template <class T>
+struct Acc {
+    using type = T;
+};
+template <>
+struct Acc<__half> {
+    using type = float;
+};
+template <>
+struct Acc<__nv_bfloat16> {
+    using type = float;
+};
+template <class T>
+typename Acc<T>::type widen(T x) {
+    return x;
+}
+template <>
+float widen(__half x) {
+    return __half2float(x);
+}
+template <>
+float widen(__nv_bfloat16 x) {
+    return __bfloat162float(x);
+}
+template <class T>
+T narrow(typename Acc<T>::type x) {
+    return x;
+}
+template <>
+__half narrow<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <>
+__nv_bfloat16 narrow<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+//! Rank r's input element i: with a fraction that forces rounding in the 16-bit sums.
+template <class T>
+T input(int r, std::size_t i) {
+    if constexpr (std::is_integral_v<T>)
+        return static_cast<T>((r + 1) * 1000003LL + static_cast<long long>(i));
+    else
+        return make<T>((r + 1) * 1.3 + static_cast<double>(i % 11) * 0.37);
+}
+
+template <class T>
+bool same_bits(T a, T b) {
+    return std::memcmp(&a, &b, sizeof a) == 0;
+}
 
 constexpr std::size_t elements = 37;
 
@@ -760,8 +802,7 @@ TEST_CASE("host NCCL: one thread inits the ranks in a group and drives them; arg
           ncclInvalidArgument);
     CHECK(ncclAllReduce(bufs[1], bufs[1], elements, ncclFloat32, ncclSum, clique.comms[0], clique.streams[0]) ==
           ncclInvalidArgument);  // device 1's memory for the rank on device 0
-    CHECK(ncclBroadcast(bufs[0], bufs[0], elements, ncclFloat32, 4, clique.comms[0], clique.streams[0]) ==
-          ncclInvalidArgument);
+    CHECK(ncclBroadcast(bufs[0], bufs[0], elements, ncclFloat32, 4, clique.comms[0], clique.streams[0]) == ncclInvalidArgument);
     CHECK(std::string(ncclGetLastError(clique.comms[0])).find("root") != std::string::npos);
     for (int r = 0; r < 4; ++r) {
         (void)cudaSetDevice(r);

@@ -96,12 +96,13 @@ int collectives(comm::MpiCommunicator& c) {
         },
         "MPI rank 0 reached all_reduce_sum<float>[4] at user site 8 but MPI rank 1 reached all_reduce_sum<float>[5000]",
         "a mismatch between a small and a large all-reduce is found in the tags");
-    c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 0), comm::CollectiveKind::all_reduce_sum, comm::DType::f32, 12, -1});
+    c.agree(
+        comm::CollectiveTag{comm::CollectiveSite::layer(4, 0), comm::CollectiveKind::all_reduce_sum, comm::DType::f32, 12, -1});
     expect(true, "agree() returns when every rank presents the same tag");
     expect_mismatch(
         [&] {  // the tag check alone, for collectives whose data NCCL moves
-            c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 1), comm::CollectiveKind::all_reduce_sum,
-                                        comm::DType::f32, c.rank() == 0 ? 12u : 13u, -1});
+            c.agree(comm::CollectiveTag{comm::CollectiveSite::layer(4, 1), comm::CollectiveKind::all_reduce_sum, comm::DType::f32,
+                                        c.rank() == 0 ? 12u : 13u, -1});
         },
         "all_reduce_sum<float>[12] at layer 4 (backward) but MPI rank 1 reached all_reduce_sum<float>[13]",
         "agree() throws CollectiveMismatch on every rank");
@@ -152,7 +153,8 @@ int aborted(comm::MpiCommunicator& c) {
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     expect(who == 1 && message.find("out of memory") != std::string::npos && s < 5.0,
-           "a peer's abort ends the collective with CollectiveAborted naming rank 1 in " + std::to_string(s) + " s (" + message + ")");
+           "a peer's abort ends the collective with CollectiveAborted naming rank 1 in " + std::to_string(s) + " s (" + message +
+               ")");
     return 0;
 }
 
@@ -203,11 +205,16 @@ int main(int argc, char** argv) {
     const std::string what = argc > 1 ? argv[1] : "collectives";
     try {
         comm::MpiCommunicator c(MPI_COMM_WORLD, 20s);
-        if (what == "collectives") collectives(c);
-        else if (what == "abort") aborted(c);
-        else if (what == "silent") silent(c);
-        else if (what == "kill") killed(c);
-        else expect(false, "unknown scenario " + what);
+        if (what == "collectives")
+            collectives(c);
+        else if (what == "abort")
+            aborted(c);
+        else if (what == "silent")
+            silent(c);
+        else if (what == "kill")
+            killed(c);
+        else
+            expect(false, "unknown scenario " + what);
     } catch (const std::exception& e) {
         expect(false, std::string("unexpected exception: ") + e.what());
     }

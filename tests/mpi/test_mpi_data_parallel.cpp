@@ -116,7 +116,8 @@ int train(comm::MpiProcessGroup& world, int L) {
         const auto b = make_batch(batch_sizes[s], 50 + s);
         const auto all = parallel::shard_ranges(batch_sizes[s], P * L);  // this process's rows: its global ranks'
         const std::int64_t begin = all[static_cast<std::size_t>(p * L)].begin;
-        const std::int64_t end = all[static_cast<std::size_t>(p * L + L - 1)].begin + all[static_cast<std::size_t>(p * L + L - 1)].count;
+        const std::int64_t end =
+            all[static_cast<std::size_t>(p * L + L - 1)].begin + all[static_cast<std::size_t>(p * L + L - 1)].count;
         const auto mine = rows(b, begin, end - begin);
         const double got = dp.train_step(mine.x, mine.labels, nn::SoftmaxCrossEntropy{}, sgd).loss;
         exact &= got == want_losses[s];
@@ -156,7 +157,8 @@ int train(comm::MpiProcessGroup& world, int L) {
     } catch (const IoError& e) {
         message = e.what();
     }
-    expect(message.find("no-such-dir") != std::string::npos, "an unwritable checkpoint fails on every process (" + message.substr(0, 90) + ")");
+    expect(message.find("no-such-dir") != std::string::npos,
+           "an unwritable checkpoint fails on every process (" + message.substr(0, 90) + ")");
     world.communicator(comm::ProcessGroup::control).barrier();
     if (p == 0) std::filesystem::remove_all(dir);
     return 0;
@@ -221,10 +223,14 @@ int main(int argc, char** argv) {
     const std::string what = argc > 1 ? argv[1] : "train";
     try {
         comm::MpiProcessGroup world(MPI_COMM_WORLD, 20s);
-        if (what == "train") train(world, argc > 2 ? std::stoi(argv[2]) : 1);
-        else if (what == "replicas") replicas(world);
-        else if (what == "throw") throws(world);
-        else expect(false, "unknown scenario " + what);
+        if (what == "train")
+            train(world, argc > 2 ? std::stoi(argv[2]) : 1);
+        else if (what == "replicas")
+            replicas(world);
+        else if (what == "throw")
+            throws(world);
+        else
+            expect(false, "unknown scenario " + what);
     } catch (const std::exception& e) {
         expect(false, std::string("unexpected exception: ") + e.what());
     }

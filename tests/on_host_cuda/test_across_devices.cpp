@@ -84,7 +84,8 @@ bool waited(const std::vector<std::string>& lines, const std::string& what, long
     static const std::regex for_how_long("has waited ([0-9]+) ms");
     for (const auto& l : lines) {
         std::smatch m;
-        if (l.find(what) != std::string::npos && std::regex_search(l, m, for_how_long) && std::stol(m[1].str()) >= ms) return true;
+        if (l.find(what) != std::string::npos && std::regex_search(l, m, for_how_long) && std::stol(m[1].str()) >= ms)
+            return true;
     }
     return false;
 }

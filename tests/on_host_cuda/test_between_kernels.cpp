@@ -100,7 +100,9 @@ TEST_CASE("a tensor copied on another stream is freed only after that copy", "[h
     // DataParallel from a temporary prototype: every replica starts from the prototype's values.
     const auto reference = make_small<Host>();
     std::vector<std::vector<float>> expected;
-    nn::for_each_parameter(reference, [&](const std::string&, const auto& p) { expected.emplace_back(p.value.data(), p.value.data() + p.value.numel()); });
+    nn::for_each_parameter(reference, [&](const std::string&, const auto& p) {
+        expected.emplace_back(p.value.data(), p.value.data() + p.value.numel());
+    });
     for (int round = 0; round < 3; ++round) {
         DataParallel<Small<Cuda>> dp(make_small<Cuda>(), std::vector<Device>(3, Device::cuda(0)));
         for (int r = 0; r < 3; ++r) {
@@ -192,7 +194,8 @@ TEST_CASE("accumulate's input may be freed and refilled as soon as the call retu
     DataParallel<Small<Cuda>> reuse(make_small<Cuda>(), devices), fresh(make_small<Cuda>(), devices);
     nn::Sgd<Cuda> sgd_a({.lr = 0.05, .momentum = 0.9}), sgd_b({.lr = 0.05, .momentum = 0.9});
     for (int s = 0; s < 3; ++s) {
-        const auto b1 = make_batch(13, 200 + static_cast<std::uint64_t>(s)), b2 = make_batch(13, 300 + static_cast<std::uint64_t>(s));
+        const auto b1 = make_batch(13, 200 + static_cast<std::uint64_t>(s)),
+                   b2 = make_batch(13, 300 + static_cast<std::uint64_t>(s));
         const auto x1 = b1.x.to<Cuda>(Device::cuda(0)), x2 = b2.x.to<Cuda>(Device::cuda(0));
         Tensor<float, Cuda> buffer = x1;
         reuse.accumulate(buffer, b1.labels, nn::SoftmaxCrossEntropy{});
@@ -245,7 +248,8 @@ TEST_CASE("a thread's NCCL communicators are finalized in one group call", "[hos
     REQUIRE(host_cuda::set_device_count(2));
     DataParallelOptions o;
     o.timeout = std::chrono::seconds(20);
-    auto dp = std::make_unique<DataParallel<Small<Cuda>>>(make_small<Cuda>(), std::vector<Device>{Device::cuda(0), Device::cuda(1)}, o);
+    auto dp =
+        std::make_unique<DataParallel<Small<Cuda>>>(make_small<Cuda>(), std::vector<Device>{Device::cuda(0), Device::cuda(1)}, o);
     nn::Sgd<Cuda> sgd({.lr = 0.05});
     const auto b = make_batch(8, 3);
     (void)dp->train_step(b.x.to<Cuda>(Device::cuda(0)), b.labels, nn::SoftmaxCrossEntropy{}, sgd);

@@ -127,8 +127,8 @@ int compare_checkpoints(const std::string& a, const std::string& b, double tol) 
                                                       "optimizer.conv2.bias.momentum_buffer"};
         const double bound = exact_zero.count(name) != 0 ? tol * 1e-2 : tol * (std::sqrt(norm2) + 1e-3);
         if (std::sqrt(diff2) > bound) {
-            std::fprintf(stderr, "%s: ||a - b|| = %.3g with ||b|| = %.3g exceeds tolerance %g\n", name.c_str(),
-                         std::sqrt(diff2), std::sqrt(norm2), tol);
+            std::fprintf(stderr, "%s: ||a - b|| = %.3g with ||b|| = %.3g exceeds tolerance %g\n", name.c_str(), std::sqrt(diff2),
+                         std::sqrt(norm2), tol);
             return 1;
         }
     }
@@ -156,7 +156,8 @@ int make_data(const std::string& dir, const std::string& kind) {
         put32(img, huge ? 0xFFFFFFFFu : 28);
         const std::uint32_t written = kind == "truncated" ? n - 1 : n;
         for (std::uint32_t i = 0; i < written; ++i)
-            for (int p = 0; p < 784; ++p) img.put(static_cast<char>((p / 28) / 3 == static_cast<int>(i % 10) ? 200 + (i * 7 + p) % 50 : (i * 13 + p) % 40));
+            for (int p = 0; p < 784; ++p)
+                img.put(static_cast<char>((p / 28) / 3 == static_cast<int>(i % 10) ? 200 + (i * 7 + p) % 50 : (i * 13 + p) % 40));
         std::ofstream lab(dir + "/" + split + "-labels-idx1-ubyte", std::ios::binary);
         put32(lab, 0x0801u);
         const std::uint32_t labels = kind == "count-mismatch" ? n - 2 : n;

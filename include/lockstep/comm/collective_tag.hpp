@@ -14,15 +14,20 @@ enum class DType : std::uint8_t { none, f32, f64, i64, f16, bf16 };  // f16, bf1
 
 template <class T>
 constexpr DType dtype_of() {
-    if constexpr (std::is_same_v<T, float>) return DType::f32;
-    else if constexpr (std::is_same_v<T, double>) return DType::f64;
-    else if constexpr (std::is_same_v<T, std::int64_t>) return DType::i64;
-    else return DType::none;
+    if constexpr (std::is_same_v<T, float>)
+        return DType::f32;
+    else if constexpr (std::is_same_v<T, double>)
+        return DType::f64;
+    else if constexpr (std::is_same_v<T, std::int64_t>)
+        return DType::i64;
+    else
+        return DType::none;
 }
 
 //! Element types the collectives move.
 template <class T>
-concept Reducible = dtype_of<T>() != DType::none;
+concept Reducible = dtype_of<T>()
+!= DType::none;
 
 //! The exchanges between processes outside the replicas' collectives (`CollectiveSite::control`).
 enum class Exchange : std::uint32_t {
@@ -56,15 +61,13 @@ constexpr const char* to_string(Exchange e) {
 struct CollectiveSite {
     enum class Kind : std::uint8_t { user, layer, bucket, broadcast, commit, control };
     Kind kind = Kind::user;
-    std::uint64_t id = 0;   // the user's number, a layer's id, a bucket's or a tensor's index
+    std::uint64_t id = 0;    // the user's number, a layer's id, a bucket's or a tensor's index
     std::uint32_t part = 0;  // which collective of a layer (0: forward, 1: backward), which commit barrier
 
     //! A collective of the user's own (e.g. a direct all-reduce between `ReplicaPool` jobs).
     static constexpr CollectiveSite user(std::uint64_t id = 0) { return {Kind::user, id, 0}; }
     //! Collective `part` of the layer whose id is `layer_id` (see `nn::detail::next_layer_id`).
-    static constexpr CollectiveSite layer(std::uint64_t layer_id, std::uint32_t part) {
-        return {Kind::layer, layer_id, part};
-    }
+    static constexpr CollectiveSite layer(std::uint64_t layer_id, std::uint32_t part) { return {Kind::layer, layer_id, part}; }
     //! The all-reduce of gradient bucket `index`.
     static constexpr CollectiveSite bucket(std::uint64_t index) { return {Kind::bucket, index, 0}; }
     //! The broadcast of the `index`-th tensor of a module (initial values, a resync).
@@ -80,8 +83,9 @@ struct CollectiveSite {
         const std::string n = std::to_string(id);
         switch (kind) {
             case Kind::layer:
-                return part == 0 ? "layer " + n + " (forward)"
-                                 : part == 1 ? "layer " + n + " (backward)" : "layer " + n + " (collective " + std::to_string(part) + ")";
+                return part == 0   ? "layer " + n + " (forward)"
+                       : part == 1 ? "layer " + n + " (backward)"
+                                   : "layer " + n + " (collective " + std::to_string(part) + ")";
             case Kind::bucket: return "gradient bucket " + n;
             case Kind::broadcast: return "broadcast of tensor " + n;
             case Kind::commit: return part == 0 ? "the commit barrier" : "the barrier after the optimizer step";
@@ -113,8 +117,10 @@ struct CollectiveTag {
             s += std::to_string(count);
             s += ']';
         }
-        if (kind == CollectiveKind::phase) s += " step ";  // a collective's inner barrier
-        else if (root >= 0) s += " from root ";
+        if (kind == CollectiveKind::phase)
+            s += " step ";  // a collective's inner barrier
+        else if (root >= 0)
+            s += " from root ";
         if (kind == CollectiveKind::phase || root >= 0) s += std::to_string(root);
         s += " at ";
         s += site.str();

@@ -78,10 +78,12 @@ protected:
         LOCKSTEP_CHECK(data.data != nullptr || data.empty(), what, " got a null buffer with ", data.size,
                        " elements; pass the tensor's storage");
         if (data.device.kind != kind || (index >= 0 && data.device.index != index)) [[unlikely]]
-            throw DeviceMismatch(std::string(what) + ": " + (rank >= 0 ? "rank " + std::to_string(rank) + " of " : std::string()) +
-                                 std::string(who) + " works on " +
-                                 (index >= 0 ? Device{kind, index}.str() : kind == Device::Kind::host ? std::string("host memory")
-                                                                                                      : std::string("device memory")) +
+            throw DeviceMismatch(std::string(what) + ": " +
+                                 (rank >= 0 ? "rank " + std::to_string(rank) + " of " : std::string()) + std::string(who) +
+                                 " works on " +
+                                 (index >= 0                   ? Device{kind, index}.str()
+                                  : kind == Device::Kind::host ? std::string("host memory")
+                                                               : std::string("device memory")) +
                                  ", got a buffer on " + data.device.str() + "; " + std::string(hint));
     }
     //! Throws unless `root` is a rank of a group of `size`.

@@ -32,11 +32,11 @@
 #include "lockstep/runtime/abortable_barrier.hpp"
 
 //! Throws `lockstep::DeviceError` when an NCCL call fails, with NCCL's own error string.
-#define LOCKSTEP_NCCL_CHECK(expr)                                                                   \
-    do {                                                                                              \
-        const ncclResult_t lockstep_res_ = (expr);                                                    \
-        if (lockstep_res_ != ncclSuccess) [[unlikely]]                                                \
-            ::lockstep::cuda::detail::raise("NCCL", static_cast<int>(lockstep_res_), "ncclResult_t",  \
+#define LOCKSTEP_NCCL_CHECK(expr)                                                                          \
+    do {                                                                                                   \
+        const ncclResult_t lockstep_res_ = (expr);                                                         \
+        if (lockstep_res_ != ncclSuccess) [[unlikely]]                                                     \
+            ::lockstep::cuda::detail::raise("NCCL", static_cast<int>(lockstep_res_), "ncclResult_t",       \
                                             ncclGetErrorString(lockstep_res_), #expr, __FILE__, __LINE__); \
     } while (0)
 
@@ -70,10 +70,18 @@ struct NcclApi {
         // Kernels are loaded before the first collective (CUDA loads lazily, and loading while a
         // peer's NCCL kernel spins can wait on it): the group's own kernels now, on every device.
         cudaFuncAttributes attributes{};
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<float>>)));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<double>>)));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__half>>)));
-        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__nv_bfloat16>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes,
+            reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<float>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes,
+            reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<double>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes,
+            reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__half>>)));
+        LOCKSTEP_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes,
+            reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__nv_bfloat16>>)));
         return s;
     }
     static void destroy_stream(int device, Stream s, clock::time_point deadline) noexcept {
@@ -147,7 +155,8 @@ struct NcclApi {
             for (int r = 0; r < n && device_error == cudaSuccess; ++r) {
                 device_error = cudaSetDevice(devices[static_cast<std::size_t>(r)]);
                 if (device_error != cudaSuccess) break;
-                const ncclResult_t res = ncclCommInitRankConfig(&comms[static_cast<std::size_t>(r)], ranks, id, first_rank + r, &config);
+                const ncclResult_t res =
+                    ncclCommInitRankConfig(&comms[static_cast<std::size_t>(r)], ranks, id, first_rank + r, &config);
                 if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
             }
             const ncclResult_t res = ncclGroupEnd();
@@ -183,7 +192,8 @@ struct NcclApi {
         int version = 0;
         LOCKSTEP_NCCL_CHECK(ncclGetVersion(&version));
         LOCKSTEP_CHECK_AS(NotImplemented, version >= launch_order_version, "NCCL ", version / 10000, ".", (version / 100) % 100,
-                          ".", version % 100, " is loaded, but lockstep runs two NCCL communicators per GPU (layer and "
+                          ".", version % 100,
+                          " is loaded, but lockstep runs two NCCL communicators per GPU (layer and "
                           "gradient collectives), which needs NCCL 2.26 or newer (NCCL_LAUNCH_ORDER_IMPLICIT); point "
                           "the loader at a newer libnccl.so.2 (LD_LIBRARY_PATH)");
         // Once per process: setenv races with getenv on threads NCCL already runs.
@@ -234,8 +244,10 @@ struct NcclApi {
         ncclResult_t async = ncclSuccess;
         // A communicator whose finalize did not finish in time, or that holds an error, is
         // aborted instead of destroyed.
-        if (ncclCommGetAsyncError(c, &async) != ncclSuccess || async != ncclSuccess) (void)ncclCommAbort(c);
-        else (void)ncclCommDestroy(c);
+        if (ncclCommGetAsyncError(c, &async) != ncclSuccess || async != ncclSuccess)
+            (void)ncclCommAbort(c);
+        else
+            (void)ncclCommDestroy(c);
     }
 
     //! The device-local all-reduce: one kernel on `s` (Note [rank-order sum]).
@@ -245,11 +257,16 @@ struct NcclApi {
         kernels::device::DeviceRun run;
         run.stream = s;
         run.device = kernels::cuda_ops::device_info(device);
-        if (t == DType::f32) sum_as<float>(run, buffers, count);
-        else if (t == DType::f64) sum_as<double>(run, buffers, count);
-        else if (t == DType::f16) sum_as<__half>(run, buffers, count);
-        else if (t == DType::bf16) sum_as<__nv_bfloat16>(run, buffers, count);
-        else throw UsageError("an all-reduce takes float, double, __half or __nv_bfloat16 buffers");
+        if (t == DType::f32)
+            sum_as<float>(run, buffers, count);
+        else if (t == DType::f64)
+            sum_as<double>(run, buffers, count);
+        else if (t == DType::f16)
+            sum_as<__half>(run, buffers, count);
+        else if (t == DType::bf16)
+            sum_as<__nv_bfloat16>(run, buffers, count);
+        else
+            throw UsageError("an all-reduce takes float, double, __half or __nv_bfloat16 buffers");
     }
     static void copy(int device, Stream s, void* dst, const void* src, std::size_t bytes) {
         cuda::DeviceGuard guard(device);
@@ -266,8 +283,10 @@ private:
 
     // A non-blocking communicator's call may return ncclInProgress: poll until it settles.
     static void enqueued(Comm c, ncclResult_t res, clock::time_point deadline, const std::atomic<bool>& stop, const char* what) {
-        if (res == ncclInProgress) settle(c, deadline, stop, what);
-        else if (res != ncclSuccess) LOCKSTEP_NCCL_CHECK(res);
+        if (res == ncclInProgress)
+            settle(c, deadline, stop, what);
+        else if (res != ncclSuccess)
+            LOCKSTEP_NCCL_CHECK(res);
     }
     static void settle(Comm c, clock::time_point deadline, const std::atomic<bool>& stop, const char* what) {
         for (;;) {
@@ -277,8 +296,7 @@ private:
             if (async != ncclInProgress) LOCKSTEP_NCCL_CHECK(async);
             if (stop.load(std::memory_order_acquire))
                 throw CollectiveAborted(std::string(what) + " was abandoned: the replica group was aborted");
-            if (clock::now() >= deadline)
-                throw Timeout(std::string(what) + " did not complete within the group's timeout");
+            if (clock::now() >= deadline) throw Timeout(std::string(what) + " did not complete within the group's timeout");
             std::this_thread::yield();
         }
     }

@@ -29,15 +29,16 @@ template <class G>
 concept GroupLike = requires(G& g, const std::vector<Device>& devices, std::chrono::milliseconds timeout, int rank) {
     typename G::backend;
     requires BackendTag<typename G::backend>;
-    requires std::constructible_from<G, const std::vector<Device>&, std::chrono::milliseconds>;
-    requires std::constructible_from<G, const std::vector<Device>&, std::chrono::milliseconds, std::shared_ptr<ProcessGroup>,
-                                     ProcessGroup::Channel>;
+    requires std::constructible_from < G, const std::vector<Device>
+    &, std::chrono::milliseconds > ;
+    requires std::constructible_from < G, const std::vector<Device>
+    &, std::chrono::milliseconds, std::shared_ptr<ProcessGroup>, ProcessGroup::Channel > ;
     { g.size() } -> std::convertible_to<int>;
     { g.communicator(rank) } -> std::convertible_to<Collectives&>;
     { g.abortable() } -> std::convertible_to<std::shared_ptr<Abortable>>;
     // Each replica binds its execution context to the group on its own thread, before its first
     // collective (a CUDA group learns the replica's stream there).
-    requires requires(Execution<typename G::backend>& ex) { g.bind(rank, ex); };
+    requires requires(Execution<typename G::backend> & ex) { g.bind(rank, ex); };
 };
 
 template <class B>

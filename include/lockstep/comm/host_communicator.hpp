@@ -69,16 +69,15 @@ public:
     //! that spans them (null: this process alone).
     HostCommunicator(std::shared_ptr<SharedTensor> group, int rank, std::shared_ptr<const ProcessSpan> span = nullptr)
         : group_(std::move(group)), span_(std::move(span)), rank_(rank) {
-        LOCKSTEP_CHECK(group_ != nullptr, "HostCommunicator needs a group; create one with "
-                                          "std::make_shared<lockstep::comm::SharedTensor>(world_size)");
-        LOCKSTEP_CHECK(rank >= 0 && rank < group_->world_size(), "rank ", rank, " is outside a group of ",
-                       group_->world_size());
+        LOCKSTEP_CHECK(group_ != nullptr,
+                       "HostCommunicator needs a group; create one with "
+                       "std::make_shared<lockstep::comm::SharedTensor>(world_size)");
+        LOCKSTEP_CHECK(rank >= 0 && rank < group_->world_size(), "rank ", rank, " is outside a group of ", group_->world_size());
     }
 
     //! The communicators of a fresh group of `world_size` ranks, rank order.
     static std::vector<HostCommunicator> create_group(int world_size,
-                                                      std::chrono::milliseconds timeout =
-                                                          AbortableBarrier::default_timeout) {
+                                                      std::chrono::milliseconds timeout = AbortableBarrier::default_timeout) {
         auto group = std::make_shared<SharedTensor>(world_size, timeout);
         std::vector<HostCommunicator> comms;
         comms.reserve(static_cast<std::size_t>(world_size));
@@ -164,8 +163,7 @@ private:
         const int parity = group_->arrive(rank_, tag, data.data);
         if (span_) return bcast_across(tag, parity, data, root);
         if (size() == 1 || data.empty()) return;
-        if (rank_ != root)
-            std::memcpy(data.data, group_->buffer(parity, root), data.size * sizeof(T));
+        if (rank_ != root) std::memcpy(data.data, group_->buffer(parity, root), data.size * sizeof(T));
         group_->arrive(rank_, phase(tag, 1), data.data);
     }
 
@@ -207,14 +205,14 @@ private:
     template <class T>
     std::vector<const T*> buffers(int parity) const {
         std::vector<const T*> bufs(static_cast<std::size_t>(group_->world_size()));
-        for (std::size_t r = 0; r < bufs.size(); ++r) bufs[r] = static_cast<const T*>(group_->buffer(parity, static_cast<int>(r)));
+        for (std::size_t r = 0; r < bufs.size(); ++r)
+            bufs[r] = static_cast<const T*>(group_->buffer(parity, static_cast<int>(r)));
         return bufs;
     }
 
     template <class T>
     static void check(const DeviceSpan<T>& data, const char* what) {
-        check_buffer(data, what, Device::Kind::host, -1, "a HostCommunicator",
-                     "use the CUDA backend's group for device buffers");
+        check_buffer(data, what, Device::Kind::host, -1, "a HostCommunicator", "use the CUDA backend's group for device buffers");
     }
 
     std::shared_ptr<SharedTensor> group_;
@@ -240,7 +238,11 @@ public:
     HostGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout, std::shared_ptr<ProcessGroup> processes,
               ProcessGroup::Channel channel)
         : span_(std::make_shared<const ProcessSpan>(ProcessSpan::join(
-              std::move(processes), channel, [&] { return ProcessSpan::Layout{checked_size(devices), 0}; }, refusal))),
+              std::move(processes), channel,
+              [&] {
+                  return ProcessSpan::Layout{checked_size(devices), 0};
+              },
+              refusal))),
           local_(std::make_shared<SharedTensor>(span_->local(), timeout)),
           abortable_(span_->spans() ? std::shared_ptr<Abortable>(std::make_shared<Aborter>(local_, span_)) : local_) {
         comms_.reserve(static_cast<std::size_t>(span_->local()));
@@ -270,7 +272,8 @@ private:
 
     // Across processes: aborts this process's threads and tells the other processes.
     struct Aborter final : Abortable {
-        Aborter(std::shared_ptr<SharedTensor> l, std::shared_ptr<const ProcessSpan> s) : local(std::move(l)), span(std::move(s)) {}
+        Aborter(std::shared_ptr<SharedTensor> l, std::shared_ptr<const ProcessSpan> s)
+            : local(std::move(l)), span(std::move(s)) {}
         void abort(const std::string& reason, int failed_rank) noexcept override {
             local->abort(reason, failed_rank);
             span->tell(reason, failed_rank);

@@ -98,8 +98,10 @@ public:
             why = detail::failure_slot();
         }
         if (!why.empty()) {
-            std::fprintf(stderr, "lockstep: rank %d: an MPI collective failed (%s); ending the MPI job with MPI_Abort so that "
-                         "no rank waits for a silent one forever\n", rank_, why.c_str());
+            std::fprintf(stderr,
+                         "lockstep: rank %d: an MPI collective failed (%s); ending the MPI job with MPI_Abort so that "
+                         "no rank waits for a silent one forever\n",
+                         rank_, why.c_str());
             std::fflush(stderr);
             MPI_Abort(MPI_COMM_WORLD, 2);
         }
@@ -118,9 +120,10 @@ public:
                    std::chrono::steady_clock::now() < until)
                 std::this_thread::sleep_for(std::chrono::milliseconds(1));
             if (done == 0) {
-                std::fprintf(stderr, "lockstep: rank %d: after a rank aborted, not every rank reached the end within %lld ms "
-                             "(a rank that failed is stuck); ending the MPI job with MPI_Abort\n", rank_,
-                             static_cast<long long>(finalize_timeout_.count()));
+                std::fprintf(stderr,
+                             "lockstep: rank %d: after a rank aborted, not every rank reached the end within %lld ms "
+                             "(a rank that failed is stuck); ending the MPI job with MPI_Abort\n",
+                             rank_, static_cast<long long>(finalize_timeout_.count()));
                 std::fflush(stderr);
                 MPI_Abort(MPI_COMM_WORLD, 2);
             }
@@ -301,9 +304,13 @@ private:
     void agree(const CollectiveTag& tag, const void* payload, std::size_t bytes) {
         check_usable();
         if (size_ == 1) return;
-        const Wire mine{static_cast<std::int64_t>(tag.site.kind), static_cast<std::int64_t>(tag.site.id),
-                        static_cast<std::int64_t>(tag.site.part), static_cast<std::int64_t>(tag.kind),
-                        static_cast<std::int64_t>(tag.dtype), static_cast<std::int64_t>(tag.count), tag.root};
+        const Wire mine{static_cast<std::int64_t>(tag.site.kind),
+                        static_cast<std::int64_t>(tag.site.id),
+                        static_cast<std::int64_t>(tag.site.part),
+                        static_cast<std::int64_t>(tag.kind),
+                        static_cast<std::int64_t>(tag.dtype),
+                        static_cast<std::int64_t>(tag.count),
+                        tag.root};
         if (wire_.empty()) wire_.resize(static_cast<std::size_t>(size_) * slot_bytes / sizeof(std::int64_t));
         auto* slots = reinterpret_cast<std::byte*>(wire_.data());
         std::byte* own = slots + static_cast<std::size_t>(rank_) * slot_bytes;
@@ -316,8 +323,8 @@ private:
             reqs.emplace_back();
             who.push_back(r);
             // Room for any peer's message: it may be at another collective, with another payload.
-            MPI_Irecv(slots + static_cast<std::size_t>(r) * slot_bytes, static_cast<int>(slot_bytes), MPI_BYTE, r, tag_tag,
-                      comm_, &reqs.back());
+            MPI_Irecv(slots + static_cast<std::size_t>(r) * slot_bytes, static_cast<int>(slot_bytes), MPI_BYTE, r, tag_tag, comm_,
+                      &reqs.back());
         }
         for (int r = 0; r < size_; ++r) {
             if (r == rank_) continue;
@@ -352,9 +359,12 @@ private:
 
     template <class T>
     static MPI_Datatype mpi_type() {
-        if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
-        else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
-        else return MPI_INT64_T;
+        if constexpr (std::is_same_v<T, float>)
+            return MPI_FLOAT;
+        else if constexpr (std::is_same_v<T, double>)
+            return MPI_DOUBLE;
+        else
+            return MPI_INT64_T;
     }
 
     template <class T>
@@ -396,15 +406,18 @@ private:
                 cancel(reqs);
                 peer_failed_.store(true, std::memory_order_release);
                 fail("MPI rank " + std::to_string(rank_) + " waited " + std::to_string(timeout_.count()) + " ms in " + what +
-                     " for rank(s)" + silent + " that never answered (a rank is stuck, skipped a collective or died; raise "
+                     " for rank(s)" + silent +
+                     " that never answered (a rank is stuck, skipped a collective or died; raise "
                      "the timeout if the step is legitimately that slow)");
                 detail_note();
                 throw Timeout(failure_, first);
             }
             // MPI progresses a transfer only inside its calls: poll without sleeping for a while
             // (a long message moves in fragments), then let other threads run between polls.
-            if (spin > 100000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-            else if ((spin & 63) == 63) std::this_thread::yield();
+            if (spin > 100000)
+                std::this_thread::sleep_for(std::chrono::microseconds(20));
+            else if ((spin & 63) == 63)
+                std::this_thread::yield();
         }
     }
 
@@ -454,7 +467,6 @@ private:
     void fail(std::string why) { failure_ = std::move(why); }
     void detail_note() const { mpi::detail::note_failure(failure_); }
 
-
     template <class T>
     void reduce(DeviceSpan<T> data, CollectiveSite site) {
         check(data, "all_reduce_sum");
@@ -491,7 +503,7 @@ private:
         // Operands arrive in this communicator's scratch buffer (kept between calls: no page
         // faults on fresh memory for every bucket); this rank's own operand is read in place, and
         // the sum is written over it (sum_in_rank_order reads each block before writing it).
-        if (data.size * n <= whole_limit) {  // every rank sums every operand
+        if (data.size * n <= whole_limit) {         // every rank sums every operand
             T* others = scratch<T>(data.size * n);  // slot r: rank r's operand (slot `me` unused)
             for (int r = 0; r < size_; ++r)
                 if (r != rank_) receive(others + static_cast<std::size_t>(r) * data.size, data.size, r, tag_data);
@@ -574,7 +586,7 @@ private:
     std::unique_ptr<std::byte[]> scratch_;
     std::size_t scratch_bytes_ = 0;
     std::vector<std::int64_t> wire_;  // every rank's tag message (slot_bytes each), kept between calls
-    std::mutex peer_mutex_;      // the abort message of another rank, taken by whichever thread polls first
+    std::mutex peer_mutex_;           // the abort message of another rank, taken by whichever thread polls first
     std::string peer_failure_;
     int peer_source_ = -1;
     std::atomic<bool> peer_failed_{false};

@@ -27,8 +27,7 @@ namespace lockstep::comm {
 //! failing replica abort it.
 class SharedTensor final : public Abortable {
 public:
-    explicit SharedTensor(int world_size,
-                          std::chrono::milliseconds timeout = AbortableBarrier::default_timeout)
+    explicit SharedTensor(int world_size, std::chrono::milliseconds timeout = AbortableBarrier::default_timeout)
         : barrier_(world_size, timeout),
           crossings_(static_cast<std::size_t>(world_size), 0),
           collectives_(static_cast<std::size_t>(world_size), 0) {
@@ -43,17 +42,16 @@ public:
     //! agree. Returns the crossing's parity, to pass to `buffer()`. `extra` lengthens the wait
     //! (a rank known to be in a slower collective of its own, e.g. the process-level one).
     int arrive(int rank, const CollectiveTag& tag, void* buffer, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
-        LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < world_size(), "rank ", rank,
-                          " is not a member of a group of ", world_size());
+        LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < world_size(), "rank ", rank, " is not a member of a group of ",
+                          world_size());
         const int parity = static_cast<int>(crossings_[static_cast<std::size_t>(rank)]++ & 1u);
         auto& slots = slots_[static_cast<std::size_t>(parity)];
         slots[static_cast<std::size_t>(rank)] = Slot{tag, buffer};
         barrier_.arrive_and_wait(rank, extra);
         for (std::size_t r = 1; r < slots.size(); ++r) {
             if (slots[r].tag != slots[0].tag) [[unlikely]] {
-                throw CollectiveMismatch("replicas reached different collectives: rank 0 reached " +
-                                         slots[0].tag.str() + " but rank " + std::to_string(r) + " reached " +
-                                         slots[r].tag.str() +
+                throw CollectiveMismatch("replicas reached different collectives: rank 0 reached " + slots[0].tag.str() +
+                                         " but rank " + std::to_string(r) + " reached " + slots[r].tag.str() +
                                          "; every replica must run the same layers in the same order on tensors "
                                          "of the same size");
             }

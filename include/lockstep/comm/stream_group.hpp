@@ -223,7 +223,8 @@ private:
         State& st = *st_;
         const auto ur = static_cast<std::size_t>(rank_);
         auto& me = st.ranks[ur];
-        LOCKSTEP_CHECK_AS(UsageError, me.bound, "rank ", rank_, " of a stream group made a collective before its replica was "
+        LOCKSTEP_CHECK_AS(UsageError, me.bound, "rank ", rank_,
+                          " of a stream group made a collective before its replica was "
                           "bound to it (StreamGroup::bind)");
         const bool broadcast = what.kind == CollectiveKind::broadcast;
         const char* name = broadcast ? "broadcast" : "all_reduce_sum";
@@ -297,7 +298,8 @@ private:
             }
         } else if (!st.span.spans()) {
             for (int r = 0; r < n; ++r)
-                if (r != root) st.api.copy(device, s, bufs[static_cast<std::size_t>(r)], bufs[static_cast<std::size_t>(root)], bytes);
+                if (r != root)
+                    st.api.copy(device, s, bufs[static_cast<std::size_t>(r)], bufs[static_cast<std::size_t>(root)], bytes);
         } else {
             const int root_process = root / n, root_local = root % n;
             const bool mine = st.span.processes()->rank() == root_process;
@@ -312,12 +314,13 @@ private:
     void enqueue_nccl(void* data, std::size_t count, int root, Stream s, DType dtype) {
         State& st = *st_;
         std::shared_lock lock(st.comms_mutex);  // never concurrently with abort()
-        if (st.comms_aborted || st.comms.empty())
-            throw CollectiveAborted("the replica group was aborted: " + st.abort_reason());
+        if (st.comms_aborted || st.comms.empty()) throw CollectiveAborted("the replica group was aborted: " + st.abort_reason());
         const auto comm = st.comm_of(rank_);
         const auto deadline = clock::now() + st.rendezvous.timeout();
-        if (root < 0) st.api.all_reduce(comm, data, count, dtype, s, deadline, st.aborted);
-        else st.api.broadcast(comm, data, count, dtype, root, s, deadline, st.aborted);
+        if (root < 0)
+            st.api.all_reduce(comm, data, count, dtype, s, deadline, st.aborted);
+        else
+            st.api.broadcast(comm, data, count, dtype, root, s, deadline, st.aborted);
     }
 
     std::shared_ptr<State> st_;
@@ -341,8 +344,11 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     };
 
     State(std::vector<int> devs, StreamGroupMode m, std::chrono::milliseconds timeout, ProcessSpan s)
-        : rendezvous(static_cast<int>(devs.size()), timeout), devices(std::move(devs)), mode(m),
-          ranks(devices.size()), span(std::move(s)) {}
+        : rendezvous(static_cast<int>(devs.size()), timeout),
+          devices(std::move(devs)),
+          mode(m),
+          ranks(devices.size()),
+          span(std::move(s)) {}
 
     ~State() override { teardown(); }
 
@@ -467,7 +473,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     std::vector<int> devices;  // device of each rank
     StreamGroupMode mode;
     std::vector<Rank> ranks;
-    ProcessSpan span;  // this process's part (Note [stream groups across processes])
+    ProcessSpan span;    // this process's part (Note [stream groups across processes])
     Event local_done{};  // local mode: rank 0's reduction is done
     bool local_done_made = false;
 
@@ -505,8 +511,8 @@ public:
     //! `devices` are this process's replicas, laid out as in every other process. Made by every
     //! process together; `channel` carries its setup and its tag checks. Null `processes`: this
     //! process alone.
-    StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout,
-                std::shared_ptr<ProcessGroup> processes, ProcessGroup::Channel channel) {
+    StreamGroup(const std::vector<Device>& devices, std::chrono::milliseconds timeout, std::shared_ptr<ProcessGroup> processes,
+                ProcessGroup::Channel channel) {
         StreamGroupMode mode = StreamGroupMode::single;
         auto span = ProcessSpan::join(
             std::move(processes), channel,
@@ -564,9 +570,12 @@ private:
         for (std::size_t q = 0; q < layouts.size(); ++q) {
             const auto& l = layouts[q];
             list += (q ? ", " : "") + std::to_string(l.replicas) +
-                    (l.arrangement != 0 ? " on as many GPUs" : l.replicas > 1 ? " on one GPU" : "");
+                    (l.arrangement != 0 ? " on as many GPUs"
+                     : l.replicas > 1   ? " on one GPU"
+                                        : "");
         }
-        return "they lay out their replicas differently (" + list + ", by process); every process must run as many "
+        return "they lay out their replicas differently (" + list +
+               ", by process); every process must run as many "
                "replicas, laid out alike (one per GPU, or all on one GPU)";
     }
 
@@ -633,8 +642,8 @@ private:
         if (devices.size() == 1) return StreamGroupMode::single;
         const auto same = [&](const Device& d) { return d.index == devices[0].index; };
         if (std::all_of(devices.begin(), devices.end(), same)) {
-            LOCKSTEP_CHECK_AS(NotImplemented, devices.size() <= max_replicas_per_device, devices.size(),
-                              " replicas on ", devices[0], ": one GPU takes at most ", max_replicas_per_device,
+            LOCKSTEP_CHECK_AS(NotImplemented, devices.size() <= max_replicas_per_device, devices.size(), " replicas on ",
+                              devices[0], ": one GPU takes at most ", max_replicas_per_device,
                               " replicas of a group (their buffers are summed by one kernel); use fewer");
             return StreamGroupMode::local;
         }

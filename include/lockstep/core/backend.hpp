@@ -68,8 +68,8 @@ constexpr bool same_memory(const Device& a, const Device& b) {
 //! Throws `DeviceMismatch` naming both devices when a tensor on `got` is handed to work on `want`.
 inline void check_device(const Device& want, const Device& got, std::string_view what) {
     if (!same_memory(want, got)) [[unlikely]]
-        throw DeviceMismatch(std::string(what) + " is on " + got.str() + " but runs on " + want.str() +
-                             "; move it with .to(" + want.str() + ") or build it on the replica's device");
+        throw DeviceMismatch(std::string(what) + " is on " + got.str() + " but runs on " + want.str() + "; move it with .to(" +
+                             want.str() + ") or build it on the replica's device");
 }
 
 // Note [execution context]

@@ -29,12 +29,12 @@
 namespace lockstep::cuda {
 namespace detail {
 
-[[noreturn]] inline void raise(const char* domain, int code, const std::string& code_name, const char* text,
-                               const char* expr, const char* file, int line) {
+[[noreturn]] inline void raise(const char* domain, int code, const std::string& code_name, const char* text, const char* expr,
+                               const char* file, int line) {
     int device = -1;
     if (cudaGetDevice(&device) != cudaSuccess) device = -1;
-    throw DeviceError(std::string(domain) + " error " + std::to_string(code) + " (" + code_name + ": " + text +
-                          ") in `" + expr + "` at " + file + ":" + std::to_string(line),
+    throw DeviceError(std::string(domain) + " error " + std::to_string(code) + " (" + code_name + ": " + text + ") in `" + expr +
+                          "` at " + file + ":" + std::to_string(line),
                       ::lockstep::detail::replica_rank_slot(), device);
 }
 
@@ -42,13 +42,12 @@ namespace detail {
 }  // namespace lockstep::cuda
 
 //! Throws `lockstep::DeviceError` (with rank and device) when a CUDA runtime call fails.
-#define LOCKSTEP_CUDA_CHECK(expr)                                                                   \
-    do {                                                                                              \
-        const cudaError_t lockstep_err_ = (expr);                                                     \
-        if (lockstep_err_ != cudaSuccess) [[unlikely]]                                                \
-            ::lockstep::cuda::detail::raise("CUDA", static_cast<int>(lockstep_err_),                 \
-                                            cudaGetErrorName(lockstep_err_),                          \
-                                            cudaGetErrorString(lockstep_err_), #expr, __FILE__, __LINE__); \
+#define LOCKSTEP_CUDA_CHECK(expr)                                                                                     \
+    do {                                                                                                              \
+        const cudaError_t lockstep_err_ = (expr);                                                                     \
+        if (lockstep_err_ != cudaSuccess) [[unlikely]]                                                                \
+            ::lockstep::cuda::detail::raise("CUDA", static_cast<int>(lockstep_err_), cudaGetErrorName(lockstep_err_), \
+                                            cudaGetErrorString(lockstep_err_), #expr, __FILE__, __LINE__);            \
     } while (0)
 
 namespace lockstep::cuda {
@@ -137,8 +136,7 @@ public:
         LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
         alive_ = std::make_shared<int>(device);
     }
-    Stream(Stream&& o) noexcept
-        : stream_(std::exchange(o.stream_, nullptr)), device_(o.device_), alive_(std::move(o.alive_)) {}
+    Stream(Stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)), device_(o.device_), alive_(std::move(o.alive_)) {}
     Stream& operator=(Stream&& o) noexcept {
         if (this != &o) {
             destroy();
@@ -229,10 +227,12 @@ void poll_event(cudaEvent_t event, std::chrono::milliseconds timeout, Poll&& pol
 
 //! Waits for `event` with a deadline (`poll_event`); throws `Timeout` naming `what` past it.
 inline void wait_event(cudaEvent_t event, const char* what, std::chrono::milliseconds timeout = default_wait_timeout()) {
-    poll_event(event, timeout, [] {}, [&] {
-        throw Timeout(std::string(what) + " did not finish on the device within " + std::to_string(timeout.count()) +
-                      " ms (the device is stuck or busy with other work)");
-    });
+    poll_event(
+        event, timeout, [] {},
+        [&] {
+            throw Timeout(std::string(what) + " did not finish on the device within " + std::to_string(timeout.count()) +
+                          " ms (the device is stuck or busy with other work)");
+        });
 }
 
 //! A named NVTX range for the scope's lifetime (Nsight Systems shows it on the calling thread).
@@ -280,8 +280,8 @@ inline void wait_stream(cudaStream_t stream, const char* what, std::chrono::mill
 namespace detail {
 struct CurrentStream {
     cudaStream_t stream = nullptr;
-    int device = -1;                   // the stream's device (-1: the legacy stream of any device)
-    std::weak_ptr<const void> owner;   // empty for a stream the caller owns (StreamGuard(cudaStream_t))
+    int device = -1;                  // the stream's device (-1: the legacy stream of any device)
+    std::weak_ptr<const void> owner;  // empty for a stream the caller owns (StreamGuard(cudaStream_t))
     bool owned = false;
 };
 inline CurrentStream& current_stream_slot() noexcept {
@@ -311,8 +311,8 @@ public:
     }
     //! A stream held by `owner` (a replica's, from its execution: Execution<Cuda>::stream_owner).
     StreamGuard(cudaStream_t s, int device, std::weak_ptr<const void> owner) noexcept
-        : previous_(std::exchange(detail::current_stream_slot(),
-                                  detail::CurrentStream{s, device, owner, detail::has_owner(owner)})) {}
+        : previous_(
+              std::exchange(detail::current_stream_slot(), detail::CurrentStream{s, device, owner, detail::has_owner(owner)})) {}
     //! An owned stream: should it be destroyed while the guard lives, the thread's current stream
     //! reads as the legacy stream.
     explicit StreamGuard(const Stream& s) noexcept
@@ -524,9 +524,9 @@ struct Allocator<Cuda> {
             (void)cudaGetLastError();
             std::size_t free = 0, total = 0;
             (void)cudaMemGetInfo(&free, &total);
-            throw OutOfMemory("out of memory on cuda:" + std::to_string(device.index) + ": asked for " +
-                                  std::to_string(bytes) + " bytes, " + std::to_string(free) + " of " +
-                                  std::to_string(total) + " bytes free; use a smaller batch or fewer replicas per GPU",
+            throw OutOfMemory("out of memory on cuda:" + std::to_string(device.index) + ": asked for " + std::to_string(bytes) +
+                                  " bytes, " + std::to_string(free) + " of " + std::to_string(total) +
+                                  " bytes free; use a smaller batch or fewer replicas per GPU",
                               ::lockstep::detail::replica_rank_slot(), device.index);
         }
         LOCKSTEP_CUDA_CHECK(e);
@@ -579,8 +579,8 @@ struct Allocator<Cuda> {
 // Copies between backends run on the calling thread's current stream (after the work of the
 // streams the device operands were allocated on) and are complete on return; a read into host
 // memory goes through pinned staging and a polled, bounded wait.
-inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int device,
-                     const void* device_src, const void* device_dst) {
+inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int device, const void* device_src,
+                     const void* device_dst) {
     if (bytes == 0) return;
     cuda::DeviceGuard guard(device);
     const auto ref = cuda::detail::stream_on(device);

@@ -39,8 +39,10 @@ public:
     //! Adds `w` unless it is already here, and shortens the deadline to `timeout` if that is shorter.
     void watch(DeviceWatch* w, std::chrono::milliseconds timeout) {
         if (!contains(w)) {
-            if (count_ < inline_watches) inline_[count_] = w;
-            else more_.push_back(w);
+            if (count_ < inline_watches)
+                inline_[count_] = w;
+            else
+                more_.push_back(w);
             ++count_;
         }
         timeout_ = std::min(timeout_, timeout);

@@ -31,8 +31,7 @@ public:
         if (decorated_.empty()) {
             try {
                 decorated_ = "[rank " + std::to_string(rank_) +
-                             (device_ >= 0 ? ", device " + std::to_string(device_) : std::string()) + "] " +
-                             message_;
+                             (device_ >= 0 ? ", device " + std::to_string(device_) : std::string()) + "] " + message_;
             } catch (...) {
                 return message_.c_str();
             }
@@ -51,31 +50,57 @@ private:
 };
 
 //! An argument or input the caller can fix (shape, size, value out of range).
-class InvalidArgument : public Error { using Error::Error; };
+class InvalidArgument : public Error {
+    using Error::Error;
+};
 //! A tensor's shape or layout does not match what the operation needs.
-class ShapeError : public InvalidArgument { using InvalidArgument::InvalidArgument; };
+class ShapeError : public InvalidArgument {
+    using InvalidArgument::InvalidArgument;
+};
 //! Replicas reached different collectives (different site, kind or element count).
-class CollectiveMismatch : public Error { using Error::Error; };
+class CollectiveMismatch : public Error {
+    using Error::Error;
+};
 //! A collective was abandoned because another replica failed or `abort()` was called.
-class CollectiveAborted : public Error { using Error::Error; };
+class CollectiveAborted : public Error {
+    using Error::Error;
+};
 //! A wait exceeded its timeout; the message names the ranks that never arrived.
-class Timeout : public Error { using Error::Error; };
+class Timeout : public Error {
+    using Error::Error;
+};
 //! A file could not be read or written, or its content is not what was expected.
-class IoError : public Error { using Error::Error; };
+class IoError : public Error {
+    using Error::Error;
+};
 //! A CUDA runtime, cuBLAS or NCCL call failed.
-class DeviceError : public Error { using Error::Error; };
+class DeviceError : public Error {
+    using Error::Error;
+};
 //! A device allocation failed: the message names the device, the bytes asked for and the bytes free.
-class OutOfMemory : public DeviceError { using DeviceError::DeviceError; };
+class OutOfMemory : public DeviceError {
+    using DeviceError::DeviceError;
+};
 //! The library was used in a way it does not support (wrong order of calls, missing backend).
-class UsageError : public Error { using Error::Error; };
+class UsageError : public Error {
+    using Error::Error;
+};
 //! A tensor is on another device than the operation runs on (another GPU, or another backend).
-class DeviceMismatch : public InvalidArgument { using InvalidArgument::InvalidArgument; };
+class DeviceMismatch : public InvalidArgument {
+    using InvalidArgument::InvalidArgument;
+};
 //! An operation the chosen backend does not implement yet; the message names the issue that adds it.
-class NotImplemented : public UsageError { using UsageError::UsageError; };
+class NotImplemented : public UsageError {
+    using UsageError::UsageError;
+};
 //! A training step produced a loss or gradient that is NaN or infinite; no replica applied it.
-class NonFinite : public Error { using Error::Error; };
+class NonFinite : public Error {
+    using Error::Error;
+};
 //! Replicas may differ: a step failed after some replica applied it. `DataParallel::resync()` mends it.
-class Diverged : public Error { using Error::Error; };
+class Diverged : public Error {
+    using Error::Error;
+};
 //! A replica did not finish its part of a call within the timeout after a peer failed or finished
 //! (see Note [stuck replicas] in runtime/replica_pool.hpp): the call gave up on it and left its
 //! thread running, so the `ReplicaPool` (and the `DataParallel`) that owns the thread refuses every
@@ -94,7 +119,9 @@ private:
 //! An exception that is not a `lockstep::Error`, thrown by code running on a replica (a layer, a
 //! loss, an optimizer, a job): `rank()` names the replica, `message()` is the original `what()`
 //! unchanged, and the original exception is nested (`std::rethrow_if_nested(e)` rethrows it).
-class ReplicaError : public Error { using Error::Error; };
+class ReplicaError : public Error {
+    using Error::Error;
+};
 
 namespace detail {
 
@@ -116,7 +143,8 @@ template <class E, class... Args>
 [[noreturn]] void raise(const char* expr, const char* file, int line, Args&&... args) {
     std::ostringstream os;
     if constexpr (sizeof...(Args) > 0) (os << ... << std::forward<Args>(args));
-    if (expr != nullptr) os << (sizeof...(Args) > 0 ? " " : "") << "(check `" << expr << "` failed at " << file << ':' << line << ')';
+    if (expr != nullptr)
+        os << (sizeof...(Args) > 0 ? " " : "") << "(check `" << expr << "` failed at " << file << ':' << line << ')';
     throw E(os.str());
 }
 
@@ -125,9 +153,9 @@ template <class E, class... Args>
 
 //! Throws `ErrorType` with the streamed message (optional), the failed expression, file and line
 //! when `cond` is false.
-#define LOCKSTEP_CHECK_AS(ErrorType, cond, ...)                                                    \
-    do {                                                                                             \
-        if (!(cond)) [[unlikely]]                                                                    \
+#define LOCKSTEP_CHECK_AS(ErrorType, cond, ...)                                                         \
+    do {                                                                                                \
+        if (!(cond)) [[unlikely]]                                                                       \
             ::lockstep::detail::raise<ErrorType>(#cond, __FILE__, __LINE__ __VA_OPT__(, ) __VA_ARGS__); \
     } while (0)
 

@@ -71,10 +71,10 @@ struct Allocator;
 //! Process-wide cache of freed host blocks, keyed by rounded size.
 class HostBlockCache {
 public:
-    static constexpr std::size_t alignment = 64;                  // a cache line: vector loads never split one
+    static constexpr std::size_t alignment = 64;                     // a cache line: vector loads never split one
     static constexpr std::size_t min_cached = std::size_t{1} << 16;  // small blocks: malloc is fast enough
-    static constexpr std::size_t cap = std::size_t{1} << 30;       // at most 1 GiB kept idle
-    static constexpr std::size_t huge_page = std::size_t{2} << 20;  // see Note [huge pages]
+    static constexpr std::size_t cap = std::size_t{1} << 30;         // at most 1 GiB kept idle
+    static constexpr std::size_t huge_page = std::size_t{2} << 20;   // see Note [huge pages]
 
     static HostBlockCache& instance() {
         // Never destroyed: a tensor with static storage may be freed after any static object's
@@ -223,8 +223,7 @@ public:
 
     //! Zero-filled tensor of `shape` on the calling thread's current device of the backend (the
     //! replica's device on a replica thread, see `current_host_device`).
-    explicit Tensor(Shape shape, MemoryFormat format = MemoryFormat::nchw)
-        : Tensor(shape, format, alloc::current_device()) {}
+    explicit Tensor(Shape shape, MemoryFormat format = MemoryFormat::nchw) : Tensor(shape, format, alloc::current_device()) {}
 
     //! Zero-filled tensor of `shape` on `device`.
     Tensor(Shape shape, MemoryFormat format, Device device) : Tensor(shape, format, device, uninitialized) {
@@ -232,8 +231,7 @@ public:
     }
 
     //! Tensor of `shape` whose elements are left unset; for outputs that are written in full.
-    Tensor(Shape shape, MemoryFormat format, Device device, Uninitialized)
-        : shape_(shape), format_(format), device_(device) {
+    Tensor(Shape shape, MemoryFormat format, Device device, Uninitialized) : shape_(shape), format_(format), device_(device) {
         check_layout();
         data_ = static_cast<T*>(alloc::allocate(bytes(), device_));
     }
@@ -329,7 +327,9 @@ public:
     const T* data() const noexcept { return data_; }
 
     //! Whole storage as a span (host tensors).
-    std::span<T> span() noexcept requires(B::device_kind == Device::Kind::host) { return {data_, static_cast<std::size_t>(numel())}; }
+    std::span<T> span() noexcept requires(B::device_kind == Device::Kind::host) {
+        return {data_, static_cast<std::size_t>(numel())};
+    }
     std::span<const T> span() const noexcept requires(B::device_kind == Device::Kind::host) {
         return {data_, static_cast<std::size_t>(numel())};
     }
@@ -358,9 +358,7 @@ public:
     }
 
     //! A host copy (of a host tensor too), for reading values on the host.
-    Tensor<T, Host> to_host() const {
-        return to<Host>(B::device_kind == Device::Kind::host ? device_ : current_host_device());
-    }
+    Tensor<T, Host> to_host() const { return to<Host>(B::device_kind == Device::Kind::host ? device_ : current_host_device()); }
 
     //! Overwrites this tensor's elements with `src`'s, which may live on any backend and device;
     //! shapes and formats must match.
@@ -419,14 +417,14 @@ private:
     Shape shape_{0};  // a default tensor is empty, not a scalar
     MemoryFormat format_ = MemoryFormat::nchw;
     Device device_{device_kind_of<B>(), 0};  // no storage: where it would live does not matter
-    bool owned_ = true;  // false for a view: the memory is someone else's
+    bool owned_ = true;                      // false for a view: the memory is someone else's
 };
 
 //! Host tensor holding a copy of `values` with `shape`.
 template <class T>
 Tensor<T, Host> make_tensor(Shape shape, std::span<const T> values, MemoryFormat format = MemoryFormat::nchw) {
-    LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(values.size()) == shape.numel(), "shape ", shape,
-                      " holds ", shape.numel(), " elements but ", values.size(), " values were given");
+    LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(values.size()) == shape.numel(), "shape ", shape, " holds ",
+                      shape.numel(), " elements but ", values.size(), " values were given");
     Tensor<T, Host> t(shape, format);
     if (!values.empty()) std::memcpy(t.data(), values.data(), values.size() * sizeof(T));
     return t;

@@ -75,8 +75,7 @@ constexpr std::int64_t block_rows = 32;  // channels-last rows per fp64 flush
 
 // s += sum(p - k), q += sum((p - k)^2) over p[0, len).
 template <int W>
-LOCKSTEP_KERNEL_INLINE void stats_run(const float* LOCKSTEP_RESTRICT p, std::int64_t len, float k, double& s,
-                                      double& q) {
+LOCKSTEP_KERNEL_INLINE void stats_run(const float* LOCKSTEP_RESTRICT p, std::int64_t len, float k, double& s, double& q) {
     using V = vec<W>;
     constexpr std::int64_t step = chains * W;
     const V kv = V{} + k;
@@ -108,8 +107,8 @@ LOCKSTEP_KERNEL_INLINE void stats_run(const float* LOCKSTEP_RESTRICT p, std::int
 
 // sdy += sum(dy), sdyx += sum(dy * (x - m)) over [0, len).
 template <int W>
-LOCKSTEP_KERNEL_INLINE void grad_run(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
-                                     std::int64_t len, float m, double& sdy, double& sdyx) {
+LOCKSTEP_KERNEL_INLINE void grad_run(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, std::int64_t len,
+                                     float m, double& sdy, double& sdyx) {
     using V = vec<W>;
     constexpr std::int64_t step = chains * W;
     const V mv = V{} + m;
@@ -148,9 +147,8 @@ LOCKSTEP_KERNEL_INLINE void grad_run(const float* LOCKSTEP_RESTRICT x, const flo
 // in order.
 //   Stats: a += sum(x - k), b += sum((x - k)^2).   Grad: a += sum(dy), b += sum(dy * (x - m)).
 template <int W>
-LOCKSTEP_KERNEL_INLINE void stats_rows(const float* LOCKSTEP_RESTRICT x, std::int64_t C, std::int64_t r0,
-                                       std::int64_t r1, const float* LOCKSTEP_RESTRICT k, float* LOCKSTEP_RESTRICT a,
-                                       float* LOCKSTEP_RESTRICT b) {
+LOCKSTEP_KERNEL_INLINE void stats_rows(const float* LOCKSTEP_RESTRICT x, std::int64_t C, std::int64_t r0, std::int64_t r1,
+                                       const float* LOCKSTEP_RESTRICT k, float* LOCKSTEP_RESTRICT a, float* LOCKSTEP_RESTRICT b) {
     using V = vec<W>;
     const std::int64_t cv = C - C % W;  // channels covered by whole vectors
     for (std::int64_t r = r0; r < r1; ++r) {
@@ -169,10 +167,9 @@ LOCKSTEP_KERNEL_INLINE void stats_rows(const float* LOCKSTEP_RESTRICT x, std::in
 }
 
 template <int W>
-LOCKSTEP_KERNEL_INLINE void grad_rows(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
-                                      std::int64_t C, std::int64_t r0, std::int64_t r1,
-                                      const float* LOCKSTEP_RESTRICT m, float* LOCKSTEP_RESTRICT a,
-                                      float* LOCKSTEP_RESTRICT b) {
+LOCKSTEP_KERNEL_INLINE void grad_rows(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, std::int64_t C,
+                                      std::int64_t r0, std::int64_t r1, const float* LOCKSTEP_RESTRICT m,
+                                      float* LOCKSTEP_RESTRICT a, float* LOCKSTEP_RESTRICT b) {
     using V = vec<W>;
     const std::int64_t cv = C - C % W;
     for (std::int64_t r = r0; r < r1; ++r) {
@@ -193,8 +190,8 @@ LOCKSTEP_KERNEL_INLINE void grad_rows(const float* LOCKSTEP_RESTRICT x, const fl
 // ---- whole-tensor kernels, one template per ISA ----
 
 template <int W>
-LOCKSTEP_KERNEL_INLINE void local_sums(const float* LOCKSTEP_RESTRICT x, const BnGeometry& g,
-                                       const float* LOCKSTEP_RESTRICT k, double* S, double* Q, float* scratch) {
+LOCKSTEP_KERNEL_INLINE void local_sums(const float* LOCKSTEP_RESTRICT x, const BnGeometry& g, const float* LOCKSTEP_RESTRICT k,
+                                       double* S, double* Q, float* scratch) {
     const std::int64_t C = g.channels;
     if (!g.channels_last) {
         for (std::int64_t n = 0; n < g.batch; ++n)
@@ -215,9 +212,9 @@ LOCKSTEP_KERNEL_INLINE void local_sums(const float* LOCKSTEP_RESTRICT x, const B
 }
 
 template <int W>
-LOCKSTEP_KERNEL_INLINE void normalize_all(const float* LOCKSTEP_RESTRICT x, float* LOCKSTEP_RESTRICT y,
-                                          const BnGeometry& g, const float* LOCKSTEP_RESTRICT hi,
-                                          const float* LOCKSTEP_RESTRICT scale, const float* LOCKSTEP_RESTRICT shift) {
+LOCKSTEP_KERNEL_INLINE void normalize_all(const float* LOCKSTEP_RESTRICT x, float* LOCKSTEP_RESTRICT y, const BnGeometry& g,
+                                          const float* LOCKSTEP_RESTRICT hi, const float* LOCKSTEP_RESTRICT scale,
+                                          const float* LOCKSTEP_RESTRICT shift) {
     const std::int64_t C = g.channels;
     if (g.channels_last) {
         // Row after row, front to back; the constants are re-read from L1.
@@ -238,9 +235,8 @@ LOCKSTEP_KERNEL_INLINE void normalize_all(const float* LOCKSTEP_RESTRICT x, floa
 }
 
 template <int W>
-LOCKSTEP_KERNEL_INLINE void grad_sums(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy,
-                                      const BnGeometry& g, const float* LOCKSTEP_RESTRICT hi, double* A, double* B,
-                                      float* scratch) {
+LOCKSTEP_KERNEL_INLINE void grad_sums(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, const BnGeometry& g,
+                                      const float* LOCKSTEP_RESTRICT hi, double* A, double* B, float* scratch) {
     const std::int64_t C = g.channels;
     if (!g.channels_last) {
         for (std::int64_t n = 0; n < g.batch; ++n)
@@ -266,10 +262,9 @@ LOCKSTEP_KERNEL_INLINE void grad_sums(const float* LOCKSTEP_RESTRICT x, const fl
 // before it is written, at the same index, so x and dx are not restrict-qualified and the loops
 // use explicit vectors rather than rely on the compiler's alias checks.
 template <int W>
-LOCKSTEP_KERNEL_INLINE void grad_input(const float* x, const float* LOCKSTEP_RESTRICT dy, float* dx,
-                                       const BnGeometry& g, const float* LOCKSTEP_RESTRICT hi,
-                                       const float* LOCKSTEP_RESTRICT a, const float* LOCKSTEP_RESTRICT b,
-                                       const float* LOCKSTEP_RESTRICT c3) {
+LOCKSTEP_KERNEL_INLINE void grad_input(const float* x, const float* LOCKSTEP_RESTRICT dy, float* dx, const BnGeometry& g,
+                                       const float* LOCKSTEP_RESTRICT hi, const float* LOCKSTEP_RESTRICT a,
+                                       const float* LOCKSTEP_RESTRICT b, const float* LOCKSTEP_RESTRICT c3) {
     using V = vec<W>;
     const std::int64_t C = g.channels;
     if (g.channels_last) {
@@ -277,13 +272,12 @@ LOCKSTEP_KERNEL_INLINE void grad_input(const float* x, const float* LOCKSTEP_RES
         for (std::int64_t r = 0; r < g.rows(); ++r) {
             const std::int64_t off = r * C;
             for (std::int64_t c = 0; c < cv; c += W) {
-                const V v = LOCKSTEP_VLOAD(a + c) * LOCKSTEP_VLOAD(dy + off + c) +
-                            ((LOCKSTEP_VLOAD(x + off + c) - LOCKSTEP_VLOAD(hi + c)) * LOCKSTEP_VLOAD(b + c) +
-                             LOCKSTEP_VLOAD(c3 + c));
+                const V v =
+                    LOCKSTEP_VLOAD(a + c) * LOCKSTEP_VLOAD(dy + off + c) +
+                    ((LOCKSTEP_VLOAD(x + off + c) - LOCKSTEP_VLOAD(hi + c)) * LOCKSTEP_VLOAD(b + c) + LOCKSTEP_VLOAD(c3 + c));
                 LOCKSTEP_VSTORE(dx + off + c, v);
             }
-            for (std::int64_t c = cv; c < C; ++c)
-                dx[off + c] = bn::backward(dy[off + c], x[off + c], hi[c], a[c], b[c], c3[c]);
+            for (std::int64_t c = cv; c < C; ++c) dx[off + c] = bn::backward(dy[off + c], x[off + c], hi[c], a[c], b[c], c3[c]);
         }
         return;
     }
@@ -293,10 +287,8 @@ LOCKSTEP_KERNEL_INLINE void grad_input(const float* x, const float* LOCKSTEP_RES
             const std::int64_t off = (n * C + c) * P;
             const V h = V{} + hi[c], ka = V{} + a[c], kb = V{} + b[c], kc = V{} + c3[c];
             for (std::int64_t i = 0; i < pv; i += W)
-                LOCKSTEP_VSTORE(dx + off + i,
-                                ka * LOCKSTEP_VLOAD(dy + off + i) + ((LOCKSTEP_VLOAD(x + off + i) - h) * kb + kc));
-            for (std::int64_t i = pv; i < P; ++i)
-                dx[off + i] = bn::backward(dy[off + i], x[off + i], hi[c], a[c], b[c], c3[c]);
+                LOCKSTEP_VSTORE(dx + off + i, ka * LOCKSTEP_VLOAD(dy + off + i) + ((LOCKSTEP_VLOAD(x + off + i) - h) * kb + kc));
+            for (std::int64_t i = pv; i < P; ++i) dx[off + i] = bn::backward(dy[off + i], x[off + i], hi[c], a[c], b[c], c3[c]);
         }
 }
 
@@ -304,21 +296,20 @@ LOCKSTEP_KERNEL_INLINE void grad_input(const float* x, const float* LOCKSTEP_RES
 // name_avx512 (x86-64) around name<W>; `LOCKSTEP_SIMD_CALL(name, ...)` calls the one that
 // simd::active() names.
 #if LOCKSTEP_SIMD_X86
-#define LOCKSTEP_SIMD_VARIANTS(name)                                                         \
-    template <class... A>                                                                    \
-    [[gnu::target("avx2,fma")]] inline void name##_avx2(A... args) {                         \
-        name<8>(args...);                                                                    \
-    }                                                                                        \
-    template <class... A>                                                                    \
-    [[gnu::target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]] inline void name##_avx512( \
-        A... args) {                                                                         \
-        name<16>(args...);                                                                   \
+#define LOCKSTEP_SIMD_VARIANTS(name)                                                                      \
+    template <class... A>                                                                                 \
+    [[gnu::target("avx2,fma")]] inline void name##_avx2(A... args) {                                      \
+        name<8>(args...);                                                                                 \
+    }                                                                                                     \
+    template <class... A>                                                                                 \
+    [[gnu::target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]] inline void name##_avx512(A... args) { \
+        name<16>(args...);                                                                                \
     }
-#define LOCKSTEP_SIMD_CALL(name, ...)                                     \
-    switch (simd::active()) {                                             \
+#define LOCKSTEP_SIMD_CALL(name, ...)                                        \
+    switch (simd::active()) {                                                \
         case simd::Level::avx512: return detail::name##_avx512(__VA_ARGS__); \
         case simd::Level::avx2: return detail::name##_avx2(__VA_ARGS__);     \
-        default: return detail::name<4>(__VA_ARGS__);                     \
+        default: return detail::name<4>(__VA_ARGS__);                        \
     }
 #else
 #define LOCKSTEP_SIMD_VARIANTS(name)
@@ -365,8 +356,7 @@ inline void bn_normalize(const float* LOCKSTEP_RESTRICT x, float* LOCKSTEP_RESTR
 
 //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C doubles) of the local batch.
 inline void bn_backward_sums(const float* LOCKSTEP_RESTRICT x, const float* LOCKSTEP_RESTRICT dy, const BnGeometry& g,
-                             const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT mean_lo,
-                             double* payload) {
+                             const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT mean_lo, double* payload) {
     const std::int64_t C = g.channels;
     const bn::BackwardPayload layout{C};
     double* A = payload + layout.sum_dy(0);
@@ -379,8 +369,8 @@ inline void bn_backward_sums(const float* LOCKSTEP_RESTRICT x, const float* LOCK
 
 //! dx = a_c * dy + b_c * (x - hi_c) + c_c over the whole batch (see `bn::backward_constants`).
 //! `dx` may be `x` (in place); otherwise the two must not overlap.
-inline void bn_backward_dx(const float* x, const float* LOCKSTEP_RESTRICT dy, float* dx,
-                           const BnGeometry& g, const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT a,
+inline void bn_backward_dx(const float* x, const float* LOCKSTEP_RESTRICT dy, float* dx, const BnGeometry& g,
+                           const float* LOCKSTEP_RESTRICT mean_hi, const float* LOCKSTEP_RESTRICT a,
                            const float* LOCKSTEP_RESTRICT b, const float* LOCKSTEP_RESTRICT c) {
     LOCKSTEP_SIMD_CALL(grad_input, x, dy, dx, g, mean_hi, a, b, c)
 }

@@ -110,9 +110,7 @@ LOCKSTEP_HD inline NormalizeConstants normalize_constants(double mean, double in
 }
 
 //! y of one element. The difference comes first so a large mean cancels exactly before scaling.
-LOCKSTEP_HD inline float normalize(float x, float mean_hi, float scale, float shift) {
-    return (x - mean_hi) * scale + shift;
-}
+LOCKSTEP_HD inline float normalize(float x, float mean_hi, float scale, float shift) { return (x - mean_hi) * scale + shift; }
 
 //! sum(dy * (x - mean)) from sum(dy * (x - mean_hi)) and sum(dy), in fp64.
 LOCKSTEP_HD inline double centred_sum(double sum_dy_xhi, double sum_dy, float mean_lo) {
@@ -128,8 +126,8 @@ struct BackwardConstants {
 //! dx = gamma * invstd * (dy - sum(dy)/N - (x - mean) * invstd^2 * sum(dy * (x - mean))/N),
 //! expanded about mean_hi: a = gamma * invstd, b = -a * k2, c = a * (k2 * mean_lo - sum(dy)/N)
 //! with k2 = invstd^2 * sum(dy * (x - mean))/N, all in fp64.
-LOCKSTEP_HD inline BackwardConstants backward_constants(double n, double sum_dy, double sum_dy_xmu, double mean,
-                                                        double invstd, double gamma) {
+LOCKSTEP_HD inline BackwardConstants backward_constants(double n, double sum_dy, double sum_dy_xmu, double mean, double invstd,
+                                                        double gamma) {
     const float hi = static_cast<float>(mean);
     const double lo = mean - static_cast<double>(hi);
     const double a = gamma * invstd;

@@ -26,8 +26,8 @@ struct BatchNormOps {
     //! Forward payload [S | Q | n] (2C+1) of the local batch about the running mean `shift` (null:
     //! zero); leaves the shift in `k` for the normalize kernel's finish.
     template <class T>
-    static void bn_local_stats(const Ex& ex, const T_<T>& x, const BnGeometry& g, const T_<float>* shift,
-                               BnConstants<Cuda>& k, T_<double>& payload) {
+    static void bn_local_stats(const Ex& ex, const T_<T>& x, const BnGeometry& g, const T_<float>* shift, BnConstants<Cuda>& k,
+                               T_<double>& payload) {
         check_on(ex, x.device(), "SyncBatchNorm's input");
         if (k.shift.numel() != g.channels || k.shift.device() != x.device())
             k.shift = T_<float>(Shape{g.channels}, MemoryFormat::nchw, x.device());
@@ -61,8 +61,8 @@ struct BatchNormOps {
         k.pending.reset();
         auto run = runner(ex);
         device::bn_kernels::eval_constants(run, running_mean.numel(), running_mean.data(), running_var.data(), eps,
-                                           weight != nullptr ? weight->data() : nullptr,
-                                           bias != nullptr ? bias->data() : nullptr, k.stats.data(), k.folded.data());
+                                           weight != nullptr ? weight->data() : nullptr, bias != nullptr ? bias->data() : nullptr,
+                                           k.stats.data(), k.folded.data());
     }
 
     //! y = the normalized x, after the pending finish if there is one; with `relu`, y = max(0, y)
@@ -79,7 +79,8 @@ struct BatchNormOps {
             return;
         }
         const auto& p = *k.pending;
-        LOCKSTEP_CHECK_AS(UsageError, k.shift.numel() == g.channels, "SyncBatchNorm on CUDA: a training forward's "
+        LOCKSTEP_CHECK_AS(UsageError, k.shift.numel() == g.channels,
+                          "SyncBatchNorm on CUDA: a training forward's "
                           "normalize ran without its statistics pass (bn_local_stats) before it");
         device::bn_kernels::FinishRequest f;
         f.payload = p.payload;
@@ -91,18 +92,18 @@ struct BatchNormOps {
         f.cumulative = !p.momentum.has_value();
         f.momentum = p.momentum.value_or(0.0);
         k.pending.reset();
-        device::bn_kernels::forward_normalize(run, x.data(), y.data(), g, &f, p.weight, p.bias, k.stats.data(),
-                                              k.folded.data(), relu, m);
+        device::bn_kernels::forward_normalize(run, x.data(), y.data(), g, &f, p.weight, p.bias, k.stats.data(), k.folded.data(),
+                                              relu, m);
     }
     //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; `mask` (may be
     //! null) zeroes dy where the fused ReLU's output was not positive.
     template <class T>
-    static void bn_backward_sums(const Ex& ex, const T_<T>& x, const T_<T>& dy, const T_<std::uint8_t>* mask,
-                                 const BnGeometry& g, const BnConstants<Cuda>& k, T_<double>& payload) {
+    static void bn_backward_sums(const Ex& ex, const T_<T>& x, const T_<T>& dy, const T_<std::uint8_t>* mask, const BnGeometry& g,
+                                 const BnConstants<Cuda>& k, T_<double>& payload) {
         check_on(ex, dy.device(), "SyncBatchNorm's dy");
         auto run = runner(ex);
-        device::bn_kernels::backward_sums(run, x.data(), dy.data(), mask != nullptr ? mask->data() : nullptr, g,
-                                          k.folded.data(), payload.data());
+        device::bn_kernels::backward_sums(run, x.data(), dy.data(), mask != nullptr ? mask->data() : nullptr, g, k.folded.data(),
+                                          payload.data());
     }
 
     //! weight_grad += sum(dy * xhat), bias_grad += sum(dy) from the local backward payload.
@@ -118,8 +119,8 @@ struct BatchNormOps {
     static void bn_backward_dx(const Ex& ex, const T_<double>& payload, const BnConstants<Cuda>& k, const T_<float>* weight,
                                T_<T>& x_to_dx, const T_<T>& dy, const T_<std::uint8_t>* mask, const BnGeometry& g) {
         auto run = runner(ex);
-        device::bn_kernels::backward_dx(run, x_to_dx.data(), dy.data(), mask != nullptr ? mask->data() : nullptr,
-                                        x_to_dx.data(), g, payload.data(), k.stats.data(), k.folded.data(),
+        device::bn_kernels::backward_dx(run, x_to_dx.data(), dy.data(), mask != nullptr ? mask->data() : nullptr, x_to_dx.data(),
+                                        g, payload.data(), k.stats.data(), k.folded.data(),
                                         weight != nullptr ? weight->data() : nullptr);
     }
 
@@ -139,9 +140,7 @@ private:
     };
     static Runner runner(const Ex& ex) { return Runner(ex); }
 
-    static void check_on(const Ex& ex, const Device& got, const char* what) {
-        check_device(Device::cuda(ex.device), got, what);
-    }
+    static void check_on(const Ex& ex, const Device& got, const char* what) { check_device(Device::cuda(ex.device), got, what); }
 };
 
 }  // namespace lockstep::kernels::cuda_ops

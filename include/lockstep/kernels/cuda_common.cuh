@@ -36,12 +36,12 @@ inline const char* cublas_status_name(cublasStatus_t s) {
 }  // namespace lockstep::cuda::detail
 
 //! Throws `lockstep::DeviceError` when a cuBLAS call fails.
-#define LOCKSTEP_CUBLAS_CHECK(expr)                                                                 \
-    do {                                                                                              \
-        const cublasStatus_t lockstep_st_ = (expr);                                                   \
-        if (lockstep_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                       \
-            ::lockstep::cuda::detail::raise("cuBLAS", static_cast<int>(lockstep_st_),               \
-                                            ::lockstep::cuda::detail::cublas_status_name(lockstep_st_), \
+#define LOCKSTEP_CUBLAS_CHECK(expr)                                                                          \
+    do {                                                                                                     \
+        const cublasStatus_t lockstep_st_ = (expr);                                                          \
+        if (lockstep_st_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                              \
+            ::lockstep::cuda::detail::raise("cuBLAS", static_cast<int>(lockstep_st_),                        \
+                                            ::lockstep::cuda::detail::cublas_status_name(lockstep_st_),      \
                                             cublasGetStatusString(lockstep_st_), #expr, __FILE__, __LINE__); \
     } while (0)
 
@@ -53,7 +53,8 @@ using T_ = Tensor<T, Cuda>;
 
 //! The replica's scratch for reducing kernels (Note [kernels proven on the host]).
 inline device::Scratch scratch(const Ex& ex) {
-    LOCKSTEP_CHECK_AS(UsageError, ex.scratch.counters != nullptr, "a CUDA operation ran without its replica's scratch; "
+    LOCKSTEP_CHECK_AS(UsageError, ex.scratch.counters != nullptr,
+                      "a CUDA operation ran without its replica's scratch; "
                       "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
     return ex.scratch;
 }

@@ -28,8 +28,10 @@ namespace lk = device::layer_kernels;
 //! is the thread's current one, so tensors made meanwhile are allocated, and freed, in the
 //! stream's order.
 struct LayerRun : device::DeviceRun {
-    explicit LayerRun(const Ex& ex) : device_guard(ex.device), stream_guard(ex.stream, ex.device, ex.stream_owner), blas(ex.blas) {
-        LOCKSTEP_CHECK_AS(UsageError, ex.blas != nullptr, "a CUDA layer operation ran without its replica's cuBLAS handle; "
+    explicit LayerRun(const Ex& ex)
+        : device_guard(ex.device), stream_guard(ex.stream, ex.device, ex.stream_owner), blas(ex.blas) {
+        LOCKSTEP_CHECK_AS(UsageError, ex.blas != nullptr,
+                          "a CUDA layer operation ran without its replica's cuBLAS handle; "
                           "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
         stream = ex.stream;
         device = device_info(ex.device);
@@ -40,7 +42,8 @@ struct LayerRun : device::DeviceRun {
     void gemm(const lk::GemmCall& c) {
         const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
         if (c.batch == 1)
-            LOCKSTEP_CUBLAS_CHECK(cublasSgemm(blas, ta, tb, c.m, c.n, c.k, &c.alpha, c.a, c.lda, c.b, c.ldb, &c.beta, c.c, c.ldc));
+            LOCKSTEP_CUBLAS_CHECK(
+                cublasSgemm(blas, ta, tb, c.m, c.n, c.k, &c.alpha, c.a, c.lda, c.b, c.ldb, &c.beta, c.c, c.ldc));
         else
             LOCKSTEP_CUBLAS_CHECK(cublasSgemmStridedBatched(blas, ta, tb, c.m, c.n, c.k, &c.alpha, c.a, c.lda, c.stride_a, c.b,
                                                             c.ldb, c.stride_b, &c.beta, c.c, c.ldc, c.stride_c, c.batch));
@@ -93,7 +96,8 @@ public:
     LabelStaging& operator=(const LabelStaging&) = delete;
     ~LabelStaging() {
         int previous = 0;
-        const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ && cudaSetDevice(device_) == cudaSuccess;
+        const bool switched =
+            cudaGetDevice(&previous) == cudaSuccess && previous != device_ && cudaSetDevice(device_) == cudaSuccess;
         for (Slot& s : slots_) {
             if (s.done != nullptr) {
                 try {  // its copy has read the slot before the slot goes
@@ -122,8 +126,10 @@ public:
         if (labels.empty()) return;
         Slot& s = slots_[static_cast<std::size_t>(next_)];
         next_ = (next_ + 1) % slots;
-        if (s.done == nullptr) LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
-        else cuda::wait_event(s.done, "the previous upload of labels");  // the slot's last copy has read it
+        if (s.done == nullptr)
+            LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+        else
+            cuda::wait_event(s.done, "the previous upload of labels");  // the slot's last copy has read it
         if (s.capacity < labels.size()) {
             if (s.host != nullptr) LOCKSTEP_CUDA_CHECK(cudaFreeHost(s.host));
             s.host = nullptr;
@@ -193,7 +199,8 @@ struct LayerOps {
     static void clip_to_norm(const Ex& ex, T_<float>& t, const T_<double>& sum_squares, double max_norm) {
         layer_detail::check_on(ex, t, "clip_to_norm's tensor");
         layer_detail::check_on(ex, sum_squares, "clip_to_norm's sum of squares");
-        LOCKSTEP_CHECK_AS(ShapeError, sum_squares.numel() >= 1, "clip_to_norm on CUDA needs the sum of squares, got an empty tensor");
+        LOCKSTEP_CHECK_AS(ShapeError, sum_squares.numel() >= 1,
+                          "clip_to_norm on CUDA needs the sum of squares, got an empty tensor");
         layer_detail::LayerRun run(ex);
         device::layer_kernels::clip_to_norm(run, t.data(), t.numel(), sum_squares.data(), max_norm);
     }
@@ -317,10 +324,11 @@ struct LayerOps {
     static void softmax_cross_entropy(const Ex& ex, const T_<float>& logits, std::span<const std::int64_t> labels,
                                       double inv_count, T_<float>& grad, T_<double>& totals) {
         layer_detail::check_on(ex, logits, "softmax_cross_entropy's logits");
-        LOCKSTEP_CHECK_AS(ShapeError, logits.rank() == 2, "softmax_cross_entropy on CUDA takes (N, K) logits, got rank ", logits.rank());
+        LOCKSTEP_CHECK_AS(ShapeError, logits.rank() == 2, "softmax_cross_entropy on CUDA takes (N, K) logits, got rank ",
+                          logits.rank());
         const std::int64_t N = logits.dim(0), K = logits.dim(1);
-        LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(labels.size()) == N, "softmax_cross_entropy on CUDA: ",
-                          labels.size(), " labels for ", N, " samples");
+        LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(labels.size()) == N,
+                          "softmax_cross_entropy on CUDA: ", labels.size(), " labels for ", N, " samples");
         layer_detail::check_numel(grad, N * K, "softmax_cross_entropy", "grad");
         layer_detail::check_numel(totals, 2, "softmax_cross_entropy", "totals");
         layer_detail::LayerRun run(ex);
@@ -373,8 +381,8 @@ struct LayerOps {
                 layer_detail::check_on(ex, *it.momentum, "sgd_step_many's momentum buffer");
                 layer_detail::check_numel(*it.momentum, it.value->numel(), "sgd_step_many", "a momentum buffer");
             }
-            entries.push_back({it.value->data(), it.grad->data(), momentum ? it.momentum->data() : nullptr, it.value->numel(),
-                               it.first});
+            entries.push_back(
+                {it.value->data(), it.grad->data(), momentum ? it.momentum->data() : nullptr, it.value->numel(), it.first});
         }
         layer_detail::LayerRun run(ex);
         device::layer_kernels::sgd_step_many(run, entries, u);

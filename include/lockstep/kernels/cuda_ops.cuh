@@ -59,7 +59,8 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 LOCKSTEP_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
                 LOCKSTEP_CUDA_CHECK(cudaMalloc(&scratch, device::ScratchLayout::total_bytes));
                 scratch_view = device::ScratchLayout::view(scratch);
-                LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(scratch_view.counters, 0, device::ScratchLayout::counter_bytes, stream.get()));
+                LOCKSTEP_CUDA_CHECK(
+                    cudaMemsetAsync(scratch_view.counters, 0, device::ScratchLayout::counter_bytes, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasCreate(&blas));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetStream(blas, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
@@ -148,7 +149,8 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
         LOCKSTEP_CHECK_AS(DeviceMismatch, gpus > 0, "DataParallel on CUDA found no GPU; use the host backend");
         LOCKSTEP_CHECK_AS(NotImplemented, replicas <= gpus || gpus == 1, replicas, " replicas over ", gpus,
                           " GPUs would put two on some GPUs and one on others, which a replica group does not "
-                          "take; use at most ", gpus, " replicas, or list the devices (all on one GPU: cuda:0, cuda:0, ...)");
+                          "take; use at most ",
+                          gpus, " replicas, or list the devices (all on one GPU: cuda:0, cuda:0, ...)");
         std::vector<Device> d;
         for (int r = 0; r < replicas; ++r) d.push_back(Device::cuda(r % gpus));
         return d;
@@ -186,15 +188,18 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     static std::vector<T> to_vector(const Ex& ex, const T_<T>& t) {
         std::vector<T> out(static_cast<std::size_t>(t.numel()));
         if (!out.empty())
-            cuda::read_to_host(out.data(), t.data(), t.bytes(), ex.stream, [&] { wait(ex, "reading a step's results from the device"); });
+            cuda::read_to_host(out.data(), t.data(), t.bytes(), ex.stream,
+                               [&] { wait(ex, "reading a step's results from the device"); });
         return out;
     }
 
     //! The caller's input has been read (its copies are enqueued on the replica's stream): record
     //! the point `wait_inputs_read` waits for.
     static void mark_inputs_read(const Ex& ex) {
-        if (ex.inputs_read_event != nullptr) LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.inputs_read_event, ex.stream));
-        else wait(ex, "copying the caller's input");  // an execution made by hand: wait now
+        if (ex.inputs_read_event != nullptr)
+            LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.inputs_read_event, ex.stream));
+        else
+            wait(ex, "copying the caller's input");  // an execution made by hand: wait now
     }
     //! Waits (bounded, see `wait`) until the copies marked by `mark_inputs_read` have run, so the
     //! caller may free or refill its input.

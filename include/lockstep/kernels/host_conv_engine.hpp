@@ -52,8 +52,8 @@ struct HostConvEngine {
     void (*enter_thread)() = nullptr;
     //! C = op(A) op(B) + beta C, row-major float (as blas::gemm, alpha 1): the linear layers'
     //! products (Note [oneDNN matmul for linear layers]).
-    bool (*gemm)(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
-                 std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) = nullptr;
+    bool (*gemm)(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                 const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) = nullptr;
 };
 
 inline HostConvEngine& host_conv_engine() {

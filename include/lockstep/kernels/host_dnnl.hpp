@@ -124,11 +124,11 @@ struct Plan {
         user_src = {{g.batch, g.in_channels, g.height, g.width}, dt::f32, act};
         user_wei = {{g.out_channels, g.in_channels, g.kernel, g.kernel}, dt::f32, tag::oihw};
         user_dst = {{g.batch, g.out_channels, g.out_height(), g.out_width()}, dt::f32, act};
-        const auto fd = bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg(), any(user_src),
-                                                               any(user_wei), bias_desc(), any(user_dst), strides(), pads(),
-                                                               pads())
-                             : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg(), any(user_src),
-                                                               any(user_wei), any(user_dst), strides(), pads(), pads());
+        const auto fd =
+            bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg(), any(user_src), any(user_wei),
+                                                   bias_desc(), any(user_dst), strides(), pads(), pads())
+                 : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg(), any(user_src), any(user_wei),
+                                                   any(user_dst), strides(), pads(), pads());
         fwd_pd = dnnl::convolution_forward::primitive_desc(fd, attr(), engine());
         check(fwd_pd.impl_info_str());
         fwd = dnnl::convolution_forward(fwd_pd);
@@ -229,7 +229,8 @@ inline void forward(Plan& p, const float* x, const float* weight, const float* b
                                                {DNNL_ARG_WEIGHTS, p.weights.in(s, weight)},
                                                {DNNL_ARG_DST, p.dst.target(y)},
                                                {DNNL_ARG_SCRATCHPAD, p.scratch_mem}};
-    if (p.bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory({{p.g.out_channels}, dt::f32, tag::x}, engine(), const_cast<float*>(bias)));
+    if (p.bias)
+        args.emplace(DNNL_ARG_BIAS, dnnl::memory({{p.g.out_channels}, dt::f32, tag::x}, engine(), const_cast<float*>(bias)));
     p.fwd.execute(s, args);
     p.dst.out(s);
     s.wait();
@@ -253,7 +254,8 @@ inline void backward(Plan& p, const float* x, const float* dy, const float* weig
         {DNNL_ARG_DIFF_DST, p.bw_reuses_diff_dst ? staged_dy : p.bw_diff_dst.in(s, dy)},
         {DNNL_ARG_DIFF_WEIGHTS, p.bw_diff_weights.target(p.diff_weights.data())},
         {DNNL_ARG_SCRATCHPAD, p.scratch_mem}};
-    if (p.bias) args.emplace(DNNL_ARG_DIFF_BIAS, dnnl::memory({{p.g.out_channels}, dt::f32, tag::x}, engine(), p.diff_bias.data()));
+    if (p.bias)
+        args.emplace(DNNL_ARG_DIFF_BIAS, dnnl::memory({{p.g.out_channels}, dt::f32, tag::x}, engine(), p.diff_bias.data()));
     p.bwd_weights.execute(s, args);
     p.bw_diff_weights.out(s);
     s.wait();
@@ -266,9 +268,9 @@ inline void backward(Plan& p, const float* x, const float* dy, const float* weig
 
 [[noreturn]] inline void rethrow(const dnnl::error& e, const ConvGeometry& g) {
     throw Error(std::string("oneDNN convolution of input (") + std::to_string(g.batch) + ", " + std::to_string(g.in_channels) +
-                ", " + std::to_string(g.height) + ", " + std::to_string(g.width) + ") " +
-                (g.channels_last ? "NHWC" : "NCHW") + ", kernel " + std::to_string(g.kernel) + ", stride " +
-                std::to_string(g.stride) + ", padding " + std::to_string(g.padding) + " failed: " + e.what());
+                ", " + std::to_string(g.height) + ", " + std::to_string(g.width) + ") " + (g.channels_last ? "NHWC" : "NCHW") +
+                ", kernel " + std::to_string(g.kernel) + ", stride " + std::to_string(g.stride) + ", padding " +
+                std::to_string(g.padding) + " failed: " + e.what());
 }
 
 inline bool forward_hook(detail::FreshOnCopy& state, const ConvGeometry& g, const float* x, const float* weight,
@@ -283,8 +285,8 @@ inline bool forward_hook(detail::FreshOnCopy& state, const ConvGeometry& g, cons
     }
 }
 
-inline bool backward_hook(detail::FreshOnCopy& state, const ConvGeometry& g, const float* x, const float* dy,
-                          const float* weight, float* weight_grad, float* bias_grad, float* dx) {
+inline bool backward_hook(detail::FreshOnCopy& state, const ConvGeometry& g, const float* x, const float* dy, const float* weight,
+                          float* weight_grad, float* bias_grad, float* dx) {
     try {
         Plan* p = state.get<Cache>().plan(g, bias_grad != nullptr);
         if (p == nullptr) return false;
@@ -343,9 +345,11 @@ inline bool gemm_hook(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n
         }
         if (it == cache.end()) {
             using dims = dnnl::memory::dims;
-            Entry e{key, dnnl::memory::desc(dims{m, k}, dt::f32, trans_a ? dims{1, lda} : dims{lda, 1}),
+            Entry e{key,
+                    dnnl::memory::desc(dims{m, k}, dt::f32, trans_a ? dims{1, lda} : dims{lda, 1}),
                     dnnl::memory::desc(dims{k, n}, dt::f32, trans_b ? dims{1, ldb} : dims{ldb, 1}),
-                    dnnl::memory::desc(dims{m, n}, dt::f32, dims{ldc, 1}), {}};
+                    dnnl::memory::desc(dims{m, n}, dt::f32, dims{ldc, 1}),
+                    {}};
             dnnl::primitive_attr attr;
             if (beta != 0.0f) {
                 dnnl::post_ops ops;

@@ -225,7 +225,8 @@ struct Ops<Host> {
     // for linear layers]), else OpenBLAS.
     static void linear_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
                             std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
-        if (const auto hook = detail::host_conv_engine().gemm; hook != nullptr && hook(trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc))
+        if (const auto hook = detail::host_conv_engine().gemm;
+            hook != nullptr && hook(trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc))
             return;
         blas::gemm(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
     }
@@ -299,8 +300,8 @@ struct Ops<Host> {
     //! Softmax cross-entropy of `logits` (N, K) against `labels` (checked by the caller):
     //! totals = [sum of per-sample losses, samples whose arg-max is the label], grad =
     //! (softmax - onehot) * inv_count.
-    static void softmax_cross_entropy(const Ex&, const T_<float>& logits, std::span<const std::int64_t> labels,
-                                      double inv_count, T_<float>& grad, T_<double>& totals) {
+    static void softmax_cross_entropy(const Ex&, const T_<float>& logits, std::span<const std::int64_t> labels, double inv_count,
+                                      T_<float>& grad, T_<double>& totals) {
         const std::int64_t N = logits.dim(0), K = logits.dim(1);
         double sum = 0;
         std::int64_t correct = 0;
@@ -361,8 +362,8 @@ struct Ops<Host> {
         for (std::size_t lo = 0; lo < items.size();) {
             std::int64_t n = items[lo].value->numel();
             std::size_t hi = lo + 1;
-            while (hi < items.size() && items[hi].first == items[lo].first &&
-                   items[hi].value->follows(*items[hi - 1].value) && items[hi].grad->follows(*items[hi - 1].grad) &&
+            while (hi < items.size() && items[hi].first == items[lo].first && items[hi].value->follows(*items[hi - 1].value) &&
+                   items[hi].grad->follows(*items[hi - 1].grad) &&
                    (!momentum || items[hi].momentum->follows(*items[hi - 1].momentum))) {
                 n += items[hi].value->numel();
                 ++hi;
@@ -382,8 +383,7 @@ struct Ops<Host> {
             for (std::int64_t k = 0; k < n; ++k) w[k] -= lr * (gr[k] + wd * w[k]);
             return;
         }
-        if (n > 0)
-            LOCKSTEP_CHECK(v != nullptr, "sgd_step with momentum ", u.momentum, " got no momentum buffer");
+        if (n > 0) LOCKSTEP_CHECK(v != nullptr, "sgd_step with momentum ", u.momentum, " got no momentum buffer");
         if (first && u.nesterov) {
             for (std::int64_t k = 0; k < n; ++k) {
                 const float g = gr[k] + wd * w[k];
@@ -422,8 +422,8 @@ struct Ops<Host> {
 
     //! Forward payload [S | Q | n] (2C+1) of the local batch about `shift` (null: zero). `k` is the
     //! layer's constants, where a backend may leave what its finish needs (the host: nothing).
-    static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, const T_<float>* shift,
-                               BnConstants<Host>&, T_<double>& payload) {
+    static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, const T_<float>* shift, BnConstants<Host>&,
+                               T_<double>& payload) {
         std::vector<float> k(static_cast<std::size_t>(g.channels), 0.0f);
         if (shift != nullptr)
             for (std::int64_t c = 0; c < g.channels; ++c) k[static_cast<std::size_t>(c)] = bn::usable_shift((*shift)[c]);
@@ -473,8 +473,10 @@ struct Ops<Host> {
                              bool relu, T_<std::uint8_t>* mask) {
         const std::int64_t C = g.channels;
         const float* f = k.folded.data();
-        if (relu) host::bn_normalize_relu(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C, mask != nullptr ? mask->data() : nullptr);
-        else host::bn_normalize(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C);
+        if (relu)
+            host::bn_normalize_relu(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C, mask != nullptr ? mask->data() : nullptr);
+        else
+            host::bn_normalize(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C);
     }
 
     //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; `mask` (may be
@@ -483,8 +485,10 @@ struct Ops<Host> {
                                  const BnGeometry& g, const BnConstants<Host>& k, T_<double>& payload) {
         const std::int64_t C = g.channels;
         const float* f = k.folded.data();
-        if (mask != nullptr) host::bn_backward_sums_masked(x.data(), dy.data(), mask->data(), g, f, f + C, payload.data());
-        else host::bn_backward_sums(x.data(), dy.data(), g, f, f + C, payload.data());
+        if (mask != nullptr)
+            host::bn_backward_sums_masked(x.data(), dy.data(), mask->data(), g, f, f + C, payload.data());
+        else
+            host::bn_backward_sums(x.data(), dy.data(), g, f, f + C, payload.data());
     }
 
     //! weight_grad += sum(dy * xhat), bias_grad += sum(dy) from the local backward payload.
@@ -528,8 +532,8 @@ private:
             for (std::int64_t p = 0; p < P; ++p)
                 for (std::int64_t c = 0; c < C; ++c) dst[(n * C + c) * P + p] = src[(n * P + p) * C + c];
     }
-    static void to_channels_last(const float* LOCKSTEP_RESTRICT src, float* LOCKSTEP_RESTRICT dst, std::int64_t N,
-                                 std::int64_t C, std::int64_t P) {
+    static void to_channels_last(const float* LOCKSTEP_RESTRICT src, float* LOCKSTEP_RESTRICT dst, std::int64_t N, std::int64_t C,
+                                 std::int64_t P) {
         for (std::int64_t n = 0; n < N; ++n)
             for (std::int64_t p = 0; p < P; ++p)
                 for (std::int64_t c = 0; c < C; ++c) dst[(n * P + p) * C + c] = src[(n * C + c) * P + p];
@@ -583,8 +587,8 @@ private:
         for (std::int64_t c = 0; c < C; ++c) {
             const double mean = k.stats[c], invstd = k.stats[C + c];
             const auto split = bn::split_mean(mean);
-            const auto q = bn::normalize_constants(mean, invstd, weight != nullptr ? (*weight)[c] : 1.0,
-                                                   bias != nullptr ? (*bias)[c] : 0.0);
+            const auto q =
+                bn::normalize_constants(mean, invstd, weight != nullptr ? (*weight)[c] : 1.0, bias != nullptr ? (*bias)[c] : 0.0);
             k.folded[c] = split.hi;
             k.folded[C + c] = split.lo;
             k.folded[2 * C + c] = q.scale;

@@ -34,8 +34,9 @@ namespace lockstep::kernels {
 //! and for `Cuda` in <lockstep/cuda.cuh>; what each must offer is `BackendOps`.
 template <BackendTag B>
 struct Ops {
-    static_assert(sizeof(B) == 0, "lockstep: this backend's operations are not included: include <lockstep/host.hpp> "
-                                  "for Host (link lockstep::host) or <lockstep/cuda.cuh> for Cuda (link lockstep::cuda)");
+    static_assert(sizeof(B) == 0,
+                  "lockstep: this backend's operations are not included: include <lockstep/host.hpp> "
+                  "for Host (link lockstep::host) or <lockstep/cuda.cuh> for Cuda (link lockstep::cuda)");
 };
 
 //! A 2-D convolution with a square kernel: (N, C, H, W) -> (N, O, OH, OW), input and output in

@@ -47,8 +47,8 @@ inline Level supported() noexcept {
 #if LOCKSTEP_SIMD_X86
     static const Level level = [] {
         __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512dq"))
             return Level::avx512;
         if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Level::avx2;
         return Level::baseline;

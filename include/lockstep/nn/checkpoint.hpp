@@ -294,8 +294,8 @@ private:
 
     // Tensor `name`'s header entry, checked against the data area of `data_size` bytes; its bytes'
     // place is appended to `spans`.
-    static Entry parse_entry(const std::string& name, const nlohmann::json& value, std::uint64_t data_size,
-                             const Invalid& bad, std::vector<Span>& spans) {
+    static Entry parse_entry(const std::string& name, const nlohmann::json& value, std::uint64_t data_size, const Invalid& bad,
+                             std::vector<Span>& spans) {
         const auto malformed = [&](const std::string& what) { return bad("tensor '" + name + "' " + what); };
         if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets"))
             throw malformed("needs dtype, shape and data_offsets");
@@ -306,12 +306,16 @@ private:
         Entry e;
         e.dtype = dtype.get<std::string>();
         std::uint64_t elem = 0;
-        if (e.dtype == "F32") elem = 4;
-        else if (e.dtype == "I64") elem = 8;
-        else throw malformed("has dtype " + e.dtype + "; lockstep reads F32 and I64");
+        if (e.dtype == "F32")
+            elem = 4;
+        else if (e.dtype == "I64")
+            elem = 8;
+        else
+            throw malformed("has dtype " + e.dtype + "; lockstep reads F32 and I64");
         if (!shape.is_array()) throw malformed("has a shape that is not an array");
         if (shape.size() > static_cast<std::size_t>(Shape::max_rank))
-            throw malformed("has rank " + std::to_string(shape.size()) + ", beyond lockstep's " + std::to_string(Shape::max_rank));
+            throw malformed("has rank " + std::to_string(shape.size()) + ", beyond lockstep's " +
+                            std::to_string(Shape::max_rank));
         std::uint64_t count = 1;
         for (const auto& d : shape) {
             if (!d.is_number_integer() || (d.is_number_unsigned() ? false : d.get<std::int64_t>() < 0))
@@ -336,9 +340,8 @@ private:
     // As the safetensors format requires: the tensors' bytes tile the data area exactly, one
     // after another, with no gap, no overlap and nothing after the last.
     static void check_tiling(std::vector<Span>& spans, std::uint64_t data_size, const Invalid& bad) {
-        std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
-            return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-        });
+        std::sort(spans.begin(), spans.end(),
+                  [](const Span& a, const Span& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
         std::uint64_t at = 0;
         for (const auto& sp : spans) {
             if (sp.begin != at)
@@ -426,11 +429,11 @@ private:
         ec.clear();
         const auto st = fs::status(target, ec);
         if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
-            const char* kind = fs::is_directory(st) ? "a directory"
-                               : fs::is_fifo(st) ? "a FIFO"
-                               : fs::is_socket(st) ? "a socket"
+            const char* kind = fs::is_directory(st)                                 ? "a directory"
+                               : fs::is_fifo(st)                                    ? "a FIFO"
+                               : fs::is_socket(st)                                  ? "a socket"
                                : fs::is_character_file(st) || fs::is_block_file(st) ? "a device node"
-                                                                                      : "not a regular file";
+                                                                                    : "not a regular file";
             throw IoError("'" + path + "' is " + kind + "; a checkpoint replaces only a regular file: choose another path");
         }
         return target.string();
@@ -467,7 +470,8 @@ private:
 template <class M>
 void put_module(Checkpoint& ck, const M& module, std::string_view prefix = {}) {
     const auto put_parameter = [&](const std::string& name, const auto& p) { ck.put(name, p.value); };
-    walk(module, put_parameter, [&](const std::string& name, const auto& t) { ck.put(name, t); }, prefix);
+    walk(
+        module, put_parameter, [&](const std::string& name, const auto& t) { ck.put(name, t); }, prefix);
 }
 
 //! What `check_module_fits` and `get_module` make of a checkpoint's tensors the model does not have.
@@ -488,7 +492,8 @@ void check_module_fits(const Checkpoint& ck, const M& module, std::string_view p
         ck.check_fits(name, t);
         used[name] = true;
     };
-    walk(module, [&](const std::string& name, const auto& p) { fits(name, p.value); }, fits, prefix);
+    walk(
+        module, [&](const std::string& name, const auto& p) { fits(name, p.value); }, fits, prefix);
     if (unmatched == Unmatched::refused)
         for (const auto& [name, seen] : used)
             if (!seen) throw IoError(ck.label() + " has tensor '" + name + "' that the model does not have");
@@ -498,7 +503,8 @@ void check_module_fits(const Checkpoint& ck, const M& module, std::string_view p
 template <class M>
 void assign_module(const Checkpoint& ck, M& module, std::string_view prefix = {}) {
     const auto get_parameter = [&](const std::string& name, auto& p) { ck.copy_into(name, p.value); };
-    walk(module, get_parameter, [&](const std::string& name, auto& t) { ck.copy_into(name, t); }, prefix);
+    walk(
+        module, get_parameter, [&](const std::string& name, auto& t) { ck.copy_into(name, t); }, prefix);
 }
 
 //! Loads every parameter and buffer of `module` from `ck` after `check_module_fits` passed, so a

@@ -106,8 +106,8 @@ private:
     void check_input(const Tensor<float, B>& x) const {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 4 && x.dim(1) == in_, describe(), ": expected input (N, ", in_,
                           ", H, W), got shape ", x.shape());
-        LOCKSTEP_CHECK_AS(ShapeError, x.dim(2) + 2 * options_.padding >= k_ && x.dim(3) + 2 * options_.padding >= k_,
-                          describe(), ": input ", x.shape(), " is smaller than the kernel (", k_, ") plus padding");
+        LOCKSTEP_CHECK_AS(ShapeError, x.dim(2) + 2 * options_.padding >= k_ && x.dim(3) + 2 * options_.padding >= k_, describe(),
+                          ": input ", x.shape(), " is smaller than the kernel (", k_, ") plus padding");
     }
 
     std::int64_t in_, out_, k_;

@@ -43,8 +43,8 @@ public:
     Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options, Generator& gen = default_generator())
         : in_(in_features), out_(out_features), has_bias_(options.bias), relu_(options.fused_relu) {
         const bool with_bias = options.bias;
-        LOCKSTEP_CHECK(in_features > 0 && out_features > 0, "Linear needs positive sizes, got (", in_features, ", ",
-                       out_features, ")");
+        LOCKSTEP_CHECK(in_features > 0 && out_features > 0, "Linear needs positive sizes, got (", in_features, ", ", out_features,
+                       ")");
         weight = Parameter<B>(Shape{out_features, in_features});
         fan_in_uniform(weight.value, in_features, gen);
         if (with_bias) {
@@ -67,8 +67,8 @@ public:
     }
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
-        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && x.dim(1) == in_, describe(), ": expected input (N, ", in_,
-                          "), got shape ", x.shape(), x.rank() == 4 ? "; put a Flatten before it" : "");
+        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && x.dim(1) == in_, describe(), ": expected input (N, ", in_, "), got shape ",
+                          x.shape(), x.rank() == 4 ? "; put a Flatten before it" : "");
         check_device(weight.value.device(), x.device(), describe() + ": the input");
         Tensor<float, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
         if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);

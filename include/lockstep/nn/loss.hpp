@@ -36,8 +36,8 @@ struct LossOutput {
 
 //! A loss DataParallel can train with on backend `B` and a replica's shard of targets `Targets`.
 template <class L, class B, class Targets>
-concept LossLike = BackendTag<B> && requires(const L& loss, const Context<B>& ctx, const Tensor<float, B>& out,
-                                             const Targets& targets) {
+concept LossLike = BackendTag<B> &&
+    requires(const L& loss, const Context<B>& ctx, const Tensor<float, B>& out, const Targets& targets) {
     { loss(ctx, out, targets) } -> std::same_as<LossOutput<B>>;
 };
 
@@ -88,9 +88,10 @@ public:
     template <BackendTag B>
     LossOutput<B> operator()(const Context<B>& ctx, const Tensor<float, B>& out, const Tensor<float, B>& target) const {
         LOCKSTEP_CHECK_AS(ShapeError, out.rank() >= 1, "MseLoss: expected a batched output (N, ...), got a scalar");
-        LOCKSTEP_CHECK_AS(ShapeError, target.shape() == out.shape() && target.format() == out.format(), "MseLoss: targets of shape ",
-                          target.shape(), " ", to_string(target.format()), " for an output of shape ", out.shape(), " ",
-                          to_string(out.format()), "; pass one target per output element");
+        LOCKSTEP_CHECK_AS(ShapeError, target.shape() == out.shape() && target.format() == out.format(),
+                          "MseLoss: targets of shape ", target.shape(), " ", to_string(target.format()),
+                          " for an output of shape ", out.shape(), " ", to_string(out.format()),
+                          "; pass one target per output element");
         check_device(out.device(), target.device(), "MseLoss: the targets");
         LossOutput<B> res;
         res.count = out.dim(0);

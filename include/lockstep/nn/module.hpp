@@ -45,22 +45,27 @@ struct ArchetypeVisitor {
 }  // namespace detail
 
 template <class M>
-concept HasBackend = requires { typename M::backend; } && BackendTag<typename M::backend>;
+concept HasBackend = requires {
+    typename M::backend;
+}
+&&BackendTag<typename M::backend>;
 
 template <class M>
-concept HasForward = HasBackend<M> && requires(M& m, const Context<typename M::backend>& ctx,
-                                               Tensor<float, typename M::backend> x) {
+concept HasForward = HasBackend<M> &&
+    requires(M& m, const Context<typename M::backend>& ctx, Tensor<float, typename M::backend> x) {
     { m.forward(ctx, std::move(x)) } -> std::same_as<Tensor<float, typename M::backend>>;
 };
 
 template <class M>
-concept HasBackward = HasBackend<M> && requires(M& m, const Context<typename M::backend>& ctx,
-                                                const Tensor<float, typename M::backend>& dy) {
+concept HasBackward = HasBackend<M> &&
+    requires(M& m, const Context<typename M::backend>& ctx, const Tensor<float, typename M::backend>& dy) {
     { m.backward(ctx, dy) } -> std::same_as<Tensor<float, typename M::backend>>;
 };
 
 template <class M>
-concept HasVisit = requires(M& m, detail::ArchetypeVisitor v) { m.visit(v); };
+concept HasVisit = requires(M& m, detail::ArchetypeVisitor v) {
+    m.visit(v);
+};
 
 //! What DataParallel needs of a user's model (see Note [module protocol]).
 template <class M>
@@ -71,12 +76,15 @@ template <class M>
 constexpr bool check_module() {
     static_assert(HasBackend<M>,
                   "lockstep: a module must declare its backend: add `using backend = B;` (lockstep::Host or lockstep::Cuda)");
-    static_assert(HasForward<M>, "lockstep: a module needs `Tensor<float, backend> forward(const "
-                                 "lockstep::nn::Context<backend>&, Tensor<float, backend> x)`");
-    static_assert(HasBackward<M>, "lockstep: a module needs `Tensor<float, backend> backward(const "
-                                  "lockstep::nn::Context<backend>&, const Tensor<float, backend>& dy)`");
-    static_assert(HasVisit<M>, "lockstep: a module needs `template <class V> void visit(V&& v)` calling v.parameter(name, p), "
-                               "v.buffer(name, t) and v.module(name, child) for what it holds");
+    static_assert(HasForward<M>,
+                  "lockstep: a module needs `Tensor<float, backend> forward(const "
+                  "lockstep::nn::Context<backend>&, Tensor<float, backend> x)`");
+    static_assert(HasBackward<M>,
+                  "lockstep: a module needs `Tensor<float, backend> backward(const "
+                  "lockstep::nn::Context<backend>&, const Tensor<float, backend>& dy)`");
+    static_assert(HasVisit<M>,
+                  "lockstep: a module needs `template <class V> void visit(V&& v)` calling v.parameter(name, p), "
+                  "v.buffer(name, t) and v.module(name, child) for what it holds");
     static_assert(std::copy_constructible<M>,
                   "lockstep: a module must be copy-constructible (copies are the replicas); hold tensors by value");
     return true;
@@ -141,7 +149,8 @@ void for_each_parameter(M& module, F&& f) {
 //! Calls `f(name, tensor&)` for every buffer (float or int64 tensors).
 template <class M, class F>
 void for_each_buffer(M& module, F&& f) {
-    walk(module, [](const std::string&, auto&) {}, f);
+    walk(
+        module, [](const std::string&, auto&) {}, f);
 }
 
 //! A replica of `module` on `device`: a deep copy (a module is a copyable value, see Note [module
@@ -150,8 +159,8 @@ template <class M>
 M clone(const M& module, Device device) {
     static_assert(check_module<M>());
     using B = typename M::backend;
-    LOCKSTEP_CHECK_AS(DeviceMismatch, device.kind == device_kind_of<B>(), "cannot clone a ", B::name,
-                      " module onto device ", device);
+    LOCKSTEP_CHECK_AS(DeviceMismatch, device.kind == device_kind_of<B>(), "cannot clone a ", B::name, " module onto device ",
+                      device);
     M copy(module);
     const auto place = [&](auto& t) {
         if (t.device() != device) t = t.template to<B>(device);

@@ -39,8 +39,8 @@ struct ArchetypeStateVisitor {
 
 //! What DataParallel needs of an optimizer for module `M` (see Note [optimizer protocol]).
 template <class O, class M>
-concept OptimizerLike = requires(O& o, M& module, int rank, const Context<typename M::backend>& ctx,
-                                 const BucketLayout& layout, detail::ArchetypeStateVisitor<typename M::backend> v) {
+concept OptimizerLike = requires(O& o, M& module, int rank, const Context<typename M::backend>& ctx, const BucketLayout& layout,
+                                 detail::ArchetypeStateVisitor<typename M::backend> v) {
     o.prepare(rank, layout);
     o.step(ctx, module);
     o.visit_state(rank, module, v);
@@ -171,7 +171,8 @@ private:
             for (std::size_t k = 0; k < bucket.params.size(); ++k) {
                 auto& item = items[bucket.params[k]];
                 const auto& value = *item.value;
-                if (!item.first) K::copy(ctx.exec, fresh, bucket.offsets[k], *item.momentum, 0, value.numel());  // a buffer it had
+                if (!item.first)
+                    K::copy(ctx.exec, fresh, bucket.offsets[k], *item.momentum, 0, value.numel());  // a buffer it had
                 *item.momentum = Tensor<float, B>::view(fresh, bucket.offsets[k], value.shape(), value.format());
             }
             retired.push_back(std::move(block));
@@ -195,12 +196,16 @@ private:
                                   "parameter; prepare with DataParallel's layout (bucket_layout())");
                 for (std::size_t k = 0; k < bucket.params.size(); ++k) {
                     const std::size_t i = bucket.params[k];
-                    LOCKSTEP_CHECK_AS(UsageError, i < count && seen[i] == 0, "Sgd: the bucket layout handed to prepare() "
-                                      "names parameter ", i, (i < count ? " twice" : ", which the model does not have"),
+                    LOCKSTEP_CHECK_AS(UsageError, i < count && seen[i] == 0,
+                                      "Sgd: the bucket layout handed to prepare() "
+                                      "names parameter ",
+                                      i, (i < count ? " twice" : ", which the model does not have"),
                                       "; prepare with the layout of the model being stepped");
                     seen[i] = 1;
-                    LOCKSTEP_CHECK_AS(UsageError, bucket.offsets[k] >= 0 && bucket.offsets[k] + items[i].value->numel() <= bucket.size,
-                                      "Sgd: parameter ", i, " does not fit its place in the bucket layout handed to prepare(); "
+                    LOCKSTEP_CHECK_AS(UsageError,
+                                      bucket.offsets[k] >= 0 && bucket.offsets[k] + items[i].value->numel() <= bucket.size,
+                                      "Sgd: parameter ", i,
+                                      " does not fit its place in the bucket layout handed to prepare(); "
                                       "prepare with the layout of the model being stepped");
                 }
             }
@@ -220,6 +225,6 @@ private:
     std::vector<State> states_;
 };
 
-Sgd(SgdOptions) -> Sgd<Host>;
+Sgd(SgdOptions)->Sgd<Host>;
 
 }  // namespace lockstep::nn

@@ -103,12 +103,12 @@ public:
     //! every backend; on CUDA also fp16 and bf16 storage (`Tensor<__half, Cuda>`,
     //! `Tensor<__nv_bfloat16, Cuda>`), with fp32 math, statistics and parameters.
     template <class T = float>
-        requires kernels::bn_storage<B, T>
-    Tensor<T, B> forward(const Context<B>& ctx, Tensor<T, B> x) {
+    requires kernels::bn_storage<B, T> Tensor<T, B> forward(const Context<B>& ctx, Tensor<T, B> x) {
         const auto g = geometry(x);
         const bool batch_stats = ctx.training || !options_.track_running_stats;
         LOCKSTEP_CHECK_AS(UsageError, !batch_stats || ctx.world <= 1 || ctx.comm != nullptr, describe(),
-                          ": the context says world ", ctx.world, " but has no communicator; give each replica's context "
+                          ": the context says world ", ctx.world,
+                          " but has no communicator; give each replica's context "
                           "its replica group (ctx.comm), or use world 1 for a replica alone");
         if (options_.affine) check_device(weight.value.device(), x.device(), describe() + ": the input");
         if (options_.track_running_stats) check_device(running_mean.device(), x.device(), describe() + ": the input");
@@ -142,16 +142,15 @@ public:
 
     //! dx for dy of the forward's storage type.
     template <class T = float>
-        requires kernels::bn_storage<B, T>
-    Tensor<T, B> backward(const Context<B>& ctx, const Tensor<T, B>& dy) {
+    requires kernels::bn_storage<B, T> Tensor<T, B> backward(const Context<B>& ctx, const Tensor<T, B>& dy) {
         LOCKSTEP_CHECK_AS(UsageError, saved_rank() >= 2, describe(),
                           ": backward called without a training-mode forward before it");
         LOCKSTEP_CHECK_AS(UsageError, saved_size_ == sizeof(T), describe(), ": dy has ", sizeof(T) * 8,
                           "-bit elements but the forward input had ", saved_size_ * 8, "; pass dy in the input's type");
         Tensor<T, B> saved = take_saved<T>();
-        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == saved.shape() && dy.format() == saved.format(), describe(),
-                          ": dy has shape ", dy.shape(), " ", to_string(dy.format()), " but the forward input had ",
-                          saved.shape(), " ", to_string(saved.format()));
+        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == saved.shape() && dy.format() == saved.format(), describe(), ": dy has shape ",
+                          dy.shape(), " ", to_string(dy.format()), " but the forward input had ", saved.shape(), " ",
+                          to_string(saved.format()));
         LOCKSTEP_CHECK_AS(UsageError, saved_batch_stats_, describe(),
                           ": backward through running statistics (eval mode) is not supported; call train() first");
         check_device(saved.device(), dy.device(), describe() + ": dy");
@@ -202,15 +201,19 @@ private:
     // (their types are CUDA's, not nameable here).
     template <class T>
     void save(Tensor<T, B>&& x) {
-        if constexpr (std::same_as<T, float>) saved_x_ = std::move(x);
-        else saved_x16_ = std::move(x).template bitcast<std::uint16_t>();
+        if constexpr (std::same_as<T, float>)
+            saved_x_ = std::move(x);
+        else
+            saved_x16_ = std::move(x).template bitcast<std::uint16_t>();
         saved_size_ = sizeof(T);
     }
     template <class T>
     Tensor<T, B> take_saved() {
         saved_size_ = 0;
-        if constexpr (std::same_as<T, float>) return std::move(saved_x_);
-        else return std::move(saved_x16_).template bitcast<T>();
+        if constexpr (std::same_as<T, float>)
+            return std::move(saved_x_);
+        else
+            return std::move(saved_x16_).template bitcast<T>();
     }
     int saved_rank() const { return saved_size_ == 4 ? saved_x_.rank() : saved_size_ == 2 ? saved_x16_.rank() : 0; }
     void drop_saved() {
@@ -227,8 +230,8 @@ private:
                           " channels, got input of shape ", x.shape());
         if (x.rank() == 4)
             LOCKSTEP_CHECK_AS(ShapeError, x.format() == options_.format, describe(), " was built for ",
-                              to_string(options_.format), " input but got an ", to_string(x.format()),
-                              " tensor of shape ", x.shape(), "; set BatchNormOptions::format or convert the input");
+                              to_string(options_.format), " input but got an ", to_string(x.format()), " tensor of shape ",
+                              x.shape(), "; set BatchNormOptions::format or convert the input");
         kernels::BnGeometry g;
         g.batch = x.dim(0);
         g.channels = channels_;
@@ -243,7 +246,7 @@ private:
     // What backward needs from forward.
     Tensor<float, B> saved_x_;
     Tensor<std::uint16_t, B> saved_x16_;
-    std::size_t saved_size_ = 0;  // bytes per element of the saved input; 0: none
+    std::size_t saved_size_ = 0;         // bytes per element of the saved input; 0: none
     Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu: where the output was positive
     bool saved_batch_stats_ = false;
     kernels::BnConstants<B> constants_;  // mean, invstd, count; mean as hi + lo, scale, shift: see Note [split mean]

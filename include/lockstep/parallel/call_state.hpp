@@ -94,14 +94,18 @@ class Held {
 public:
     explicit Held(const T& value) : value_(hold(value)) {}
     const T& get() const noexcept {
-        if constexpr (std::is_copy_constructible_v<T>) return value_;
-        else return *value_;
+        if constexpr (std::is_copy_constructible_v<T>)
+            return value_;
+        else
+            return *value_;
     }
 
 private:
     static auto hold(const T& value) {
-        if constexpr (std::is_copy_constructible_v<T>) return value;
-        else return &value;
+        if constexpr (std::is_copy_constructible_v<T>)
+            return value;
+        else
+            return &value;
     }
     std::conditional_t<std::is_copy_constructible_v<T>, T, const T*> value_;
 };

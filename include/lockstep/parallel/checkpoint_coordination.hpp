@@ -39,8 +39,7 @@ nn::Checkpoint::SaveReport save_once(comm::ProcessGroup* procs, Write&& write) {
     }
     comm::broadcast_text(procs->channel(comm::ProcessGroup::control), 0, failure,
                          comm::CollectiveSite::control(comm::Exchange::checkpoint_status));
-    if (!failure.empty())
-        throw IoError(procs->rank() == 0 ? failure : "process 0 failed to write the checkpoint: " + failure);
+    if (!failure.empty()) throw IoError(procs->rank() == 0 ? failure : "process 0 failed to write the checkpoint: " + failure);
     return report;
 }
 

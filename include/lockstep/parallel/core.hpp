@@ -33,12 +33,12 @@ struct Core {
     // Destroyed in reverse: the replicas, then the groups (a CUDA group finalizes its
     // communicators and destroys its streams), then the replicas' resources (their streams).
     std::vector<std::unique_ptr<typename K::ReplicaResources>> resources;  // made on the replica threads
-    std::unique_ptr<Group> layer_group;  // layer collectives (SyncBatchNorm), on the replica threads
-    std::unique_ptr<Group> grad_group;   // gradient buckets and commit barriers (Note [gradient buckets])
-    comm::ProcessGroup* procs = nullptr;  // options.process_group: null for this process alone
-    int first_rank = 0;    // global rank of this process's replica 0
-    int global_world = 0;  // replicas over all processes
-    nn::BucketLayout layout;  // every replica's buckets, handed to the optimizer
+    std::unique_ptr<Group> layer_group;                      // layer collectives (SyncBatchNorm), on the replica threads
+    std::unique_ptr<Group> grad_group;                       // gradient buckets and commit barriers (Note [gradient buckets])
+    comm::ProcessGroup* procs = nullptr;                     // options.process_group: null for this process alone
+    int first_rank = 0;                                      // global rank of this process's replica 0
+    int global_world = 0;                                    // replicas over all processes
+    nn::BucketLayout layout;                                 // every replica's buckets, handed to the optimizer
     std::vector<std::unique_ptr<Replica<Module>>> replicas;  // destroyed first: they use the groups and resources
 
     comm::Collectives& layer(int r) { return layer_group->communicator(r); }
@@ -63,8 +63,10 @@ struct Core {
         });
         core->world = static_cast<int>(core->devices.size());
         core->resources.resize(core->devices.size());
-        core->layer_group = std::make_unique<Group>(core->devices, options.timeout, options.process_group, comm::ProcessGroup::layer);
-        core->grad_group = std::make_unique<Group>(core->devices, options.timeout, options.process_group, comm::ProcessGroup::gradients);
+        core->layer_group =
+            std::make_unique<Group>(core->devices, options.timeout, options.process_group, comm::ProcessGroup::layer);
+        core->grad_group =
+            std::make_unique<Group>(core->devices, options.timeout, options.process_group, comm::ProcessGroup::gradients);
         core->first_rank = core->layer(0).rank();
         core->global_world = core->layer(0).size();
         return core;
@@ -79,8 +81,9 @@ private:
     }
 
     static std::vector<Device> check_devices(const std::vector<Device>& devices) {
-        LOCKSTEP_CHECK(!devices.empty(), "DataParallel needs at least one device, got none; pass e.g. "
-                                         "lockstep::DataParallel(model, 2) for two host replicas");
+        LOCKSTEP_CHECK(!devices.empty(),
+                       "DataParallel needs at least one device, got none; pass e.g. "
+                       "lockstep::DataParallel(model, 2) for two host replicas");
         for (const auto& d : devices)
             LOCKSTEP_CHECK_AS(DeviceMismatch, d.kind == device_kind_of<backend>(), "DataParallel of a ", backend::name,
                               " module cannot use device ", d);

@@ -77,15 +77,17 @@ private:
 public:
     //! Clones `prototype` once per device and makes every replica hold replica 0's values.
     DataParallel(const Module& prototype, std::vector<Device> devices, DataParallelOptions options = {})
-        : core_(Core::make(options, devices)), world_(core_->world),
+        : core_(Core::make(options, devices)),
+          world_(core_->world),
           // Each replica's backend resources are made on its own thread, which then works on its device.
-          pool_(world_,
-                [core = core_](int r) {
-                    const auto ur = static_cast<std::size_t>(r);
-                    core->resources[ur] = std::make_unique<typename K::ReplicaResources>(core->devices[ur]);
-                    core->resources[ur]->bind_thread();
-                },
-                options.cpu_binding, options.timeout) {
+          pool_(
+              world_,
+              [core = core_](int r) {
+                  const auto ur = static_cast<std::size_t>(r);
+                  core->resources[ur] = std::make_unique<typename K::ReplicaResources>(core->devices[ur]);
+                  core->resources[ur]->bind_thread();
+              },
+              options.cpu_binding, options.timeout) {
         pool_.attach(core_->abortable(0));
         pool_.attach(core_->abortable(1));
         core_->replicas.resize(static_cast<std::size_t>(world_));
@@ -212,7 +214,8 @@ public:
             throw;
         } catch (...) {
             pending_ = 0;
-            if (auto d = parallel::detail::divergence_after(*call, "an exception that is not a std::exception")) diverged_ = std::move(d);
+            if (auto d = parallel::detail::divergence_after(*call, "an exception that is not a std::exception"))
+                diverged_ = std::move(d);
             throw;
         }
         pending_ = 0;
@@ -225,8 +228,7 @@ public:
     //! weighted by their sample counts (see Note [gradient accumulation]).
     template <class Targets, class Loss>
     void accumulate(const Tensor<float, backend>& x, const Targets& targets, const Loss& loss) {
-        LOCKSTEP_CHECK_AS(UsageError, training_,
-                          "DataParallel::accumulate in eval mode keeps no gradients; call train() first");
+        LOCKSTEP_CHECK_AS(UsageError, training_, "DataParallel::accumulate in eval mode keeps no gradients; call train() first");
         check_in_step("accumulate");
         const auto view = parallel::targets_view(targets);
         auto call = begin_call(x, view, loss, "accumulate");
@@ -281,7 +283,9 @@ public:
     //! tensor is checked against the model first: a checkpoint of another model throws `IoError`
     //! naming the checkpoint, the tensor and both shapes, and changes nothing.
     //! (The replicas read a copy of `ck`, owned by the call's job: Note [jobs own their state].)
-    void load(const nn::Checkpoint& ck) { load_impl(std::make_shared<const nn::Checkpoint>(ck), &parallel::detail::no_optimizer); }
+    void load(const nn::Checkpoint& ck) {
+        load_impl(std::make_shared<const nn::Checkpoint>(ck), &parallel::detail::no_optimizer);
+    }
     template <class Optimizer>
     void load(const nn::Checkpoint& ck, Optimizer& optimizer) {
         load_impl(std::make_shared<const nn::Checkpoint>(ck), &optimizer);
@@ -373,7 +377,8 @@ private:
         LOCKSTEP_CHECK_AS(ShapeError, rows == x.dim(0), what, ": ", rows,
                           std::is_same_v<View, std::span<const std::int64_t>> ? " labels" : " target rows", " for a batch of ",
                           x.dim(0), "; pass one per sample");
-        return std::make_shared<parallel::detail::StepCall<Loss>>(world_, loss, split_batch(x.dim(0), what), pending_, steps_ + 1);
+        return std::make_shared<parallel::detail::StepCall<Loss>>(world_, loss, split_batch(x.dim(0), what), pending_,
+                                                                  steps_ + 1);
     }
 
     parallel::BatchSplit split_batch(std::int64_t rows, const char* what) const {
@@ -400,8 +405,9 @@ private:
         std::vector<char> root_has;  // which of the root's optimizer states exist (PyTorch's None otherwise)
         if constexpr (parallel::detail::has_optimizer<Optimizer>) {
             optimizer->prepare(world_, core_->layout);
-            optimizer->visit_state(root, core_->replicas[static_cast<std::size_t>(root)]->module,
-                                   [&](const std::string&, const auto& state, const auto&) { root_has.push_back(state.numel() > 0); });
+            optimizer->visit_state(
+                root, core_->replicas[static_cast<std::size_t>(root)]->module,
+                [&](const std::string&, const auto& state, const auto&) { root_has.push_back(state.numel() > 0); });
         }
         // Note [jobs own their state]: the job holds its own copy of `root_has`.
         pool_.run([core = core_, root, root_has = std::move(root_has), optimizer](int r) {
@@ -411,7 +417,8 @@ private:
                 std::size_t i = 0;
                 optimizer->visit_state(r, rep.module, [&](const std::string&, auto& state, const auto& p) {
                     using S = std::remove_reference_t<decltype(state)>;
-                    if (root_has[i] == 0) state = S();
+                    if (root_has[i] == 0)
+                        state = S();
                     else {
                         if (state.numel() != p.numel()) state = S::empty_like(p.value);
                         rep.layer_comm->broadcast(DeviceSpan(state), root, comm::CollectiveSite::broadcast(next + i));

@@ -61,8 +61,8 @@ inline BatchSplit split_batch(comm::ProcessGroup* procs, std::int64_t rows, int 
         for (int l = 0; l < replicas; ++l) want += all[static_cast<std::size_t>(q * replicas + l)].count;
         const auto passed = static_cast<std::int64_t>(counts[static_cast<std::size_t>(q)]);
         LOCKSTEP_CHECK_AS(ShapeError, passed == want, "DataParallel::", what, ": process ", q, " passed ", passed,
-                          " rows, but its ", replicas, " replicas' shards of the global batch of ", split.batch, " hold ",
-                          want, "; pass each process the rows of its global ranks (contiguous, in global-rank order: "
+                          " rows, but its ", replicas, " replicas' shards of the global batch of ", split.batch, " hold ", want,
+                          "; pass each process the rows of its global ranks (contiguous, in global-rank order: "
                           "parallel::shard_ranges(batch, replicas x processes))");
     }
     const std::int64_t offset = all[static_cast<std::size_t>(first_rank)].begin;

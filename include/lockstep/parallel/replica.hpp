@@ -58,11 +58,11 @@ namespace lockstep::parallel::detail {
 template <class B>
 struct Bucket {
     std::vector<nn::Parameter<B>*> params;
-    std::vector<std::int64_t> offsets;      // into flat and values, 64-byte aligned
-    std::vector<std::int64_t> counts;       // elements of each parameter
-    std::vector<std::size_t> visit_index;   // each parameter's place in visit order (its name)
-    Tensor<float, B> flat;    // the gradients, all-reduced as one (Note [gradients in their buckets])
-    Tensor<float, B> values;  // the parameters' values, laid out as `flat`
+    std::vector<std::int64_t> offsets;     // into flat and values, 64-byte aligned
+    std::vector<std::int64_t> counts;      // elements of each parameter
+    std::vector<std::size_t> visit_index;  // each parameter's place in visit order (its name)
+    Tensor<float, B> flat;                 // the gradients, all-reduced as one (Note [gradients in their buckets])
+    Tensor<float, B> values;               // the parameters' values, laid out as `flat`
     int pending = 0;
     bool launched = false;
 };
@@ -75,16 +75,14 @@ struct Replica {
     using backend = typename Module::backend;
     using K = kernels::Ops<backend>;
 
-    Replica(Module&& replica, const typename K::ReplicaResources& resources, comm::Collectives& layer,
-            comm::Collectives& grad)
-        : module(std::move(replica)), layer_comm(&layer), grad_comm(&grad),
-          worker([&resources] { resources.bind_thread(); }) {}
+    Replica(Module&& replica, const typename K::ReplicaResources& resources, comm::Collectives& layer, comm::Collectives& grad)
+        : module(std::move(replica)), layer_comm(&layer), grad_comm(&grad), worker([&resources] { resources.bind_thread(); }) {}
 
     Module module;
     comm::Collectives* layer_comm;  // layer collectives (SyncBatchNorm), on the replica thread
     comm::Collectives* grad_comm;   // gradient buckets and commit barriers
     nn::Context<backend> ctx;
-    Tensor<double, backend> totals;   // (2): loss sum and correct count since the last step
+    Tensor<double, backend> totals;        // (2): loss sum and correct count since the last step
     Tensor<double, backend> norm_sq;       // (1): squared global gradient norm, when clipping
     Tensor<double, backend> finite_check;  // (parameters + 2): squared gradient norms, then the step's totals
     std::vector<std::string> param_names;  // visit order
@@ -132,13 +130,15 @@ struct Replica {
         LOCKSTEP_CHECK_AS(UsageError, p.value.numel() == n, "parameter '", name, "' holds ", p.value.numel(),
                           " elements, but DataParallel was made with ", n,
                           "; a model's parameters keep their sizes (assign values of the same shape)");
-        LOCKSTEP_CHECK_AS(ShapeError, t.shape() == p.shape() || t.empty(), "the gradient of parameter '", name,
-                          "' has shape ", t.shape(), " beside its value of shape ", p.shape(),
+        LOCKSTEP_CHECK_AS(ShapeError, t.shape() == p.shape() || t.empty(), "the gradient of parameter '", name, "' has shape ",
+                          t.shape(), " beside its value of shape ", p.shape(),
                           "; a layer must keep a parameter's gradient in the parameter's shape");
         if (t.is_view()) t = Tensor<float, backend>(t);  // an owning copy
         auto view = Tensor<float, backend>::view(flat, b.offsets[i], p.shape(), p.value.format());
-        if (t.empty()) zeroing.push_back(&t);  // a gradient not made yet: zero, as Parameter makes it
-        else placing.push_back({&flat, b.offsets[i], &t, 0, n});
+        if (t.empty())
+            zeroing.push_back(&t);  // a gradient not made yet: zero, as Parameter makes it
+        else
+            placing.push_back({&flat, b.offsets[i], &t, 0, n});
         swaps.emplace_back(&t, std::move(view));
     }
     void place_queued() {
@@ -185,8 +185,10 @@ struct Replica {
             grad_comm->all_reduce_sum(DeviceSpan(bb.flat), comm::CollectiveSite::bucket(index));
             reduced.fetch_add(1, std::memory_order_release);
         };
-        if (overlap) worker.submit(job);
-        else job();
+        if (overlap)
+            worker.submit(job);
+        else
+            job();
     }
 
     void finish_buckets() {
@@ -216,15 +218,19 @@ struct Replica {
         std::size_t fi = 0, ii = 0;
         nn::for_each_buffer(module, [&](const std::string&, auto& t) {
             using T = typename std::remove_reference_t<decltype(t)>::value_type;
-            if constexpr (std::is_same_v<T, float>) f(t, saved_float[fi++]);
-            else f(t, saved_int[ii++]);
+            if constexpr (std::is_same_v<T, float>)
+                f(t, saved_float[fi++]);
+            else
+                f(t, saved_int[ii++]);
         });
     }
     void make_buffer_copies() {
         nn::for_each_buffer(module, [&](const std::string&, auto& t) {
             using T = typename std::remove_reference_t<decltype(t)>::value_type;
-            if constexpr (std::is_same_v<T, float>) saved_float.push_back(Tensor<float, backend>::empty_like(t));
-            else saved_int.push_back(Tensor<std::int64_t, backend>::empty_like(t));
+            if constexpr (std::is_same_v<T, float>)
+                saved_float.push_back(Tensor<float, backend>::empty_like(t));
+            else
+                saved_int.push_back(Tensor<std::int64_t, backend>::empty_like(t));
         });
     }
     void save_buffers() {
@@ -276,8 +282,7 @@ struct Replica {
         };
         for (std::size_t v = params.size(); v-- > 0;) {
             auto* p = params[v];
-            if (!current.params.empty() && static_cast<std::size_t>(elems + p->numel()) * sizeof(float) > bucket_bytes)
-                close();
+            if (!current.params.empty() && static_cast<std::size_t>(elems + p->numel()) * sizeof(float) > bucket_bytes) close();
             current.params.push_back(p);
             current.counts.push_back(p->numel());
             current.visit_index.push_back(v);
@@ -307,7 +312,8 @@ struct Replica {
     std::uint64_t broadcast_from(int root) {
         std::uint64_t index = 0;
         const auto bcast = [&](auto& t) { layer_comm->broadcast(DeviceSpan(t), root, comm::CollectiveSite::broadcast(index++)); };
-        nn::walk(this->module, [&](const std::string&, auto& p) { bcast(p.value); }, [&](const std::string&, auto& t) { bcast(t); });
+        nn::walk(
+            this->module, [&](const std::string&, auto& p) { bcast(p.value); }, [&](const std::string&, auto& t) { bcast(t); });
         return index;
     }
 };

@@ -84,8 +84,7 @@ std::int64_t target_rows(const Tensor<T, B>& t) {
 }
 
 template <BackendTag B>
-std::span<const std::int64_t> shard_targets(const Execution<B>&, std::span<const std::int64_t> labels, ShardRange range,
-                                            Device) {
+std::span<const std::int64_t> shard_targets(const Execution<B>&, std::span<const std::int64_t> labels, ShardRange range, Device) {
     return labels.subspan(static_cast<std::size_t>(range.begin), static_cast<std::size_t>(range.count));
 }
 template <class T, BackendTag B>
@@ -106,10 +105,10 @@ struct shard_of {
     using type = void;
 };
 template <class View, class B>
-    requires ShardableTargets<View, B>
+requires ShardableTargets<View, B>
 struct shard_of<View, B> {
-    using type = decltype(parallel::shard_targets(std::declval<const Execution<B>&>(), std::declval<const View&>(),
-                                                  ShardRange{}, Device{}));
+    using type = decltype(parallel::shard_targets(std::declval<const Execution<B>&>(), std::declval<const View&>(), ShardRange{},
+                                                  Device{}));
 };
 
 //! How a train_step sees the targets it was given: labels in any contiguous container as a span,

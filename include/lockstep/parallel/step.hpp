@@ -116,15 +116,21 @@ void check_finite(Replica<Module>& rep, int rank, std::int64_t step_number, doub
 template <class Loss>
 struct StepCall {
     StepCall(int world, const Loss& l, BatchSplit split, std::int64_t before_, std::int64_t step)
-        : shards(std::move(split.shards)), batch(split.batch), before(before_), after(before_ + split.batch),
-          step_number(step), sums(static_cast<std::size_t>(world)), corrects(static_cast<std::size_t>(world)),
-          applied(static_cast<std::size_t>(world)), loss(l) {}
-    std::vector<ShardRange> shards;  // this process's replicas' rows of the caller's batch
-    std::int64_t batch;              // the global batch
-    std::int64_t before, after;      // samples accumulated before and after this call (Note [gradient accumulation])
-    std::int64_t step_number;        // the step this call applies, for messages
-    std::vector<double> sums, corrects;     // each replica's loss sum and correct count
-    std::atomic<int> committed{0};          // replicas past the commit barrier
+        : shards(std::move(split.shards)),
+          batch(split.batch),
+          before(before_),
+          after(before_ + split.batch),
+          step_number(step),
+          sums(static_cast<std::size_t>(world)),
+          corrects(static_cast<std::size_t>(world)),
+          applied(static_cast<std::size_t>(world)),
+          loss(l) {}
+    std::vector<ShardRange> shards;          // this process's replicas' rows of the caller's batch
+    std::int64_t batch;                      // the global batch
+    std::int64_t before, after;              // samples accumulated before and after this call (Note [gradient accumulation])
+    std::int64_t step_number;                // the step this call applies, for messages
+    std::vector<double> sums, corrects;      // each replica's loss sum and correct count
+    std::atomic<int> committed{0};           // replicas past the commit barrier
     std::atomic<bool> device_failed{false};  // the device failed the step after it
     std::vector<std::atomic<bool>> applied;  // replicas whose optimizer step completed
     Held<Loss> loss;
@@ -178,7 +184,8 @@ void forward_backward(Core<Module, Group>& core, int r, StepCall<Loss>& call, co
     out = Tensor<float, backend>();
     if (call.before > 0) {  // Note [gradient accumulation]
         const double kept = static_cast<double>(call.before) / static_cast<double>(call.after);
-        nn::for_each_parameter(rep.module, [&](const std::string&, nn::Parameter<backend>& p) { K::scale(rep.ctx.exec, p.grad, kept); });
+        nn::for_each_parameter(rep.module,
+                               [&](const std::string&, nn::Parameter<backend>& p) { K::scale(rep.ctx.exec, p.grad, kept); });
         K::scale(rep.ctx.exec, lo.grad, static_cast<double>(call.batch) / static_cast<double>(call.after));
     }
     {
@@ -306,8 +313,10 @@ std::optional<Divergence> divergence_after(const StepCall<Loss>& call, const std
     const bool device_failed = call.device_failed.load();
     if (call.committed.load() == 0 || (all && !device_failed)) return std::nullopt;
     if (device_failed)
-        return Divergence{call.step_number, 0, "the device failed it after every replica had enqueued the update (" + what +
-                                                   "); no replica is known to hold the right parameters", true};
+        return Divergence{call.step_number, 0,
+                          "the device failed it after every replica had enqueued the update (" + what +
+                              "); no replica is known to hold the right parameters",
+                          true};
     const auto first = std::find_if(applied.begin(), applied.end(), done);
     return Divergence{call.step_number, first == applied.end() ? 0 : static_cast<int>(first - applied.begin()), what, false};
 }

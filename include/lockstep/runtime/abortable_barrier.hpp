@@ -61,8 +61,8 @@ public:
     //! `extra`: a party known to be busy elsewhere for up to that long) passes first.
     void arrive_and_wait(int rank, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) {
         std::unique_lock lock(mutex_);
-        LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < parties_, "rank ", rank, " is not in a barrier of ",
-                          parties_, " parties");
+        LOCKSTEP_CHECK_AS(UsageError, rank >= 0 && rank < parties_, "rank ", rank, " is not in a barrier of ", parties_,
+                          " parties");
         throw_if_aborted();
         if (here_[static_cast<std::size_t>(rank)]) {
             // Cannot happen while every party calls once per phase; if it does, the program is broken.
@@ -83,8 +83,7 @@ public:
         // round-trip costs more than that. Only when every party can own a core.
         if (spin_) {
             for (int i = 0; i < spin_iterations; ++i) {
-                if (generation_.load(std::memory_order_acquire) != gen || aborted_flag_.load(std::memory_order_acquire))
-                    break;
+                if (generation_.load(std::memory_order_acquire) != gen || aborted_flag_.load(std::memory_order_acquire)) break;
                 if ((i & 63) == 63) std::this_thread::yield();
             }
         }
@@ -92,8 +91,8 @@ public:
         const auto waited = timeout_ + extra;
         const auto deadline = clock::now() + waited;
         while (generation_.load(std::memory_order_relaxed) == gen && !aborted_) {
-            if (cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
-                generation_.load(std::memory_order_relaxed) == gen && !aborted_) {
+            if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_.load(std::memory_order_relaxed) == gen &&
+                !aborted_) {
                 std::string missing;
                 int first_missing = -1;
                 for (int r = 0; r < parties_; ++r) {

@@ -31,11 +31,10 @@ namespace lockstep {
 // Replicas meet at every collective, so a step runs at the pace of the slowest one; two replica
 // threads that the OS puts on the same CPU halve the step's speed until it moves one of them (the
 // wake-up that ends a collective tends to place the woken thread beside its waker). Binding each
-// replica thread to a CPU of its own removes that (README, Benchmarks). It is the default only where it cannot crowd other work: when the
-// process may run on exactly as many CPUs as there are replicas (a 2-core machine, or a job
-// restricted with taskset/cpusets to one CPU per replica). `spread` asks for it whenever there
-// are enough CPUs (replica r on the r-th allowed CPU; several such processes on one machine
-// would share the same CPUs, which is why it is not the default); `none` never binds.
+// replica thread to a CPU of its own removes that (README, Benchmarks). It is the default only where it cannot crowd other work:
+// when the process may run on exactly as many CPUs as there are replicas (a 2-core machine, or a job restricted with
+// taskset/cpusets to one CPU per replica). `spread` asks for it whenever there are enough CPUs (replica r on the r-th allowed
+// CPU; several such processes on one machine would share the same CPUs, which is why it is not the default); `none` never binds.
 
 //! Where a pool's replica threads run (see Note [replica CPU binding]).
 enum class CpuBinding {
@@ -100,8 +99,7 @@ public:
         s.cpus = choose_cpus(replicas, binding);
         threads_.reserve(static_cast<std::size_t>(replicas));
         try {
-            for (int r = 0; r < replicas; ++r)
-                threads_.emplace_back([state = state_, r, init] { worker(*state, r, init); });
+            for (int r = 0; r < replicas; ++r) threads_.emplace_back([state = state_, r, init] { worker(*state, r, init); });
         } catch (...) {
             shutdown(s.timeout);
             throw;
@@ -237,7 +235,9 @@ private:
     // pool left behind (Note [stuck replicas]) never outlives it.
     struct State {
         explicit State(int n)
-            : size(n), done(static_cast<std::size_t>(n), 0), exited(static_cast<std::size_t>(n), 0),
+            : size(n),
+              done(static_cast<std::size_t>(n), 0),
+              exited(static_cast<std::size_t>(n), 0),
               errors(static_cast<std::size_t>(n)) {}
         const int size;
         std::vector<int> cpus;  // written before the threads start; each entry by its own thread
@@ -249,8 +249,8 @@ private:
         std::uint64_t generation = 0;
         int started = 0;
         int finished = 0;
-        std::vector<char> done;    // by rank: finished its init, then its part of the current job
-        std::vector<char> exited;  // by rank: the thread left its loop
+        std::vector<char> done;                       // by rank: finished its init, then its part of the current job
+        std::vector<char> exited;                     // by rank: the thread left its loop
         std::optional<clock::time_point> first_done;  // when a replica first failed or finished
         int first_done_rank = -1;
         bool first_done_failed = false;
@@ -329,9 +329,8 @@ private:
     // What a call that gives up says: {the summary later calls repeat, the whole message}.
     std::pair<std::string, std::string> describe_stuck_locked(const std::vector<int>& stuck, const char* did) const {
         const State& s = *state_;
-        std::string summary = ranks_text(stuck) + " " + did + " within " + std::to_string(s.timeout.count()) +
-                              " ms after rank " + std::to_string(s.first_done_rank) +
-                              (s.first_done_failed ? " failed" : " finished");
+        std::string summary = ranks_text(stuck) + " " + did + " within " + std::to_string(s.timeout.count()) + " ms after rank " +
+                              std::to_string(s.first_done_rank) + (s.first_done_failed ? " failed" : " finished");
         std::string cause;
         if (!s.failure_order.empty()) {
             const int f = s.failure_order.front();
@@ -365,8 +364,8 @@ private:
     void throw_if_unusable_locked(const std::string& who) const {
         const State& s = *state_;
         if (!s.abandoned) return;
-        throw ReplicaStuck(who + ": unusable since an earlier call gave up on " + ranks_text(s.stuck) + " (" +
-                               s.stuck_reason + "), whose " + (s.stuck.size() == 1 ? "thread" : "threads") +
+        throw ReplicaStuck(who + ": unusable since an earlier call gave up on " + ranks_text(s.stuck) + " (" + s.stuck_reason +
+                               "), whose " + (s.stuck.size() == 1 ? "thread" : "threads") +
                                " may still be running; make a new DataParallel (or ReplicaPool)",
                            s.stuck);
     }
@@ -533,8 +532,10 @@ private:
         for (std::size_t r = 0; r < threads_.size(); ++r) {
             auto& t = threads_[r];
             if (!t.joinable()) continue;
-            if (std::find(left.begin(), left.end(), static_cast<int>(r)) == left.end()) t.join();
-            else t.detach();
+            if (std::find(left.begin(), left.end(), static_cast<int>(r)) == left.end())
+                t.join();
+            else
+                t.detach();
         }
         threads_.clear();
         if (!left.empty()) {

@@ -19,8 +19,7 @@ class SerialWorker {
 public:
     //! `init` runs once on the worker's thread before any job (e.g. to make a replica's device
     //! current there); it must not throw.
-    explicit SerialWorker(std::function<void()> init = {})
-        : init_(std::move(init)), thread_([this] { loop(); }) {}
+    explicit SerialWorker(std::function<void()> init = {}) : init_(std::move(init)), thread_([this] { loop(); }) {}
     SerialWorker(const SerialWorker&) = delete;
     SerialWorker& operator=(const SerialWorker&) = delete;
     ~SerialWorker() {

@@ -121,7 +121,7 @@ struct StatsChannelsFirst {
         int pending = 0;
         for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
             const auto v = load_pack<V>(p.x + p.span.template offset<V>(j, c));
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float d = to_float(v.v[e]) - k;
                 s += d;
@@ -227,12 +227,12 @@ struct NormalizeParams {
     std::uint8_t* mask = nullptr;  // with relu: where y > 0 (may be null)
     Span span;
     bool relu = false;
-    bool finish = false;       // compute the constants from `f` (training) or read `folded` (given)
+    bool finish = false;  // compute the constants from `f` (training) or read `folded` (given)
     Finish f;
     const float* weight = nullptr;  // null: not affine
     const float* bias = nullptr;
-    double* stats = nullptr;   // [mean | invstd | N], written by the channel's writer when finishing
-    float* folded = nullptr;   // [mean_hi | mean_lo | scale | shift]: read, or written when finishing
+    double* stats = nullptr;  // [mean | invstd | N], written by the channel's writer when finishing
+    float* folded = nullptr;  // [mean_hi | mean_lo | scale | shift]: read, or written when finishing
 };
 
 struct ChannelConstants {
@@ -249,8 +249,8 @@ LOCKSTEP_HD inline ChannelConstants normalize_constants_of(const NormalizeParams
     const double n = p.f.payload[layout.count()];
     const bn::ChannelStats st = bn::finish(n, p.f.payload[layout.sum(c)], p.f.payload[layout.sum_sq(c)], p.f.shift[c], p.f.eps);
     const bn::SplitMean split = bn::split_mean(st.mean);
-    const bn::NormalizeConstants k = bn::normalize_constants(st.mean, st.invstd, p.weight != nullptr ? p.weight[c] : 1.0,
-                                                             p.bias != nullptr ? p.bias[c] : 0.0);
+    const bn::NormalizeConstants k =
+        bn::normalize_constants(st.mean, st.invstd, p.weight != nullptr ? p.weight[c] : 1.0, p.bias != nullptr ? p.bias[c] : 0.0);
     if (writer) {
         p.stats[c] = st.mean;
         p.stats[C + c] = st.invstd;
@@ -263,8 +263,7 @@ LOCKSTEP_HD inline ChannelConstants normalize_constants_of(const NormalizeParams
             if (p.f.count_batch) *p.f.num_batches_tracked += 1;
         }
         if (p.f.running_mean != nullptr) {
-            const double factor =
-                p.f.cumulative ? 1.0 / static_cast<double>(*p.f.num_batches_tracked + 1) : p.f.momentum;
+            const double factor = p.f.cumulative ? 1.0 / static_cast<double>(*p.f.num_batches_tracked + 1) : p.f.momentum;
             bn::update_running(p.f.running_mean[c], p.f.running_var[c], st, n, factor);
         }
     }
@@ -286,7 +285,7 @@ struct NormalizeChannelsFirst {
             const std::int64_t off = p.span.template offset<V>(j, c);
             const auto in = load_pack<V>(p.x + off);
             Pack<T, V> out;
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 float v = bn::normalize(to_float(in.v[e]), k.hi, k.scale, k.shift);
                 if (p.relu) {
@@ -358,7 +357,7 @@ struct BackwardSumsChannelsFirst {
             const std::int64_t off = p.span.template offset<V>(j, c);
             const auto x = load_pack<V>(p.x + off);
             const auto g = load_pack<V>(p.dy + off);
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float d = p.mask == nullptr || p.mask[off + e] != 0 ? to_float(g.v[e]) : 0.0f;
                 a += d;
@@ -453,9 +452,9 @@ template <class T>
 LOCKSTEP_HD inline DxConstants dx_constants_of(const DxParams<T>& p, std::int64_t c) {
     const std::int64_t C = p.span.C;
     const bn::BackwardPayload layout{C};
-    const bn::BackwardConstants k = bn::backward_constants(p.stats[2 * C], p.payload[layout.sum_dy(c)],
-                                                           p.payload[layout.sum_dy_xmu(c)], p.stats[c], p.stats[C + c],
-                                                           p.weight != nullptr ? p.weight[c] : 1.0);
+    const bn::BackwardConstants k =
+        bn::backward_constants(p.stats[2 * C], p.payload[layout.sum_dy(c)], p.payload[layout.sum_dy_xmu(c)], p.stats[c],
+                               p.stats[C + c], p.weight != nullptr ? p.weight[c] : 1.0);
     return {p.folded[c], k.a, k.b, k.c};
 }
 
@@ -472,7 +471,7 @@ struct DxChannelsFirst {
             const auto x = load_pack<V>(p.x + off);
             const auto g = load_pack<V>(p.dy + off);
             Pack<T, V> out;
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float d = p.mask == nullptr || p.mask[off + e] != 0 ? to_float(g.v[e]) : 0.0f;
                 out.v[e] = from_float<T>(bn::backward(d, to_float(x.v[e]), k.hi, k.a, k.b, k.c));
@@ -550,11 +549,13 @@ inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid,
     }
     const std::int64_t row_threads = g.channels_last ? tile_rows : threads;
     const std::int64_t by_work = std::max<std::int64_t>(1, items / (row_threads * 4));  // >= 4 items a thread
-    const std::int64_t by_occupancy = std::max<std::int64_t>(1, (std::int64_t{blocks_per_sm} * info.multiprocessors + groups - 1) / groups);
+    const std::int64_t by_occupancy =
+        std::max<std::int64_t>(1, (std::int64_t{blocks_per_sm} * info.multiprocessors + groups - 1) / groups);
     const std::int64_t slots = static_cast<std::int64_t>(scratch_partial_bytes / sizeof(Sums2)) / (g.channels_last ? tile : 1);
     LOCKSTEP_CHECK_AS(ShapeError, groups <= slots, "SyncBatchNorm on CUDA over ", g.channels, " channels in ",
-                      g.channels_last ? "channels-last" : "channels-first", " layout needs more partials than the replica's scratch of ",
-                      scratch_partial_bytes, " bytes holds (at most ", slots * (g.channels_last ? tile : 1),
+                      g.channels_last ? "channels-last" : "channels-first",
+                      " layout needs more partials than the replica's scratch of ", scratch_partial_bytes,
+                      " bytes holds (at most ", slots * (g.channels_last ? tile : 1),
                       " channels); split the channels over several layers");
     const std::int64_t by_scratch = std::max<std::int64_t>(1, slots / groups);
     const std::int64_t chunks = std::min({by_work, by_occupancy, by_scratch});
@@ -587,12 +588,16 @@ void local_stats(Run& run, const T* x, const BnGeometry& g, const float* running
     p.counters = s.counters;
     if (grid.x == 0) {  // an empty shard: nothing counted, and K is still the shared shift
         run.zero(payload, static_cast<std::size_t>(2 * g.channels + 1) * sizeof(double));
-        run.template map<ShiftOnly<T>>(p, Grid{static_cast<int>((g.channels + channel_threads - 1) / channel_threads), 1, channel_threads});
+        run.template map<ShiftOnly<T>>(
+            p, Grid{static_cast<int>((g.channels + channel_threads - 1) / channel_threads), 1, channel_threads});
         return;
     }
-    if (g.channels_last) run.template reduce<StatsChannelsLast<T>>(p, grid);
-    else if (V > 1) run.template reduce<StatsChannelsFirst<T, vec16<T>>>(p, grid);
-    else run.template reduce<StatsChannelsFirst<T, 1>>(p, grid);
+    if (g.channels_last)
+        run.template reduce<StatsChannelsLast<T>>(p, grid);
+    else if (V > 1)
+        run.template reduce<StatsChannelsFirst<T, vec16<T>>>(p, grid);
+    else
+        run.template reduce<StatsChannelsFirst<T, 1>>(p, grid);
 }
 
 //! The finish `forward_normalize` folds into its prologue: a training forward's.
@@ -639,9 +644,12 @@ void forward_normalize(Run& run, const T* x, T* y, const BnGeometry& g, const Fi
         p.f.momentum = finish->momentum;
     }
     if (grid.x == 0 && finish != nullptr) grid.x = 1;  // an empty shard still finishes (its blocks loop over nothing)
-    if (g.channels_last) run.template map<NormalizeChannelsLast<T>>(p, grid);
-    else if (V > 1) run.template map<NormalizeChannelsFirst<T, vec16<T>>>(p, grid);
-    else run.template map<NormalizeChannelsFirst<T, 1>>(p, grid);
+    if (g.channels_last)
+        run.template map<NormalizeChannelsLast<T>>(p, grid);
+    else if (V > 1)
+        run.template map<NormalizeChannelsFirst<T, vec16<T>>>(p, grid);
+    else
+        run.template map<NormalizeChannelsFirst<T, 1>>(p, grid);
     if (finish != nullptr && finish->running_mean != nullptr && finish->cumulative) {
         ChannelParams c;
         c.num_batches_tracked = finish->num_batches_tracked;
@@ -670,15 +678,18 @@ void backward_sums(Run& run, const T* x, const T* dy, const std::uint8_t* mask, 
         run.zero(payload, static_cast<std::size_t>(2 * g.channels) * sizeof(double));
         return;
     }
-    if (g.channels_last) run.template reduce<BackwardSumsChannelsLast<T>>(p, grid);
-    else if (V > 1) run.template reduce<BackwardSumsChannelsFirst<T, vec16<T>>>(p, grid);
-    else run.template reduce<BackwardSumsChannelsFirst<T, 1>>(p, grid);
+    if (g.channels_last)
+        run.template reduce<BackwardSumsChannelsLast<T>>(p, grid);
+    else if (V > 1)
+        run.template reduce<BackwardSumsChannelsFirst<T, vec16<T>>>(p, grid);
+    else
+        run.template reduce<BackwardSumsChannelsFirst<T, 1>>(p, grid);
 }
 
 //! dx from the all-reduced backward payload and the forward's global count; `dx` may be `x`.
 template <class Run, class T>
-void backward_dx(Run& run, const T* x, const T* dy, const std::uint8_t* mask, T* dx, const BnGeometry& g,
-                 const double* payload, const double* stats, const float* folded, const float* weight) {
+void backward_dx(Run& run, const T* x, const T* dy, const std::uint8_t* mask, T* dx, const BnGeometry& g, const double* payload,
+                 const double* stats, const float* folded, const float* weight) {
     const int V = vector_width<T>(g, {x, dy, mask, dx});
     Grid grid;
     DxParams<T> p;
@@ -692,9 +703,12 @@ void backward_dx(Run& run, const T* x, const T* dy, const std::uint8_t* mask, T*
     p.stats = stats;
     p.folded = folded;
     p.weight = weight;
-    if (g.channels_last) run.template map<DxChannelsLast<T>>(p, grid);
-    else if (V > 1) run.template map<DxChannelsFirst<T, vec16<T>>>(p, grid);
-    else run.template map<DxChannelsFirst<T, 1>>(p, grid);
+    if (g.channels_last)
+        run.template map<DxChannelsLast<T>>(p, grid);
+    else if (V > 1)
+        run.template map<DxChannelsFirst<T, vec16<T>>>(p, grid);
+    else
+        run.template map<DxChannelsFirst<T, 1>>(p, grid);
 }
 
 //! The host emulator as a runner (the emulation tests'), with the device facts it pretends to have.
@@ -704,9 +718,13 @@ struct EmulatedRun {
     DeviceInfo info() const { return device; }
     Scratch scratch() const { return host_scratch->view(); }
     template <class K>
-    void map(const typename K::Params& p, const Grid& g) { emulate_map<K>(p, g); }
+    void map(const typename K::Params& p, const Grid& g) {
+        emulate_map<K>(p, g);
+    }
     template <class K>
-    void reduce(const typename K::Params& p, const Grid& g) { emulate_reduce<K>(p, g); }
+    void reduce(const typename K::Params& p, const Grid& g) {
+        emulate_reduce<K>(p, g);
+    }
     void zero(void* p, std::size_t bytes) { std::memset(p, 0, bytes); }
 };
 

@@ -34,10 +34,10 @@ namespace lockstep::kernels::device::layer_kernels {
 // NHWC convolutions are not implemented on CUDA (NotImplemented): the layer's user is told to use NCHW.
 
 struct ColsParams {
-    const float* x = nullptr;  // im2col: the input; col2im: -
-    float* cols = nullptr;     // im2col: written
+    const float* x = nullptr;      // im2col: the input; col2im: -
+    float* cols = nullptr;         // im2col: written
     const float* dcols = nullptr;  // col2im: read
-    float* dx = nullptr;       // col2im: written
+    float* dx = nullptr;           // col2im: written
     int C = 0, H = 0, W = 0, k = 1, s = 1, pad = 0, OH = 0, OW = 0;
     int N = 0, K = 0, P = 0;
     bool sample_major = true;  // columns [N][K][P] (forward), else [K][N][P] (backward)
@@ -51,7 +51,8 @@ struct Im2col {
     using Params = ColsParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items; i += static_cast<unsigned int>(grid_threads(w))) {
+        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items;
+             i += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int r = p.d0.div(i);
             const unsigned int pp = i - r * p.d0.d;
             const unsigned int outer = p.d1.div(r);
@@ -66,8 +67,7 @@ struct Im2col {
             const int ow = static_cast<int>(pp - oh * p.d3.d);
             const int h = static_cast<int>(oh) * p.s - p.pad + a, x = ow * p.s - p.pad + j;
             float v = 0.0f;
-            if (h >= 0 && h < p.H && x >= 0 && x < p.W)
-                v = p.x[((static_cast<std::int64_t>(n) * p.C + c) * p.H + h) * p.W + x];
+            if (h >= 0 && h < p.H && x >= 0 && x < p.W) v = p.x[((static_cast<std::int64_t>(n) * p.C + c) * p.H + h) * p.W + x];
             p.cols[i] = v;
         }
     }
@@ -79,7 +79,8 @@ struct Col2im {
     using Params = ColsParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items; i += static_cast<unsigned int>(grid_threads(w))) {
+        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items;
+             i += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int q = p.d0.div(i);
             const int x = static_cast<int>(i - q * p.d0.d);
             const unsigned int q2 = p.d1.div(q);
@@ -98,8 +99,8 @@ struct Col2im {
                     const int ow = static_cast<int>(p.d3.div(static_cast<unsigned int>(xx)));
                     if (ow * p.s != xx || ow >= p.OW) continue;
                     const std::int64_t kk = (static_cast<std::int64_t>(c) * p.k + a) * p.k + j;
-                    const std::int64_t col = p.sample_major ? (static_cast<std::int64_t>(n) * p.K + kk) * p.P
-                                                            : (kk * p.N + n) * p.P;
+                    const std::int64_t col =
+                        p.sample_major ? (static_cast<std::int64_t>(n) * p.K + kk) * p.P : (kk * p.N + n) * p.P;
                     sum += p.dcols[col + static_cast<std::int64_t>(oh) * p.OW + ow];
                 }
             }

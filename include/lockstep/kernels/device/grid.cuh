@@ -68,8 +68,8 @@ struct Grid {
 
 //! What a launch configuration depends on: the device's multiprocessors and L2 cache.
 struct DeviceInfo {
-    int multiprocessors = 132;          // H200
-    std::int64_t l2_bytes = 60 << 20;   // H200: 60 MiB
+    int multiprocessors = 132;         // H200
+    std::int64_t l2_bytes = 60 << 20;  // H200: 60 MiB
 };
 
 //! Scratch sizes a replica reserves: tickets for 65535 groups (the grid's y limit), 4 MiB of partials.
@@ -136,9 +136,9 @@ static_assert(ScratchLayout::partials_offset % ScratchLayout::alignment == 0 &&
 class HostScratch {
 public:
     HostScratch()
-        : block_(static_cast<unsigned char*>(std::aligned_alloc(
-              ScratchLayout::alignment, (ScratchLayout::total_bytes + ScratchLayout::alignment - 1) / ScratchLayout::alignment *
-                                            ScratchLayout::alignment))) {
+        : block_(static_cast<unsigned char*>(
+              std::aligned_alloc(ScratchLayout::alignment, (ScratchLayout::total_bytes + ScratchLayout::alignment - 1) /
+                                                               ScratchLayout::alignment * ScratchLayout::alignment))) {
         LOCKSTEP_CHECK_AS(OutOfMemory, block_ != nullptr, "no host memory for an emulated replica's scratch");
         std::memset(block_.get(), 0, ScratchLayout::counter_bytes);
         std::memset(block_.get() + ScratchLayout::partials_offset, 0xff, ScratchLayout::partial_bytes);
@@ -160,9 +160,12 @@ LOCKSTEP_HD inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v);
 
 template <class T>
 LOCKSTEP_HD inline T from_float(float v) {
-    if constexpr (std::is_same_v<T, float>) return v;
-    else if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
-    else return __float2bfloat16_rn(v);
+    if constexpr (std::is_same_v<T, float>)
+        return v;
+    else if constexpr (std::is_same_v<T, __half>)
+        return __float2half_rn(v);
+    else
+        return __float2bfloat16_rn(v);
 }
 
 //! Elements of T in 16 bytes: the widest vector a thread loads or stores.
@@ -254,8 +257,10 @@ inline std::uint64_t emulation_seed() {
     static const std::uint64_t seed = []() -> std::uint64_t {
         if (const char* s = std::getenv("LOCKSTEP_TEST_SEED"); s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 0);
         const std::uint64_t drawn = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-        std::fprintf(stderr, "lockstep: emulated kernels run their blocks in the order of seed %llu (LOCKSTEP_TEST_SEED=%llu replays it)\n",
-                     static_cast<unsigned long long>(drawn), static_cast<unsigned long long>(drawn));
+        std::fprintf(
+            stderr,
+            "lockstep: emulated kernels run their blocks in the order of seed %llu (LOCKSTEP_TEST_SEED=%llu replays it)\n",
+            static_cast<unsigned long long>(drawn), static_cast<unsigned long long>(drawn));
         return drawn;
     }();
     return seed;

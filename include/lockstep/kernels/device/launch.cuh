@@ -11,7 +11,8 @@
 #if defined(__CUDACC__)
 #include <cub/block/block_reduce.cuh>
 #elif !defined(LOCKSTEP_HOST_CUDA)
-#error "lockstep's CUDA kernels need nvcc; a host compiler builds them only against the test-only host CUDA device (tests/host_cuda)"
+#error \
+    "lockstep's CUDA kernels need nvcc; a host compiler builds them only against the test-only host CUDA device (tests/host_cuda)"
 #endif
 
 #include "lockstep/core/cuda_runtime.cuh"
@@ -24,8 +25,10 @@ namespace lockstep::kernels::device {
 //! min_blocks) per thread (the static gate in tests/cuda_static checks it).
 template <class K>
 constexpr int min_blocks_of() {
-    if constexpr (requires { K::min_blocks; }) return K::min_blocks;
-    else return 1;
+    if constexpr (requires { K::min_blocks; })
+        return K::min_blocks;
+    else
+        return 1;
 }
 
 #if defined(__CUDACC__)
@@ -97,7 +100,8 @@ __global__ void __launch_bounds__(K::threads, min_blocks_of<K>()) reduce_kernel(
 template <class K>
 void launch_map(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
     if (g.x <= 0 || g.y <= 0) return;
-    map_kernel<K><<<dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y)), static_cast<unsigned>(g.threads), 0, stream>>>(p);
+    map_kernel<K>
+        <<<dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y)), static_cast<unsigned>(g.threads), 0, stream>>>(p);
     LOCKSTEP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -105,7 +109,8 @@ void launch_map(const typename K::Params& p, const Grid& g, cudaStream_t stream)
 template <class K>
 void launch_reduce(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
     if (g.x <= 0 || g.y <= 0) return;
-    reduce_kernel<K><<<dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y)), static_cast<unsigned>(g.threads), 0, stream>>>(p);
+    reduce_kernel<K>
+        <<<dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y)), static_cast<unsigned>(g.threads), 0, stream>>>(p);
     LOCKSTEP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -132,8 +137,10 @@ struct HostLaunch {
     Grid grid;
     static void CUDART_CB run(void* data) {
         const std::unique_ptr<HostLaunch> launch(static_cast<HostLaunch*>(data));
-        if constexpr (Reduce) emulate_reduce<K>(launch->params, launch->grid);
-        else emulate_map<K>(launch->params, launch->grid);
+        if constexpr (Reduce)
+            emulate_reduce<K>(launch->params, launch->grid);
+        else
+            emulate_map<K>(launch->params, launch->grid);
     }
 };
 
@@ -170,9 +177,13 @@ struct DeviceRun {
     DeviceInfo info() const { return device; }
     Scratch scratch() const { return scratch_view; }
     template <class K>
-    void map(const typename K::Params& p, const Grid& g) { launch_map<K>(p, g, stream); }
+    void map(const typename K::Params& p, const Grid& g) {
+        launch_map<K>(p, g, stream);
+    }
     template <class K>
-    void reduce(const typename K::Params& p, const Grid& g) { launch_reduce<K>(p, g, stream); }
+    void reduce(const typename K::Params& p, const Grid& g) {
+        launch_reduce<K>(p, g, stream);
+    }
     void zero(void* p, std::size_t bytes) {
         if (bytes > 0) LOCKSTEP_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
     }

@@ -88,7 +88,8 @@ inline Grid reduce_grid(std::int64_t items, std::int64_t groups, int rows, int l
         g.x = 0;
         return g;
     }
-    const std::int64_t by_work = std::max<std::int64_t>(1, (items + std::int64_t{rows} * per_thread - 1) / (std::int64_t{rows} * per_thread));
+    const std::int64_t by_work =
+        std::max<std::int64_t>(1, (items + std::int64_t{rows} * per_thread - 1) / (std::int64_t{rows} * per_thread));
     const std::int64_t by_occupancy = std::max<std::int64_t>(1, (max_blocks(info) + groups - 1) / groups);
     const std::int64_t by_scratch = std::max<std::int64_t>(1, slots / groups);
     g.x = static_cast<int>(std::min({by_work, by_occupancy, by_scratch}));

@@ -37,7 +37,7 @@ struct Fill {
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         const std::int64_t vectors = p.n / V;
         Pack<T, V> v;
-LOCKSTEP_UNROLL
+        LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e) v.v[e] = p.value;
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) store_pack<V>(p.p + i * V, v);
         const std::int64_t tail = vectors * V + first_index(w);
@@ -70,7 +70,7 @@ struct Scale {
         const std::int64_t vectors = p.n / V;
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
             auto v = load_pack<V>(p.p + i * V);
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) v.v[e] *= f;
             store_pack<V>(p.p + i * V, v);
         }
@@ -96,7 +96,7 @@ struct Add {
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
             auto a = load_pack<V>(p.acc + i * V);
             const auto b = load_pack<V>(p.x + i * V);
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) a.v[e] += b.v[e];
             store_pack<V>(p.acc + i * V, a);
         }
@@ -108,9 +108,9 @@ LOCKSTEP_UNROLL
 // ---- ReLU (maps) --------------------------------------------------------------------------------
 
 struct ReluParams {
-    float* x = nullptr;           // forward: in place
-    const float* dy = nullptr;    // backward
-    float* dx = nullptr;          // backward
+    float* x = nullptr;                  // forward: in place
+    const float* dy = nullptr;           // backward
+    float* dx = nullptr;                 // backward
     std::uint8_t* mask = nullptr;        // forward: where x > 0 (may be null)
     const std::uint8_t* kept = nullptr;  // backward: the forward's mask
     std::int64_t n = 0;
@@ -126,7 +126,7 @@ struct ReluForward {
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
             auto v = load_pack<V>(p.x + i * V);
             Pack<std::uint8_t, V> m;
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 m.v[e] = v.v[e] > 0.0f;
                 v.v[e] = relu(v.v[e]);
@@ -153,7 +153,7 @@ struct ReluBackward {
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
             auto v = load_pack<V>(p.dy + i * V);
             const auto m = load_pack<V>(p.kept + i * V);
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) v.v[e] = m.v[e] != 0 ? v.v[e] : 0.0f;
             store_pack<V>(p.dx + i * V, v);
         }
@@ -187,14 +187,15 @@ struct BiasAct {
     using Params = BiasActParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.s.items; j += static_cast<unsigned int>(grid_threads(w))) {
+        for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.s.items;
+             j += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int plane = p.s.per_plane.div(j);
             const unsigned int c = plane - p.s.channels.div(plane) * p.s.channels.d;
             const float b = p.bias != nullptr ? p.bias[c] : 0.0f;
             const std::int64_t off = static_cast<std::int64_t>(j) * V;
             auto v = load_pack<V>(p.y + off);
             Pack<std::uint8_t, V> m;
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float x = p.bias != nullptr ? v.v[e] + b : v.v[e];
                 m.v[e] = x > 0.0f;
@@ -218,7 +219,8 @@ struct ChannelMajor {
     using Params = ChannelMajorParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.s.items; j += static_cast<unsigned int>(grid_threads(w))) {
+        for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.s.items;
+             j += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int plane = p.s.per_plane.div(j);  // (c, n) of dst
             const unsigned int q = j - plane * p.s.per_plane.d;
             const unsigned int c = p.s.batch.div(plane);
@@ -235,9 +237,9 @@ struct PoolParams {
     const float* x = nullptr;
     float* y = nullptr;
     std::int32_t* argmax = nullptr;
-    const float* dy = nullptr;        // backward
-    const std::int32_t* at = nullptr; // backward: the forward's argmax
-    float* dx = nullptr;              // backward
+    const float* dy = nullptr;         // backward
+    const std::int32_t* at = nullptr;  // backward: the forward's argmax
+    float* dx = nullptr;               // backward
     int H = 0, W = 0, OH = 0, OW = 0, k = 1, s = 1;
     unsigned int items = 0;  // forward: planes * OH * OW; backward: planes * H * W
     Divider cols, rows;      // forward: OW, OH; backward: W, H
@@ -251,7 +253,8 @@ struct MaxPoolForward {
     using Params = PoolParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items; i += static_cast<unsigned int>(grid_threads(w))) {
+        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items;
+             i += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int q = p.cols.div(i);
             const unsigned int ow = i - q * p.cols.d;
             const unsigned int plane = p.rows.div(q);
@@ -282,7 +285,8 @@ struct MaxPoolBackward {
     using Params = PoolParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items; i += static_cast<unsigned int>(grid_threads(w))) {
+        for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items;
+             i += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int q = p.cols.div(i);
             const int x = static_cast<int>(i - q * p.cols.d);
             const unsigned int plane = p.rows.div(q);
@@ -314,7 +318,7 @@ struct ChannelSumParams {
     float* out = nullptr;       // += per channel
     unsigned int items = 0;     // N P per channel (P > 1) or N rows (P = 1)
     int C = 0;
-    Divider per_plane;          // P
+    Divider per_plane;  // P
     Sum1* partials = nullptr;
     unsigned int* counters = nullptr;
 };
@@ -327,7 +331,8 @@ struct ChannelSumPlanes {
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
         double s = 0;
         const std::int64_t c = w.by;
-        for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.items; j += static_cast<unsigned int>(grid_threads(w))) {
+        for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.items;
+             j += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int n = p.per_plane.div(j);
             const unsigned int q = j - n * p.per_plane.d;
             s += static_cast<double>(p.dy[(static_cast<std::int64_t>(n) * p.C + c) * p.per_plane.d + q]);
@@ -359,7 +364,8 @@ struct ChannelSumRows {
         const std::int64_t c = static_cast<std::int64_t>(w.by) * tile + w.t % tile;
         if (c >= p.C) return {};
         double s = 0;
-        for (unsigned int r = static_cast<unsigned int>(w.bx * rows + w.t / tile); r < p.items; r += static_cast<unsigned int>(w.gx * rows))
+        for (unsigned int r = static_cast<unsigned int>(w.bx * rows + w.t / tile); r < p.items;
+             r += static_cast<unsigned int>(w.gx * rows))
             s += static_cast<double>(p.dy[static_cast<std::int64_t>(r) * p.C + c]);
         return {s};
     }
@@ -400,7 +406,7 @@ struct SumSquares {
         const std::int64_t vectors = p.n / V;
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
             const auto v = load_pack<V>(p.x + i * V);
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) s += static_cast<double>(v.v[e]) * v.v[e];
         }
         const std::int64_t tail = vectors * V + first_index(w);
@@ -426,8 +432,10 @@ void fill(Run& run, T* p, std::int64_t n, T value) {
                   "fill takes trivially copyable elements of 1, 2, 4, 8 or 16 bytes");
     constexpr int V = vec16<T>;
     FillParams<T> f{p, n, value};
-    if (all_aligned(16, {p})) run.template map<Fill<T, V>>(f, map_grid(vector_items(n, V), run.info()));
-    else run.template map<Fill<T, 1>>(f, map_grid(n, run.info()));
+    if (all_aligned(16, {p}))
+        run.template map<Fill<T, V>>(f, map_grid(vector_items(n, V), run.info()));
+    else
+        run.template map<Fill<T, 1>>(f, map_grid(n, run.info()));
 }
 
 //! p *= factor (fp32).
@@ -435,8 +443,10 @@ template <class Run>
 void scale(Run& run, float* p, std::int64_t n, float factor) {
     ScaleParams s;
     s.p = p, s.n = n, s.factor = factor;
-    if (all_aligned(16, {p})) run.template map<Scale<4>>(s, map_grid(vector_items(n, 4), run.info()));
-    else run.template map<Scale<1>>(s, map_grid(n, run.info()));
+    if (all_aligned(16, {p}))
+        run.template map<Scale<4>>(s, map_grid(vector_items(n, 4), run.info()));
+    else
+        run.template map<Scale<1>>(s, map_grid(n, run.info()));
 }
 
 //! p *= min(1, max_norm / (sqrt(sum_squares[0]) + 1e-6)), the coefficient computed on the device.
@@ -444,8 +454,10 @@ template <class Run>
 void clip_to_norm(Run& run, float* p, std::int64_t n, const double* sum_squares, double max_norm) {
     ScaleParams s;
     s.p = p, s.n = n, s.sum_squares = sum_squares, s.max_norm = max_norm;
-    if (all_aligned(16, {p})) run.template map<Scale<4>>(s, map_grid(vector_items(n, 4), run.info()));
-    else run.template map<Scale<1>>(s, map_grid(n, run.info()));
+    if (all_aligned(16, {p}))
+        run.template map<Scale<4>>(s, map_grid(vector_items(n, 4), run.info()));
+    else
+        run.template map<Scale<1>>(s, map_grid(n, run.info()));
 }
 
 //! acc += x.
@@ -454,8 +466,10 @@ void add(Run& run, T* acc, const T* x, std::int64_t n) {
     static_assert(std::is_arithmetic_v<T>, "add takes arithmetic elements");
     constexpr int V = vec16<T>;
     AddParams<T> a{acc, x, n};
-    if (all_aligned(16, {acc, x})) run.template map<Add<T, V>>(a, map_grid(vector_items(n, V), run.info()));
-    else run.template map<Add<T, 1>>(a, map_grid(n, run.info()));
+    if (all_aligned(16, {acc, x}))
+        run.template map<Add<T, V>>(a, map_grid(vector_items(n, V), run.info()));
+    else
+        run.template map<Add<T, 1>>(a, map_grid(n, run.info()));
 }
 
 //! x = max(x, 0) in place (NaN kept); mask (may be null) = x > 0.
@@ -463,8 +477,10 @@ template <class Run>
 void relu_forward(Run& run, float* x, std::uint8_t* mask, std::int64_t n) {
     ReluParams r;
     r.x = x, r.mask = mask, r.n = n;
-    if (all_aligned(16, {x}) && all_aligned(4, {mask})) run.template map<ReluForward<4>>(r, map_grid(vector_items(n, 4), run.info()));
-    else run.template map<ReluForward<1>>(r, map_grid(n, run.info()));
+    if (all_aligned(16, {x}) && all_aligned(4, {mask}))
+        run.template map<ReluForward<4>>(r, map_grid(vector_items(n, 4), run.info()));
+    else
+        run.template map<ReluForward<1>>(r, map_grid(n, run.info()));
 }
 
 //! dx = mask ? dy : 0.
@@ -472,8 +488,10 @@ template <class Run>
 void relu_backward(Run& run, const float* dy, const std::uint8_t* mask, float* dx, std::int64_t n) {
     ReluParams r;
     r.dy = dy, r.kept = mask, r.dx = dx, r.n = n;
-    if (all_aligned(16, {dy, dx}) && all_aligned(4, {mask})) run.template map<ReluBackward<4>>(r, map_grid(vector_items(n, 4), run.info()));
-    else run.template map<ReluBackward<1>>(r, map_grid(n, run.info()));
+    if (all_aligned(16, {dy, dx}) && all_aligned(4, {mask}))
+        run.template map<ReluBackward<4>>(r, map_grid(vector_items(n, 4), run.info()));
+    else
+        run.template map<ReluBackward<1>>(r, map_grid(n, run.info()));
 }
 
 //! The (N, C, P) items of a map in vectors of V.
@@ -495,8 +513,10 @@ void bias_act(Run& run, float* y, std::int64_t N, std::int64_t C, std::int64_t P
     BiasActParams b;
     b.y = y, b.bias = bias, b.mask = mask, b.relu = relu;
     b.s = planes_of(N, C, P, V);
-    if (V == 4) run.template map<BiasAct<4>>(b, map_grid(b.s.items, run.info()));
-    else run.template map<BiasAct<1>>(b, map_grid(b.s.items, run.info()));
+    if (V == 4)
+        run.template map<BiasAct<4>>(b, map_grid(b.s.items, run.info()));
+    else
+        run.template map<BiasAct<1>>(b, map_grid(b.s.items, run.info()));
 }
 
 //! out[c] += the sum of dy (N, C, P) over N and P.
@@ -529,16 +549,18 @@ void add_sum_squares(Run& run, const float* x, std::int64_t n, double* acc) {
     const int V = all_aligned(16, {x}) ? 4 : 1;
     const Grid g = reduce_grid(vector_items(n, V), 1, threads, 1, 4, sizeof(Sum1), run.info());
     s.partials = scratch.template partials_as<Sum1>(g.x);
-    if (V == 4) run.template reduce<SumSquares<4>>(s, g);
-    else run.template reduce<SumSquares<1>>(s, g);
+    if (V == 4)
+        run.template reduce<SumSquares<4>>(s, g);
+    else
+        run.template reduce<SumSquares<1>>(s, g);
 }
 
 //! Max pooling forward over an NCHW shard (y, argmax: (N, C, OH, OW)).
 template <class Run>
 void maxpool_forward(Run& run, const PoolGeometry& g, const float* x, float* y, std::int32_t* argmax) {
     LOCKSTEP_CHECK_AS(ShapeError, g.kernel >= 1 && g.stride >= 1 && g.height >= g.kernel && g.width >= g.kernel,
-                      "max pooling needs kernel >= 1, stride >= 1 and a kernel no larger than the input; got kernel ",
-                      g.kernel, ", stride ", g.stride, " on ", g.height, "x", g.width);
+                      "max pooling needs kernel >= 1, stride >= 1 and a kernel no larger than the input; got kernel ", g.kernel,
+                      ", stride ", g.stride, " on ", g.height, "x", g.width);
     const std::int64_t planes = g.batch * g.channels, OH = g.out_height(), OW = g.out_width();
     check_index_space(planes * g.height * g.width, "max pooling");
     PoolParams p;
@@ -554,8 +576,8 @@ void maxpool_forward(Run& run, const PoolGeometry& g, const float* x, float* y, 
 template <class Run>
 void maxpool_backward(Run& run, const PoolGeometry& g, const float* dy, const std::int32_t* argmax, float* dx) {
     LOCKSTEP_CHECK_AS(ShapeError, g.kernel >= 1 && g.stride >= 1 && g.height >= g.kernel && g.width >= g.kernel,
-                      "max pooling needs kernel >= 1, stride >= 1 and a kernel no larger than the input; got kernel ",
-                      g.kernel, ", stride ", g.stride, " on ", g.height, "x", g.width);
+                      "max pooling needs kernel >= 1, stride >= 1 and a kernel no larger than the input; got kernel ", g.kernel,
+                      ", stride ", g.stride, " on ", g.height, "x", g.width);
     const std::int64_t planes = g.batch * g.channels;
     check_index_space(planes * g.height * g.width, "max pooling");
     PoolParams p;
@@ -575,8 +597,10 @@ void channel_major(Run& run, const float* src, float* dst, std::int64_t N, std::
     ChannelMajorParams t;
     t.src = src, t.dst = dst;
     t.s = planes_of(N, C, P, V);
-    if (V == 4) run.template map<ChannelMajor<4>>(t, map_grid(t.s.items, run.info()));
-    else run.template map<ChannelMajor<1>>(t, map_grid(t.s.items, run.info()));
+    if (V == 4)
+        run.template map<ChannelMajor<4>>(t, map_grid(t.s.items, run.info()));
+    else
+        run.template map<ChannelMajor<1>>(t, map_grid(t.s.items, run.info()));
 }
 
 }  // namespace lockstep::kernels::device::layer_kernels

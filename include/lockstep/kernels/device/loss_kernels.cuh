@@ -16,14 +16,14 @@ namespace lockstep::kernels::device::layer_kernels {
 // ---- losses (reducing) --------------------------------------------------------------------------
 
 struct LossParams {
-    const float* out = nullptr;    // logits (N, K) or outputs (N, D)
-    const float* target = nullptr; // mse
+    const float* out = nullptr;            // logits (N, K) or outputs (N, D)
+    const float* target = nullptr;         // mse
     const std::int64_t* labels = nullptr;  // cross-entropy, on the device
     float* grad = nullptr;
-    std::int64_t N = 0, K = 0;     // samples, values per sample
-    std::int64_t n = 0;            // mse: N K values
+    std::int64_t N = 0, K = 0;  // samples, values per sample
+    std::int64_t n = 0;         // mse: N K values
     double inv_count = 1;
-    double* totals = nullptr;      // [2] = the sums
+    double* totals = nullptr;  // [2] = the sums
     Sum2* partials2 = nullptr;
     Sum1* partials1 = nullptr;
     unsigned int* counters = nullptr;
@@ -63,7 +63,8 @@ struct SoftmaxCrossEntropy {
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where&) { return p.counters; }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
         Value v;
-        for (int i = row; i < w.gx; i += rows) v = v + Value{load_other_block(&p.partials2[i].a), load_other_block(&p.partials2[i].b)};
+        for (int i = row; i < w.gx; i += rows)
+            v = v + Value{load_other_block(&p.partials2[i].a), load_other_block(&p.partials2[i].b)};
         return v;
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where&, int, const Value& total) {
@@ -92,7 +93,7 @@ struct MeanSquaredError {
             const auto o = load_pack<V>(p.out + i * V);
             const auto t = load_pack<V>(p.target + i * V);
             Pack<float, V> g;
-LOCKSTEP_UNROLL
+            LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) s += one(p, o.v[e], t.v[e], g.v[e]);
             store_pack<V>(p.grad + i * V, g);
         }
@@ -165,8 +166,10 @@ void mse(Run& run, const float* out, const float* target, std::int64_t N, std::i
     const int V = all_aligned(16, {out, target, grad}) ? 4 : 1;
     const Grid g = reduce_grid(vector_items(p.n, V), 1, threads, 1, 4, sizeof(Sum1), run.info());
     p.partials1 = scratch.template partials_as<Sum1>(g.x);
-    if (V == 4) run.template reduce<MeanSquaredError<4>>(p, g);
-    else run.template reduce<MeanSquaredError<1>>(p, g);
+    if (V == 4)
+        run.template reduce<MeanSquaredError<4>>(p, g);
+    else
+        run.template reduce<MeanSquaredError<1>>(p, g);
 }
 
 }  // namespace lockstep::kernels::device::layer_kernels

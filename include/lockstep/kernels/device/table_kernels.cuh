@@ -56,8 +56,10 @@ LOCKSTEP_HD inline int table_find(const long long* begin, int count, long long i
     int lo = 0, hi = count - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (begin[mid] <= i) lo = mid;
-        else hi = mid - 1;
+        if (begin[mid] <= i)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     return lo;
 }
@@ -117,8 +119,9 @@ struct SgdTable {
                 const auto gv = load_pack<4>(gp);
                 Pack<float, 4> vv{};
                 if constexpr (Momentum) vv = load_pack<4>(vp);
-LOCKSTEP_UNROLL
-                for (int e = 0; e < 4; ++e) sgd_one(p.lr, p.mu, p.damp, p.wd, first, p.nesterov, Momentum, wv.v[e], gv.v[e], vv.v[e]);
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < 4; ++e)
+                    sgd_one(p.lr, p.mu, p.damp, p.wd, first, p.nesterov, Momentum, wv.v[e], gv.v[e], vv.v[e]);
                 store_pack<4>(wp, wv);
                 if constexpr (Momentum) store_pack<4>(vp, vv);
             } else {
@@ -148,8 +151,10 @@ struct CopyTable {
         for (long long i = first_index(w); i < items; i += grid_threads(w)) {
             const int t = table_find(p.begin, p.count, i);
             const TableItem it = table_item(i - p.begin[t], p.n[t], p.vec[t]);
-            if (it.is_vector) store_pack<4>(p.dst[t] + it.element, load_pack<4>(p.src[t] + it.element));
-            else p.dst[t][it.element] = p.src[t][it.element];
+            if (it.is_vector)
+                store_pack<4>(p.dst[t] + it.element, load_pack<4>(p.src[t] + it.element));
+            else
+                p.dst[t][it.element] = p.src[t][it.element];
         }
     }
 };
@@ -176,8 +181,10 @@ void sgd_step_many(Run& run, std::span<const SgdEntry> entries, const SgdUpdate&
     const auto launch = [&] {
         if (p.count == 0) return;
         const Grid g = map_grid(p.begin[p.count], run.info());
-        if (momentum) run.template map<SgdTable<true>>(p, g);
-        else run.template map<SgdTable<false>>(p, g);
+        if (momentum)
+            run.template map<SgdTable<true>>(p, g);
+        else
+            run.template map<SgdTable<false>>(p, g);
         p.count = 0;
     };
     p.begin[0] = 0;
