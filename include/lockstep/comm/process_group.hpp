@@ -13,6 +13,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -104,6 +105,20 @@ inline std::string agreed_failure(ProcessGroup& procs, ProcessGroup::Channel cha
            (more > 0 ? " (and " + std::to_string(more) + " more)" : std::string()) + ": " + quoted;
 }
 
+//! Runs `check()`, this process's own checks, so that every process of `procs` throws alike when
+//! any of them fails: the same UsageError, "<context>: <comm::agreed_failure's text>", on `channel`.
+template <class Check>
+void check_alike(ProcessGroup& procs, ProcessGroup::Channel channel, std::string_view context, Check&& check) {
+    std::exception_ptr failure;
+    try {
+        check();
+    } catch (...) {
+        failure = std::current_exception();
+    }
+    const std::string agreed = agreed_failure(procs, channel, failure);
+    if (!agreed.empty()) throw UsageError(std::string(context) + ": " + agreed);
+}
+
 //! Tells the other processes of `procs` that this one failed: the failing replica's global rank
 //! when the failure started on `failed_rank` (a replica of this process, `local_replicas` in
 //! all); the reason alone when it came from another process (ProcessGroup::peer_failed), whose
@@ -164,14 +179,7 @@ public:
                             const Refusal& refusal) {
         if (procs == nullptr) return ProcessSpan(local().replicas);
         Layout mine;
-        std::exception_ptr failure;
-        try {
-            mine = local();
-        } catch (...) {
-            failure = std::current_exception();
-        }
-        const std::string agreed = agreed_failure(*procs, channel, failure);
-        if (!agreed.empty()) throw UsageError("a replica group across processes: " + agreed);
+        check_alike(*procs, channel, "a replica group across processes", [&] { mine = local(); });
         const auto P = static_cast<std::size_t>(procs->size()), p = static_cast<std::size_t>(procs->rank());
         std::vector<double> all(2 * P, 0.0);  // by process: replicas, then arrangements
         all[p] = mine.replicas;

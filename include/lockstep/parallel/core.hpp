@@ -57,10 +57,15 @@ struct Core {
     static std::shared_ptr<Core> make(const DataParallelOptions& options, const std::vector<Device>& devices) {
         auto core = std::make_shared<Core>();
         core->procs = options.process_group.get();
-        agree_on_setup(core->procs, [&] {
+        const auto check = [&] {
             core->options = check_options(options);
             core->devices = check_devices(devices);
-        });
+        };
+        // Every process refuses alike (comm::agreed_failure): none waits for one that left.
+        if (core->procs)
+            comm::check_alike(*core->procs, comm::ProcessGroup::control, "DataParallel across processes", check);
+        else
+            check();
         core->world = static_cast<int>(core->devices.size());
         core->resources.resize(core->devices.size());
         core->layer_group =

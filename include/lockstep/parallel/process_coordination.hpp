@@ -1,11 +1,10 @@
 // SPDX-License-Identifier: MIT
-//! What a DataParallel that spans processes agrees on outside its replicas' collectives: that
-//! every process accepted its own setup, how a global batch is split over the processes, and a
-//! step's totals. Each is one exchange on the process group's control channel.
+//! What a DataParallel that spans processes agrees on outside its replicas' collectives: how a
+//! global batch is split over the processes, and a step's totals. Each is one exchange on the
+//! process group's control channel.
 #pragma once
 
 #include <cstdint>
-#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,22 +16,6 @@
 #include "lockstep/parallel/scatter.hpp"
 
 namespace lockstep::parallel {
-
-//! Runs `check()` (this process's own checks of its setup) so that every process of `procs`
-//! throws alike when any of them fails (comm::agreed_failure): none then waits in a collective
-//! for one that left. Without `procs`, `check()` alone.
-template <class Check>
-void agree_on_setup(comm::ProcessGroup* procs, Check&& check) {
-    if (procs == nullptr) return check();
-    std::exception_ptr failure;
-    try {
-        check();
-    } catch (...) {
-        failure = std::current_exception();
-    }
-    const std::string agreed = comm::agreed_failure(*procs, comm::ProcessGroup::control, failure);
-    if (!agreed.empty()) throw UsageError("DataParallel across processes: " + agreed);
-}
 
 //! Where a call's rows lie: the global batch, and this process's replicas' shards as ranges of
 //! this process's own rows.
