@@ -470,8 +470,8 @@ private:
 template <class M>
 void put_module(Checkpoint& ck, const M& module, std::string_view prefix = {}) {
     const auto put_parameter = [&](const std::string& name, const auto& p) { ck.put(name, p.value); };
-    walk(
-        module, put_parameter, [&](const std::string& name, const auto& t) { ck.put(name, t); }, prefix);
+    const auto put_buffer = [&](const std::string& name, const auto& t) { ck.put(name, t); };
+    walk(module, put_parameter, put_buffer, prefix);
 }
 
 //! What `check_module_fits` and `get_module` make of a checkpoint's tensors the model does not have.
@@ -492,8 +492,8 @@ void check_module_fits(const Checkpoint& ck, const M& module, std::string_view p
         ck.check_fits(name, t);
         used[name] = true;
     };
-    walk(
-        module, [&](const std::string& name, const auto& p) { fits(name, p.value); }, fits, prefix);
+    const auto parameter_fits = [&](const std::string& name, const auto& p) { fits(name, p.value); };
+    walk(module, parameter_fits, fits, prefix);
     if (unmatched == Unmatched::refused)
         for (const auto& [name, seen] : used)
             if (!seen) throw IoError(ck.label() + " has tensor '" + name + "' that the model does not have");
@@ -503,8 +503,8 @@ void check_module_fits(const Checkpoint& ck, const M& module, std::string_view p
 template <class M>
 void assign_module(const Checkpoint& ck, M& module, std::string_view prefix = {}) {
     const auto get_parameter = [&](const std::string& name, auto& p) { ck.copy_into(name, p.value); };
-    walk(
-        module, get_parameter, [&](const std::string& name, auto& t) { ck.copy_into(name, t); }, prefix);
+    const auto get_buffer = [&](const std::string& name, auto& t) { ck.copy_into(name, t); };
+    walk(module, get_parameter, get_buffer, prefix);
 }
 
 //! Loads every parameter and buffer of `module` from `ck` after `check_module_fits` passed, so a

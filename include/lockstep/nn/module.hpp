@@ -149,8 +149,8 @@ void for_each_parameter(M& module, F&& f) {
 //! Calls `f(name, tensor&)` for every buffer (float or int64 tensors).
 template <class M, class F>
 void for_each_buffer(M& module, F&& f) {
-    walk(
-        module, [](const std::string&, auto&) {}, f);
+    const auto no_parameter = [](const std::string&, auto&) {};
+    walk(module, no_parameter, f);
 }
 
 //! A replica of `module` on `device`: a deep copy (a module is a copyable value, see Note [module
