@@ -380,7 +380,7 @@ def judge_train(args):
         if ours is None:
             emit(name, "FAIL", "the example gave no step rates (exit %d): %s" % (rc, tail_line(read(log))[:160]))
             continue
-        detail = "lockstep %s (1 replica, median of %d steps)" % (si(ours), n)
+        detail = "lockstep %s (1 replica, math pytorch_default, median of %d steps)" % (si(ours), n)
         parts = []
         for mode, label in (("default", "PyTorch defaults"), ("strict", "strict fp32")):
             r = torch_rows.get((batch, mode))

@@ -332,7 +332,7 @@ if [[ -z $blocked ]]; then
     eval_acc=(--train-limit 12800); eval_small=(); acc_note="the whole test set (the example has no --test-limit)"
   fi
   # Step 2's host run (the slowest part of it) trains in the background from now on.
-  ex_args=(--data "$data" --seed 7 --no-shuffle --batch 64 --steps 200 --quiet "${eval_acc[@]}")
+  ex_args=(--data "$data" --seed 7 --no-shuffle --batch 64 --steps 200 --quiet --math strict_fp32 "${eval_acc[@]}")
   limit 200
   host_cut=$cut
   nice -n 5 timeout -k 5 "$lim" "$mnist" "${ex_args[@]}" --backend host --replicas 8 \
@@ -370,7 +370,7 @@ step_parity() {
   local init="$work/parity-init.safetensors" rc1 rc4 rch host
   capped_py 60 "$logs/parity-init.log" "$logs/parity-init.err" "$root/bench/torch_cuda_parity.py" init --out "$init" --seed 7
   if ((rc != 0)); then row "PyTorch parity, 3 steps" FAIL "torch_cuda_parity.py init exit $rc: $(tail -1 "$logs/parity-init.err")"; return; fi
-  local args=(--data "$data" --init "$init" --no-shuffle --seed 7 --batch 64 --lr 0.01 --momentum 0.9 --steps 3 --quiet
+  local args=(--data "$data" --init "$init" --no-shuffle --seed 7 --batch 64 --lr 0.01 --momentum 0.9 --steps 3 --quiet --math strict_fp32
               "${eval_small[@]}")
   limit 60
   timeout -k 5 "$lim" "$mnist" "${args[@]}" --backend host --replicas 4 --save "$work/parity-host4.safetensors" \
@@ -402,7 +402,7 @@ step_train() {
   for b in 64 256 1024; do
     steps=${steps_at[$b]}
     capped 45 "$logs/train-b$b.log" "$mnist" --data "$data" --seed 7 --no-shuffle --batch "$b" --steps "$steps" --quiet \
-      "${eval_small[@]}" --backend cuda --devices 0 --metrics "$logs/train-b$b.jsonl"
+      "${eval_small[@]}" --backend cuda --devices 0 --math pytorch_default --metrics "$logs/train-b$b.jsonl"
     spec+=(--lockstep "$b" "$logs/train-b$b.jsonl" "$logs/train-b$b.log" "$rc")
     torch_args+=(--lockstep "$b=$logs/train-b$b.jsonl")
   done

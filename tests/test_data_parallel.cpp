@@ -788,6 +788,29 @@ TEST_CASE("clip_grad_norm scales the all-reduced gradients as torch.nn.utils.cli
     CHECK_THROWS_AS(DataParallel<Net>(make_net(seed), 2, {.clip_grad_norm = -1.0}), InvalidArgument);
 }
 
+// Note [math modes]: the host backend has no TF32 arithmetic; every mode trains in strict fp32,
+// bit for bit alike, and a value that is no lockstep::Math is refused.
+TEST_CASE("Every math mode trains alike on the host, in strict fp32", "[parallel]") {
+    const auto params_after = [](Math math) {
+        DataParallel<Net> dp(make_net(5), 2, {.math = math});
+        CHECK(dp.options().math == math);
+        nn::Sgd sgd({.lr = 0.05, .momentum = 0.9});
+        std::mt19937_64 gen(5);
+        for (const auto& b : make_batches(3, 10, gen)) dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+        std::vector<float> v;
+        nn::for_each_parameter(dp.replica(0), [&](const std::string&, const nn::Parameter<>& p) {
+            v.insert(v.end(), p.value.data(), p.value.data() + p.value.numel());
+        });
+        return v;
+    };
+    const auto strict = params_after(Math::strict_fp32);
+    CHECK(params_after(Math::pytorch_default) == strict);
+    CHECK(params_after(Math::tf32) == strict);
+    CHECK(DataParallelOptions{}.math == Math::pytorch_default);  // PyTorch's defaults unless asked
+    CHECK_THROWS_WITH(DataParallel<Net>(make_net(5), 2, {.math = static_cast<Math>(7)}),
+                      Catch::Contains("DataParallelOptions::math is not a lockstep::Math (7)"));
+}
+
 TEST_CASE("A step that fails in backward changes no replica's parameters or optimizer state", "[parallel]") {
     Faulty proto{make_net(4)};
     DataParallel<Faulty> dp(proto, 3, {.timeout = 60s});

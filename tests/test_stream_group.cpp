@@ -819,6 +819,18 @@ TEST_CASE(
         REQUIRE(e);
         CHECK_THROWS_WITH(std::rethrow_exception(e), Catch::Contains("they run different replica counts (1, 2, by process)"));
     }
+    // Processes in different math modes would round differently (Note [math modes]): all refuse.
+    errors = as_processes(2, [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+        auto o = across(procs);
+        o.math = p == 0 ? Math::strict_fp32 : Math::tf32;
+        DataParallel<Net> dp(net, 1, o);
+    });
+    for (auto& e : errors) {
+        REQUIRE(e);
+        CHECK_THROWS_WITH(std::rethrow_exception(e),
+                          Catch::Contains("they run different math modes (strict_fp32, tf32, by process); give every process the "
+                                          "same DataParallelOptions::math"));
+    }
 }
 
 TEST_CASE("stream group across processes: a mismatch between processes is caught before any enqueue", "[comm]") {

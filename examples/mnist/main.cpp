@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -170,6 +171,14 @@ int main(int argc, char** argv) {
     app.add_option("--devices", opt.devices,
                    "CUDA devices of the replicas, one entry per replica: 0,1 or 0,0,0,0 "
                    "(several replicas may share a GPU)");
+    const std::map<std::string, lockstep::Math> maths{{"pytorch_default", lockstep::Math::pytorch_default},
+                                                      {"strict_fp32", lockstep::Math::strict_fp32},
+                                                      {"tf32", lockstep::Math::tf32}};
+    std::string math = "pytorch_default";
+    app.add_option("--math", math,
+                   "how convolutions and linear layers may round on CUDA: pytorch_default (TF32 convolutions, "
+                   "strict fp32 linear layers, as PyTorch), strict_fp32 or tf32; the host computes all in fp32")
+        ->check(CLI::IsMember({"pytorch_default", "strict_fp32", "tf32"}));
     app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::Range(1, 1000));
     app.add_option("--batch", opt.batch, "global batch size")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
     // NaN passes a range check (every comparison with it is false): refuse it first.
@@ -213,6 +222,7 @@ int main(int argc, char** argv) {
     try {
         app.parse(argc, argv);
         opt.devices_given = app.count("--devices") > 0;
+        opt.math = maths.at(math);
     } catch (const CLI::ParseError& e) {
         const int rc = app.exit(e);
         return rc == 0 ? 0 : 2;

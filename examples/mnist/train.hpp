@@ -56,6 +56,7 @@ struct Options {
     std::string init, save, resume, metrics;
     double expect_accuracy = -1;
     bool quiet = false;
+    lockstep::Math math = lockstep::Math::pytorch_default;  // --math (Note [math modes])
 };
 
 // "name" or "name.gz" in dir, whichever exists.
@@ -291,7 +292,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     const auto& test = *test_data;
     // A step whose loss or gradients are NaN or infinite is refused (lockstep::NonFinite): the run
     // stops with the message, and nothing is saved over the last good checkpoint.
-    DataParallel<Model> dp(prototype, devices, {.check_finite = true, .process_group = procs});
+    DataParallel<Model> dp(prototype, devices, {.check_finite = true, .math = opt.math, .process_group = procs});
     if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
 
     std::ofstream metrics;

@@ -100,6 +100,7 @@ DataParallelOptions options() {
     DataParallelOptions o;
     o.bucket_bytes = 1024;  // several buckets: some are enqueued while backward runs
     o.timeout = std::chrono::seconds(10);
+    o.math = Math::strict_fp32;  // parity with the host backend (Note [math modes])
     return o;
 }
 

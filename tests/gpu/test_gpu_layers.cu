@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: MIT
 //! GPU test of the CUDA backend's layers: every layer, loss and SGD on CUDA against the host
 //! backend on the same inputs and parameters; `mnist::Net<Cuda>` against `mnist::Net<Host>` for 5
-//! SGD steps; SyncBatchNorm<Cuda> at world 1 against an fp64 batch norm for the host tests' shapes
-//! and both layouts; fp16/bf16 batch norm against fp32; out of memory as a typed error that leaks
-//! nothing. Exits 77 (skipped) where no GPU is present; built in CI so it always compiles.
+//! SGD steps (all in strict fp32); convolution and linear layers in each math mode against fp64,
+//! within bounds derived from TF32's mantissa; SyncBatchNorm<Cuda> at world 1 against an fp64
+//! batch norm for the host tests' shapes and both layouts; fp16/bf16 batch norm against fp32; out
+//! of memory as a typed error that leaks nothing. Exits 77 (skipped) where no GPU is present;
+//! built in CI so it always compiles.
 #include <lockstep/cuda.cuh>
 #include <lockstep/nn.hpp>
 #include <lockstep/host.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -79,6 +82,126 @@ void compare_layer(const std::string& name, HostLayer&& host, CudaLayer&& dev, S
     const auto gh_ = gradients_of<Host>(host), gc_ = gradients_of<Cuda>(dev);
     for (std::size_t i = 0; i < gh_.size(); ++i)
         expect_close(gc_[i], gh_[i], 1e-5, name + ": parameter gradient " + std::to_string(i));
+}
+
+// ---- math modes against fp64 (Note [math modes]) ----
+// TF32 keeps 10 of fp32's 23 mantissa bits: an input converted to it is off by less than 2^-10 of
+// itself (truncated; 2^-11 rounded to nearest), so a product of two such is off by less than
+// (2^-9 + 2^-20) |a b|. The products are summed in fp32, and a sum of n terms in any order is off
+// by at most gamma_n = n u / (1 - n u), u = 2^-24, times the sum of the terms' magnitudes S. An
+// output reduced over n products, plus a bias (n + 1 terms), is then off by at most
+//   TF32:        ((2^-9 + 2^-20) (1 + gamma_{n+1}) + gamma_{n+1}) S
+//   strict fp32: gamma_{n+1} S
+// and the checks allow twice that (a GPU may round a split sum's partials once more). On the host
+// CUDA device, which always rounds to TF32 when allowed, a TF32 product must also exceed the
+// strict bound somewhere: the mode took effect.
+double gamma_of(std::int64_t n) {
+    const double nu = static_cast<double>(n) * std::ldexp(1.0, -24);
+    return nu / (1 - nu);
+}
+
+// Every element of `got` within its bound: `exact` and `mag` (the magnitudes' sum S) in fp64,
+// `terms` products summed per element.
+void expect_rounding(const std::vector<float>& got, const std::vector<double>& exact, const std::vector<double>& mag,
+                     std::int64_t terms, bool tf32, const std::string& what) {
+    const double g = gamma_of(terms + 1);
+    const double strict = g, rounded = (std::ldexp(1.0, -9) + std::ldexp(1.0, -20)) * (1 + g) + g;
+    const double allowed = 2 * (tf32 ? rounded : strict);
+    double worst = 0;  // the largest |got - exact| / S
+    bool same_size = got.size() == exact.size() && exact.size() == mag.size() && !got.empty();
+    for (std::size_t i = 0; same_size && i < got.size(); ++i) {
+        const double e = std::abs(static_cast<double>(got[i]) - exact[i]);
+        worst = std::max(worst, mag[i] > 0 ? e / mag[i] : (e == 0 ? 0.0 : INFINITY));
+    }
+    expect(same_size && worst <= allowed, what + (tf32 ? " in TF32" : " in strict fp32") + " (error " + std::to_string(worst) +
+                                              " S, allowed " + std::to_string(allowed) + " S)");
+#if defined(LOCKSTEP_HOST_CUDA)
+    if (tf32)
+        expect(worst > strict, what + ": TF32 rounding took place (error " + std::to_string(worst) + " S beyond the strict " +
+                                   std::to_string(strict) + " S)");
+#endif
+}
+
+// An fp64 reference: values and the sums of their terms' magnitudes.
+struct Reference {
+    std::vector<double> value, mag;
+    explicit Reference(std::size_t n) : value(n, 0.0), mag(n, 0.0) {}
+    void add(std::size_t i, double a, double b) {
+        value[i] += a * b;
+        mag[i] += std::abs(a * b);
+    }
+};
+
+// Conv2d (bias, padding 1, stride 1) forward and backward in mode `math` against fp64.
+void conv_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng) {
+    ctx.exec.math = math;
+    const bool tf32 = allows_tf32(math, ProductOf::convolution);
+    const std::int64_t N = 3, C = 5, H = 9, W = 8, O = 6, k = 3, pad = 1;
+    nn::Generator gen(11);
+    nn::Conv2d<Cuda> conv(C, O, k, {.padding = pad}, gen);
+    const auto x = random_host(Shape{N, C, H, W}, rng);
+    const auto dy = random_host(Shape{N, O, H, W}, rng);
+    const auto w = values(conv.weight.value), b = values(conv.bias.value);
+    nn::zero_grad(conv);
+    const auto y = values(conv.forward(ctx, x.to<Cuda>(Device::cuda(ctx.exec.device))));
+    const auto dx = values(conv.backward(ctx, dy.to<Cuda>(Device::cuda(ctx.exec.device))));
+    const auto dw = values(conv.weight.grad);
+    Reference ry(static_cast<std::size_t>(N * O * H * W)), rdx(static_cast<std::size_t>(x.numel())),
+        rdw(static_cast<std::size_t>(w.size()));
+    for (std::int64_t n = 0; n < N; ++n)
+        for (std::int64_t o = 0; o < O; ++o)
+            for (std::int64_t oh = 0; oh < H; ++oh)
+                for (std::int64_t ow = 0; ow < W; ++ow) {
+                    const auto yi = static_cast<std::size_t>(((n * O + o) * H + oh) * W + ow);
+                    ry.add(yi, b[static_cast<std::size_t>(o)], 1.0);
+                    for (std::int64_t c = 0; c < C; ++c)
+                        for (std::int64_t i = 0; i < k; ++i)
+                            for (std::int64_t j = 0; j < k; ++j) {
+                                const std::int64_t h = oh - pad + i, v = ow - pad + j;
+                                if (h < 0 || h >= H || v < 0 || v >= W) continue;
+                                const auto xi = static_cast<std::size_t>(((n * C + c) * H + h) * W + v);
+                                const auto wi = static_cast<std::size_t>(((o * C + c) * k + i) * k + j);
+                                ry.add(yi, x[static_cast<std::int64_t>(xi)], w[wi]);
+                                rdx.add(xi, dy[static_cast<std::int64_t>(yi)], w[wi]);
+                                rdw.add(wi, dy[static_cast<std::int64_t>(yi)], x[static_cast<std::int64_t>(xi)]);
+                            }
+                }
+    const std::string name = std::string("Conv2d ") + std::string(to_string(math));
+    expect_rounding(y, ry.value, ry.mag, C * k * k, tf32, name + " forward");
+    expect_rounding(dx, rdx.value, rdx.mag, O * k * k, tf32, name + " dx");
+    expect_rounding(dw, rdw.value, rdw.mag, N * H * W, tf32, name + " weight gradient");
+}
+
+// Linear (bias) forward and backward in mode `math` against fp64.
+void linear_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng) {
+    ctx.exec.math = math;
+    const bool tf32 = allows_tf32(math, ProductOf::linear);
+    const std::int64_t N = 7, in = 70, out = 11;
+    nn::Generator gen(13);
+    nn::Linear<Cuda> lin(in, out, true, gen);
+    const auto x = random_host(Shape{N, in}, rng);
+    const auto dy = random_host(Shape{N, out}, rng);
+    const auto w = values(lin.weight.value), b = values(lin.bias.value);
+    nn::zero_grad(lin);
+    const auto y = values(lin.forward(ctx, x.to<Cuda>(Device::cuda(ctx.exec.device))));
+    const auto dx = values(lin.backward(ctx, dy.to<Cuda>(Device::cuda(ctx.exec.device))));
+    const auto dw = values(lin.weight.grad);
+    Reference ry(static_cast<std::size_t>(N * out)), rdx(static_cast<std::size_t>(N * in)), rdw(w.size());
+    for (std::int64_t n = 0; n < N; ++n)
+        for (std::int64_t o = 0; o < out; ++o) {
+            const auto yi = static_cast<std::size_t>(n * out + o);
+            ry.add(yi, b[static_cast<std::size_t>(o)], 1.0);
+            for (std::int64_t i = 0; i < in; ++i) {
+                const auto xi = static_cast<std::size_t>(n * in + i), wi = static_cast<std::size_t>(o * in + i);
+                ry.add(yi, x[static_cast<std::int64_t>(xi)], w[wi]);
+                rdx.add(xi, dy[static_cast<std::int64_t>(yi)], w[wi]);
+                rdw.add(wi, dy[static_cast<std::int64_t>(yi)], x[static_cast<std::int64_t>(xi)]);
+            }
+        }
+    const std::string name = std::string("Linear ") + std::string(to_string(math));
+    expect_rounding(y, ry.value, ry.mag, in, tf32, name + " forward");
+    expect_rounding(dx, rdx.value, rdx.mag, out, tf32, name + " dx");
+    expect_rounding(dw, rdw.value, rdw.mag, N, tf32, name + " weight gradient");
 }
 
 // fp64 batch norm of (N, C, P) in `f`: y and dx for gamma = 1, beta = 0.
@@ -172,6 +295,7 @@ int main() {
         const auto entered = res.enter();
         nn::Context<Cuda> ctx;
         ctx.exec = res.execution();
+        ctx.exec.math = Math::strict_fp32;  // parity with the host at 1e-5 (Note [math modes])
         std::mt19937 rng(1234);
 
         // ---- every layer against the host ----
@@ -221,6 +345,12 @@ int main() {
                           nn::SyncBatchNorm<Host>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}),
                           nn::SyncBatchNorm<Cuda>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}), Shape{4, 33, 7, 5},
                           MemoryFormat::nhwc, ctx, rng);
+        }
+
+        // ---- math modes: TF32 where each mode allows it, against fp64 ----
+        for (const Math m : {Math::strict_fp32, Math::pytorch_default, Math::tf32}) {
+            conv_in_mode(m, ctx, rng);
+            linear_in_mode(m, ctx, rng);
         }
 
         // ---- the losses ----
@@ -314,6 +444,7 @@ int main() {
             nn::Context<Host> hctx;
             nn::Context<Cuda> nctx;
             nctx.exec = res.execution();
+            nctx.exec.math = Math::strict_fp32;
             for (int step = 0; step < 5; ++step) {
                 const std::int64_t N = 16;
                 auto x = random_host(Shape{N, 1, 28, 28}, rng);

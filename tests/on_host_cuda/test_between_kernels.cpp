@@ -164,7 +164,7 @@ TEST_CASE("a step whose device work stalls fails within the group's timeout", "[
 TEST_CASE("DataParallel::forward gathers outputs the replicas have finished", "[hostcuda]") {
     Clean clean;
     const std::vector<Device> devices(4, Device::cuda(0));
-    DataParallel<Small<Cuda>> gpu(make_small<Cuda>(), devices);
+    DataParallel<Small<Cuda>> gpu(make_small<Cuda>(), devices, {.math = Math::strict_fp32});  // parity with the host
     DataParallel<Small<Host>> host(make_small<Host>(), 4);
     gpu.eval();
     host.eval();

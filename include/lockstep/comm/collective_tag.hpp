@@ -39,6 +39,7 @@ enum class Exchange : std::uint32_t {
     nccl_unique_id,         // a stream group: process 0's NCCL unique id
     setup_failures,         // which processes failed to set up
     setup_failure_message,  // the first failing process's message
+    math_modes,             // DataParallel: each process's math mode
 };
 
 //! What `Exchange` `e` exchanges, for messages.
@@ -52,6 +53,7 @@ constexpr const char* to_string(Exchange e) {
         case Exchange::nccl_unique_id: return "a replica group's NCCL unique id";
         case Exchange::setup_failures: return "setup failures";
         case Exchange::setup_failure_message: return "a setup failure's message";
+        case Exchange::math_modes: return "the processes' math modes";
     }
     return "?";
 }

@@ -75,20 +75,63 @@ inline void check_device(const Device& want, const Device& got, std::string_view
 // Note [execution context]
 // Each replica owns one execution context (nn::Context), handed to every forward and backward.
 // Its backend part, `Execution<B>`, is what the backend operations need besides their operands:
-// on the host nothing (a replica is its thread), on CUDA the replica's device, compute stream,
+// on the host its math mode alone (a replica is its thread), on CUDA the replica's device, compute stream,
 // cuBLAS handle, workspace and kernel scratch (`Execution<Cuda>`, defined with the CUDA backend in
 // kernels/cuda_execution.cuh). Backend operations take it as their first argument, so a layer
 // written once runs on either backend. A replica group registers with the execution of each
 // replica bound to it (`Api::watch(Execution<B>&, DeviceWatch*, timeout)`, Note [stream-ordered
 // collectives]), so the backend's host waits on the device consult the group (device_watch.hpp).
 
+// Note [math modes]
+// How float32 matrix products (convolutions and linear layers) may round, as PyTorch's switches
+// say it (torch.backends.cudnn.allow_tf32 for convolutions, torch.backends.cuda.matmul.allow_tf32
+// for matrix products):
+// - `pytorch_default`, the default, as PyTorch's defaults: convolutions on TF32 tensor cores
+//   (inputs rounded to TF32's 10-bit mantissa, products accumulated in fp32), linear layers in
+//   strict fp32. The same network then matches PyTorch at the same speed and rounding.
+// - `strict_fp32`: every product in fp32 (what the CUDA-vs-host parity tests pin).
+// - `tf32`: convolutions and linear layers on TF32 tensor cores.
+// On CUDA the mode is the cuBLAS math mode of each product (CUBLAS_TF32_TENSOR_OP_MATH or
+// CUBLAS_DEFAULT_MATH, set before the call on the replica's handle). A mode allows rounding; it
+// does not demand it: the host backend has no TF32 arithmetic and computes every mode in strict
+// fp32, as PyTorch's CPU operators ignore the switches. Every replica of a DataParallel runs the
+// same mode (DataParallelOptions::math), so replicas stay bit-identical.
+
+//! How float32 convolutions and linear layers may round (Note [math modes]).
+enum class Math : unsigned char {
+    pytorch_default,  //!< TF32 convolutions, strict fp32 linear layers (PyTorch's defaults)
+    strict_fp32,      //!< every product in fp32
+    tf32,             //!< convolutions and linear layers on TF32 tensor cores
+};
+
+constexpr std::string_view to_string(Math m) noexcept {
+    switch (m) {
+        case Math::pytorch_default: return "pytorch_default";
+        case Math::strict_fp32: return "strict_fp32";
+        case Math::tf32: return "tf32";
+    }
+    return "unknown";
+}
+
+//! What a product runs for: the two kinds of layer PyTorch's switches tell apart.
+enum class ProductOf : unsigned char { convolution, linear };
+
+//! Whether mode `m` lets a product for `of` round its inputs to TF32.
+constexpr bool allows_tf32(Math m, ProductOf of) noexcept {
+    return m == Math::tf32 || (m == Math::pytorch_default && of == ProductOf::convolution);
+}
+
 //! The backend's part of an execution context (see Note [execution context]); each backend
 //! specializes it beside its operations.
 template <BackendTag B>
 struct Execution;
 
+//! The host's part: the math mode alone, which the host honours by never rounding below fp32
+//! (Note [math modes]); a replica is its thread.
 template <>
-struct Execution<Host> {};
+struct Execution<Host> {
+    Math math = Math::pytorch_default;
+};
 
 namespace detail {
 inline int& host_device_slot() noexcept {

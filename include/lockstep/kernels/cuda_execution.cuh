@@ -35,6 +35,8 @@ struct Execution<Cuda> {
     // completed, so the caller may then free or refill its input.
     cudaEvent_t inputs_read_event = nullptr;
     DeviceWaits waits;
+    // How its convolutions and linear layers may round (Note [math modes] in core/backend.hpp).
+    Math math = Math::pytorch_default;
 };
 
 }  // namespace lockstep

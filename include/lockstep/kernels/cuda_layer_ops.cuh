@@ -29,7 +29,7 @@ namespace lk = device::layer_kernels;
 //! stream's order.
 struct LayerRun : device::DeviceRun {
     explicit LayerRun(const Ex& ex)
-        : device_guard(ex.device), stream_guard(ex.stream, ex.device, ex.stream_owner), blas(ex.blas) {
+        : device_guard(ex.device), stream_guard(ex.stream, ex.device, ex.stream_owner), blas(ex.blas), math(ex.math) {
         LOCKSTEP_CHECK_AS(UsageError, ex.blas != nullptr,
                           "a CUDA layer operation ran without its replica's cuBLAS handle; "
                           "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
@@ -38,8 +38,11 @@ struct LayerRun : device::DeviceRun {
         scratch_view = cuda_ops::scratch(ex);
     }
 
-    //! One cuBLAS SGEMM as `call` says (gemm_layers.cuh: Note [convolution on CUDA]).
+    //! One cuBLAS SGEMM as `call` says (gemm_layers.cuh: Note [convolution on CUDA]), in the math
+    //! the replica's mode allows the layer it serves (Note [math modes]).
     void gemm(const lk::GemmCall& c) {
+        LOCKSTEP_CUBLAS_CHECK(
+            cublasSetMathMode(blas, allows_tf32(math, c.of) ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
         const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
         if (c.batch == 1)
             LOCKSTEP_CUBLAS_CHECK(
@@ -52,6 +55,7 @@ struct LayerRun : device::DeviceRun {
     cuda::DeviceGuard device_guard;
     cuda::StreamGuard stream_guard;
     cublasHandle_t blas;
+    Math math;
 };
 
 //! Throws DeviceMismatch unless a tensor with elements is on the replica's device.

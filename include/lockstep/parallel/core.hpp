@@ -4,7 +4,9 @@
 //! replicas (Note [jobs own their state] in parallel/call_state.hpp).
 #pragma once
 
+#include <algorithm>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "lockstep/comm/collectives.hpp"
@@ -62,10 +64,12 @@ struct Core {
             core->devices = check_devices(devices);
         };
         // Every process refuses alike (comm::agreed_failure): none waits for one that left.
-        if (core->procs)
+        if (core->procs) {
             comm::check_alike(*core->procs, comm::ProcessGroup::control, "DataParallel across processes", check);
-        else
+            check_same_math(*core->procs, options.math);
+        } else {
             check();
+        }
         core->world = static_cast<int>(core->devices.size());
         core->resources.resize(core->devices.size());
         core->layer_group =
@@ -82,7 +86,24 @@ private:
         LOCKSTEP_CHECK(o.bucket_bytes > 0, "DataParallelOptions::bucket_bytes must be positive");
         LOCKSTEP_CHECK(!o.clip_grad_norm || *o.clip_grad_norm > 0, "DataParallelOptions::clip_grad_norm must be positive, got ",
                        o.clip_grad_norm.value_or(0), "; leave it unset to not clip");
+        LOCKSTEP_CHECK(to_string(o.math) != "unknown", "DataParallelOptions::math is not a lockstep::Math (",
+                       static_cast<int>(o.math), "); use Math::pytorch_default, Math::strict_fp32 or Math::tf32");
         return o;
+    }
+
+    // Every process learns every process's math mode; all throw alike unless they are one
+    // (replicas in different modes would round differently: Note [math modes]).
+    static void check_same_math(comm::ProcessGroup& procs, Math mine) {
+        const auto P = static_cast<std::size_t>(procs.size());
+        std::vector<double> modes(P, 0.0);
+        modes[static_cast<std::size_t>(procs.rank())] = static_cast<double>(mine);
+        procs.channel(comm::ProcessGroup::control)
+            .all_reduce_sum(DeviceSpan<double>::host(modes), comm::CollectiveSite::control(comm::Exchange::math_modes));
+        if (std::all_of(modes.begin(), modes.end(), [&](double m) { return m == modes[0]; })) return;
+        std::string each;
+        for (const double m : modes) each += std::string(to_string(static_cast<Math>(m))) + ", ";
+        throw UsageError("DataParallel across " + std::to_string(P) + " processes: they run different math modes (" + each +
+                         "by process); give every process the same DataParallelOptions::math");
     }
 
     static std::vector<Device> check_devices(const std::vector<Device>& devices) {

@@ -348,6 +348,7 @@ private:
         rep.ctx.world = core.global_world;
         rep.ctx.comm = rep.layer_comm;
         rep.ctx.exec = core.resources[ur]->execution();
+        rep.ctx.exec.math = core.options.math;
         core.bind(r, rep.ctx.exec);
         rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, core.devices[ur]);
         rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, core.devices[ur]);

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "lockstep/comm/process_group.hpp"
+#include "lockstep/core/backend.hpp"
 #include "lockstep/runtime/abortable_barrier.hpp"
 #include "lockstep/runtime/replica_pool.hpp"
 
@@ -32,6 +33,11 @@ struct DataParallelOptions {
     //! Check the loss and the all-reduced gradients before the commit point: a step with NaN or
     //! infinity throws `NonFinite` and no replica applies it (costs a pass over the gradients).
     bool check_finite = false;
+    //! How convolutions and linear layers may round (Note [math modes] in core/backend.hpp): by
+    //! default as PyTorch's defaults (TF32 convolutions, strict fp32 linear layers on CUDA);
+    //! `Math::strict_fp32` for fp32 everywhere, `Math::tf32` for TF32 everywhere. The host
+    //! backend computes every mode in strict fp32.
+    Math math = Math::pytorch_default;
     //! The processes this DataParallel spans (Note [replicas across processes] in
     //! comm/process_group.hpp; `comm::MpiProcessGroup` from `<lockstep/mpi.hpp>`); empty: this
     //! process alone. Then the devices are this process's replicas, every process runs as many,

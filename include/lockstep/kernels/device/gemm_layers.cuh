@@ -128,6 +128,8 @@ struct GemmCall {
     int ldc = 1;
     long long stride_c = 0;
     int batch = 1;
+    // The layer it serves, which the replica's math mode looks at (Note [math modes]).
+    ProductOf of = ProductOf::linear;
 };
 
 //! A GEMM dimension as cuBLAS's int.
@@ -164,6 +166,7 @@ struct ConvPlan {
 //! y[n] (O x P) = W (O x K) cols[n] (K x P), cols [N][K][P]: column-major y[n]^T = cols[n]^T W^T.
 inline GemmCall conv_forward_gemm(const ConvPlan& c, const float* cols, const float* weight, float* y) {
     GemmCall g;
+    g.of = ProductOf::convolution;
     g.m = gemm_dim(c.P, "a convolution's output plane");
     g.n = gemm_dim(c.O, "a convolution's output channels");
     g.k = gemm_dim(c.K, "a convolution's C k k");
@@ -177,6 +180,7 @@ inline GemmCall conv_forward_gemm(const ConvPlan& c, const float* cols, const fl
 //! dW (O x K) += dyt (O x NP) cols^T, cols [K][NP]: column-major dW^T += cols^T(op T) dyt^T.
 inline GemmCall conv_weight_grad_gemm(const ConvPlan& c, const float* cols, const float* dyt, float* weight_grad) {
     GemmCall g;
+    g.of = ProductOf::convolution;
     g.trans_a = true;
     g.m = gemm_dim(c.K, "a convolution's C k k");
     g.n = gemm_dim(c.O, "a convolution's output channels");
@@ -191,6 +195,7 @@ inline GemmCall conv_weight_grad_gemm(const ConvPlan& c, const float* cols, cons
 //! dcols (K x NP) = W^T (K x O) dyt (O x NP): column-major dcols^T = dyt^T W(op T).
 inline GemmCall conv_input_grad_gemm(const ConvPlan& c, const float* weight, const float* dyt, float* dcols) {
     GemmCall g;
+    g.of = ProductOf::convolution;
     g.trans_b = true;
     g.m = gemm_dim(c.N * c.P, "a convolution's N OH OW");
     g.n = gemm_dim(c.K, "a convolution's C k k");
