@@ -13,8 +13,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -306,4 +308,73 @@ TEST_CASE("an NCCL failure after the commit point marks the replicas diverged, a
         }
     }
     CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));  // the group was rebuilt
+}
+
+// Issue 27: every convolution kept its own columns, grown with the batch and never given back, so
+// a replica held every layer's buffers at once. Now a replica's convolutions share one workspace
+// (Note [one layer workspace]): it holds the largest layer's need, grows with a larger batch, and
+// layers that reuse it one after the other on the stream still compute what the host does.
+TEST_CASE("a replica's convolutions share one workspace, sized by the largest layer", "[hostcuda]") {
+    Clean clean;
+    using Ws = kernels::cuda_ops::LayerWorkspace;
+    kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+    const auto entered = res.enter();
+    nn::Context<Cuda> ctx;
+    ctx.exec = res.execution();
+    ctx.exec.math = Math::strict_fp32;  // compared with the host
+    nn::Context<Host> hctx;
+    // Three layers: a small one, and two alike whose need is the largest.
+    const auto conv_options = nn::Conv2dOptions{.padding = 1};
+    nn::Generator g1(3), g2(3);
+    std::vector<nn::Conv2d<Cuda>> dev;
+    std::vector<nn::Conv2d<Host>> host;
+    dev.emplace_back(2, 4, 3, nn::Conv2dOptions{}, g1), host.emplace_back(2, 4, 3, nn::Conv2dOptions{}, g2);
+    for (int i = 0; i < 2; ++i) dev.emplace_back(4, 4, 3, conv_options, g1), host.emplace_back(4, 4, 3, conv_options, g2);
+    const auto need = [](std::int64_t N, std::int64_t C, std::int64_t O, std::int64_t P) {  // backward: cols, dcols, dyt
+        const std::int64_t cols = N * C * 9 * P;
+        return 2 * Ws::aligned(cols) + N * O * P;
+    };
+    std::mt19937 rng(5);
+    const auto run_all = [&](std::int64_t N) {
+        std::normal_distribution<float> d;
+        Tensor<float, Host> x(Shape{N, 2, 10, 10});
+        for (float& v : x.span()) v = d(rng);
+        std::vector<Tensor<float, Cuda>> ys{x.to<Cuda>(Device::cuda(0))};
+        std::vector<Tensor<float, Host>> hs{x};
+        for (std::size_t l = 0; l < dev.size(); ++l) {
+            ys.push_back(dev[l].forward(ctx, ys.back()));
+            hs.push_back(host[l].forward(hctx, hs.back()));
+        }
+        Tensor<float, Host> dy(hs.back().shape());
+        for (float& v : dy.span()) v = d(rng);
+        auto dxc = dy.to<Cuda>(Device::cuda(0));
+        auto dxh = dy;
+        for (std::size_t l = dev.size(); l-- > 0;) {
+            dxc = dev[l].backward(ctx, dxc);
+            dxh = host[l].backward(hctx, dxh);
+        }
+        const auto got = values(dxc);
+        double err = 0, norm = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) {
+            err += (static_cast<double>(got[i]) - dxh.data()[i]) * (static_cast<double>(got[i]) - dxh.data()[i]);
+            norm += static_cast<double>(dxh.data()[i]) * dxh.data()[i];
+        }
+        CAPTURE(N);
+        CHECK(std::sqrt(err / norm) <= 1e-5);
+    };
+    run_all(3);
+    const std::int64_t largest = need(3, 4, 4, 64);  // the 4 -> 4 layers on 8 x 8
+    CHECK(res.layers->floats() == largest);
+    const auto blocks = host_cuda::live_device_blocks();
+    run_all(3);
+    CHECK(host_cuda::live_device_blocks() == blocks);  // no buffer per call or per layer
+    CHECK(res.layers->floats() == largest);
+    run_all(5);  // a larger batch: the workspace grows to its need
+    CHECK(res.layers->floats() == need(5, 4, 4, 64));
+
+    // An execution made by hand, without the replica's workspace, is refused with what to do.
+    auto bare = ctx;
+    bare.exec.layer_workspace = nullptr;
+    CHECK_THROWS_WITH(dev[0].forward(bare, Tensor<float, Cuda>(Shape{1, 2, 10, 10}, MemoryFormat::nchw, Device::cuda(0))),
+                      Catch::Contains("without its replica's layer workspace"));
 }

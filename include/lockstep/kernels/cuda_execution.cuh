@@ -16,6 +16,10 @@
 
 namespace lockstep {
 
+namespace kernels::cuda_ops {
+class LayerWorkspace;  // cuda_layer_ops.cuh: Note [one layer workspace]
+}  // namespace kernels::cuda_ops
+
 //! Made by `kernels::Ops<Cuda>::ReplicaResources::execution()`; copies share the handles.
 template <>
 struct Execution<Cuda> {
@@ -28,6 +32,8 @@ struct Execution<Cuda> {
     // The reducing kernels' scratch on `device` (Note [one scratch layout]): zeroed tickets that
     // every kernel leaves zeroed again, then the partials.
     kernels::device::Scratch scratch;
+    // The buffers of its convolutions, one allocation every layer shares (Note [one layer workspace]).
+    kernels::cuda_ops::LayerWorkspace* layer_workspace = nullptr;
     // Host waits for the device (a step's scalars): an event recorded on `stream`, polled until
     // `waits.timeout()` passes, consulting the replica's groups (`waits`) meanwhile.
     cudaEvent_t done_event = nullptr;

@@ -19,6 +19,40 @@
 
 namespace lockstep::kernels::cuda_ops {
 
+// Note [one layer workspace]
+// A convolution on CUDA needs its shard's im2col columns, their gradient and a channel-major dy
+// (Note [convolution on CUDA]): floats in proportion to the batch, for the length of one call.
+// They live in the replica's one LayerWorkspace (owned by its ReplicaResources, reached through
+// Execution<Cuda>::layer_workspace), not in each layer: a network's convolutions run one after
+// the other on the replica's stream, so each may reuse what the previous one wrote, and the
+// replica holds the largest layer's need once instead of every layer's. The workspace grows when a
+// larger need comes (the old allocation is freed in the stream's order, after the work that read
+// it) and never shrinks. An execution, and so its workspace, serves one thread at a time, as its
+// stream does.
+
+//! A replica's buffer for its convolutions (Note [one layer workspace]).
+class LayerWorkspace {
+public:
+    //! Offsets of the buffers inside the workspace are multiples of this many floats (256 bytes).
+    static constexpr std::int64_t align = 64;
+
+    //! At least `floats` floats on `device`, grown when needed; call it while a LayerRun lives
+    //! (the allocation and any free are on the replica's stream).
+    float* at_least(std::int64_t floats, int device) {
+        if (floats <= 0) return buffer_.data();
+        if (buffer_.numel() < floats || buffer_.device() != Device::cuda(device))
+            buffer_ = T_<float>(Shape{floats}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
+        return buffer_.data();
+    }
+    //! Floats held now: the largest need so far.
+    std::int64_t floats() const noexcept { return buffer_.numel(); }
+    //! `n` rounded up to the alignment.
+    static constexpr std::int64_t aligned(std::int64_t n) noexcept { return (n + align - 1) / align * align; }
+
+private:
+    T_<float> buffer_;
+};
+
 namespace layer_detail {
 
 namespace lk = device::layer_kernels;
@@ -68,15 +102,6 @@ void check_on(const Ex& ex, const T_<T>& t, const char* what) {
 template <class T>
 void check_numel(const T_<T>& t, std::int64_t n, const char* op, const char* what) {
     LOCKSTEP_CHECK_AS(ShapeError, t.numel() == n, op, " on CUDA: ", what, " has ", t.numel(), " elements, expected ", n);
-}
-
-//! `t` holds at least `n` floats on `device` (grown when a larger shape comes, never shrunk; the
-//! old contents are not kept). Call it while a LayerRun lives (the allocation is on its stream).
-inline float* at_least(T_<float>& t, std::int64_t n, int device) {
-    if (n <= 0) return t.data();
-    if (t.numel() < n || t.device() != Device::cuda(device))
-        t = T_<float>(Shape{n}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
-    return t.data();
 }
 
 // Note [labels on the device]
@@ -211,20 +236,18 @@ struct LayerOps {
 
     // ---- layers -----------------------------------------------------------------------------
 
-    //! What a convolution keeps between calls: the shard's im2col columns, their gradient and the
-    //! channel-major dy (Note [convolution on CUDA]), grown when a larger shape comes.
-    struct ConvScratch {
-        T_<float> cols, dcols, dyt;
-    };
+    //! What a convolution keeps between calls: nothing on CUDA; its buffers are the replica's
+    //! (Note [one layer workspace]).
+    struct ConvScratch {};
 
     //! y = conv(x, weight) + bias; `bias` may be null. NCHW only (NotImplemented for NHWC).
     static void conv2d_forward(const Ex& ex, const ConvGeometry& g, const T_<float>& x, const T_<float>& weight,
-                               const T_<float>* bias, T_<float>& y, ConvScratch& s) {
+                               const T_<float>* bias, T_<float>& y, ConvScratch&) {
         const device::layer_kernels::ConvPlan c(g);
         check_conv(ex, c, x, weight, bias, "conv2d_forward");
         layer_detail::check_numel(y, c.N * c.O * c.P, "conv2d_forward", "y");
         layer_detail::LayerRun run(ex);
-        float* cols = layer_detail::at_least(s.cols, device::layer_kernels::conv_forward_buffers(c).cols, ex.device);
+        float* cols = workspace(ex).at_least(device::layer_kernels::conv_forward_buffers(c).cols, ex.device);
         device::layer_kernels::conv2d_forward(run, c, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr, y.data(),
                                               cols);
     }
@@ -232,7 +255,7 @@ struct LayerOps {
     //! weight_grad += dL/dweight, bias_grad += dL/dbias (may be null), dx = dL/dx. NCHW only.
     static void conv2d_backward(const Ex& ex, const ConvGeometry& g, const T_<float>& x, const T_<float>& dy,
                                 const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx,
-                                ConvScratch& s) {
+                                ConvScratch&) {
         const device::layer_kernels::ConvPlan c(g);
         check_conv(ex, c, x, weight, bias_grad, "conv2d_backward");
         layer_detail::check_on(ex, dy, "conv2d_backward's dy");
@@ -241,9 +264,11 @@ struct LayerOps {
         layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
         layer_detail::LayerRun run(ex);
         const auto sizes = device::layer_kernels::conv_backward_buffers(c);
-        float* cols = layer_detail::at_least(s.cols, sizes.cols, ex.device);
-        float* dcols = layer_detail::at_least(s.dcols, sizes.dcols, ex.device);
-        float* dyt = layer_detail::at_least(s.dyt, sizes.dyt, ex.device);
+        const std::int64_t at_dcols = LayerWorkspace::aligned(sizes.cols),
+                           at_dyt = at_dcols + LayerWorkspace::aligned(sizes.dcols);
+        float* cols = workspace(ex).at_least(at_dyt + sizes.dyt, ex.device);
+        float* dcols = cols + at_dcols;
+        float* dyt = cols + at_dyt;
         device::layer_kernels::conv2d_backward(run, c, x.data(), dy.data(), weight.data(), weight_grad.data(),
                                                bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data(), cols, dcols, dyt);
     }
@@ -413,6 +438,13 @@ struct LayerOps {
     }
 
 private:
+    static LayerWorkspace& workspace(const Ex& ex) {
+        LOCKSTEP_CHECK_AS(UsageError, ex.layer_workspace != nullptr,
+                          "a CUDA convolution ran without its replica's layer workspace; "
+                          "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
+        return *ex.layer_workspace;
+    }
+
     static void check_conv(const Ex& ex, const device::layer_kernels::ConvPlan& c, const T_<float>& x, const T_<float>& weight,
                            const T_<float>* bias, const char* op) {
         layer_detail::check_on(ex, x, "a convolution's input");

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -64,6 +65,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 LOCKSTEP_CUBLAS_CHECK(cublasCreate(&blas));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetStream(blas, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
+                layers = std::make_unique<cuda_ops::LayerWorkspace>();
                 cuda::wait_stream(stream.get(), "zeroing a replica's scratch");  // once, at creation: the tickets are zero
             } catch (...) {
                 release();
@@ -83,6 +85,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             ex.workspace = workspace;
             ex.workspace_bytes = workspace_bytes;
             ex.scratch = scratch_view;
+            ex.layer_workspace = layers.get();
             ex.done_event = done.get();
             ex.inputs_read_event = inputs_read.get();
             return ex;
@@ -116,6 +119,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
         void* workspace = nullptr;
         void* scratch = nullptr;
         device::Scratch scratch_view;
+        std::unique_ptr<cuda_ops::LayerWorkspace> layers;  // the convolutions' buffers (Note [one layer workspace])
 
     private:
         void release() noexcept {
@@ -127,6 +131,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 } catch (...) {
                 }
             }
+            layers.reset();  // freed in the stream's order, before the stream goes
             if (blas != nullptr) (void)cublasDestroy(blas);
             if (workspace != nullptr) (void)cudaFree(workspace);
             if (scratch != nullptr) (void)cudaFree(scratch);

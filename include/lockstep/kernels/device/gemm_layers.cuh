@@ -19,7 +19,7 @@ namespace lockstep::kernels::device::layer_kernels {
 
 // Note [convolution on CUDA]
 // A convolution over an NCHW shard is im2col + cuBLAS over the whole shard, with the columns of
-// every sample in one buffer (kept in the layer's ConvScratch), K = C k k, P = OH OW:
+// every sample in one buffer (in the replica's workspace: Note [one layer workspace]), K = C k k, P = OH OW:
 // - forward: columns [N][K][P]; y[n] (O x P) = W (O x K) cols[n] (K x P) is one strided-batched
 //   GEMM over the N samples (W shared: stride 0), then the bias is a map kernel;
 // - backward: dy is transposed to dyt [O][N*P] and the columns are laid out [K][N*P], so the
@@ -290,7 +290,7 @@ void gemm(Run& run, const GemmCall& call) {
     run.gemm(call);
 }
 
-//! Floats of each buffer a convolution's ConvScratch holds (Note [convolution on CUDA]).
+//! Floats of each buffer a convolution needs in the replica's workspace (Note [one layer workspace]).
 struct ConvBuffers {
     std::int64_t cols = 0, dcols = 0, dyt = 0;
 };
