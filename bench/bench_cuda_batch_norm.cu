@@ -335,12 +335,12 @@ private:
         finish.eps = 1e-5;
         finish.momentum = 0.1;
         bn_kernels::forward_normalize(run, x_.data(), y_.data(), g_, &finish, weight_.data(), bias_.data(), stats_.data(),
-                                      folded_.data(), /*relu=*/false, nullptr);
-        bn_kernels::backward_sums(run, x_.data(), dy_.data(), nullptr, g_, folded_.data(), backward_payload_.data());
+                                      folded_.data(), /*relu=*/false);
+        bn_kernels::backward_sums(run, x_.data(), dy_.data(), /*relu=*/false, g_, folded_.data(), backward_payload_.data());
         bn_kernels::param_grads(run, g_.channels, backward_payload_.data(), stats_.data(), weight_grad_.data(),
                                 bias_grad_.data());
-        bn_kernels::backward_dx(run, x_.data(), dy_.data(), nullptr, x_.data(), g_, backward_payload_.data(), stats_.data(),
-                                folded_.data(), weight_.data());
+        bn_kernels::backward_dx(run, x_.data(), dy_.data(), /*relu=*/false, x_.data(), g_, backward_payload_.data(),
+                                stats_.data(), folded_.data(), weight_.data());
         std::swap(x_, y_);
     }
 

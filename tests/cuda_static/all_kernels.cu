@@ -34,8 +34,8 @@ using kernels::device::DeviceRun;
 // channels-first with scalars; the per-channel kernels (shift, finish count, eval constants,
 // parameter gradients) have no storage type.
 template <class T>
-void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::uint8_t* mask, double* payload, double* stats,
-                        float* folded, float* running, std::int64_t* count) {
+void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::uint8_t* /*no ReLU mask*/, double* payload,
+                        double* stats, float* folded, float* running, std::int64_t* count) {
     bk::local_stats(run, x, g, running, payload, folded);
     bk::FinishRequest finish;
     finish.payload = payload;
@@ -43,9 +43,9 @@ void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::u
     finish.running_mean = running;
     finish.running_var = running;
     finish.num_batches_tracked = count;
-    bk::forward_normalize(run, x, x, g, &finish, folded, folded, stats, folded, true, mask);
-    bk::backward_sums(run, x, dy, mask, g, folded, payload);
-    bk::backward_dx(run, x, dy, mask, x, g, payload, stats, folded, folded);
+    bk::forward_normalize(run, x, x, g, &finish, folded, folded, stats, folded, true);
+    bk::backward_sums(run, x, dy, true, g, folded, payload);
+    bk::backward_dx(run, x, dy, true, x, g, payload, stats, folded, folded);
 }
 
 void all_batch_norm_kernels(DeviceRun& run, const BnGeometry& g, void* data, std::uint8_t* mask, double* payload, double* stats,

@@ -114,6 +114,11 @@ void require_close(const A& got, const std::vector<float>& want, double rel, dou
     CHECK(worst <= 1.0);
 }
 
+// The channel of element i of a batch-norm input in layout `g`.
+std::int64_t channel_of(const kernels::BnGeometry& g, std::int64_t i) {
+    return g.channels_last ? i % g.channels : (i / g.inner) % g.channels;
+}
+
 template <class T>
 void run_case(const Case& k) {
     CAPTURE(k.str(), type_name<T>());
@@ -158,10 +163,10 @@ void run_case(const Case& k) {
     HostOps::bn_forward_finish(ex, hpay, fo, k.track ? &hrm : nullptr, k.track ? &hrv : nullptr, k.track ? &hnbt : nullptr,
                                k.affine ? &hw : nullptr, k.affine ? &hb : nullptr, hk);
     HostOps::bn_normalize(ex, hx, hy, g, hk, k.relu, k.relu ? &hmask : nullptr);
-    HostOps::bn_backward_sums(ex, hx, hdy, k.relu ? &hmask : nullptr, g, hk, hbpay);
+    HostOps::bn_backward_sums(ex, hx, hdy, k.relu, k.relu ? &hmask : nullptr, g, hk, hbpay);
     HostOps::bn_param_grads(ex, hbpay, hk, hwg, hbg);
     auto hdx = hx;
-    HostOps::bn_backward_dx(ex, hbpay, hk, k.affine ? &hw : nullptr, hdx, hdy, k.relu ? &hmask : nullptr, g);
+    HostOps::bn_backward_dx(ex, hbpay, hk, k.affine ? &hw : nullptr, hdx, hdy, k.relu, k.relu ? &hmask : nullptr, g);
 
     // ---- emulated kernels ----
     dev::HostScratch scratch;
@@ -171,7 +176,6 @@ void run_case(const Case& k) {
     std::vector<float> folded(static_cast<std::size_t>(4 * C), -1.0f), shift(static_cast<std::size_t>(C), -1.0f);
     std::vector<float> erm = rmean, erv = rvar, wg(gamma.size(), 0.5f), bg(gamma.size(), -0.25f);
     std::int64_t nbt = nbt0;
-    std::vector<std::uint8_t> mask(count, 7);
 
     bk::local_stats(run, x.data(), g, k.track ? erm.data() : nullptr, payload.data(), shift.data());
     const double n = static_cast<double>(k.N * g.inner);
@@ -200,7 +204,7 @@ void run_case(const Case& k) {
     f.cumulative = !k.momentum;
     f.momentum = k.momentum.value_or(0);
     bk::forward_normalize(run, x.data(), y.data(), g, &f, k.affine ? gamma.data() : nullptr, k.affine ? beta.data() : nullptr,
-                          stats.data(), folded.data(), k.relu, k.relu ? mask.data() : nullptr);
+                          stats.data(), folded.data(), k.relu);
     for (std::size_t i = 0; i < stats.size(); ++i) CHECK(stats[i] == hk.stats[static_cast<std::int64_t>(i)]);
     for (std::size_t i = 0; i < folded.size(); ++i) CHECK(folded[i] == hk.folded[static_cast<std::int64_t>(i)]);
     if (k.track) {
@@ -214,15 +218,41 @@ void run_case(const Case& k) {
     }
     const std::vector<float> hyv(hy.data(), hy.data() + hy.numel());
     require_close([&](std::size_t i) { return y.get(i); }, hyv, 1e-5, unit_roundoff<T>(), 1.0, "y");
-    if (k.relu)
-        for (std::size_t i = 0; i < count; ++i)
-            if (std::abs(hyv[i]) > 1e-4) REQUIRE(mask[i] == hmask[static_cast<std::int64_t>(i)]);
+    if (k.relu) {
+        // Note [ReLU mask from x]: backward passes dy exactly where this forward's y > 0 (in the
+        // forward's fp32, before the store in T), channel by channel: with dy = 1 its sum of dy
+        // counts them. A mask recomputed differently, or for the wrong channel, fails here.
+        std::vector<double> passed(static_cast<std::size_t>(C), 0.0);
+        for (std::size_t i = 0; i < count; ++i) {
+            const auto c = static_cast<std::size_t>(channel_of(g, static_cast<std::int64_t>(i)));
+            const float v = kernels::bn::normalize(xf[i], folded[c], folded[2 * C + c], folded[3 * C + c]);
+            if constexpr (std::is_same_v<T, float>) REQUIRE((v > 0.0f) == (y.get(i) > 0.0f));
+            passed[c] += v > 0.0f ? 1.0 : 0.0;
+        }
+        Buffer<T> ones(count, k.misalign);
+        for (std::size_t i = 0; i < count; ++i) ones.p[i] = dev::from_float<T>(1.0f);
+        std::vector<double> counted(static_cast<std::size_t>(2 * C), -1.0);
+        bk::backward_sums(run, x.data(), ones.data(), true, g, folded.data(), counted.data());
+        const kernels::bn::BackwardPayload layout{C};
+        for (std::int64_t c = 0; c < C; ++c) REQUIRE(counted[static_cast<std::size_t>(layout.sum_dy(c))] == passed[c]);
+        // backward_dx with dy = 1 and zero payload gives a constant where the mask lets dy through
+        // and a different one where it does not (dx = a dy + b (x - mean) + c, b = c = 0 here).
+        std::vector<double> zero(static_cast<std::size_t>(2 * C), 0.0);
+        Buffer<T> dx(count, k.misalign);
+        bk::backward_dx(run, x.data(), ones.data(), true, dx.data(), g, zero.data(), stats.data(), folded.data(),
+                        static_cast<const float*>(nullptr));
+        for (std::size_t i = 0; i < count; ++i) {
+            const auto c = static_cast<std::size_t>(channel_of(g, static_cast<std::int64_t>(i)));
+            const float v = kernels::bn::normalize(xf[i], folded[c], folded[2 * C + c], folded[3 * C + c]);
+            REQUIRE((dx.get(i) != 0.0f) == (v > 0.0f));
+        }
+    }
 
-    // Backward, from the host's masks and constants so each pass is compared alone.
-    std::vector<std::uint8_t> hmaskv(hmask.data(), hmask.data() + hmask.numel());
+    // Backward, from the host's constants so each pass is compared alone; the host's mask is its
+    // own fp32 y > 0, the kernels find theirs from x (they may differ where y rounds to 0).
     std::vector<float> hfolded(hk.folded.data(), hk.folded.data() + hk.folded.numel());
     std::vector<double> hstats(hk.stats.data(), hk.stats.data() + hk.stats.numel());
-    bk::backward_sums(run, x.data(), dy.data(), k.relu ? hmaskv.data() : nullptr, g, hfolded.data(), bpayload.data());
+    bk::backward_sums(run, x.data(), dy.data(), k.relu, g, hfolded.data(), bpayload.data());
     double dterm = 0;
     for (std::size_t i = 0; i < count; ++i)
         dterm = std::max(dterm, std::abs(static_cast<double>(dyf[i])) *
@@ -239,8 +269,8 @@ void run_case(const Case& k) {
     }
 
     // dx over x itself, as the layer does.
-    bk::backward_dx(run, x.data(), dy.data(), k.relu ? hmaskv.data() : nullptr, x.data(), g, hbpayload.data(), hstats.data(),
-                    hfolded.data(), k.affine ? gamma.data() : nullptr);
+    bk::backward_dx(run, x.data(), dy.data(), k.relu, x.data(), g, hbpayload.data(), hstats.data(), hfolded.data(),
+                    k.affine ? gamma.data() : nullptr);
     double dxterm = 0;
     for (std::size_t i = 0; i < count; ++i) dxterm = std::max(dxterm, std::abs(static_cast<double>(dyf[i])) * 4);
     require_close([&](std::size_t i) { return x.get(i); }, std::vector<float>(hdx.data(), hdx.data() + hdx.numel()), 1e-5,
@@ -360,7 +390,7 @@ TEST_CASE("emulated SyncBatchNorm: an empty shard contributes zeros and still fi
         f.running_var = rv.data();
         f.num_batches_tracked = &nbt;
         bk::forward_normalize<bk::EmulatedRun, float>(run, nullptr, nullptr, g, &f, nullptr, nullptr, stats.data(), folded.data(),
-                                                      false, nullptr);
+                                                      false);
         CHECK(nbt == 1);
         CHECK(stats[10] == 4.0);
         CHECK(stats[0] == Approx(1.0 + 0.5));  // K + S/N
@@ -421,7 +451,7 @@ TEST_CASE("emulated SyncBatchNorm over two replicas equals the host on the whole
                 f.running_var = rvs[static_cast<std::size_t>(r)].data();
                 f.num_batches_tracked = &nbt;
                 bk::forward_normalize(run, x.data() + row * C * P, y.data() + row * C * P, g, &f, nullptr, nullptr, stats.data(),
-                                      folded.data(), false, nullptr);
+                                      folded.data(), false);
                 CHECK(nbt == 1);
                 row += sizes[r];
             }

@@ -365,9 +365,14 @@ TEST_CASE("a replica's convolutions share one workspace, sized by the largest la
     run_all(3);
     const std::int64_t largest = need(3, 4, 4, 64);  // the 4 -> 4 layers on 8 x 8
     CHECK(res.layers->floats() == largest);
-    const auto blocks = host_cuda::live_device_blocks();
+    // Counted once the stream has run its frees (they are in stream order).
+    const auto blocks_now = [&] {
+        kernels::Ops<Cuda>::wait(ctx.exec, "a round of convolutions");
+        return host_cuda::live_device_blocks();
+    };
+    const auto blocks = blocks_now();
     run_all(3);
-    CHECK(host_cuda::live_device_blocks() == blocks);  // no buffer per call or per layer
+    CHECK(blocks_now() == blocks);  // no buffer per call or per layer
     CHECK(res.layers->floats() == largest);
     run_all(5);  // a larger batch: the workspace grows to its need
     CHECK(res.layers->floats() == need(5, 4, 4, 64));
@@ -377,4 +382,45 @@ TEST_CASE("a replica's convolutions share one workspace, sized by the largest la
     bare.exec.layer_workspace = nullptr;
     CHECK_THROWS_WITH(dev[0].forward(bare, Tensor<float, Cuda>(Shape{1, 2, 10, 10}, MemoryFormat::nchw, Device::cuda(0))),
                       Catch::Contains("without its replica's layer workspace"));
+}
+
+// Issue 27 (Note [ReLU mask from x]): a fused ReLU after SyncBatchNorm on CUDA saved a byte per
+// element for backward. The forward keeps no mask now: it holds what a plain batch norm holds,
+// and backward, which finds the mask from x, still computes what the host does with its mask.
+TEST_CASE("SyncBatchNorm on CUDA keeps no ReLU mask, backward finds it from x", "[hostcuda]") {
+    Clean clean;
+    kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+    const auto entered = res.enter();
+    nn::Context<Cuda> ctx;
+    ctx.exec = res.execution();
+    nn::Context<Host> hctx;
+    std::mt19937 rng(9);
+    std::normal_distribution<float> d;
+    Tensor<float, Host> x(Shape{4, 8, 6, 6}), dy(Shape{4, 8, 6, 6});
+    for (float& v : x.span()) v = d(rng);
+    for (float& v : dy.span()) v = d(rng);
+    // Blocks held after a training forward, its output alive, once the stream has freed what it frees.
+    const auto held = [&](nn::SyncBatchNorm<Cuda>& bn) {
+        (void)bn.forward(ctx, x.to<Cuda>(Device::cuda(0)));  // the layer's constants exist from here
+        (void)bn.backward(ctx, dy.to<Cuda>(Device::cuda(0)));
+        kernels::Ops<Cuda>::wait(ctx.exec, "the first step");
+        const auto before = host_cuda::live_device_blocks();
+        const auto y = bn.forward(ctx, x.to<Cuda>(Device::cuda(0)));
+        kernels::Ops<Cuda>::wait(ctx.exec, "the forward");
+        return host_cuda::live_device_blocks() - before;
+    };
+    nn::SyncBatchNorm<Cuda> plain(8), fused(8, {.fused_relu = true});
+    CHECK(held(fused) == held(plain));
+    nn::SyncBatchNorm<Host> host(8, {.fused_relu = true});
+    (void)host.forward(hctx, x);
+    (void)host.backward(hctx, dy);
+    (void)host.forward(hctx, x);
+    const auto want = host.backward(hctx, dy);
+    const auto got = fused.backward(ctx, dy.to<Cuda>(Device::cuda(0))).to_host();
+    double err = 0, norm = 0;
+    for (std::int64_t i = 0; i < want.numel(); ++i) {
+        err += (static_cast<double>(got[i]) - want[i]) * (static_cast<double>(got[i]) - want[i]);
+        norm += static_cast<double>(want[i]) * want[i];
+    }
+    CHECK(std::sqrt(err / norm) <= 1e-5);
 }

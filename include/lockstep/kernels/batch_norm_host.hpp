@@ -377,7 +377,8 @@ inline void bn_backward_dx(const float* x, const float* LOCKSTEP_RESTRICT dy, fl
 
 // Note [fused batch norm + ReLU]
 // With ReLU fused (BatchNormOptions::fused_relu) the layer's output is max(0, y) and backward
-// sees dy only where y > 0 (a mask of one byte per element, saved by forward). The fused passes
+// sees dy only where y > 0 (on the host a mask of one byte per element, saved by forward; the
+// CUDA backend keeps none and finds it from x: Note [ReLU mask from x]). The fused passes
 // run one sample at a time: the sample's y (or its masked dy, in a per-thread buffer) is still
 // in cache when the ReLU (or the passes that read it) touch it, so fusing adds no tensor-sized
 // memory stream and removes the three of a separate ReLU layer (forward: read y, write y and the

@@ -110,7 +110,15 @@ LOCKSTEP_HD inline NormalizeConstants normalize_constants(double mean, double in
 }
 
 //! y of one element. The difference comes first so a large mean cancels exactly before scaling.
-LOCKSTEP_HD inline float normalize(float x, float mean_hi, float scale, float shift) { return (x - mean_hi) * scale + shift; }
+//! On the device one correctly rounded fma, whatever the compiler contracts elsewhere, so every
+//! kernel that calls it gets the same bits (Note [ReLU mask from x] in device/bn_kernels.cuh).
+LOCKSTEP_HD inline float normalize(float x, float mean_hi, float scale, float shift) {
+#if defined(__CUDA_ARCH__)
+    return __fmaf_rn(x - mean_hi, scale, shift);
+#else
+    return (x - mean_hi) * scale + shift;
+#endif
+}
 
 //! sum(dy * (x - mean)) from sum(dy * (x - mean_hi)) and sum(dy), in fp64.
 LOCKSTEP_HD inline double centred_sum(double sum_dy_xhi, double sum_dy, float mean_lo) {

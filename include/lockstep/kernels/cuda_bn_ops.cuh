@@ -65,17 +65,22 @@ struct BatchNormOps {
                                            k.stats.data(), k.folded.data());
     }
 
-    //! y = the normalized x, after the pending finish if there is one; with `relu`, y = max(0, y)
-    //! and `mask` (may be null) = (y > 0).
+    //! Whether a fused ReLU's forward keeps a mask for backward: no, backward recomputes it from x
+    //! and the forward's constants (Note [ReLU mask from x] in device/bn_kernels.cuh).
+    static constexpr bool bn_keeps_relu_mask = false;
+
+    //! y = the normalized x, after the pending finish if there is one; with `relu`, y = max(0, y).
+    //! `mask` must be null: the CUDA backend keeps none (bn_keeps_relu_mask).
     template <class T>
     static void bn_normalize(const Ex& ex, const T_<T>& x, T_<T>& y, const BnGeometry& g, BnConstants<Cuda>& k, bool relu,
                              T_<std::uint8_t>* mask) {
         check_on(ex, x.device(), "SyncBatchNorm's input");
+        LOCKSTEP_CHECK_AS(UsageError, mask == nullptr,
+                          "bn_normalize on CUDA keeps no ReLU mask (Ops<Cuda>::bn_keeps_relu_mask is false); pass none");
         auto run = runner(ex);
-        std::uint8_t* m = mask != nullptr ? mask->data() : nullptr;
         if (!k.pending) {
             device::bn_kernels::forward_normalize(run, x.data(), y.data(), g, nullptr, nullptr, nullptr, k.stats.data(),
-                                                  k.folded.data(), relu, m);
+                                                  k.folded.data(), relu);
             return;
         }
         const auto& p = *k.pending;
@@ -93,17 +98,16 @@ struct BatchNormOps {
         f.momentum = p.momentum.value_or(0.0);
         k.pending.reset();
         device::bn_kernels::forward_normalize(run, x.data(), y.data(), g, &f, p.weight, p.bias, k.stats.data(), k.folded.data(),
-                                              relu, m);
+                                              relu);
     }
-    //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; `mask` (may be
-    //! null) zeroes dy where the fused ReLU's output was not positive.
+    //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; with `relu`, dy
+    //! counts only where the fused ReLU's output was positive, found from x (no mask: null).
     template <class T>
-    static void bn_backward_sums(const Ex& ex, const T_<T>& x, const T_<T>& dy, const T_<std::uint8_t>* mask, const BnGeometry& g,
-                                 const BnConstants<Cuda>& k, T_<double>& payload) {
+    static void bn_backward_sums(const Ex& ex, const T_<T>& x, const T_<T>& dy, bool relu, const T_<std::uint8_t>*,
+                                 const BnGeometry& g, const BnConstants<Cuda>& k, T_<double>& payload) {
         check_on(ex, dy.device(), "SyncBatchNorm's dy");
         auto run = runner(ex);
-        device::bn_kernels::backward_sums(run, x.data(), dy.data(), mask != nullptr ? mask->data() : nullptr, g, k.folded.data(),
-                                          payload.data());
+        device::bn_kernels::backward_sums(run, x.data(), dy.data(), relu, g, k.folded.data(), payload.data());
     }
 
     //! weight_grad += sum(dy * xhat), bias_grad += sum(dy) from the local backward payload.
@@ -114,14 +118,14 @@ struct BatchNormOps {
                                         bias_grad.data());
     }
 
-    //! dx from the all-reduced backward payload, with the forward's global count, written over `x`.
+    //! dx from the all-reduced backward payload, with the forward's global count, written over `x`;
+    //! with `relu`, dy counts only where the fused ReLU's output was positive (no mask: null).
     template <class T>
     static void bn_backward_dx(const Ex& ex, const T_<double>& payload, const BnConstants<Cuda>& k, const T_<float>* weight,
-                               T_<T>& x_to_dx, const T_<T>& dy, const T_<std::uint8_t>* mask, const BnGeometry& g) {
+                               T_<T>& x_to_dx, const T_<T>& dy, bool relu, const T_<std::uint8_t>*, const BnGeometry& g) {
         auto run = runner(ex);
-        device::bn_kernels::backward_dx(run, x_to_dx.data(), dy.data(), mask != nullptr ? mask->data() : nullptr, x_to_dx.data(),
-                                        g, payload.data(), k.stats.data(), k.folded.data(),
-                                        weight != nullptr ? weight->data() : nullptr);
+        device::bn_kernels::backward_dx(run, x_to_dx.data(), dy.data(), relu, x_to_dx.data(), g, payload.data(), k.stats.data(),
+                                        k.folded.data(), weight != nullptr ? weight->data() : nullptr);
     }
 
 private:

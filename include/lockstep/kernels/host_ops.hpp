@@ -467,6 +467,10 @@ struct Ops<Host> {
         fold(k, weight, bias);
     }
 
+    //! Whether a fused ReLU's forward keeps a mask for backward: yes, a byte per element (Note
+    //! [fused batch norm + ReLU]); the layer hands it to bn_normalize and to backward.
+    static constexpr bool bn_keeps_relu_mask = true;
+
     //! y = the normalized x; with `relu`, y = max(0, y) and `mask` (may be null) = (y > 0) (Note
     //! [fused batch norm + ReLU]).
     static void bn_normalize(const Ex&, const T_<float>& x, T_<float>& y, const BnGeometry& g, const BnConstants<Host>& k,
@@ -479,13 +483,14 @@ struct Ops<Host> {
             host::bn_normalize(x.data(), y.data(), g, f, f + 2 * C, f + 3 * C);
     }
 
-    //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; `mask` (may be
-    //! null) zeroes dy where the fused ReLU's output was not positive.
-    static void bn_backward_sums(const Ex&, const T_<float>& x, const T_<float>& dy, const T_<std::uint8_t>* mask,
+    //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; with `relu`,
+    //! `mask` (the forward's) zeroes dy where the fused ReLU's output was not positive.
+    static void bn_backward_sums(const Ex&, const T_<float>& x, const T_<float>& dy, bool relu, const T_<std::uint8_t>* mask,
                                  const BnGeometry& g, const BnConstants<Host>& k, T_<double>& payload) {
         const std::int64_t C = g.channels;
         const float* f = k.folded.data();
-        if (mask != nullptr)
+        check_relu_mask(relu, mask, x.numel(), "bn_backward_sums");
+        if (relu)
             host::bn_backward_sums_masked(x.data(), dy.data(), mask->data(), g, f, f + C, payload.data());
         else
             host::bn_backward_sums(x.data(), dy.data(), g, f, f + C, payload.data());
@@ -504,7 +509,9 @@ struct Ops<Host> {
 
     //! dx from the all-reduced backward payload, with the forward's global count, written over `x`.
     static void bn_backward_dx(const Ex&, const T_<double>& payload, const BnConstants<Host>& k, const T_<float>* weight,
-                               T_<float>& x_to_dx, const T_<float>& dy, const T_<std::uint8_t>* mask, const BnGeometry& g) {
+                               T_<float>& x_to_dx, const T_<float>& dy, bool relu, const T_<std::uint8_t>* mask,
+                               const BnGeometry& g) {
+        check_relu_mask(relu, mask, x_to_dx.numel(), "bn_backward_dx");
         const std::int64_t C = g.channels;
         const bn::BackwardPayload layout{C};
         const double count = k.stats[2 * C];
@@ -516,7 +523,7 @@ struct Ops<Host> {
             abc[static_cast<std::size_t>(C + c)] = q.b;
             abc[static_cast<std::size_t>(2 * C + c)] = q.c;
         }
-        if (mask != nullptr)
+        if (relu)
             host::bn_backward_dx_masked(x_to_dx.data(), dy.data(), mask->data(), x_to_dx.data(), g, k.folded.data(), abc.data(),
                                         abc.data() + C, abc.data() + 2 * C);
         else
@@ -580,6 +587,13 @@ private:
     }
 
     static std::int64_t channels_of(const BnConstants<Host>& k) { return k.folded.numel() / 4; }
+
+    // A fused ReLU's backward on the host reads the forward's mask (bn_keeps_relu_mask).
+    static void check_relu_mask(bool relu, const T_<std::uint8_t>* mask, std::int64_t n, const char* op) {
+        LOCKSTEP_CHECK_AS(UsageError, !relu || (mask != nullptr && mask->numel() == n), op,
+                          " on the host with a fused ReLU needs the forward's mask of ", n,
+                          " bytes (Ops<Host>::bn_keeps_relu_mask); pass the mask bn_normalize wrote");
+    }
 
     // Splits each mean into hi + lo and folds the affine parameters into scale and shift.
     static void fold(BnConstants<Host>& k, const T_<float>* weight, const T_<float>* bias) {

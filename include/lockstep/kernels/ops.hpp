@@ -193,9 +193,11 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
     K::bn_forward_finish(ex, cd, BnFinishOptions{}, &f, &f, &i64, &cf, &cf, bn);
     K::bn_eval_constants(ex, cf, cf, 1e-5, &cf, &cf, bn);
     K::bn_normalize(ex, f, f, BnGeometry{}, bn, false, &mask);  // CUDA finishes a deferred forward here
-    K::bn_backward_sums(ex, cf, cf, &cmask, BnGeometry{}, cbn, d);
+    K::bn_backward_sums(ex, cf, cf, true, &cmask, BnGeometry{}, cbn, d);
     K::bn_param_grads(ex, cd, cbn, f, f);
-    K::bn_backward_dx(ex, cd, cbn, &cf, f, cf, &cmask, BnGeometry{});
+    K::bn_backward_dx(ex, cd, cbn, &cf, f, cf, true, &cmask, BnGeometry{});
+    // Whether a fused ReLU's forward keeps a mask for backward (Note [ReLU mask from x]).
+    { K::bn_keeps_relu_mask } -> std::convertible_to<bool>;
 };
 
 }  // namespace lockstep::kernels

@@ -130,9 +130,11 @@ public:
                                  options_.affine ? &bias.value : nullptr, constants_);
         }
         auto y = Tensor<T, B>::empty_like(x);
-        if (options_.fused_relu && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(x);
-        K::bn_normalize(ctx.exec, x, y, g, constants_, options_.fused_relu,
-                        options_.fused_relu && ctx.training ? &relu_mask_ : nullptr);
+        // A backend that keeps the fused ReLU's mask gets one (the host); CUDA finds it again from
+        // x in backward (Note [ReLU mask from x]).
+        const bool keep_mask = options_.fused_relu && ctx.training && K::bn_keeps_relu_mask;
+        if (keep_mask) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(x);
+        K::bn_normalize(ctx.exec, x, y, g, constants_, options_.fused_relu, keep_mask ? &relu_mask_ : nullptr);
         if (ctx.training) {
             save(std::move(x));
             saved_batch_stats_ = batch_stats;
@@ -155,8 +157,9 @@ public:
                           ": backward through running statistics (eval mode) is not supported; call train() first");
         check_device(saved.device(), dy.device(), describe() + ": dy");
         const auto g = geometry(saved);
-        const Tensor<std::uint8_t, B>* mask = options_.fused_relu ? &relu_mask_ : nullptr;
-        K::bn_backward_sums(ctx.exec, saved, dy, mask, g, constants_, backward_payload_);
+        const bool relu = options_.fused_relu;
+        const Tensor<std::uint8_t, B>* mask = relu && K::bn_keeps_relu_mask ? &relu_mask_ : nullptr;
+        K::bn_backward_sums(ctx.exec, saved, dy, relu, mask, g, constants_, backward_payload_);
         if (options_.affine) {  // local sums: the gradient all-reduce adds them over replicas
             K::bn_param_grads(ctx.exec, backward_payload_, constants_, weight.grad, bias.grad);
             ctx.mark_grad_ready(&weight);
@@ -167,7 +170,7 @@ public:
         // dx overwrites the saved input, which nothing needs after this: a step holds one tensor
         // less, and dx is written to cache lines the same pass has just read.
         auto dx = std::move(saved);
-        K::bn_backward_dx(ctx.exec, backward_payload_, constants_, affine_weight(), dx, dy, mask, g);
+        K::bn_backward_dx(ctx.exec, backward_payload_, constants_, affine_weight(), dx, dy, relu, mask, g);
         relu_mask_ = Tensor<std::uint8_t, B>();
         return dx;
     }
@@ -247,7 +250,7 @@ private:
     Tensor<float, B> saved_x_;
     Tensor<std::uint16_t, B> saved_x16_;
     std::size_t saved_size_ = 0;         // bytes per element of the saved input; 0: none
-    Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu: where the output was positive
+    Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu, where the backend keeps it: where the output was positive
     bool saved_batch_stats_ = false;
     kernels::BnConstants<B> constants_;  // mean, invstd, count; mean as hi + lo, scale, shift: see Note [split mean]
     // The all-reduce buffers outlive each call: a peer that is still reading one when this replica

@@ -224,9 +224,8 @@ template <class T>
 struct NormalizeParams {
     const T* x = nullptr;
     T* y = nullptr;
-    std::uint8_t* mask = nullptr;  // with relu: where y > 0 (may be null)
     Span span;
-    bool relu = false;
+    bool relu = false;    // y = max(0, y): backward finds where y > 0 from x (Note [ReLU mask from x])
     bool finish = false;  // compute the constants from `f` (training) or read `folded` (given)
     Finish f;
     const float* weight = nullptr;  // null: not affine
@@ -273,6 +272,20 @@ LOCKSTEP_HD inline ChannelConstants normalize_constants_of(const NormalizeParams
 //! max(v, 0) with NaN kept, as the host's ReLU.
 LOCKSTEP_HD inline float relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : v); }
 
+// Note [ReLU mask from x]
+// With a fused ReLU, backward needs dy only where the forward's y was positive. The forward does
+// not save that mask (a byte per element would be a fifth of an fp32 activation's memory and
+// traffic, a third of a bf16 one's): the backward passes read x anyway, and the normalize
+// constants the forward used are still in `folded` [mean_hi | mean_lo | scale | shift], so they
+// recompute y = bn::normalize(x, mean_hi, scale, shift) with the same function on the same
+// floats, and the same bits (bn::normalize is one correctly rounded fma on the device). The
+// kernels' tests check that the recomputed mask is the forward's y > 0, element for element.
+
+//! Whether the fused ReLU let element x of channel c through: the forward's y > 0, recomputed.
+LOCKSTEP_HD inline bool relu_passes(float x, const float* folded, std::int64_t C, std::int64_t c) {
+    return bn::normalize(x, folded[c], folded[2 * C + c], folded[3 * C + c]) > 0.0f;
+}
+
 template <class T, int V>
 struct NormalizeChannelsFirst {
     using Params = NormalizeParams<T>;
@@ -287,12 +300,8 @@ struct NormalizeChannelsFirst {
             Pack<T, V> out;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                float v = bn::normalize(to_float(in.v[e]), k.hi, k.scale, k.shift);
-                if (p.relu) {
-                    if (p.mask != nullptr) p.mask[off + e] = v > 0.0f;
-                    v = relu(v);
-                }
-                out.v[e] = from_float<T>(v);
+                const float v = bn::normalize(to_float(in.v[e]), k.hi, k.scale, k.shift);
+                out.v[e] = from_float<T>(p.relu ? relu(v) : v);
             }
             store_pack<V>(p.y + off, out);
         }
@@ -310,12 +319,8 @@ struct NormalizeChannelsLast {
         const ChannelConstants k = normalize_constants_of(p, c, p.span.chunk(w) == 0 && w.t / tile == 0);
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
-            float v = bn::normalize(to_float(p.x[off]), k.hi, k.scale, k.shift);
-            if (p.relu) {
-                if (p.mask != nullptr) p.mask[off] = v > 0.0f;
-                v = relu(v);
-            }
-            p.y[off] = from_float<T>(v);
+            const float v = bn::normalize(to_float(p.x[off]), k.hi, k.scale, k.shift);
+            p.y[off] = from_float<T>(p.relu ? relu(v) : v);
         }
     }
 };
@@ -326,9 +331,9 @@ template <class T>
 struct BackwardSumsParams {
     const T* x = nullptr;
     const T* dy = nullptr;
-    const std::uint8_t* mask = nullptr;  // fused ReLU: dy counts only where set
+    bool relu = false;  // fused ReLU: dy counts only where the forward's y > 0 (Note [ReLU mask from x])
     Span span;
-    const float* folded = nullptr;  // [mean_hi | mean_lo | ...]
+    const float* folded = nullptr;  // [mean_hi | mean_lo | scale | shift]
     double* payload = nullptr;      // [sum dy | sum dy (x - mean)], 2C
     Sums2* partials = nullptr;
     unsigned int* counters = nullptr;
@@ -359,9 +364,10 @@ struct BackwardSumsChannelsFirst {
             const auto g = load_pack<V>(p.dy + off);
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                const float d = p.mask == nullptr || p.mask[off + e] != 0 ? to_float(g.v[e]) : 0.0f;
+                const float xv = to_float(x.v[e]);
+                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(g.v[e]) : 0.0f;
                 a += d;
-                b += d * (to_float(x.v[e]) - hi);
+                b += d * (xv - hi);
             }
             if (++pending == flush) {
                 total = total + Value{a, b};
@@ -401,9 +407,10 @@ struct BackwardSumsChannelsLast {
         int pending = 0;
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
-            const float d = p.mask == nullptr || p.mask[off] != 0 ? to_float(p.dy[off]) : 0.0f;
+            const float xv = to_float(p.x[off]);
+            const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(p.dy[off]) : 0.0f;
             a += d;
-            b += d * (to_float(p.x[off]) - hi);
+            b += d * (xv - hi);
             if (++pending == flush) {
                 total = total + Value{a, b};
                 a = b = 0;
@@ -435,12 +442,12 @@ template <class T>
 struct DxParams {
     const T* x = nullptr;  // may be dx itself: every element is read before it is written
     const T* dy = nullptr;
-    const std::uint8_t* mask = nullptr;
+    bool relu = false;  // fused ReLU (Note [ReLU mask from x])
     T* dx = nullptr;
     Span span;
     const double* payload = nullptr;  // all-reduced [sum dy | sum dy (x - mean)]
     const double* stats = nullptr;    // [mean | invstd | N]
-    const float* folded = nullptr;    // [mean_hi | ...]
+    const float* folded = nullptr;    // [mean_hi | mean_lo | scale | shift]
     const float* weight = nullptr;
 };
 
@@ -473,8 +480,9 @@ struct DxChannelsFirst {
             Pack<T, V> out;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                const float d = p.mask == nullptr || p.mask[off + e] != 0 ? to_float(g.v[e]) : 0.0f;
-                out.v[e] = from_float<T>(bn::backward(d, to_float(x.v[e]), k.hi, k.a, k.b, k.c));
+                const float xv = to_float(x.v[e]);
+                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(g.v[e]) : 0.0f;
+                out.v[e] = from_float<T>(bn::backward(d, xv, k.hi, k.a, k.b, k.c));
             }
             store_pack<V>(p.dx + off, out);
         }
@@ -492,8 +500,9 @@ struct DxChannelsLast {
         const DxConstants k = dx_constants_of(p, c);
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
-            const float d = p.mask == nullptr || p.mask[off] != 0 ? to_float(p.dy[off]) : 0.0f;
-            p.dx[off] = from_float<T>(bn::backward(d, to_float(p.x[off]), k.hi, k.a, k.b, k.c));
+            const float xv = to_float(p.x[off]);
+            const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(p.dy[off]) : 0.0f;
+            p.dx[off] = from_float<T>(bn::backward(d, xv, k.hi, k.a, k.b, k.c));
         }
     }
 };
@@ -612,20 +621,19 @@ struct FinishRequest {
     double momentum = 0.1;
 };
 
-//! y = the normalized x (with `relu`: max(0, y), mask = y > 0 where `mask` is not null). With
+//! y = the normalized x (with `relu`: max(0, y); no mask is kept: Note [ReLU mask from x]). With
 //! `finish`, the statistics come from the all-reduced payload, and stats/folded and the running
 //! statistics are written once per channel; without, they are read from `folded`.
 template <class Run, class T>
 void forward_normalize(Run& run, const T* x, T* y, const BnGeometry& g, const FinishRequest* finish, const float* weight,
-                       const float* bias, double* stats, float* folded, bool relu, std::uint8_t* mask) {
-    const int V = vector_width<T>(g, {x, y, mask});
+                       const float* bias, double* stats, float* folded, bool relu) {
+    const int V = vector_width<T>(g, {x, y});
     Grid grid;
     NormalizeParams<T> p;
     const bool fits_l2 = 2 * static_cast<std::int64_t>(g.batch * g.channels * g.inner * sizeof(T)) <= run.info().l2_bytes;
     p.span = plan(g, V, run.info(), grid, /*reverse=*/fits_l2);
     p.x = x;
     p.y = y;
-    p.mask = mask;
     p.relu = relu;
     p.weight = weight;
     p.bias = bias;
@@ -657,18 +665,17 @@ void forward_normalize(Run& run, const T* x, T* y, const BnGeometry& g, const Fi
     }
 }
 
-//! Backward payload [sum dy | sum dy (x - mean)] (2C) of the local batch; `mask` (may be null)
-//! keeps dy only where the fused ReLU's output was positive.
+//! Backward payload [sum dy | sum dy (x - mean)] (2C) of the local batch; with `relu` dy counts
+//! only where the fused ReLU's output was positive (Note [ReLU mask from x]).
 template <class Run, class T>
-void backward_sums(Run& run, const T* x, const T* dy, const std::uint8_t* mask, const BnGeometry& g, const float* folded,
-                   double* payload) {
-    const int V = vector_width<T>(g, {x, dy, mask});
+void backward_sums(Run& run, const T* x, const T* dy, bool relu, const BnGeometry& g, const float* folded, double* payload) {
+    const int V = vector_width<T>(g, {x, dy});
     Grid grid;
     BackwardSumsParams<T> p;
     p.span = plan(g, V, run.info(), grid);
     p.x = x;
     p.dy = dy;
-    p.mask = mask;
+    p.relu = relu;
     p.folded = folded;
     p.payload = payload;
     const Scratch s = run.scratch();
@@ -686,18 +693,19 @@ void backward_sums(Run& run, const T* x, const T* dy, const std::uint8_t* mask, 
         run.template reduce<BackwardSumsChannelsFirst<T, 1>>(p, grid);
 }
 
-//! dx from the all-reduced backward payload and the forward's global count; `dx` may be `x`.
+//! dx from the all-reduced backward payload and the forward's global count; `dx` may be `x`;
+//! with `relu` dy counts only where the fused ReLU's output was positive.
 template <class Run, class T>
-void backward_dx(Run& run, const T* x, const T* dy, const std::uint8_t* mask, T* dx, const BnGeometry& g, const double* payload,
+void backward_dx(Run& run, const T* x, const T* dy, bool relu, T* dx, const BnGeometry& g, const double* payload,
                  const double* stats, const float* folded, const float* weight) {
-    const int V = vector_width<T>(g, {x, dy, mask, dx});
+    const int V = vector_width<T>(g, {x, dy, dx});
     Grid grid;
     DxParams<T> p;
     const bool fits_l2 = 3 * static_cast<std::int64_t>(g.batch * g.channels * g.inner * sizeof(T)) <= run.info().l2_bytes;
     p.span = plan(g, V, run.info(), grid, /*reverse=*/fits_l2);
     p.x = x;
     p.dy = dy;
-    p.mask = mask;
+    p.relu = relu;
     p.dx = dx;
     p.payload = payload;
     p.stats = stats;
