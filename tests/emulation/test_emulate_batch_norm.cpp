@@ -163,10 +163,19 @@ void run_case(const Case& k) {
     HostOps::bn_forward_finish(ex, hpay, fo, k.track ? &hrm : nullptr, k.track ? &hrv : nullptr, k.track ? &hnbt : nullptr,
                                k.affine ? &hw : nullptr, k.affine ? &hb : nullptr, hk);
     HostOps::bn_normalize(ex, hx, hy, g, hk, k.relu, k.relu ? &hmask : nullptr);
-    HostOps::bn_backward_sums(ex, hx, hdy, k.relu, k.relu ? &hmask : nullptr, g, hk, hbpay);
+    // The host's reference backward takes the mask the kernels find from x (Note [ReLU mask from
+    // x]): the host's own may differ where y rounds to 0 (its forward may fuse the multiply-add
+    // differently), and each pass is compared alone.
+    auto kmask = Tensor<std::uint8_t, Host>(Shape{total});
+    for (std::int64_t i = 0; i < total; ++i) {
+        const std::int64_t c = channel_of(g, i);
+        kmask[i] = kernels::bn::normalize(xf[static_cast<std::size_t>(i)], hk.folded[c], hk.folded[2 * C + c],
+                                          hk.folded[3 * C + c]) > 0.0f;
+    }
+    HostOps::bn_backward_sums(ex, hx, hdy, k.relu, k.relu ? &kmask : nullptr, g, hk, hbpay);
     HostOps::bn_param_grads(ex, hbpay, hk, hwg, hbg);
     auto hdx = hx;
-    HostOps::bn_backward_dx(ex, hbpay, hk, k.affine ? &hw : nullptr, hdx, hdy, k.relu, k.relu ? &hmask : nullptr, g);
+    HostOps::bn_backward_dx(ex, hbpay, hk, k.affine ? &hw : nullptr, hdx, hdy, k.relu, k.relu ? &kmask : nullptr, g);
 
     // ---- emulated kernels ----
     dev::HostScratch scratch;
@@ -248,8 +257,7 @@ void run_case(const Case& k) {
         }
     }
 
-    // Backward, from the host's constants so each pass is compared alone; the host's mask is its
-    // own fp32 y > 0, the kernels find theirs from x (they may differ where y rounds to 0).
+    // Backward, from the host's constants so each pass is compared alone.
     std::vector<float> hfolded(hk.folded.data(), hk.folded.data() + hk.folded.numel());
     std::vector<double> hstats(hk.stats.data(), hk.stats.data() + hk.stats.numel());
     bk::backward_sums(run, x.data(), dy.data(), k.relu, g, hfolded.data(), bpayload.data());
