@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <span>
 
-#include <lockstep/kernels/device/bn_kernels.cuh>
+#include <lockstep/kernels/device/bn_passes.cuh>
 #include <lockstep/kernels/device/launch.cuh>
 // Ops<Cuda> without <lockstep/cuda.cuh>'s communicators: the gate needs the toolkit's headers only.
 #include <lockstep/comm/cuda_group.cuh>

@@ -5,7 +5,7 @@
 //! running statistics, edge shapes, unaligned pointers, empty shards and a two-replica split.
 #include <catch2/catch.hpp>
 
-#include <lockstep/kernels/device/bn_kernels.cuh>
+#include <lockstep/kernels/device/bn_passes.cuh>
 #include <lockstep/kernels/host_ops.hpp>
 
 #include <cmath>
@@ -288,7 +288,9 @@ void run_case(const Case& k) {
 template <class T>
 void run_shapes() {
     const dev::DeviceInfo h200{132, 60 << 20}, tiny{1, 0}, two{2, 1 << 10};
-    for (const std::int64_t C : {1, 3, 33, 257})
+    // C = 36 and 132: channels-last takes vectors of nhwc_vec channels (132: a last tile of one lane);
+    // 34: only the 16-bit backward sums take vectors (of nhwc_sums_vec).
+    for (const std::int64_t C : {1, 3, 33, 34, 36, 132, 257})
         for (const auto& hw : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 5}, {28, 28}})
             for (const bool nhwc : {false, true}) {
                 Case k;
@@ -353,17 +355,21 @@ TEST_CASE("emulated batch-norm launch plans stay inside the grid and the scratch
     for (const dev::DeviceInfo info : {dev::DeviceInfo{1, 0}, dev::DeviceInfo{132, 60 << 20}, dev::DeviceInfo{1000, 1 << 30}})
         for (const std::int64_t C : {1, 64, 4096, 65535})
             for (const std::int64_t N : {1, 256})
-                for (const bool last : {false, true}) {
+                for (const int layout : {0, 1, 2}) {  // channels-first, channels-last, channels-last in vectors
+                    const bool last = layout > 0;
+                    const int V = layout == 0 ? 4 : layout == 1 ? 1 : bk::nhwc_vec;
+                    if (layout == 2 && C % V != 0) continue;
                     kernels::BnGeometry g{N, C, 56 * 56, last};
                     dev::Grid grid;
-                    const bk::Span s = bk::plan(g, last ? 1 : 4, info, grid);
-                    CAPTURE(C, N, last, info.multiprocessors);
+                    const bk::Span s = bk::plan(g, V, info, grid);
+                    CAPTURE(C, N, layout, info.multiprocessors);
                     REQUIRE(grid.x >= 1);
                     REQUIRE(static_cast<std::int64_t>(grid.x - 1) * s.chunk_items < s.items);  // no empty chunk
                     REQUIRE(static_cast<std::int64_t>(grid.x) * s.chunk_items >= s.items);     // every item covered
-                    REQUIRE(static_cast<std::size_t>(grid.x) * static_cast<std::size_t>(grid.y) * (last ? 32u : 1u) *
-                                sizeof(bk::Sums2) <=
+                    REQUIRE(static_cast<std::size_t>(grid.x) * static_cast<std::size_t>(grid.y) *
+                                (last ? 32u * static_cast<unsigned>(V) : 1u) * sizeof(bk::Sums2) <=
                             dev::scratch_partial_bytes);
+                    if (last) REQUIRE(static_cast<std::int64_t>(grid.y) * 32 * V >= C);  // every channel in a tile
                     REQUIRE(grid.y <= dev::scratch_counters);
                 }
     kernels::BnGeometry too_many{2, 65536, 4, false};

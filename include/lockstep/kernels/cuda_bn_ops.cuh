@@ -7,7 +7,7 @@
 #include <string>
 
 #include "lockstep/kernels/cuda_common.cuh"
-#include "lockstep/kernels/device/bn_kernels.cuh"
+#include "lockstep/kernels/device/bn_passes.cuh"
 #include "lockstep/kernels/device/launch.cuh"
 
 namespace lockstep::kernels {

@@ -84,7 +84,7 @@ struct CountBatch {
     }
 };
 
-// ---- the operations, for any runner (bn_kernels.cuh) -------------------------------------------
+// ---- the operations, for any runner (bn_passes.cuh) --------------------------------------------
 
 //! Evaluation constants from the running statistics.
 template <class Run>

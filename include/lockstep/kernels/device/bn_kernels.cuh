@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 //! The SyncBatchNorm kernels of the CUDA backend, written once for the device and the host
-//! emulator (Note [kernels proven on the host]), and the operations that launch them. Storage fp32,
-//! fp16 or bf16; math fp32 per element, fp64 per channel; NCHW and channels-last.
+//! emulator (Note [kernels proven on the host]). Storage fp32, fp16 or bf16; math fp32 per
+//! element, fp64 per channel; NCHW and channels-last. Their grids and the operations that launch
+//! them: bn_passes.cuh.
 #pragma once
 
 #include <algorithm>
@@ -33,9 +34,10 @@ namespace lockstep::kernels::device::bn_kernels {
 //   plane is a whole number of vectors and the pointers are aligned, else one element. Many blocks
 //   per channel keep every multiprocessor busy when C is small (one block per channel would leave
 //   most of an H200 idle at C = 64).
-// - channels-last (NHWC, 2-D input, P = 1): grid (chunks, tiles of 32 channels), blocks of 32 lanes
-//   (channels: a warp reads 32 consecutive values) x 8 rows; a chunk is a range of rows, and the
-//   reduction sums each lane's column.
+// - channels-last (NHWC, 2-D input, P = 1): grid (chunks, tiles of 32 V channels), blocks of 32
+//   lanes x 8 rows, a lane taking V consecutive channels (V = nhwc_vec where it fits, else 1: Note
+//   [channels-last vectors]; a warp reads 32 V consecutive values); a chunk is a range of rows,
+//   and the reduction sums each lane's column.
 // Chunks are sized for about 8 blocks per multiprocessor in all (full occupancy at 256 threads),
 // at least 4 items per thread, and partials that fit the replica's scratch.
 // Each thread sums in fp32 over at most `flush` items and flushes into fp64, so no long sum is
@@ -44,6 +46,13 @@ namespace lockstep::kernels::device::bn_kernels {
 inline constexpr int threads = 256;
 inline constexpr int tile = 32;  // channels-last lanes
 inline constexpr int tile_rows = threads / tile;
+//! Channels a channels-last thread handles in one vector, where C is a multiple of it and the
+//! tensors are aligned (Note [channels-last vectors]).
+inline constexpr int nhwc_vec = 4;
+//! The backward sums' width: 2 for 16-bit storage, whose conversions with 4 channels' fp64 sums
+//! and the recomputed ReLU mask would spill past the 64-register budget.
+template <class T>
+inline constexpr int nhwc_sums_vec = sizeof(T) == 2 ? 2 : nhwc_vec;
 inline constexpr int flush = 16;  // items a thread sums in fp32 before adding into fp64
 inline constexpr int blocks_per_sm = 8;
 //! Register budget of the tensor passes: 4 blocks of 256 threads resident per multiprocessor,
@@ -54,6 +63,18 @@ inline constexpr int min_blocks = 4;
 struct Sums2 {
     double a = 0, b = 0;
     LOCKSTEP_HD Sums2 operator+(const Sums2& o) const { return {a + o.a, b + o.b}; }
+};
+
+//! Sums2 of V consecutive channels: what a channels-last thread accumulates.
+template <int V>
+struct SumsV {
+    Sums2 c[V];
+    LOCKSTEP_HD SumsV operator+(const SumsV& o) const {
+        SumsV r;
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) r.c[e] = c[e] + o.c[e];
+        return r;
+    }
 };
 
 //! Where a launch's items are: a channel's run of N*P values split into chunks (channels-first),
@@ -86,6 +107,20 @@ struct Span {
 // The normalize and dx passes read x again right after a pass that read all of it. Where x fits
 // in half the L2 cache, they visit the blocks in the reverse order of that pass, so the first
 // values they read are the last ones the previous pass left in L2.
+
+// Note [channels-last vectors]
+// In channels-last layout a lane of a tile handles V = nhwc_vec consecutive channels of each row it
+// visits, loaded and stored as one vector (16 bytes of fp32, 8 of fp16/bf16; the backward sums of
+// 16-bit storage take 2, nhwc_sums_vec), where C is a multiple of V and every tensor is aligned to
+// V elements; otherwise V = 1. A tile then covers 32 V
+// channels; each lane keeps V channels' sums and constants, and a reducing pass's partials are one
+// Sums2 per channel and chunk, as with V = 1: ((group x chunks + chunk) x 32 + lane) x V + e.
+
+//! The first channel of lane `lane` of channel group `group` (channels-last, V channels a lane).
+template <int V>
+LOCKSTEP_HD inline std::int64_t lane_channel(int group, int lane) {
+    return (static_cast<std::int64_t>(group) * tile + lane) * V;
+}
 
 // ---- forward statistics (reducing) -----------------------------------------------------------
 
@@ -162,47 +197,64 @@ struct StatsChannelsFirst {
     }
 };
 
-template <class T>
+template <class T, int V>
 struct StatsChannelsLast {
     using Params = StatsParams<T>;
-    using Value = Sums2;
+    using Value = SumsV<V>;
     static constexpr int threads = bn_kernels::threads, lanes = tile, rows = tile_rows, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
-        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
-        if (c >= p.span.C) return {};
-        const float k = first_value(p.x, p.span, c, true);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
         Value total;
-        float s = 0, q = 0;
+        if (c0 >= p.span.C) return total;
+        float k[V], s[V], q[V];
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) k[e] = first_value(p.x, p.span, c0 + e, true), s[e] = q[e] = 0;
         int pending = 0;
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
-            const float d = to_float(p.x[static_cast<std::int64_t>(r) * p.span.C + c]) - k;
-            s += d;
-            q += d * d;
+            const auto v = load_pack<V>(p.x + static_cast<std::int64_t>(r) * p.span.C + c0);
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                const float d = to_float(v.v[e]) - k[e];
+                s[e] += d;
+                q[e] += d * d;
+            }
             if (++pending == flush) {
-                total = total + Value{s, q};
-                s = q = 0;
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) total.c[e] = total.c[e] + Sums2{s[e], q[e]}, s[e] = q[e] = 0;
                 pending = 0;
             }
         }
-        return total + Value{s, q};
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) total.c[e] = total.c[e] + Sums2{s[e], q[e]};
+        return total;
+    }
+    LOCKSTEP_HD static Sums2* slot(const Params& p, const Where& w, int chunk, int lane) {
+        return p.partials + ((static_cast<std::int64_t>(p.span.group(w)) * w.gx + chunk) * tile + lane) * V;
     }
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
-        p.partials[(static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)) * tile + lane] = v;
+        Sums2* out = slot(p, w, p.span.chunk(w), lane);
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) out[e] = v.c[e];
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
         Value v;
-        const Sums2* part = p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx * tile;
-        for (int i = row; i < w.gx; i += rows)
-            v = v + Value{load_other_block(&part[i * tile + lane].a), load_other_block(&part[i * tile + lane].b)};
+        for (int i = row; i < w.gx; i += rows) {
+            const Sums2* part = slot(p, w, i, lane);
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
+        }
         return v;
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
-        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + lane;
-        if (c >= p.span.C) return;
-        StatsChannelsFirst<T, 1>::finish_channel(p, c, total, static_cast<double>(p.span.N) * static_cast<double>(p.span.P),
-                                                 first_value(p.x, p.span, c, true));
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), lane);
+        if (c0 >= p.span.C) return;
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e)
+            StatsChannelsFirst<T, 1>::finish_channel(p, c0 + e, total.c[e],
+                                                     static_cast<double>(p.span.N) * static_cast<double>(p.span.P),
+                                                     first_value(p.x, p.span, c0 + e, true));
     }
 };
 
@@ -308,19 +360,27 @@ struct NormalizeChannelsFirst {
     }
 };
 
-template <class T>
+template <class T, int V>
 struct NormalizeChannelsLast {
     using Params = NormalizeParams<T>;
     static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
-        if (c >= p.span.C) return;
-        const ChannelConstants k = normalize_constants_of(p, c, p.span.chunk(w) == 0 && w.t / tile == 0);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
+        if (c0 >= p.span.C) return;
+        ChannelConstants k[V];
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) k[e] = normalize_constants_of(p, c0 + e, p.span.chunk(w) == 0 && w.t / tile == 0);
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
-            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
-            const float v = bn::normalize(to_float(p.x[off]), k.hi, k.scale, k.shift);
-            p.y[off] = from_float<T>(p.relu ? relu(v) : v);
+            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
+            const auto in = load_pack<V>(p.x + off);
+            Pack<T, V> out;
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                const float v = bn::normalize(to_float(in.v[e]), k[e].hi, k[e].scale, k[e].shift);
+                out.v[e] = from_float<T>(p.relu ? relu(v) : v);
+            }
+            store_pack<V>(p.y + off, out);
         }
     }
 };
@@ -392,47 +452,64 @@ struct BackwardSumsChannelsFirst {
     }
 };
 
-template <class T>
+template <class T, int V>
 struct BackwardSumsChannelsLast {
     using Params = BackwardSumsParams<T>;
-    using Value = Sums2;
+    using Value = SumsV<V>;
     static constexpr int threads = bn_kernels::threads, lanes = tile, rows = tile_rows, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
-        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
-        if (c >= p.span.C) return {};
-        const float hi = p.folded[c];
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
         Value total;
-        float a = 0, b = 0;
+        if (c0 >= p.span.C) return total;
+        float hi[V], a[V], b[V];
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) hi[e] = p.folded[c0 + e], a[e] = b[e] = 0;
         int pending = 0;
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
-            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
-            const float xv = to_float(p.x[off]);
-            const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(p.dy[off]) : 0.0f;
-            a += d;
-            b += d * (xv - hi);
+            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
+            const auto x = load_pack<V>(p.x + off);
+            const auto g = load_pack<V>(p.dy + off);
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                const float xv = to_float(x.v[e]);
+                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c0 + e) ? to_float(g.v[e]) : 0.0f;
+                a[e] += d;
+                b[e] += d * (xv - hi[e]);
+            }
             if (++pending == flush) {
-                total = total + Value{a, b};
-                a = b = 0;
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) total.c[e] = total.c[e] + Sums2{a[e], b[e]}, a[e] = b[e] = 0;
                 pending = 0;
             }
         }
-        return total + Value{a, b};
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) total.c[e] = total.c[e] + Sums2{a[e], b[e]};
+        return total;
+    }
+    LOCKSTEP_HD static Sums2* slot(const Params& p, const Where& w, int chunk, int lane) {
+        return p.partials + ((static_cast<std::int64_t>(p.span.group(w)) * w.gx + chunk) * tile + lane) * V;
     }
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
-        p.partials[(static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)) * tile + lane] = v;
+        Sums2* out = slot(p, w, p.span.chunk(w), lane);
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) out[e] = v.c[e];
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
         Value v;
-        const Sums2* part = p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx * tile;
-        for (int i = row; i < w.gx; i += rows)
-            v = v + Value{load_other_block(&part[i * tile + lane].a), load_other_block(&part[i * tile + lane].b)};
+        for (int i = row; i < w.gx; i += rows) {
+            const Sums2* part = slot(p, w, i, lane);
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
+        }
         return v;
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
-        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + lane;
-        if (c < p.span.C) backward_finish_channel(p, c, total);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), lane);
+        if (c0 >= p.span.C) return;
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) backward_finish_channel(p, c0 + e, total.c[e]);
     }
 };
 
@@ -489,20 +566,29 @@ struct DxChannelsFirst {
     }
 };
 
-template <class T>
+template <class T, int V>
 struct DxChannelsLast {
     using Params = DxParams<T>;
     static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const std::int64_t c = static_cast<std::int64_t>(p.span.group(w)) * tile + w.t % tile;
-        if (c >= p.span.C) return;
-        const DxConstants k = dx_constants_of(p, c);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
+        if (c0 >= p.span.C) return;
+        DxConstants k[V];
+        LOCKSTEP_UNROLL
+        for (int e = 0; e < V; ++e) k[e] = dx_constants_of(p, c0 + e);
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
-            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c;
-            const float xv = to_float(p.x[off]);
-            const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(p.dy[off]) : 0.0f;
-            p.dx[off] = from_float<T>(bn::backward(d, xv, k.hi, k.a, k.b, k.c));
+            const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
+            const auto x = load_pack<V>(p.x + off);
+            const auto g = load_pack<V>(p.dy + off);
+            Pack<T, V> out;
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) {
+                const float xv = to_float(x.v[e]);
+                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c0 + e) ? to_float(g.v[e]) : 0.0f;
+                out.v[e] = from_float<T>(bn::backward(d, xv, k[e].hi, k[e].a, k[e].b, k[e].c));
+            }
+            store_pack<V>(p.dx + off, out);
         }
     }
 };
@@ -518,222 +604,6 @@ struct ShiftOnly {
         const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
         if (c < p.span.C) p.shift_out[c] = p.running_mean != nullptr ? bn::usable_shift(p.running_mean[c]) : 0.0f;
     }
-};
-
-// ---- launch configurations -------------------------------------------------------------------
-
-//! Whether the channels-first passes take 16-byte vectors: every plane a whole number of them and
-//! every pointer aligned.
-template <class T>
-inline int vector_width(const BnGeometry& g, std::initializer_list<const void*> pointers) {
-    constexpr int V = vec16<T>;
-    if (g.channels_last || g.inner % V != 0) return 1;
-    for (const void* q : pointers)
-        if (q != nullptr && reinterpret_cast<std::uintptr_t>(q) % 16 != 0) return 1;
-    return V;
-}
-
-//! The grid and item split of a pass over `g` with V-element items (Note [batch-norm kernels]).
-inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid, bool reverse = false) {
-    constexpr std::int64_t int_limit = std::numeric_limits<int>::max();
-    Span s;
-    s.N = g.batch;
-    s.C = g.channels;
-    s.P = g.inner;
-    s.reverse = reverse;
-    const std::int64_t groups = g.channels_last ? (g.channels + tile - 1) / tile : g.channels;
-    LOCKSTEP_CHECK_AS(ShapeError, groups <= scratch_counters, "SyncBatchNorm on CUDA handles at most ",
-                      static_cast<std::int64_t>(scratch_counters) * (g.channels_last ? tile : 1), " channels in ",
-                      g.channels_last ? "channels-last" : "channels-first", " layout, got ", g.channels);
-    const std::int64_t items = g.channels_last ? g.rows() : g.per_channel() / V;
-    LOCKSTEP_CHECK_AS(ShapeError, items < int_limit, "SyncBatchNorm on CUDA handles fewer than 2^31 ",
-                      g.channels_last ? "rows" : "values per channel", ", got ", items);
-    s.items = static_cast<unsigned int>(items);
-    if (!g.channels_last) s.per_plane = Divider(static_cast<unsigned int>(g.inner / V));
-    grid.threads = threads;
-    grid.y = static_cast<int>(groups);
-    if (items == 0 || groups == 0) {
-        grid.x = 0;
-        return s;
-    }
-    const std::int64_t row_threads = g.channels_last ? tile_rows : threads;
-    const std::int64_t by_work = std::max<std::int64_t>(1, items / (row_threads * 4));  // >= 4 items a thread
-    const std::int64_t by_occupancy =
-        std::max<std::int64_t>(1, (std::int64_t{blocks_per_sm} * info.multiprocessors + groups - 1) / groups);
-    const std::int64_t slots = static_cast<std::int64_t>(scratch_partial_bytes / sizeof(Sums2)) / (g.channels_last ? tile : 1);
-    LOCKSTEP_CHECK_AS(ShapeError, groups <= slots, "SyncBatchNorm on CUDA over ", g.channels, " channels in ",
-                      g.channels_last ? "channels-last" : "channels-first",
-                      " layout needs more partials than the replica's scratch of ", scratch_partial_bytes,
-                      " bytes holds (at most ", slots * (g.channels_last ? tile : 1),
-                      " channels); split the channels over several layers");
-    const std::int64_t by_scratch = std::max<std::int64_t>(1, slots / groups);
-    const std::int64_t chunks = std::min({by_work, by_occupancy, by_scratch});
-    s.chunk_items = static_cast<unsigned int>((items + chunks - 1) / chunks);
-    grid.x = static_cast<int>((items + s.chunk_items - 1) / s.chunk_items);
-    return s;
-}
-
-// ---- the operations, for any runner (the device, or the host emulator) -----------------------
-
-// A runner launches kernels: `run.template map<K>(params, grid)`, `run.template reduce<K>(params,
-// grid)`, `run.zero(pointer, bytes)`, and `run.info()` (the device's DeviceInfo), `run.scratch()`.
-// The CUDA operations use the device runner (cuda_bn_ops.cuh), the emulation tests the host one,
-// so both go through the same choice of kernel, vector width and grid.
-
-//! Forward payload [S | Q | n] (2C + 1) of the local batch, re-centred on K = the running mean
-//! (zero where it is null or not finite); K per channel goes to `shift_out`.
-template <class Run, class T>
-void local_stats(Run& run, const T* x, const BnGeometry& g, const float* running_mean, double* payload, float* shift_out) {
-    const int V = vector_width<T>(g, {x});
-    Grid grid;
-    StatsParams<T> p;
-    p.span = plan(g, V, run.info(), grid);
-    p.x = x;
-    p.running_mean = running_mean;
-    p.payload = payload;
-    p.shift_out = shift_out;
-    const Scratch s = run.scratch();
-    p.partials = s.template partials_as<Sums2>(static_cast<std::int64_t>(grid.x) * grid.y * (g.channels_last ? tile : 1));
-    p.counters = s.counters;
-    if (grid.x == 0) {  // an empty shard: nothing counted, and K is still the shared shift
-        run.zero(payload, static_cast<std::size_t>(2 * g.channels + 1) * sizeof(double));
-        run.template map<ShiftOnly<T>>(
-            p, Grid{static_cast<int>((g.channels + channel_threads - 1) / channel_threads), 1, channel_threads});
-        return;
-    }
-    if (g.channels_last)
-        run.template reduce<StatsChannelsLast<T>>(p, grid);
-    else if (V > 1)
-        run.template reduce<StatsChannelsFirst<T, vec16<T>>>(p, grid);
-    else
-        run.template reduce<StatsChannelsFirst<T, 1>>(p, grid);
-}
-
-//! The finish `forward_normalize` folds into its prologue: a training forward's.
-struct FinishRequest {
-    const double* payload = nullptr;
-    const float* shift = nullptr;
-    float* running_mean = nullptr;  // null: not updated
-    float* running_var = nullptr;
-    std::int64_t* num_batches_tracked = nullptr;
-    double eps = 1e-5;
-    bool cumulative = false;  // momentum: 1 / num_batches_tracked after this batch
-    double momentum = 0.1;
-};
-
-//! y = the normalized x (with `relu`: max(0, y); no mask is kept: Note [ReLU mask from x]). With
-//! `finish`, the statistics come from the all-reduced payload, and stats/folded and the running
-//! statistics are written once per channel; without, they are read from `folded`.
-template <class Run, class T>
-void forward_normalize(Run& run, const T* x, T* y, const BnGeometry& g, const FinishRequest* finish, const float* weight,
-                       const float* bias, double* stats, float* folded, bool relu) {
-    const int V = vector_width<T>(g, {x, y});
-    Grid grid;
-    NormalizeParams<T> p;
-    const bool fits_l2 = 2 * static_cast<std::int64_t>(g.batch * g.channels * g.inner * sizeof(T)) <= run.info().l2_bytes;
-    p.span = plan(g, V, run.info(), grid, /*reverse=*/fits_l2);
-    p.x = x;
-    p.y = y;
-    p.relu = relu;
-    p.weight = weight;
-    p.bias = bias;
-    p.stats = stats;
-    p.folded = folded;
-    if (finish != nullptr) {
-        p.finish = true;
-        p.f.payload = finish->payload;
-        p.f.shift = finish->shift;
-        p.f.running_mean = finish->running_mean;
-        p.f.running_var = finish->running_var;
-        p.f.num_batches_tracked = finish->num_batches_tracked;
-        p.f.count_batch = finish->running_mean != nullptr && !finish->cumulative;
-        p.f.cumulative = finish->cumulative;
-        p.f.eps = finish->eps;
-        p.f.momentum = finish->momentum;
-    }
-    if (grid.x == 0 && finish != nullptr) grid.x = 1;  // an empty shard still finishes (its blocks loop over nothing)
-    if (g.channels_last)
-        run.template map<NormalizeChannelsLast<T>>(p, grid);
-    else if (V > 1)
-        run.template map<NormalizeChannelsFirst<T, vec16<T>>>(p, grid);
-    else
-        run.template map<NormalizeChannelsFirst<T, 1>>(p, grid);
-    if (finish != nullptr && finish->running_mean != nullptr && finish->cumulative) {
-        ChannelParams c;
-        c.num_batches_tracked = finish->num_batches_tracked;
-        run.template map<CountBatch>(c, Grid{1, 1, CountBatch::threads});
-    }
-}
-
-//! Backward payload [sum dy | sum dy (x - mean)] (2C) of the local batch; with `relu` dy counts
-//! only where the fused ReLU's output was positive (Note [ReLU mask from x]).
-template <class Run, class T>
-void backward_sums(Run& run, const T* x, const T* dy, bool relu, const BnGeometry& g, const float* folded, double* payload) {
-    const int V = vector_width<T>(g, {x, dy});
-    Grid grid;
-    BackwardSumsParams<T> p;
-    p.span = plan(g, V, run.info(), grid);
-    p.x = x;
-    p.dy = dy;
-    p.relu = relu;
-    p.folded = folded;
-    p.payload = payload;
-    const Scratch s = run.scratch();
-    p.partials = s.template partials_as<Sums2>(static_cast<std::int64_t>(grid.x) * grid.y * (g.channels_last ? tile : 1));
-    p.counters = s.counters;
-    if (grid.x == 0) {
-        run.zero(payload, static_cast<std::size_t>(2 * g.channels) * sizeof(double));
-        return;
-    }
-    if (g.channels_last)
-        run.template reduce<BackwardSumsChannelsLast<T>>(p, grid);
-    else if (V > 1)
-        run.template reduce<BackwardSumsChannelsFirst<T, vec16<T>>>(p, grid);
-    else
-        run.template reduce<BackwardSumsChannelsFirst<T, 1>>(p, grid);
-}
-
-//! dx from the all-reduced backward payload and the forward's global count; `dx` may be `x`;
-//! with `relu` dy counts only where the fused ReLU's output was positive.
-template <class Run, class T>
-void backward_dx(Run& run, const T* x, const T* dy, bool relu, T* dx, const BnGeometry& g, const double* payload,
-                 const double* stats, const float* folded, const float* weight) {
-    const int V = vector_width<T>(g, {x, dy, dx});
-    Grid grid;
-    DxParams<T> p;
-    const bool fits_l2 = 3 * static_cast<std::int64_t>(g.batch * g.channels * g.inner * sizeof(T)) <= run.info().l2_bytes;
-    p.span = plan(g, V, run.info(), grid, /*reverse=*/fits_l2);
-    p.x = x;
-    p.dy = dy;
-    p.relu = relu;
-    p.dx = dx;
-    p.payload = payload;
-    p.stats = stats;
-    p.folded = folded;
-    p.weight = weight;
-    if (g.channels_last)
-        run.template map<DxChannelsLast<T>>(p, grid);
-    else if (V > 1)
-        run.template map<DxChannelsFirst<T, vec16<T>>>(p, grid);
-    else
-        run.template map<DxChannelsFirst<T, 1>>(p, grid);
-}
-
-//! The host emulator as a runner (the emulation tests'), with the device facts it pretends to have.
-struct EmulatedRun {
-    DeviceInfo device;
-    HostScratch* host_scratch = nullptr;
-    DeviceInfo info() const { return device; }
-    Scratch scratch() const { return host_scratch->view(); }
-    template <class K>
-    void map(const typename K::Params& p, const Grid& g) {
-        emulate_map<K>(p, g);
-    }
-    template <class K>
-    void reduce(const typename K::Params& p, const Grid& g) {
-        emulate_reduce<K>(p, g);
-    }
-    void zero(void* p, std::size_t bytes) { std::memset(p, 0, bytes); }
 };
 
 }  // namespace lockstep::kernels::device::bn_kernels
