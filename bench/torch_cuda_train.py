@@ -2,10 +2,12 @@
 # SPDX-License-Identifier: MIT
 """Images per second of the MNIST example's network trained in PyTorch on a GPU (SGD, lr 0.01,
 momentum 0.9, one process, fp32 parameters), at batch 64, 256 and 1024, with PyTorch's defaults
-("default": cuDNN, TF32 convolutions) and in strict FP32 ("strict": no TF32 anywhere), compared
-with lockstep's images/s at the same batch: one JSON line per batch and mode.
+("default": cuDNN, TF32 convolutions), in strict FP32 ("strict": no TF32 anywhere) and in bf16
+mixed precision ("bf16": the defaults with forward and loss under torch.autocast(bfloat16), fp32
+parameters and gradients), compared with lockstep's images/s at the same batch: one JSON line per
+batch and mode.
 
-    torch_cuda_train.py [--batches 64,256,1024] [--modes default,strict]
+    torch_cuda_train.py [--batches 64,256,1024] [--modes default,strict,bf16]
                         [--lockstep 64=r64.jsonl --lockstep 256=51234 ...]
 
 A PyTorch step is timed as the example times its own (examples/mnist/train.hpp, the per-step
@@ -74,9 +76,17 @@ def parse_lockstep(items):
     return out
 
 
+def precision_of(mode):
+    """Sets the flags of `mode` and says what it set ('bf16': the defaults, under autocast)."""
+    if mode == "bf16":
+        return "bf16 autocast; " + common.precision("default")
+    return common.precision(mode)
+
+
 def measure(batch, mode, device, min_time, warmup, seed=1):
     """(images/s as the example times a step, images/s pipelined, steps timed)."""
-    common.precision(mode)  # flags of the CUDA backends: nothing changes on the CPU
+    precision_of(mode)  # flags of the CUDA backends: nothing changes on the CPU
+    amp = mode == "bf16"
     torch.manual_seed(seed)
     net = common.Net().to(device).train()
     opt = torch.optim.SGD(net.parameters(), lr=common.LR, momentum=common.MOMENTUM)
@@ -87,7 +97,8 @@ def measure(batch, mode, device, min_time, warmup, seed=1):
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(net(x), y)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(net(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -127,8 +138,8 @@ def run(args, out=sys.stdout):
         batches = [int(b) for b in args.batches.split(",") if b]
         modes = [m for m in args.modes.split(",") if m]
         for m in modes:
-            if m not in ("default", "strict"):
-                raise ValueError("--modes: 'default' or 'strict', got %r" % m)
+            if m not in ("default", "strict", "bf16"):
+                raise ValueError("--modes: 'default', 'strict' or 'bf16', got %r" % m)
         rates = {b: lockstep_rate(spec, args.skip) for b, spec in lockstep.items()}
     except (OSError, ValueError) as e:
         print("torch_cuda_train: %s" % e, file=sys.stderr)
@@ -141,7 +152,7 @@ def run(args, out=sys.stdout):
     for b in batches:
         for mode in modes:
             ex, pipe, steps = measure(b, mode, device, args.min_time, args.warmup)
-            r = {"batch": b, "mode": mode, "precision": common.precision(mode), "torch_images_per_s": round(ex, 1),
+            r = {"batch": b, "mode": mode, "precision": precision_of(mode), "torch_images_per_s": round(ex, 1),
                  "torch_images_per_s_pipelined": round(pipe, 1), "steps": steps}
             if b in rates:
                 ours, how = rates[b]
@@ -175,15 +186,17 @@ def self_test():
         except ValueError:
             check(True, "a metrics file without enough steps is refused")
         out_path = os.path.join(tmp, "out.jsonl")
-        args = build_parser().parse_args(["--device", "cpu", "--batches", "4", "--modes", "default,strict",
+        args = build_parser().parse_args(["--device", "cpu", "--batches", "4", "--modes", "default,strict,bf16",
                                           "--min-time", "0.05", "--warmup", "1", "--lockstep", "4=" + metrics,
                                           "--skip", "2"])
         torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
         with open(out_path, "w") as f:
             rc = run(args, f)
         lines = [json.loads(l) for l in open(out_path)]
-        check(rc == 0 and [(l["batch"], l["mode"]) for l in lines] == [(4, "default"), (4, "strict")],
+        check(rc == 0 and [(l["batch"], l["mode"]) for l in lines] == [(4, "default"), (4, "strict"), (4, "bf16")],
               "one line per batch and mode")
+        check(lines[2]["precision"].startswith("bf16 autocast") and lines[2]["torch_images_per_s"] > 0,
+              "bf16 autocast measured (%s)" % lines[2]["precision"])
         l0 = lines[0]
         check(l0["torch_images_per_s"] > 0 and l0["steps"] >= 10, "PyTorch measured (%.0f img/s on the CPU)" %
               l0["torch_images_per_s"])
@@ -200,7 +213,7 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="64,256,1024")
-    parser.add_argument("--modes", default="default,strict")
+    parser.add_argument("--modes", default="default,strict,bf16")
     parser.add_argument("--lockstep", action="append", metavar="BATCH=FILE|IMAGES_PER_S",
                         help="lockstep's rate at that batch: the example's --metrics file, or a number")
     parser.add_argument("--skip", type=int, default=5, help="steps of a metrics file left out as warm-up")

@@ -382,7 +382,7 @@ def judge_train(args):
             continue
         detail = "lockstep %s (1 replica, math pytorch_default, median of %d steps)" % (si(ours), n)
         parts = []
-        for mode, label in (("default", "PyTorch defaults"), ("strict", "strict fp32")):
+        for mode, label in (("default", "PyTorch defaults"), ("strict", "strict fp32"), ("bf16", "bf16 autocast")):
             r = torch_rows.get((batch, mode))
             if r:
                 parts.append("%s %s: vs_torch %.2f (pipelined %s: %.2f)" % (

@@ -20,7 +20,7 @@
 #        (--init; cuda 1 and 4 replicas, host 4 replicas) and PyTorch the same 3 steps on the same
 #        GPU in strict FP32 (bench/torch_cuda_parity.py): worst relative parameter error <= 1e-3;
 #     4. training speed: the example at batch 64, 256 and 1024 on cuda:0 against PyTorch's training
-#        of the same network (bench/torch_cuda_train.py: defaults and strict FP32, vs_torch), and
+#        of the same network (bench/torch_cuda_train.py: defaults, strict FP32 and bf16 autocast, vs_torch), and
 #        bench_cuda_train_step (1, 2 and 4 replicas sharing cuda:0);
 #     5. bench_cuda_batch_norm against cuDNN and PyTorch's BatchNorm2d
 #        (bench/torch_cuda_batch_norm.py: vs_torch), and bench_cuda_allreduce;
@@ -407,7 +407,7 @@ step_train() {
     torch_args+=(--lockstep "$b=$logs/train-b$b.jsonl")
   done
   if ((have_torch)); then
-    capped_py 120 "$logs/torch_train.jsonl" "$logs/torch_train.log" "$root/bench/torch_cuda_train.py" --batches 64,256,1024 --modes default,strict \
+    capped_py 120 "$logs/torch_train.jsonl" "$logs/torch_train.log" "$root/bench/torch_cuda_train.py" --batches 64,256,1024 --modes default,strict,bf16 \
       --min-time 0.5 "${torch_args[@]}"
     judge train --torch "$logs/torch_train.jsonl" "$logs/torch_train.log" "$rc" "${spec[@]}"
   else
