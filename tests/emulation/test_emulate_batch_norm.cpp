@@ -291,7 +291,8 @@ void run_shapes() {
     // C = 36 and 132: channels-last takes vectors of nhwc_vec channels (132: a last tile of one lane);
     // 34: only the 16-bit backward sums take vectors (of nhwc_sums_vec).
     for (const std::int64_t C : {1, 3, 33, 34, 36, 132, 257})
-        for (const auto& hw : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 5}, {28, 28}})
+        // 14 x 14 and 3 x 6: planes of a whole number of 8-byte and 4-byte vectors, not 16-byte ones.
+        for (const auto& hw : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 5}, {14, 14}, {3, 6}, {28, 28}})
             for (const bool nhwc : {false, true}) {
                 Case k;
                 k.C = C;

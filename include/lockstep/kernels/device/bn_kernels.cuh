@@ -30,8 +30,9 @@ namespace lockstep::kernels::device::bn_kernels {
 // per-channel constants of `bn::backward_constants`.
 // Grids (Note [kernels proven on the host]):
 // - channels-first (NCHW, P > 1): grid (chunks, C), blocks of 256 threads; a channel's N*P values
-//   are split into `chunks` contiguous ranges of items, an item being a 16-byte vector where every
-//   plane is a whole number of vectors and the pointers are aligned, else one element. Many blocks
+//   are split into `chunks` contiguous ranges of items, an item being the widest vector of 16, 8
+//   or 4 bytes of which every plane is a whole number and to which the pointers are aligned, else
+//   one element (bn_passes.cuh: vector_width). Many blocks
 //   per channel keep every multiprocessor busy when C is small (one block per channel would leave
 //   most of an H200 idle at C = 64).
 // - channels-last (NHWC, 2-D input, P = 1): grid (chunks, tiles of 32 V channels), blocks of 32

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/device/bn_channel_kernels.cuh"
@@ -19,16 +20,38 @@ namespace lockstep::kernels::device::bn_kernels {
 
 // ---- launch configurations -------------------------------------------------------------------
 
-//! The elements a pass's thread loads as one vector: channels-first, 16 bytes where every plane
-//! is a whole number of them; channels-last, `channels_last_width` channels where C is a multiple of it (Note
+//! The elements a pass's thread loads as one vector: channels-first, the widest of 16, 8 or 4
+//! bytes of which every plane is a whole number (so 14 x 14 planes of bf16 still take 8-byte
+//! vectors); channels-last, `channels_last_width` channels where C is a multiple of it (Note
 //! [channels-last vectors]); in both, only where every pointer is aligned to the vector; else 1.
 template <class T>
 inline int vector_width(const BnGeometry& g, std::initializer_list<const void*> pointers, int channels_last_width = nhwc_vec) {
-    const int V = g.channels_last ? channels_last_width : vec16<T>;
-    if ((g.channels_last ? g.channels : g.inner) % V != 0) return 1;
-    for (const void* q : pointers)
-        if (q != nullptr && reinterpret_cast<std::uintptr_t>(q) % (sizeof(T) * static_cast<std::size_t>(V)) != 0) return 1;
-    return V;
+    const auto fits = [&](int V) {
+        if ((g.channels_last ? g.channels : g.inner) % V != 0) return false;
+        for (const void* q : pointers)
+            if (q != nullptr && reinterpret_cast<std::uintptr_t>(q) % (sizeof(T) * static_cast<std::size_t>(V)) != 0)
+                return false;
+        return true;
+    };
+    if (g.channels_last) return fits(channels_last_width) ? channels_last_width : 1;
+    for (int V = vec16<T>; V > 1 && V * static_cast<int>(sizeof(T)) >= 4; V /= 2)
+        if (fits(V)) return V;
+    return 1;
+}
+
+//! Calls `f(std::integral_constant<int, V>{})` for a channels-first width V that vector_width
+//! gives (a kernel template instantiated for each).
+template <class T, class F>
+void with_channels_first_width(int V, F&& f) {
+    constexpr int W = vec16<T>;
+    if (V == W) return f(std::integral_constant<int, W>{});
+    if constexpr (W / 2 > 1) {
+        if (V == W / 2) return f(std::integral_constant<int, W / 2>{});
+    }
+    if constexpr (W / 4 > 1) {
+        if (V == W / 4) return f(std::integral_constant<int, W / 4>{});
+    }
+    f(std::integral_constant<int, 1>{});
 }
 
 //! The grid and item split of a pass over `g` with V-element items (Note [batch-norm kernels]).
@@ -103,10 +126,8 @@ void local_stats(Run& run, const T* x, const BnGeometry& g, const float* running
         run.template reduce<StatsChannelsLast<T, nhwc_vec>>(p, grid);
     else if (g.channels_last)
         run.template reduce<StatsChannelsLast<T, 1>>(p, grid);
-    else if (V > 1)
-        run.template reduce<StatsChannelsFirst<T, vec16<T>>>(p, grid);
     else
-        run.template reduce<StatsChannelsFirst<T, 1>>(p, grid);
+        with_channels_first_width<T>(V, [&](auto w) { run.template reduce<StatsChannelsFirst<T, decltype(w)::value>>(p, grid); });
 }
 
 //! The finish `forward_normalize` folds into its prologue: a training forward's.
@@ -156,10 +177,9 @@ void forward_normalize(Run& run, const T* x, T* y, const BnGeometry& g, const Fi
         run.template map<NormalizeChannelsLast<T, nhwc_vec>>(p, grid);
     else if (g.channels_last)
         run.template map<NormalizeChannelsLast<T, 1>>(p, grid);
-    else if (V > 1)
-        run.template map<NormalizeChannelsFirst<T, vec16<T>>>(p, grid);
     else
-        run.template map<NormalizeChannelsFirst<T, 1>>(p, grid);
+        with_channels_first_width<T>(V,
+                                     [&](auto w) { run.template map<NormalizeChannelsFirst<T, decltype(w)::value>>(p, grid); });
     if (finish != nullptr && finish->running_mean != nullptr && finish->cumulative) {
         ChannelParams c;
         c.num_batches_tracked = finish->num_batches_tracked;
@@ -191,10 +211,9 @@ void backward_sums(Run& run, const T* x, const T* dy, bool relu, const BnGeometr
         run.template reduce<BackwardSumsChannelsLast<T, nhwc_sums_vec<T>>>(p, grid);
     else if (g.channels_last)
         run.template reduce<BackwardSumsChannelsLast<T, 1>>(p, grid);
-    else if (V > 1)
-        run.template reduce<BackwardSumsChannelsFirst<T, vec16<T>>>(p, grid);
     else
-        run.template reduce<BackwardSumsChannelsFirst<T, 1>>(p, grid);
+        with_channels_first_width<T>(
+            V, [&](auto w) { run.template reduce<BackwardSumsChannelsFirst<T, decltype(w)::value>>(p, grid); });
 }
 
 //! dx from the all-reduced backward payload and the forward's global count; `dx` may be `x`;
@@ -219,10 +238,8 @@ void backward_dx(Run& run, const T* x, const T* dy, bool relu, T* dx, const BnGe
         run.template map<DxChannelsLast<T, nhwc_vec>>(p, grid);
     else if (g.channels_last)
         run.template map<DxChannelsLast<T, 1>>(p, grid);
-    else if (V > 1)
-        run.template map<DxChannelsFirst<T, vec16<T>>>(p, grid);
     else
-        run.template map<DxChannelsFirst<T, 1>>(p, grid);
+        with_channels_first_width<T>(V, [&](auto w) { run.template map<DxChannelsFirst<T, decltype(w)::value>>(p, grid); });
 }
 
 //! The host emulator as a runner (the emulation tests'), with the device facts it pretends to have.
