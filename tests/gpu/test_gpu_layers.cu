@@ -102,8 +102,8 @@ double gamma_of(std::int64_t n) {
 
 // Every element of `got` within its bound: `exact` and `mag` (the magnitudes' sum S) in fp64,
 // `terms` products summed per element.
-void expect_rounding(const std::vector<float>& got, const std::vector<double>& exact, const std::vector<double>& mag,
-                     std::int64_t terms, bool tf32, const std::string& what) {
+double expect_rounding(const std::vector<float>& got, const std::vector<double>& exact, const std::vector<double>& mag,
+                       std::int64_t terms, bool tf32, const std::string& what) {
     const double g = gamma_of(terms + 1);
     const double strict = g, rounded = (std::ldexp(1.0, -9) + std::ldexp(1.0, -20)) * (1 + g) + g;
     const double allowed = 2 * (tf32 ? rounded : strict);
@@ -120,6 +120,7 @@ void expect_rounding(const std::vector<float>& got, const std::vector<double>& e
         expect(worst > strict, what + ": TF32 rounding took place (error " + std::to_string(worst) + " S beyond the strict " +
                                    std::to_string(strict) + " S)");
 #endif
+    return worst;
 }
 
 // An fp64 reference: values and the sums of their terms' magnitudes.
@@ -131,6 +132,30 @@ struct Reference {
         mag[i] += std::abs(a * b);
     }
 };
+
+// On a GPU too, Math::tf32 must round: a linear layer large enough for cuBLAS's tensor-core
+// kernels (every dimension a multiple of 16, k = 512) must miss fp64 by more than strict fp32
+// can; otherwise the mode did not reach cuBLAS.
+void tf32_takes_effect(nn::Context<Cuda> ctx, std::mt19937& rng) {
+    ctx.exec.math = Math::tf32;
+    const std::int64_t N = 128, in = 512, out = 256;
+    nn::Generator gen(17);
+    nn::Linear<Cuda> lin(in, out, true, gen);
+    const auto x = random_host(Shape{N, in}, rng);
+    const auto w = values(lin.weight.value), b = values(lin.bias.value);
+    const auto y = values(lin.forward(ctx, x.to<Cuda>(Device::cuda(ctx.exec.device))));
+    Reference ry(static_cast<std::size_t>(N * out));
+    for (std::int64_t n = 0; n < N; ++n)
+        for (std::int64_t o = 0; o < out; ++o) {
+            const auto yi = static_cast<std::size_t>(n * out + o);
+            ry.add(yi, b[static_cast<std::size_t>(o)], 1.0);
+            for (std::int64_t i = 0; i < in; ++i) ry.add(yi, x[n * in + i], w[static_cast<std::size_t>(o * in + i)]);
+        }
+    const double worst = expect_rounding(y, ry.value, ry.mag, in, true, "Linear 512->256 tf32 forward");
+    expect(worst > gamma_of(in + 1), "Linear 512->256 tf32: TF32 rounding took place on this device (error " +
+                                         std::to_string(worst) + " S beyond the strict " + std::to_string(gamma_of(in + 1)) +
+                                         " S)");
+}
 
 // Conv2d (bias, padding 1, stride 1) forward and backward in mode `math` against fp64.
 void conv_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng) {
@@ -252,7 +277,7 @@ void bn_against_fp64(Shape shape, bool nhwc, nn::Context<Cuda>& ctx, std::mt1993
 }
 
 template <class T>
-void bn_reduced_precision(const char* name, MemoryFormat f, double unit, nn::Context<Cuda>& ctx, std::mt19937& rng) {
+void bn_reduced_precision(const char* name, MemoryFormat f, bool relu, double unit, nn::Context<Cuda>& ctx, std::mt19937& rng) {
     // fp16/bf16 storage against fp32 on the same (rounded) values: y and dx differ by the
     // rounding of the output (unit roundoff `unit`) plus fp32 noise.
     const std::int64_t N = 8, C = 16, H = 14, W = 14;
@@ -266,7 +291,7 @@ void bn_reduced_precision(const char* name, MemoryFormat f, double unit, nn::Con
         dy32[i] = kernels::device::to_float(dy16[i]);
     }
     const Device d = Device::cuda(ctx.exec.device);
-    nn::SyncBatchNorm<Cuda> a(C, {.format = f}), b(C, {.format = f});
+    nn::SyncBatchNorm<Cuda> a(C, {.format = f, .fused_relu = relu}), b(C, {.format = f, .fused_relu = relu});
     auto y32 = a.forward(ctx, x32.template to<Cuda>(d));
     auto dx32 = a.backward(ctx, dy32.template to<Cuda>(d));
     auto y16 = b.forward<T>(ctx, x16.template to<Cuda>(d));
@@ -277,10 +302,12 @@ void bn_reduced_precision(const char* name, MemoryFormat f, double unit, nn::Con
         yv[static_cast<std::size_t>(i)] = kernels::device::to_float(h16[i]);
         dv[static_cast<std::size_t>(i)] = kernels::device::to_float(g16[i]);
     }
-    expect_close(yv, values(y32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " y vs fp32");
-    expect_close(dv, values(dx32), 2 * unit + 1e-5, std::string("SyncBatchNorm ") + name + " " + to_string(f) + " dx vs fp32");
+    expect_close(yv, values(y32), 2 * unit + 1e-5,
+                 std::string("SyncBatchNorm ") + name + (relu ? " + ReLU " : " ") + to_string(f) + " y vs fp32");
+    expect_close(dv, values(dx32), 2 * unit + 1e-5,
+                 std::string("SyncBatchNorm ") + name + (relu ? " + ReLU " : " ") + to_string(f) + " dx vs fp32");
     expect_close(values(b.running_mean), values(a.running_mean), 1e-6,
-                 std::string("SyncBatchNorm ") + name + " " + to_string(f) + " running mean");
+                 std::string("SyncBatchNorm ") + name + (relu ? " + ReLU " : " ") + to_string(f) + " running mean");
 }
 
 }  // namespace
@@ -345,6 +372,14 @@ int main() {
                           nn::SyncBatchNorm<Host>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}),
                           nn::SyncBatchNorm<Cuda>(33, {.format = MemoryFormat::nhwc, .fused_relu = relu}), Shape{4, 33, 7, 5},
                           MemoryFormat::nhwc, ctx, rng);
+            // 64 channels: the channels-last passes in vectors of 4 channels (Note [channels-last vectors]);
+            // 14 x 14 planes: channels-first in 16-byte vectors of fp32.
+            compare_layer("SyncBatchNorm NHWC C=64" + tail,
+                          nn::SyncBatchNorm<Host>(64, {.format = MemoryFormat::nhwc, .fused_relu = relu}),
+                          nn::SyncBatchNorm<Cuda>(64, {.format = MemoryFormat::nhwc, .fused_relu = relu}), Shape{4, 64, 6, 5},
+                          MemoryFormat::nhwc, ctx, rng);
+            compare_layer("SyncBatchNorm NCHW C=8 14x14" + tail, nn::SyncBatchNorm<Host>(8, {.fused_relu = relu}),
+                          nn::SyncBatchNorm<Cuda>(8, {.fused_relu = relu}), Shape{4, 8, 14, 14}, MemoryFormat::nchw, ctx, rng);
         }
 
         // ---- math modes: TF32 where each mode allows it, against fp64 ----
@@ -352,6 +387,7 @@ int main() {
             conv_in_mode(m, ctx, rng);
             linear_in_mode(m, ctx, rng);
         }
+        tf32_takes_effect(ctx, rng);
 
         // ---- the losses ----
         {
@@ -423,10 +459,11 @@ int main() {
             bn_against_fp64(Shape{N, C, H, W}, nhwc, ctx, rng,
                             std::string("SyncBatchNorm vs fp64 over several blocks per channel, ") + (nhwc ? "NHWC" : "NCHW"));
         }
-        for (const auto f : {MemoryFormat::nchw, MemoryFormat::nhwc}) {
-            bn_reduced_precision<__half>("fp16", f, 1.0 / 2048, ctx, rng);
-            bn_reduced_precision<__nv_bfloat16>("bf16", f, 1.0 / 256, ctx, rng);
-        }
+        for (const auto f : {MemoryFormat::nchw, MemoryFormat::nhwc})
+            for (const bool relu : {false, true}) {  // with ReLU: the mask found from x (Note [ReLU mask from x])
+                bn_reduced_precision<__half>("fp16", f, relu, 1.0 / 2048, ctx, rng);
+                bn_reduced_precision<__nv_bfloat16>("bf16", f, relu, 1.0 / 256, ctx, rng);
+            }
 
         // ---- the MNIST network: 5 SGD steps on both backends from the same initial values ----
         {

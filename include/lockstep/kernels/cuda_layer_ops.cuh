@@ -40,8 +40,10 @@ public:
     //! (the allocation and any free are on the replica's stream).
     float* at_least(std::int64_t floats, int device) {
         if (floats <= 0) return buffer_.data();
-        if (buffer_.numel() < floats || buffer_.device() != Device::cuda(device))
+        if (buffer_.numel() < floats || buffer_.device() != Device::cuda(device)) {
+            buffer_ = T_<float>();  // freed first (in stream order): the pool may hand its memory to the new one
             buffer_ = T_<float>(Shape{floats}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
+        }
         return buffer_.data();
     }
     //! Floats held now: the largest need so far.

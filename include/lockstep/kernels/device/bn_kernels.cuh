@@ -331,13 +331,22 @@ LOCKSTEP_HD inline float relu(float v) { return v > 0.0f ? v : (v == v ? 0.0f : 
 // traffic, a third of a bf16 one's): the backward passes read x anyway, and the normalize
 // constants the forward used are still in `folded` [mean_hi | mean_lo | scale | shift], so they
 // recompute y = bn::normalize(x, mean_hi, scale, shift) with the same function on the same
-// floats, and the same bits (bn::normalize is one correctly rounded fma on the device). The
-// kernels' tests check that the recomputed mask is the forward's y > 0, element for element.
+// floats, and the same bits (bn::normalize is one correctly rounded fma on the device). For
+// 16-bit storage the mask is, as the forward's byte mask was, the fp32 y > 0 before the store.
+// The emulation tests check, element for element, that backward lets dy through exactly where
+// the forward's stored y > 0 (fp32) and where bn::normalize of x is positive in its channel (every
+// type); on a GPU, fused SyncBatchNorm is compared with the host and with fp32 storage.
 
-//! Whether the fused ReLU let element x of channel c through: the forward's y > 0, recomputed.
-LOCKSTEP_HD inline bool relu_passes(float x, const float* folded, std::int64_t C, std::int64_t c) {
-    return bn::normalize(x, folded[c], folded[2 * C + c], folded[3 * C + c]) > 0.0f;
-}
+//! The forward's normalize constants of channel c, which backward recomputes the ReLU mask from,
+//! held in registers for the pass (not reloaded per element: a store through dx could alias them).
+struct ReluMask {
+    float hi = 0, scale = 0, shift = 0;
+    LOCKSTEP_HD static ReluMask of(const float* folded, std::int64_t C, std::int64_t c) {
+        return {folded[c], folded[2 * C + c], folded[3 * C + c]};
+    }
+    //! Whether the fused ReLU let element x through: the forward's y > 0, recomputed.
+    LOCKSTEP_HD bool passes(float x) const { return bn::normalize(x, hi, scale, shift) > 0.0f; }
+};
 
 template <class T, int V>
 struct NormalizeChannelsFirst {
@@ -415,7 +424,8 @@ struct BackwardSumsChannelsFirst {
 
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
         const std::int64_t c = p.span.group(w);
-        const float hi = p.folded[c];
+        const ReluMask m = ReluMask::of(p.folded, p.span.C, c);
+        const float hi = m.hi;
         Value total;
         float a = 0, b = 0;
         int pending = 0;
@@ -426,7 +436,7 @@ struct BackwardSumsChannelsFirst {
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float xv = to_float(x.v[e]);
-                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(g.v[e]) : 0.0f;
+                const float d = !p.relu || m.passes(xv) ? to_float(g.v[e]) : 0.0f;
                 a += d;
                 b += d * (xv - hi);
             }
@@ -463,9 +473,10 @@ struct BackwardSumsChannelsLast {
         const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
         Value total;
         if (c0 >= p.span.C) return total;
-        float hi[V], a[V], b[V];
+        ReluMask m[V];
+        float a[V], b[V];
         LOCKSTEP_UNROLL
-        for (int e = 0; e < V; ++e) hi[e] = p.folded[c0 + e], a[e] = b[e] = 0;
+        for (int e = 0; e < V; ++e) m[e] = ReluMask::of(p.folded, p.span.C, c0 + e), a[e] = b[e] = 0;
         int pending = 0;
         for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
@@ -474,9 +485,9 @@ struct BackwardSumsChannelsLast {
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float xv = to_float(x.v[e]);
-                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c0 + e) ? to_float(g.v[e]) : 0.0f;
+                const float d = !p.relu || m[e].passes(xv) ? to_float(g.v[e]) : 0.0f;
                 a[e] += d;
-                b[e] += d * (xv - hi[e]);
+                b[e] += d * (xv - m[e].hi);
             }
             if (++pending == flush) {
                 LOCKSTEP_UNROLL
@@ -530,7 +541,8 @@ struct DxParams {
 };
 
 struct DxConstants {
-    float hi, a, b, c;
+    float a, b, c;
+    ReluMask m;  // hi for dx, and the ReLU mask's constants
 };
 
 template <class T>
@@ -540,7 +552,7 @@ LOCKSTEP_HD inline DxConstants dx_constants_of(const DxParams<T>& p, std::int64_
     const bn::BackwardConstants k =
         bn::backward_constants(p.stats[2 * C], p.payload[layout.sum_dy(c)], p.payload[layout.sum_dy_xmu(c)], p.stats[c],
                                p.stats[C + c], p.weight != nullptr ? p.weight[c] : 1.0);
-    return {p.folded[c], k.a, k.b, k.c};
+    return {k.a, k.b, k.c, ReluMask::of(p.folded, C, c)};
 }
 
 template <class T, int V>
@@ -559,8 +571,8 @@ struct DxChannelsFirst {
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float xv = to_float(x.v[e]);
-                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c) ? to_float(g.v[e]) : 0.0f;
-                out.v[e] = from_float<T>(bn::backward(d, xv, k.hi, k.a, k.b, k.c));
+                const float d = !p.relu || k.m.passes(xv) ? to_float(g.v[e]) : 0.0f;
+                out.v[e] = from_float<T>(bn::backward(d, xv, k.m.hi, k.a, k.b, k.c));
             }
             store_pack<V>(p.dx + off, out);
         }
@@ -586,8 +598,8 @@ struct DxChannelsLast {
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float xv = to_float(x.v[e]);
-                const float d = !p.relu || relu_passes(xv, p.folded, p.span.C, c0 + e) ? to_float(g.v[e]) : 0.0f;
-                out.v[e] = from_float<T>(bn::backward(d, xv, k[e].hi, k[e].a, k[e].b, k[e].c));
+                const float d = !p.relu || k[e].m.passes(xv) ? to_float(g.v[e]) : 0.0f;
+                out.v[e] = from_float<T>(bn::backward(d, xv, k[e].m.hi, k[e].a, k[e].b, k[e].c));
             }
             store_pack<V>(p.dx + off, out);
         }

@@ -178,11 +178,25 @@ struct alignas(sizeof(T) * V) Pack {
     T v[V];
 };
 
+//! On the host (the emulator, the host CUDA device) a vector access off its alignment ends the
+//! process, as it would fault on the device: the host's loads would let it pass unseen.
+template <int V, class T>
+LOCKSTEP_HD inline void check_pack_alignment([[maybe_unused]] const T* p) {
+#if !defined(__CUDA_ARCH__)
+    if (reinterpret_cast<std::uintptr_t>(p) % sizeof(Pack<T, V>) != 0) {
+        std::fprintf(stderr, "lockstep: a kernel accessed a %d-element vector at %p, off its %zu-byte alignment\n", V,
+                     static_cast<const void*>(p), sizeof(Pack<T, V>));
+        std::abort();
+    }
+#endif
+}
+
 template <int V, class T>
 LOCKSTEP_HD inline Pack<T, V> load_pack(const T* p) {
     if constexpr (V == 1) {
         return Pack<T, 1>{{*p}};
     } else {
+        check_pack_alignment<V>(p);
         return *reinterpret_cast<const Pack<T, V>*>(p);
     }
 }
@@ -191,6 +205,7 @@ LOCKSTEP_HD inline void store_pack(T* p, const Pack<T, V>& v) {
     if constexpr (V == 1) {
         *p = v.v[0];
     } else {
+        check_pack_alignment<V>(p);
         *reinterpret_cast<Pack<T, V>*>(p) = v;
     }
 }
