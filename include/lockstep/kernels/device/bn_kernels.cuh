@@ -346,6 +346,8 @@ struct ReluMask {
     }
     //! Whether the fused ReLU let element x through: the forward's y > 0, recomputed.
     LOCKSTEP_HD bool passes(float x) const { return bn::normalize(x, hi, scale, shift) > 0.0f; }
+    //! The dy backward sees at element x: dy, or 0 where a fused ReLU (`relu`) stopped it.
+    LOCKSTEP_HD float gate(bool relu, float x, float dy) const { return !relu || passes(x) ? dy : 0.0f; }
 };
 
 template <class T, int V>
@@ -436,7 +438,7 @@ struct BackwardSumsChannelsFirst {
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float xv = to_float(x.v[e]);
-                const float d = !p.relu || m.passes(xv) ? to_float(g.v[e]) : 0.0f;
+                const float d = m.gate(p.relu, xv, to_float(g.v[e]));
                 a += d;
                 b += d * (xv - hi);
             }
@@ -485,7 +487,7 @@ struct BackwardSumsChannelsLast {
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float xv = to_float(x.v[e]);
-                const float d = !p.relu || m[e].passes(xv) ? to_float(g.v[e]) : 0.0f;
+                const float d = m[e].gate(p.relu, xv, to_float(g.v[e]));
                 a[e] += d;
                 b[e] += d * (xv - m[e].hi);
             }
@@ -543,6 +545,12 @@ struct DxParams {
 struct DxConstants {
     float a, b, c;
     ReluMask m;  // hi for dx, and the ReLU mask's constants
+
+    //! dx of one element, in T.
+    template <class T>
+    LOCKSTEP_HD T dx(bool relu, float x, float dy) const {
+        return from_float<T>(bn::backward(m.gate(relu, x, dy), x, m.hi, a, b, c));
+    }
 };
 
 template <class T>
@@ -570,9 +578,7 @@ struct DxChannelsFirst {
             Pack<T, V> out;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                const float xv = to_float(x.v[e]);
-                const float d = !p.relu || k.m.passes(xv) ? to_float(g.v[e]) : 0.0f;
-                out.v[e] = from_float<T>(bn::backward(d, xv, k.m.hi, k.a, k.b, k.c));
+                out.v[e] = k.template dx<T>(p.relu, to_float(x.v[e]), to_float(g.v[e]));
             }
             store_pack<V>(p.dx + off, out);
         }
@@ -597,9 +603,7 @@ struct DxChannelsLast {
             Pack<T, V> out;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                const float xv = to_float(x.v[e]);
-                const float d = !p.relu || k[e].m.passes(xv) ? to_float(g.v[e]) : 0.0f;
-                out.v[e] = from_float<T>(bn::backward(d, xv, k[e].m.hi, k[e].a, k[e].b, k[e].c));
+                out.v[e] = k[e].template dx<T>(p.relu, to_float(x.v[e]), to_float(g.v[e]));
             }
             store_pack<V>(p.dx + off, out);
         }
