@@ -158,7 +158,7 @@ void tf32_takes_effect(nn::Context<Cuda> ctx, std::mt19937& rng) {
 }
 
 // Conv2d (bias, padding 1, stride 1) forward and backward in mode `math` against fp64.
-void conv_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng) {
+void conv_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng, const std::string& engine) {
     ctx.exec.math = math;
     const bool tf32 = allows_tf32(math, ProductOf::convolution);
     const std::int64_t N = 3, C = 5, H = 9, W = 8, O = 6, k = 3, pad = 1;
@@ -191,7 +191,7 @@ void conv_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng) {
                                 rdw.add(wi, dy[static_cast<std::int64_t>(yi)], x[static_cast<std::int64_t>(xi)]);
                             }
                 }
-    const std::string name = std::string("Conv2d ") + std::string(to_string(math));
+    const std::string name = std::string("Conv2d ") + std::string(to_string(math)) + engine;
     expect_rounding(y, ry.value, ry.mag, C * k * k, tf32, name + " forward");
     expect_rounding(dx, rdx.value, rdx.mag, O * k * k, tf32, name + " dx");
     expect_rounding(dw, rdw.value, rdw.mag, N * H * W, tf32, name + " weight gradient");
@@ -325,16 +325,33 @@ int main() {
         ctx.exec.math = Math::strict_fp32;  // parity with the host at 1e-5 (Note [math modes])
         std::mt19937 rng(1234);
 
+        // Convolutions in each engine of this build: cuDNN where it is built in (Note [cuDNN
+        // convolutions]), and im2col + cuBLAS, which an execution without a cuDNN handle runs.
+        std::vector<std::pair<std::string, nn::Context<Cuda>>> engines;
+#if LOCKSTEP_WITH_CUDNN
+        expect(ctx.exec.cudnn != nullptr, "a replica built with cuDNN has a cuDNN handle");
+        engines.emplace_back(" (cuDNN)", ctx);
+#endif
+        engines.emplace_back(" (im2col)", ctx);
+        engines.back().second.exec.cudnn = nullptr;
+
         // ---- every layer against the host ----
-        {
-            nn::Generator g1(7), g2(7);
-            compare_layer("Conv2d 3->8 k3 p1", nn::Conv2d<Host>(3, 8, 3, {.padding = 1}, g1),
-                          nn::Conv2d<Cuda>(3, 8, 3, {.padding = 1}, g2), Shape{4, 3, 9, 7}, MemoryFormat::nchw, ctx, rng);
-        }
-        {
-            nn::Generator g1(7), g2(7);
-            compare_layer("Conv2d 8->5 k3 s2", nn::Conv2d<Host>(8, 5, 3, {.stride = 2}, g1),
-                          nn::Conv2d<Cuda>(8, 5, 3, {.stride = 2}, g2), Shape{3, 8, 11, 11}, MemoryFormat::nchw, ctx, rng);
+        for (auto& [engine, ectx] : engines) {
+            {
+                nn::Generator g1(7), g2(7);
+                compare_layer("Conv2d 3->8 k3 p1" + engine, nn::Conv2d<Host>(3, 8, 3, {.padding = 1}, g1),
+                              nn::Conv2d<Cuda>(3, 8, 3, {.padding = 1}, g2), Shape{4, 3, 9, 7}, MemoryFormat::nchw, ectx, rng);
+            }
+            {
+                nn::Generator g1(7), g2(7);
+                compare_layer("Conv2d 8->5 k3 s2" + engine, nn::Conv2d<Host>(8, 5, 3, {.stride = 2}, g1),
+                              nn::Conv2d<Cuda>(8, 5, 3, {.stride = 2}, g2), Shape{3, 8, 11, 11}, MemoryFormat::nchw, ectx, rng);
+            }
+            {
+                nn::Generator g1(7), g2(7);
+                compare_layer("Conv2d 4->6 k1 no bias" + engine, nn::Conv2d<Host>(4, 6, 1, {.bias = false}, g1),
+                              nn::Conv2d<Cuda>(4, 6, 1, {.bias = false}, g2), Shape{2, 4, 5, 6}, MemoryFormat::nchw, ectx, rng);
+            }
         }
         {
             nn::Generator g1(7), g2(7);
@@ -384,7 +401,7 @@ int main() {
 
         // ---- math modes: TF32 where each mode allows it, against fp64 ----
         for (const Math m : {Math::strict_fp32, Math::pytorch_default, Math::tf32}) {
-            conv_in_mode(m, ctx, rng);
+            for (const auto& [engine, ectx] : engines) conv_in_mode(m, ectx, rng, engine);
             linear_in_mode(m, ctx, rng);
         }
         tf32_takes_effect(ctx, rng);

@@ -89,4 +89,7 @@ int device_of_range(const void* p, std::size_t bytes);
 //! Clears the NCCL injections (nccl.cpp), for reset().
 void reset_nccl_injections();
 
+//! Clears the cuDNN call log and offer (cudnn.cpp, built where cudnn.h is: LOCKSTEP_WITH_CUDNN).
+void reset_cudnn();
+
 }  // namespace lockstep::host_cuda::detail

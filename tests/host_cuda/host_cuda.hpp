@@ -54,13 +54,31 @@ std::vector<std::string> nccl_waits();
 //! What ncclGetVersion reports (default 22805, NCCL 2.28.5).
 void set_nccl_version(int version);
 
+//! One cuDNN convolution call accepted (cudnn.cpp): the handle's device, the direction ('f'
+//! forward, 'd' backward data, 'w' backward filter), the algorithm, whether the descriptor's math
+//! allowed TF32, the workspace bytes given, and the shape (N, C, H, W, O).
+struct CudnnCall {
+    int device = 0;
+    char direction = 'f';
+    int algorithm = 0;
+    bool tf32 = false;
+    std::size_t workspace_bytes = 0;
+    int n = 0, c = 0, h = 0, w = 0, o = 0;
+};
+//! Every cuDNN convolution call accepted since the last reset(), in the order of the calls.
+std::vector<CudnnCall> cudnn_calls();
+//! Whether the cuDNN heuristics offer a deterministic backward-filter algorithm (default true;
+//! false: every one they rank is non-deterministic, until reset()).
+void set_cudnn_deterministic(bool offered);
+
 //! Upper bound of the random delay a stream worker may add before an op, in microseconds
 //! (default: LOCKSTEP_HOSTCUDA_DELAY_US, else 200; 0 disables).
 void set_delay_cap_us(unsigned us);
 
 //! For the next test case: releases the stalls, waits (at most 5 s, then warns on stderr) until
 //! every stream ran what is queued, then clears every injection, the sticky errors, the calling
-//! thread's last error, the NCCL version and hazard setting, and the capacities. Work still blocked after the wait
+//! thread's last error, the NCCL version and hazard setting, the capacities, and the cuDNN call
+//! log and offer. Work still blocked after the wait
 //! (a collective whose peers never come) would run in the cleared state: abort such
 //! communicators first.
 void reset();

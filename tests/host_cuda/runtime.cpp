@@ -541,6 +541,9 @@ void reset() {
     for (auto& e : sticky_errors) e.store(cudaSuccess);
     last_error = cudaSuccess;
     reset_nccl_injections();
+#if LOCKSTEP_WITH_CUDNN
+    reset_cudnn();
+#endif
 }
 
 std::uint64_t seed() { return delay_seed(); }

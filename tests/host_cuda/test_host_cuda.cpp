@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: MIT
 //! Tests of lockstep's host CUDA device itself: each behaviour it models, as a GPU shows it.
 #include <cublas_v2.h>
+#if LOCKSTEP_WITH_CUDNN
+#include <cudnn.h>
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -569,6 +572,133 @@ TEST_CASE("host CUDA: cuBLAS SGEMM matches a double reference and checks its arg
     CHECK(cublasDestroy(h) == CUBLAS_STATUS_NOT_INITIALIZED);
     CHECK(cublasSetStream(h, nullptr) == CUBLAS_STATUS_NOT_INITIALIZED);
 }
+
+#if LOCKSTEP_WITH_CUDNN
+// A convolution through the cuDNN double against a direct fp64 loop, in every direction, and the
+// checks a real cuDNN makes (or a GPU would fault on) refused.
+TEST_CASE("host cuDNN: convolutions match a double reference and check descriptors, algorithm and workspace") {
+    Fresh fresh;
+    const int N = 2, C = 3, H = 7, W = 6, O = 4, k = 3, pad = 1, u = 2;
+    const int OH = (H + 2 * pad - k) / u + 1, OW = (W + 2 * pad - k) / u + 1;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    cudnnHandle_t h = nullptr;
+    REQUIRE(cudnnCreate(&h) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetStream(h, s) == CUDNN_STATUS_SUCCESS);
+    cudnnTensorDescriptor_t xd = nullptr, yd = nullptr, bad = nullptr;
+    cudnnFilterDescriptor_t wd = nullptr;
+    cudnnConvolutionDescriptor_t cd = nullptr;
+    REQUIRE(cudnnCreateTensorDescriptor(&xd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateTensorDescriptor(&yd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateTensorDescriptor(&bad) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateFilterDescriptor(&wd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateConvolutionDescriptor(&cd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, C, H, W) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetTensor4dDescriptor(yd, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, O, OH, OW) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetTensor4dDescriptor(bad, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, O, OH + 1, OW) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, O, C, k, k) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetConvolution2dDescriptor(cd, pad, pad, u, u, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT) ==
+            CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetConvolutionMathType(cd, CUDNN_FMA_MATH) == CUDNN_STATUS_SUCCESS);
+    CHECK(cudnnSetConvolution2dDescriptor(cd, pad, pad, u, u, 2, 2, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT) ==
+          CUDNN_STATUS_NOT_SUPPORTED);  // dilation: not what lockstep asks for
+
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> dist(-1, 1);
+    const auto fill = [&](std::size_t n) {
+        std::vector<float> v(n);
+        for (float& e : v) e = dist(rng);
+        return v;
+    };
+    const auto x = fill(std::size_t(N * C * H * W)), w = fill(std::size_t(O * C * k * k)),
+               dy = fill(std::size_t(N * O * OH * OW));
+    float *dx_ = device_floats(x.size()), *dw_ = device_floats(w.size()), *ddy = device_floats(dy.size()),
+          *dxg = device_floats(x.size()), *dwg = device_floats(w.size()), *dyo = device_floats(dy.size());
+    REQUIRE(cudaMemcpy(dx_, x.data(), x.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(dw_, w.data(), w.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(ddy, dy.data(), dy.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(dwg, w.data(), w.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);  // beta = 1 adds to it
+
+    // fp64 references.
+    std::vector<double> ry(dy.size()), rdx(x.size()), rdw(w.begin(), w.end());
+    for (int n = 0; n < N; ++n)
+        for (int o = 0; o < O; ++o)
+            for (int oh = 0; oh < OH; ++oh)
+                for (int ow = 0; ow < OW; ++ow)
+                    for (int c = 0; c < C; ++c)
+                        for (int i = 0; i < k; ++i)
+                            for (int j = 0; j < k; ++j) {
+                                const int ih = oh * u - pad + i, iw = ow * u - pad + j;
+                                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                                const std::size_t yi = std::size_t(((n * O + o) * OH + oh) * OW + ow),
+                                                  xi = std::size_t(((n * C + c) * H + ih) * W + iw),
+                                                  wi = std::size_t(((o * C + c) * k + i) * k + j);
+                                ry[yi] += double(x[xi]) * w[wi];
+                                rdx[xi] += double(dy[yi]) * w[wi];
+                                rdw[wi] += double(dy[yi]) * x[xi];
+                            }
+
+    // The heuristics: what a caller must skip comes first.
+    cudnnConvolutionFwdAlgoPerf_t fp[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+    int n_fwd = 0;
+    REQUIRE(cudnnGetConvolutionForwardAlgorithm_v7(h, xd, wd, cd, yd, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n_fwd, fp) ==
+            CUDNN_STATUS_SUCCESS);
+    REQUIRE(n_fwd >= 3);
+    CHECK(fp[0].status == CUDNN_STATUS_NOT_SUPPORTED);
+    CHECK(fp[1].memory > (std::size_t{1} << 30));
+    CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd, wd, cd, bad, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n_fwd, fp) ==
+          CUDNN_STATUS_BAD_PARAM);  // y's size does not follow from x, w and the convolution
+
+    const float one = 1.0f, zero = 0.0f;
+    const auto gemm = CUDNN_CONVOLUTION_FWD_ALGO_GEMM;
+    std::size_t need = 0;
+    REQUIRE(cudnnGetConvolutionForwardWorkspaceSize(h, xd, wd, cd, yd, gemm, &need) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(need > 0);
+    float* ws = device_floats(need / 4);
+    CHECK(cudnnConvolutionForward(h, &one, xd, dx_, wd, dw_, cd, gemm, ws, need - 4, &zero, yd, dyo) ==
+          CUDNN_STATUS_BAD_PARAM);  // a workspace smaller than the algorithm needs
+    CHECK(cudnnConvolutionForward(h, &one, xd, dx_, wd, dw_, cd, CUDNN_CONVOLUTION_FWD_ALGO_FFT, ws, need, &zero, yd, dyo) ==
+          CUDNN_STATUS_NOT_SUPPORTED);
+    CHECK(cudnnConvolutionForward(h, &one, xd, x.data(), wd, dw_, cd, gemm, ws, need, &zero, yd, dyo) ==
+          CUDNN_STATUS_EXECUTION_FAILED);  // host memory
+    CHECK(cudnnConvolutionForward(h, &one, xd, dx_, wd, dw_, cd, gemm, ws, need, &zero, bad, dyo) == CUDNN_STATUS_BAD_PARAM);
+    CHECK(hc::cudnn_calls().empty());  // nothing refused was run
+
+    REQUIRE(cudnnConvolutionForward(h, &one, xd, dx_, wd, dw_, cd, gemm, ws, need, &zero, yd, dyo) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnConvolutionBackwardData(h, &one, wd, dw_, yd, ddy, cd, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, nullptr, 0, &zero, xd,
+                                         dxg) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnConvolutionBackwardFilter(h, &one, xd, dx_, yd, ddy, cd, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING, ws, need,
+                                           &one, wd, dwg) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    const auto close = [](const std::vector<float>& got, const std::vector<double>& want) {
+        double worst = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]));
+        return got.size() == want.size() && worst < 1e-5;
+    };
+    CHECK(close(read_back(dyo, dy.size()), ry));
+    CHECK(close(read_back(dxg, x.size()), rdx));
+    CHECK(close(read_back(dwg, w.size()), rdw));
+    const auto calls = hc::cudnn_calls();
+    REQUIRE(calls.size() == 3);
+    CHECK((calls[0].direction == 'f' && calls[0].algorithm == gemm && calls[0].workspace_bytes == need && !calls[0].tf32));
+    CHECK((calls[1].direction == 'd' && calls[2].direction == 'w'));
+
+    // A workspace freed under the call, and a destroyed descriptor, are refused.
+    REQUIRE(cudaFree(ws) == cudaSuccess);
+    CHECK(cudnnConvolutionForward(h, &one, xd, dx_, wd, dw_, cd, gemm, ws, need, &zero, yd, dyo) ==
+          CUDNN_STATUS_EXECUTION_FAILED);
+    REQUIRE(cudnnDestroyTensorDescriptor(bad) == CUDNN_STATUS_SUCCESS);
+    CHECK(cudnnSetTensor4dDescriptor(bad, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 1, 1, 1, 1) == CUDNN_STATUS_BAD_PARAM);
+    REQUIRE(cudnnDestroyTensorDescriptor(xd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnDestroyTensorDescriptor(yd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnDestroyFilterDescriptor(wd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnDestroyConvolutionDescriptor(cd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnDestroy(h) == CUDNN_STATUS_SUCCESS);
+    CHECK(cudnnSetStream(h, s) == CUDNN_STATUS_NOT_INITIALIZED);
+    for (float* p : {dx_, dw_, ddy, dxg, dwg, dyo}) REQUIRE(cudaFree(p) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // NCCL

@@ -14,9 +14,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -143,6 +145,33 @@ TEST_CASE("two communicators per device without NCCL's launch-order rule deadloc
     CHECK(waited(o.waits, "its device runs another collective first", 1000));
     ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 1);
 }
+
+#if LOCKSTEP_WITH_CUDNN
+// Issue 27 (Note [cuDNN convolutions]): each replica asking cuDNN's heuristics for itself would run
+// different algorithms where its GPU ranks them differently (the double rotates its ranking by
+// device), and replicas would no longer be bit-identical. The process chooses once per shape,
+// with the first replica that meets it, and every replica runs that choice.
+TEST_CASE("replicas on different devices run the cuDNN algorithms the process chose once", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const auto b = make_batch(14, 24);  // shards of 7: a shape no other case of this process meets
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(10)));
+    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 2; ++s) CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+    std::map<char, std::set<int>> algorithms;
+    std::set<int> devices;
+    std::size_t calls = 0;
+    for (const auto& c : host_cuda::cudnn_calls())
+        if (c.n == 7) algorithms[c.direction].insert(c.algorithm), devices.insert(c.device), ++calls;
+    CHECK(calls == 2 * 2 * 3);  // two steps, two replicas, three directions
+    CHECK(devices == std::set<int>{0, 1});
+    for (const char d : {'f', 'd', 'w'}) {
+        CAPTURE(d);
+        CHECK(algorithms[d].size() == 1);
+    }
+}
+#endif
 
 // A rank whose stream stands still before a collective (a kernel that never ends) leaves its
 // peer waiting in that collective on its own device; the host waits of the step end at the

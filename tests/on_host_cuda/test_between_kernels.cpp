@@ -37,6 +37,48 @@ std::vector<float> values(const Tensor<float, Cuda>& t) {
     return {h.data(), h.data() + h.numel()};
 }
 
+// Forward and backward through `dev` and `host` (convolutions whose input has 2 channels of 10 x 10)
+// on a batch of N: every layer's output and parameter gradients, and dx, as the host's.
+void run_conv_stack(nn::Context<Cuda>& ctx, std::vector<nn::Conv2d<Cuda>>& dev, std::vector<nn::Conv2d<Host>>& host,
+                    std::int64_t N, std::mt19937& rng) {
+    nn::Context<Host> hctx;
+    std::normal_distribution<float> d;
+    Tensor<float, Host> x(Shape{N, 2, 10, 10});
+    for (float& v : x.span()) v = d(rng);
+    std::vector<Tensor<float, Cuda>> ys{x.to<Cuda>(Device::cuda(ctx.exec.device))};
+    std::vector<Tensor<float, Host>> hs{x};
+    for (std::size_t l = 0; l < dev.size(); ++l) {
+        ys.push_back(dev[l].forward(ctx, ys.back()));
+        hs.push_back(host[l].forward(hctx, hs.back()));
+    }
+    Tensor<float, Host> dy(hs.back().shape());
+    for (float& v : dy.span()) v = d(rng);
+    auto dxc = dy.to<Cuda>(Device::cuda(ctx.exec.device));
+    auto dxh = dy;
+    for (std::size_t l = dev.size(); l-- > 0;) {
+        dxc = dev[l].backward(ctx, dxc);
+        dxh = host[l].backward(hctx, dxh);
+    }
+    // Every layer's output and parameter gradients, and dx: the columns feed the outputs and
+    // weight gradients, dyt and dcols the gradients and dx.
+    const auto rel = [](const std::vector<float>& got, const Tensor<float, Host>& want) {
+        double err = 0, norm = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) {
+            err += (static_cast<double>(got[i]) - want.data()[i]) * (static_cast<double>(got[i]) - want.data()[i]);
+            norm += static_cast<double>(want.data()[i]) * want.data()[i];
+        }
+        return got.size() == static_cast<std::size_t>(want.numel()) ? std::sqrt(err / norm) : INFINITY;
+    };
+    CAPTURE(N);
+    CHECK(rel(values(dxc), dxh) <= 1e-5);
+    for (std::size_t l = 0; l < dev.size(); ++l) {
+        CAPTURE(l);
+        CHECK(rel(values(ys[l + 1]), hs[l + 1]) <= 1e-5);
+        CHECK(rel(values(dev[l].weight.grad), host[l].weight.grad) <= 1e-5);
+        if (dev[l].bias.value.numel() > 0) CHECK(rel(values(dev[l].bias.grad), host[l].bias.grad) <= 1e-5);
+    }
+}
+
 // Every test starts from a clean device: no injection left, no sticky error.
 using host_cuda::Clean;
 
@@ -322,7 +364,7 @@ TEST_CASE("a replica's convolutions share one workspace, sized by the largest la
     nn::Context<Cuda> ctx;
     ctx.exec = res.execution();
     ctx.exec.math = Math::strict_fp32;  // compared with the host
-    nn::Context<Host> hctx;
+    ctx.exec.cudnn = nullptr;           // im2col + cuBLAS, whatever the build (cuDNN's workspace: the next case)
     // Three layers: a small one, and two alike whose need is the largest.
     const auto conv_options = nn::Conv2dOptions{.padding = 1};
     nn::Generator g1(3), g2(3);
@@ -335,43 +377,7 @@ TEST_CASE("a replica's convolutions share one workspace, sized by the largest la
         return 2 * Ws::aligned(cols) + N * O * P;
     };
     std::mt19937 rng(5);
-    const auto run_all = [&](std::int64_t N) {
-        std::normal_distribution<float> d;
-        Tensor<float, Host> x(Shape{N, 2, 10, 10});
-        for (float& v : x.span()) v = d(rng);
-        std::vector<Tensor<float, Cuda>> ys{x.to<Cuda>(Device::cuda(0))};
-        std::vector<Tensor<float, Host>> hs{x};
-        for (std::size_t l = 0; l < dev.size(); ++l) {
-            ys.push_back(dev[l].forward(ctx, ys.back()));
-            hs.push_back(host[l].forward(hctx, hs.back()));
-        }
-        Tensor<float, Host> dy(hs.back().shape());
-        for (float& v : dy.span()) v = d(rng);
-        auto dxc = dy.to<Cuda>(Device::cuda(0));
-        auto dxh = dy;
-        for (std::size_t l = dev.size(); l-- > 0;) {
-            dxc = dev[l].backward(ctx, dxc);
-            dxh = host[l].backward(hctx, dxh);
-        }
-        // Every layer's output and parameter gradients, and dx: the columns feed the outputs and
-        // weight gradients, dyt and dcols the gradients and dx.
-        const auto rel = [](const std::vector<float>& got, const Tensor<float, Host>& want) {
-            double err = 0, norm = 0;
-            for (std::size_t i = 0; i < got.size(); ++i) {
-                err += (static_cast<double>(got[i]) - want.data()[i]) * (static_cast<double>(got[i]) - want.data()[i]);
-                norm += static_cast<double>(want.data()[i]) * want.data()[i];
-            }
-            return got.size() == static_cast<std::size_t>(want.numel()) ? std::sqrt(err / norm) : INFINITY;
-        };
-        CAPTURE(N);
-        CHECK(rel(values(dxc), dxh) <= 1e-5);
-        for (std::size_t l = 0; l < dev.size(); ++l) {
-            CAPTURE(l);
-            CHECK(rel(values(ys[l + 1]), hs[l + 1]) <= 1e-5);
-            CHECK(rel(values(dev[l].weight.grad), host[l].weight.grad) <= 1e-5);
-            CHECK(rel(values(dev[l].bias.grad), host[l].bias.grad) <= 1e-5);
-        }
-    };
+    const auto run_all = [&](std::int64_t N) { run_conv_stack(ctx, dev, host, N, rng); };
     run_all(3);
     const std::int64_t largest = need(3, 4, 4, 64);  // the 4 -> 4 layers on 8 x 8
     CHECK(res.layers->floats() == largest);
@@ -393,6 +399,88 @@ TEST_CASE("a replica's convolutions share one workspace, sized by the largest la
     CHECK_THROWS_WITH(dev[0].forward(bare, Tensor<float, Cuda>(Shape{1, 2, 10, 10}, MemoryFormat::nchw, Device::cuda(0))),
                       Catch::Contains("without its replica's layer workspace"));
 }
+
+#if LOCKSTEP_WITH_CUDNN
+// Issue 27 (Note [cuDNN convolutions]): convolutions through cuDNN. The double checks the
+// descriptors against each other, the operands and the workspace against the algorithm's need,
+// and ranks an unsupported, an oversized and non-deterministic algorithms first: what the library
+// runs must be what it takes from the ranking, in the math its mode sets, within its workspace.
+TEST_CASE("cuDNN convolutions: deterministic algorithms in the replica's workspace, as the host computes", "[hostcuda]") {
+    Clean clean;
+    kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+    const auto entered = res.enter();
+    REQUIRE(res.cudnn != nullptr);
+    nn::Context<Cuda> ctx;
+    ctx.exec = res.execution();
+    ctx.exec.math = Math::strict_fp32;  // compared with the host
+    REQUIRE(ctx.exec.cudnn == res.cudnn.get());
+    nn::Generator g1(4), g2(4);
+    std::vector<nn::Conv2d<Cuda>> dev;
+    std::vector<nn::Conv2d<Host>> host;
+    dev.emplace_back(2, 5, 3, nn::Conv2dOptions{.padding = 1}, g1),
+        host.emplace_back(2, 5, 3, nn::Conv2dOptions{.padding = 1}, g2);
+    dev.emplace_back(5, 3, 3, nn::Conv2dOptions{.stride = 2}, g1), host.emplace_back(5, 3, 3, nn::Conv2dOptions{.stride = 2}, g2);
+    dev.emplace_back(3, 4, 1, nn::Conv2dOptions{.bias = false}, g1),
+        host.emplace_back(3, 4, 1, nn::Conv2dOptions{.bias = false}, g2);
+    std::mt19937 rng(6);
+    run_conv_stack(ctx, dev, host, 3, rng);
+    run_conv_stack(ctx, dev, host, 3, rng);  // the weight gradients accumulate over both rounds, as the host's
+
+    const auto calls = host_cuda::cudnn_calls();
+    CHECK(calls.size() == 2 * 3 * 3);  // every layer, every direction, both rounds: none fell back to im2col
+    std::size_t largest = 0;
+    for (const auto& c : calls) {
+        CAPTURE(c.direction, c.algorithm, c.c, c.o);
+        CHECK(c.device == 0);
+        CHECK_FALSE(c.tf32);     // strict fp32: CUDNN_FMA_MATH
+        if (c.direction == 'f')  // not the unsupported FFT, not the 2 GiB Winograd
+            CHECK((c.algorithm != CUDNN_CONVOLUTION_FWD_ALGO_FFT && c.algorithm != CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED));
+        if (c.direction == 'd') CHECK(c.algorithm != CUDNN_CONVOLUTION_BWD_DATA_ALGO_0);  // non-deterministic
+        if (c.direction == 'w')
+            CHECK((c.algorithm != CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 && c.algorithm != CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3));
+        largest = std::max(largest, c.workspace_bytes);
+    }
+    // The workspace is the replica's one (Note [one layer workspace]), as large as the largest need.
+    CHECK(static_cast<std::size_t>(res.layers->floats()) * sizeof(float) >= largest);
+    CHECK(largest > 0);  // device 0's ranking takes algorithms that need one: the double wrote its columns there
+
+    // The process chose once per shape: the table holds the algorithms every call ran.
+    kernels::cuda_ops::CudnnConvolutions::Choice choice;
+    kernels::ConvGeometry g{
+        .batch = 3, .in_channels = 2, .height = 10, .width = 10, .out_channels = 5, .kernel = 3, .padding = 1};
+    REQUIRE(kernels::cuda_ops::CudnnConvolutions::chosen(kernels::device::layer_kernels::ConvPlan(g), Math::strict_fp32, choice));
+    CHECK(choice.usable);
+    CHECK(calls.front().algorithm == static_cast<int>(choice.forward));
+
+    // Counted once the stream has run its frees: repeated rounds allocate nothing new.
+    const auto blocks_now = [&] {
+        kernels::Ops<Cuda>::wait(ctx.exec, "a round of convolutions");
+        return host_cuda::live_device_blocks();
+    };
+    const auto blocks = blocks_now();
+    run_conv_stack(ctx, dev, host, 3, rng);
+    CHECK(blocks_now() == blocks);
+
+    // PyTorch's default math lets cuDNN use TF32 for convolutions: CUDNN_DEFAULT_MATH.
+    auto tf32 = ctx;
+    tf32.exec.math = Math::pytorch_default;
+    const auto before = host_cuda::cudnn_calls().size();
+    (void)dev[0].forward(tf32, Tensor<float, Cuda>(Shape{2, 2, 10, 10}, MemoryFormat::nchw, Device::cuda(0)));
+    const auto after = host_cuda::cudnn_calls();
+    REQUIRE(after.size() == before + 1);
+    CHECK(after.back().tf32);
+
+    // A shape with no deterministic backward-filter algorithm runs im2col + cuBLAS in every
+    // direction, and still computes what the host does.
+    host_cuda::set_cudnn_deterministic(false);
+    const auto n_before = host_cuda::cudnn_calls().size();
+    run_conv_stack(ctx, dev, host, 4, rng);  // a batch of 4: shapes not chosen yet
+    CHECK(host_cuda::cudnn_calls().size() == n_before);
+    g.batch = 4;
+    REQUIRE(kernels::cuda_ops::CudnnConvolutions::chosen(kernels::device::layer_kernels::ConvPlan(g), Math::strict_fp32, choice));
+    CHECK_FALSE(choice.usable);
+}
+#endif
 
 // Issue 27 (Note [ReLU mask from x]): a fused ReLU after SyncBatchNorm on CUDA saved a byte per
 // element for backward. The forward keeps no mask now: it holds what a plain batch norm holds,

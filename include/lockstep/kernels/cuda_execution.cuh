@@ -17,7 +17,8 @@
 namespace lockstep {
 
 namespace kernels::cuda_ops {
-class LayerWorkspace;  // cuda_layer_ops.cuh: Note [one layer workspace]
+class LayerWorkspace;     // cuda_layer_ops.cuh: Note [one layer workspace]
+class CudnnConvolutions;  // cuda_cudnn.cuh: Note [cuDNN convolutions]
 }  // namespace kernels::cuda_ops
 
 //! Made by `kernels::Ops<Cuda>::ReplicaResources::execution()`; copies share the handles.
@@ -34,6 +35,9 @@ struct Execution<Cuda> {
     kernels::device::Scratch scratch;
     // The buffers of its convolutions, one allocation every layer shares (Note [one layer workspace]).
     kernels::cuda_ops::LayerWorkspace* layer_workspace = nullptr;
+    // Its cuDNN handle and descriptors where lockstep was built with cuDNN, else null; null runs
+    // every convolution as im2col + cuBLAS (Note [cuDNN convolutions]).
+    kernels::cuda_ops::CudnnConvolutions* cudnn = nullptr;
     // Host waits for the device (a step's scalars): an event recorded on `stream`, polled until
     // `waits.timeout()` passes, consulting the replica's groups (`waits`) meanwhile.
     cudaEvent_t done_event = nullptr;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "lockstep/kernels/cuda_common.cuh"
+#include "lockstep/kernels/cuda_cudnn.cuh"
 #include "lockstep/kernels/device/launch.cuh"
 #include "lockstep/kernels/device/gemm_layers.cuh"
 #include "lockstep/kernels/device/layer_kernels.cuh"
@@ -92,6 +93,24 @@ struct LayerRun : device::DeviceRun {
     cuda::StreamGuard stream_guard;
     cublasHandle_t blas;
     Math math;
+};
+
+//! The replica's convolution workspace, or UsageError for an execution made without one.
+inline LayerWorkspace& workspace(const Ex& ex) {
+    LOCKSTEP_CHECK_AS(UsageError, ex.layer_workspace != nullptr,
+                      "a CUDA convolution ran without its replica's layer workspace; "
+                      "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
+    return *ex.layer_workspace;
+}
+
+//! The replica's workspace as cuDNN takes it: at least `bytes` bytes (null for none).
+struct WorkspaceBytes {
+    const Ex& ex;
+    void* operator()(std::size_t bytes) const {
+        if (bytes == 0) return nullptr;
+        const auto floats = static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float));
+        return workspace(ex).at_least(floats, ex.device);
+    }
 };
 
 //! Throws DeviceMismatch unless a tensor with elements is on the replica's device.
@@ -249,6 +268,13 @@ struct LayerOps {
         check_conv(ex, c, x, weight, bias, "conv2d_forward");
         layer_detail::check_numel(y, c.N * c.O * c.P, "conv2d_forward", "y");
         layer_detail::LayerRun run(ex);
+#if LOCKSTEP_WITH_CUDNN
+        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 && ex.cudnn->usable(c, ex.math)) {  // Note [cuDNN convolutions]
+            ex.cudnn->forward(ex.stream, c, ex.math, x.data(), weight.data(), y.data(), workspace_bytes(ex));
+            if (bias != nullptr) device::layer_kernels::bias_act(run, y.data(), c.N, c.O, c.P, bias->data(), false, nullptr);
+            return;
+        }
+#endif
         float* cols = workspace(ex).at_least(device::layer_kernels::conv_forward_buffers(c).cols, ex.device);
         device::layer_kernels::conv2d_forward(run, c, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr, y.data(),
                                               cols);
@@ -265,6 +291,14 @@ struct LayerOps {
         layer_detail::check_numel(weight_grad, c.O * c.K, "conv2d_backward", "the weight gradient");
         layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
         layer_detail::LayerRun run(ex);
+#if LOCKSTEP_WITH_CUDNN
+        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 && ex.cudnn->usable(c, ex.math)) {  // Note [cuDNN convolutions]
+            ex.cudnn->backward(ex.stream, c, ex.math, x.data(), dy.data(), weight.data(), weight_grad.data(), dx.data(),
+                               workspace_bytes(ex));
+            if (bias_grad != nullptr) device::layer_kernels::channel_sums(run, dy.data(), c.N, c.O, c.P, bias_grad->data());
+            return;
+        }
+#endif
         const auto sizes = device::layer_kernels::conv_backward_buffers(c);
         const std::int64_t at_dcols = LayerWorkspace::aligned(sizes.cols),
                            at_dyt = at_dcols + LayerWorkspace::aligned(sizes.dcols);
@@ -440,12 +474,8 @@ struct LayerOps {
     }
 
 private:
-    static LayerWorkspace& workspace(const Ex& ex) {
-        LOCKSTEP_CHECK_AS(UsageError, ex.layer_workspace != nullptr,
-                          "a CUDA convolution ran without its replica's layer workspace; "
-                          "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
-        return *ex.layer_workspace;
-    }
+    static LayerWorkspace& workspace(const Ex& ex) { return layer_detail::workspace(ex); }
+    static layer_detail::WorkspaceBytes workspace_bytes(const Ex& ex) { return {ex}; }
 
     static void check_conv(const Ex& ex, const device::layer_kernels::ConvPlan& c, const T_<float>& x, const T_<float>& weight,
                            const T_<float>* bias, const char* op) {

@@ -66,6 +66,9 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 LOCKSTEP_CUBLAS_CHECK(cublasSetStream(blas, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
                 layers = std::make_unique<cuda_ops::LayerWorkspace>();
+#if LOCKSTEP_WITH_CUDNN
+                cudnn = std::make_unique<cuda_ops::CudnnConvolutions>(device);
+#endif
                 cuda::wait_stream(stream.get(), "zeroing a replica's scratch");  // once, at creation: the tickets are zero
             } catch (...) {
                 release();
@@ -86,6 +89,9 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
             ex.workspace_bytes = workspace_bytes;
             ex.scratch = scratch_view;
             ex.layer_workspace = layers.get();
+#if LOCKSTEP_WITH_CUDNN
+            ex.cudnn = cudnn.get();
+#endif
             ex.done_event = done.get();
             ex.inputs_read_event = inputs_read.get();
             return ex;
@@ -119,7 +125,8 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
         void* workspace = nullptr;
         void* scratch = nullptr;
         device::Scratch scratch_view;
-        std::unique_ptr<cuda_ops::LayerWorkspace> layers;  // the convolutions' buffers (Note [one layer workspace])
+        std::unique_ptr<cuda_ops::LayerWorkspace> layers;    // the convolutions' buffers (Note [one layer workspace])
+        std::unique_ptr<cuda_ops::CudnnConvolutions> cudnn;  // with cuDNN only (Note [cuDNN convolutions])
 
     private:
         void release() noexcept {
@@ -132,6 +139,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 }
             }
             layers.reset();  // freed in the stream's order, before the stream goes
+            cudnn.reset();   // its work on the stream is done (waited above)
             if (blas != nullptr) (void)cublasDestroy(blas);
             if (workspace != nullptr) (void)cudaFree(workspace);
             if (scratch != nullptr) (void)cudaFree(scratch);

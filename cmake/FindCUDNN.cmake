@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: MIT
+# Finds cuDNN (9 or later), which ships no CMake package. Looks where LOCKSTEP_CUDNN_INCLUDE_DIR
+# and LOCKSTEP_CUDNN_LIBRARY point, then under CUDNN_ROOT (variable or environment), next to the
+# CUDA toolkit, in python3's nvidia-cudnn wheel (as PyTorch installs it), then in the system paths.
+#
+# Defines CUDNN_FOUND, LOCKSTEP_CUDNN_INCLUDE_DIR, LOCKSTEP_CUDNN_LIBRARY, CUDNN_VERSION and the
+# target CUDNN::cudnn.
+
+include(FindPackageHandleStandardArgs)
+
+set(_cudnn_hints ${CUDNN_ROOT} $ENV{CUDNN_ROOT})
+if(CUDAToolkit_LIBRARY_ROOT)
+  list(APPEND _cudnn_hints "${CUDAToolkit_LIBRARY_ROOT}")
+endif()
+list(APPEND _cudnn_hints /usr/local/cuda)
+find_program(_cudnn_python NAMES python3)
+if(_cudnn_python)
+  execute_process(COMMAND ${_cudnn_python} -c "import nvidia.cudnn as m; print(list(m.__path__)[0])"
+                  OUTPUT_VARIABLE _cudnn_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _cudnn_rc)
+  if(_cudnn_rc EQUAL 0 AND _cudnn_wheel)
+    list(APPEND _cudnn_hints "${_cudnn_wheel}")
+  endif()
+endif()
+
+find_path(LOCKSTEP_CUDNN_INCLUDE_DIR cudnn.h HINTS ${_cudnn_hints} PATH_SUFFIXES include)
+find_library(LOCKSTEP_CUDNN_LIBRARY NAMES cudnn libcudnn.so.9 HINTS ${_cudnn_hints} PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
+
+set(CUDNN_VERSION "")
+foreach(_cudnn_header cudnn_version.h cudnn.h)
+  if(NOT CUDNN_VERSION AND LOCKSTEP_CUDNN_INCLUDE_DIR AND EXISTS "${LOCKSTEP_CUDNN_INCLUDE_DIR}/${_cudnn_header}")
+    file(STRINGS "${LOCKSTEP_CUDNN_INCLUDE_DIR}/${_cudnn_header}" _cudnn_defs REGEX "^#define CUDNN_(MAJOR|MINOR|PATCHLEVEL)[ \t]+[0-9]+")
+    if(_cudnn_defs)
+      foreach(_part MAJOR MINOR PATCHLEVEL)
+        string(REGEX REPLACE ".*#define CUDNN_${_part}[ \t]+([0-9]+).*" "\\1" _cudnn_${_part} "${_cudnn_defs}")
+      endforeach()
+      set(CUDNN_VERSION "${_cudnn_MAJOR}.${_cudnn_MINOR}.${_cudnn_PATCHLEVEL}")
+    endif()
+  endif()
+endforeach()
+
+# A directory given by hand must hold the header, a library given by hand must exist.
+set(_cudnn_files_exist FALSE)
+if(EXISTS "${LOCKSTEP_CUDNN_INCLUDE_DIR}/cudnn.h" AND EXISTS "${LOCKSTEP_CUDNN_LIBRARY}")
+  set(_cudnn_files_exist TRUE)
+endif()
+find_package_handle_standard_args(CUDNN REQUIRED_VARS LOCKSTEP_CUDNN_LIBRARY LOCKSTEP_CUDNN_INCLUDE_DIR _cudnn_files_exist
+                                  VERSION_VAR CUDNN_VERSION)
+if(CUDNN_FOUND AND CUDNN_VERSION VERSION_LESS 9)
+  message(STATUS "cuDNN ${CUDNN_VERSION} at ${LOCKSTEP_CUDNN_INCLUDE_DIR} is older than 9: not used")
+  set(CUDNN_FOUND FALSE)
+endif()
+
+if(CUDNN_FOUND AND NOT TARGET CUDNN::cudnn)
+  add_library(CUDNN::cudnn UNKNOWN IMPORTED)
+  set_target_properties(CUDNN::cudnn PROPERTIES
+    IMPORTED_LOCATION "${LOCKSTEP_CUDNN_LIBRARY}"
+    INTERFACE_INCLUDE_DIRECTORIES "${LOCKSTEP_CUDNN_INCLUDE_DIR}")
+endif()
+mark_as_advanced(LOCKSTEP_CUDNN_INCLUDE_DIR LOCKSTEP_CUDNN_LIBRARY)

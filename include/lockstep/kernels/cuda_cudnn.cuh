@@ -1,0 +1,272 @@
+// SPDX-License-Identifier: MIT
+//! The CUDA backend's convolutions through cuDNN, where lockstep was configured with it
+//! (LOCKSTEP_CUDNN, which defines LOCKSTEP_WITH_CUDNN=1 for lockstep::cuda): Note [cuDNN
+//! convolutions]. Without it `CudnnConvolutions` is an empty type and convolutions run im2col +
+//! cuBLAS (Note [convolution on CUDA]).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "lockstep/kernels/cuda_common.cuh"
+#include "lockstep/kernels/device/gemm_layers.cuh"
+
+#if LOCKSTEP_WITH_CUDNN
+#include <cudnn.h>
+
+//! Throws `lockstep::DeviceError` when a cuDNN call fails.
+#define LOCKSTEP_CUDNN_CHECK(expr)                                                                                      \
+    do {                                                                                                                \
+        const cudnnStatus_t lockstep_st_ = (expr);                                                                      \
+        if (lockstep_st_ != CUDNN_STATUS_SUCCESS) [[unlikely]]                                                          \
+            ::lockstep::cuda::detail::raise("cuDNN", static_cast<int>(lockstep_st_), cudnnGetErrorString(lockstep_st_), \
+                                            "see cuDNN's status codes", #expr, __FILE__, __LINE__);                     \
+    } while (0)
+#endif
+
+namespace lockstep::kernels::cuda_ops {
+
+// Note [cuDNN convolutions]
+// Built with cuDNN, a replica's NCHW fp32 convolutions run cuDNN's convolution forward, backward
+// data and backward filter; the bias and its gradient stay lockstep's kernels (the per-channel
+// map and the fp64 per-channel sum of im2col's path, so both paths give the bias the same bits).
+// - The algorithms. For each shape (N, C, H, W, O, kernel, stride, padding) and math, cuDNN's
+//   heuristics rank the algorithms of each direction (cudnnGet*Algorithm_v7: no timing runs, as
+//   PyTorch with cudnn.benchmark off); the first that cuDNN supports, that is deterministic and
+//   whose workspace fits `max_workspace_bytes` is taken. The choice is made once, by the first
+//   replica of the process that meets the shape, and kept in a process-wide table that every
+//   other replica reads: replicas run the same algorithms on the same shapes even where their
+//   GPUs' heuristics would rank differently, so they stay bit-identical, and none pays the
+//   choice again. Processes choose each for themselves; the heuristics are a function of the GPU
+//   model and cuDNN's version, so processes on one GPU model choose alike.
+// - A shape where some direction has no deterministic algorithm runs im2col + cuBLAS in every
+//   direction (the table says so), never a non-deterministic algorithm.
+// - Math (Note [math modes]): strict fp32 sets CUDNN_FMA_MATH (no tensor cores); a mode that
+//   allows TF32 for convolutions sets CUDNN_DEFAULT_MATH, which lets cuDNN use TF32, as PyTorch
+//   does with torch.backends.cudnn.allow_tf32.
+// - Workspace: the replica's one LayerWorkspace (Note [one layer workspace]), grown to the largest
+//   need of its layers.
+// - Sums: the weight gradient accumulates (beta = 1), as every backend's conv2d_backward does;
+//   y and dx are written (beta = 0).
+// - Handle and descriptors: one cuDNN handle per replica, set to the replica's stream at each
+//   call; the descriptors of a shape are made once per replica and kept (a replica serves one
+//   thread at a time, as its stream does).
+
+#if LOCKSTEP_WITH_CUDNN
+
+//! A replica's cuDNN handle and the descriptors of the shapes its convolutions met.
+class CudnnConvolutions {
+public:
+    //! The largest workspace an algorithm may ask for.
+    static constexpr std::size_t max_workspace_bytes = std::size_t{1} << 30;
+
+    //! What the process chose for a shape (Note [cuDNN convolutions]).
+    struct Choice {
+        bool usable = false;  // false: this shape runs im2col + cuBLAS
+        cudnnConvolutionFwdAlgo_t forward{};
+        cudnnConvolutionBwdDataAlgo_t backward_data{};
+        cudnnConvolutionBwdFilterAlgo_t backward_filter{};
+    };
+
+    //! Made with the replica's device current.
+    explicit CudnnConvolutions(int device) {
+        const cudnnStatus_t st = cudnnCreate(&handle_);
+        if (st != CUDNN_STATUS_SUCCESS)
+            throw DeviceError(std::string("cuDNN could not start on cuda:") + std::to_string(device) + " (" +
+                                  cudnnGetErrorString(st) +
+                                  "); check that libcudnn matches this CUDA driver, or configure lockstep with "
+                                  "-DLOCKSTEP_CUDNN=OFF to run convolutions through cuBLAS",
+                              ::lockstep::detail::replica_rank_slot(), device);
+    }
+    CudnnConvolutions(const CudnnConvolutions&) = delete;
+    CudnnConvolutions& operator=(const CudnnConvolutions&) = delete;
+    ~CudnnConvolutions() {
+        for (auto& [key, d] : shapes_) d.release();
+        if (handle_ != nullptr) (void)cudnnDestroy(handle_);
+    }
+
+    //! The choice for `c` in `math`, made now if the process has none yet; false when the shape
+    //! runs im2col.
+    bool usable(const device::layer_kernels::ConvPlan& c, Math math) { return shape(c, math).choice.usable; }
+
+    //! y = conv(x, w), on `stream`; `workspace(bytes)` returns at least that many bytes on the device.
+    template <class Workspace>
+    void forward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* w,
+                 float* y, Workspace&& workspace) {
+        Shape_& s = shape(c, math);
+        LOCKSTEP_CUDNN_CHECK(cudnnSetStream(handle_, stream));
+        const float one = 1.0f, zero = 0.0f;
+        LOCKSTEP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, s.x, x, s.w, w, s.conv, s.choice.forward,
+                                                     workspace(s.forward_bytes), s.forward_bytes, &zero, s.y, y));
+    }
+
+    //! weight_grad += dL/dw, dx = dL/dx, on `stream`.
+    template <class Workspace>
+    void backward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* dy,
+                  const float* w, float* weight_grad, float* dx, Workspace&& workspace) {
+        Shape_& s = shape(c, math);
+        LOCKSTEP_CUDNN_CHECK(cudnnSetStream(handle_, stream));
+        const float one = 1.0f, zero = 0.0f;
+        const std::size_t bytes = std::max(s.filter_bytes, s.data_bytes);
+        void* ws = workspace(bytes);
+        LOCKSTEP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, s.x, x, s.y, dy, s.conv, s.choice.backward_filter, ws,
+                                                            bytes, &one, s.w, weight_grad));
+        LOCKSTEP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, s.w, w, s.y, dy, s.conv, s.choice.backward_data, ws,
+                                                          bytes, &zero, s.x, dx));
+    }
+
+    //! The process's choice for a shape, if one was made (tests and diagnostics).
+    static bool chosen(const device::layer_kernels::ConvPlan& c, Math math, Choice& out) {
+        Table& t = table();
+        std::lock_guard lock(t.m);
+        const auto it = t.choices.find(key_of(c, math));
+        if (it == t.choices.end()) return false;
+        out = it->second;
+        return true;
+    }
+
+private:
+    using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                           std::int64_t, bool>;
+
+    // The process's choices, one per shape and math (Note [cuDNN convolutions]).
+    struct Table {
+        std::mutex m;
+        std::map<Key, Choice> choices;
+    };
+    static Table& table() {
+        static Table* t = new Table;  // never destroyed: replicas may outlive static destruction
+        return *t;
+    }
+
+    static bool tf32(Math math) { return allows_tf32(math, ProductOf::convolution); }
+    static Key key_of(const device::layer_kernels::ConvPlan& c, Math math) {
+        return {c.N, c.C, c.H, c.W, c.O, c.k, c.s, c.pad, tf32(math)};
+    }
+
+    // A shape's descriptors on this replica, its choice and the workspace each direction needs.
+    struct Shape_ {
+        cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+        cudnnFilterDescriptor_t w = nullptr;
+        cudnnConvolutionDescriptor_t conv = nullptr;
+        Choice choice;
+        std::size_t forward_bytes = 0, data_bytes = 0, filter_bytes = 0;
+
+        void release() noexcept {
+            if (x != nullptr) (void)cudnnDestroyTensorDescriptor(x);
+            if (y != nullptr) (void)cudnnDestroyTensorDescriptor(y);
+            if (w != nullptr) (void)cudnnDestroyFilterDescriptor(w);
+            if (conv != nullptr) (void)cudnnDestroyConvolutionDescriptor(conv);
+            x = y = nullptr;
+            w = nullptr;
+            conv = nullptr;
+        }
+    };
+
+    static int dim(std::int64_t v) { return static_cast<int>(v); }  // ConvPlan checked the index space
+
+    Shape_& shape(const device::layer_kernels::ConvPlan& c, Math math) {
+        const Key key = key_of(c, math);
+        if (const auto it = shapes_.find(key); it != shapes_.end()) return it->second;
+        Shape_ s;
+        try {
+            describe(c, math, s);
+            s.choice = choose(key, s);
+            if (s.choice.usable) {
+                LOCKSTEP_CUDNN_CHECK(
+                    cudnnGetConvolutionForwardWorkspaceSize(handle_, s.x, s.w, s.conv, s.y, s.choice.forward, &s.forward_bytes));
+                LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, s.w, s.y, s.conv, s.x,
+                                                                                  s.choice.backward_data, &s.data_bytes));
+                LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, s.x, s.y, s.conv, s.w,
+                                                                                    s.choice.backward_filter, &s.filter_bytes));
+            }
+        } catch (...) {
+            s.release();
+            throw;
+        }
+        if (shapes_.size() >= max_shapes) {  // a replica meeting ever new shapes keeps the latest ones
+            for (auto& [k, d] : shapes_) d.release();
+            shapes_.clear();
+        }
+        return shapes_.emplace(key, s).first->second;
+    }
+
+    void describe(const device::layer_kernels::ConvPlan& c, Math math, Shape_& s) {
+        LOCKSTEP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&s.x));
+        LOCKSTEP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&s.y));
+        LOCKSTEP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&s.w));
+        LOCKSTEP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&s.conv));
+        LOCKSTEP_CUDNN_CHECK(
+            cudnnSetTensor4dDescriptor(s.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, dim(c.N), dim(c.C), dim(c.H), dim(c.W)));
+        LOCKSTEP_CUDNN_CHECK(
+            cudnnSetTensor4dDescriptor(s.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, dim(c.N), dim(c.O), dim(c.OH), dim(c.OW)));
+        LOCKSTEP_CUDNN_CHECK(
+            cudnnSetFilter4dDescriptor(s.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, dim(c.O), dim(c.C), dim(c.k), dim(c.k)));
+        LOCKSTEP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(s.conv, dim(c.pad), dim(c.pad), dim(c.s), dim(c.s), 1, 1,
+                                                             CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+        LOCKSTEP_CUDNN_CHECK(cudnnSetConvolutionMathType(s.conv, tf32(math) ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
+    }
+
+    // The process's choice for `key`, made here with this replica's handle if there is none yet.
+    Choice choose(const Key& key, const Shape_& s) {
+        Table& t = table();
+        std::lock_guard lock(t.m);
+        if (const auto it = t.choices.find(key); it != t.choices.end()) return it->second;
+        Choice ch;
+        bool f = false, d = false, w = false;
+        {
+            cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+            int n = 0;
+            LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle_, s.x, s.w, s.conv, s.y,
+                                                                        CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
+            f = pick(perf, n, ch.forward);
+        }
+        {
+            cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+            int n = 0;
+            LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle_, s.w, s.y, s.conv, s.x,
+                                                                             CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
+            d = pick(perf, n, ch.backward_data);
+        }
+        {
+            cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+            int n = 0;
+            LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                handle_, s.x, s.y, s.conv, s.w, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
+            w = pick(perf, n, ch.backward_filter);
+        }
+        ch.usable = f && d && w;
+        t.choices.emplace(key, ch);
+        return ch;
+    }
+
+    // The first supported, deterministic algorithm within the workspace cap, in cuDNN's ranking.
+    template <class Perf, class Algo>
+    static bool pick(const Perf* perf, int n, Algo& out) {
+        for (int i = 0; i < n; ++i)
+            if (perf[i].status == CUDNN_STATUS_SUCCESS && perf[i].determinism == CUDNN_DETERMINISTIC &&
+                perf[i].memory <= max_workspace_bytes) {
+                out = perf[i].algo;
+                return true;
+            }
+        return false;
+    }
+
+    static constexpr std::size_t max_shapes = 64;
+
+    cudnnHandle_t handle_ = nullptr;
+    std::map<Key, Shape_> shapes_;
+};
+
+#else
+
+//! Without cuDNN: no handle; every convolution runs im2col + cuBLAS.
+class CudnnConvolutions {};
+
+#endif
+
+}  // namespace lockstep::kernels::cuda_ops
