@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: MIT
-# Finds cuDNN (9 or later), which ships no CMake package. Looks where LOCKSTEP_CUDNN_INCLUDE_DIR
-# and LOCKSTEP_CUDNN_LIBRARY point, then under CUDNN_ROOT (variable or environment), next to the
-# CUDA toolkit, in python3's nvidia-cudnn wheel (as PyTorch installs it), then in the system paths.
+# Finds cuDNN 9, which ships no CMake package. Looks where LOCKSTEP_CUDNN_INCLUDE_DIR and
+# LOCKSTEP_CUDNN_LIBRARY point, then in LOCKSTEP_CUDNN_HINTS (lockstep's package file: where
+# lockstep found it), under CUDNN_ROOT (variable or environment), next to the CUDA toolkit, in
+# python3's nvidia-cudnn wheel (as PyTorch installs it), then in the system paths; the library next
+# to the header first.
 #
 # Defines CUDNN_FOUND, LOCKSTEP_CUDNN_INCLUDE_DIR, LOCKSTEP_CUDNN_LIBRARY, CUDNN_VERSION and the
 # target CUDNN::cudnn.
 
 include(FindPackageHandleStandardArgs)
 
-set(_cudnn_hints ${CUDNN_ROOT} $ENV{CUDNN_ROOT})
+set(_cudnn_hints ${LOCKSTEP_CUDNN_HINTS} ${CUDNN_ROOT} $ENV{CUDNN_ROOT})
 if(CUDAToolkit_LIBRARY_ROOT)
   list(APPEND _cudnn_hints "${CUDAToolkit_LIBRARY_ROOT}")
 endif()
@@ -23,7 +25,13 @@ if(_cudnn_python)
 endif()
 
 find_path(LOCKSTEP_CUDNN_INCLUDE_DIR cudnn.h HINTS ${_cudnn_hints} PATH_SUFFIXES include)
-find_library(LOCKSTEP_CUDNN_LIBRARY NAMES cudnn libcudnn.so.9 HINTS ${_cudnn_hints} PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
+# The library next to the header first: both from one installation.
+set(_cudnn_lib_hints ${_cudnn_hints})
+if(LOCKSTEP_CUDNN_INCLUDE_DIR)
+  get_filename_component(_cudnn_root "${LOCKSTEP_CUDNN_INCLUDE_DIR}" DIRECTORY)
+  list(PREPEND _cudnn_lib_hints "${_cudnn_root}")
+endif()
+find_library(LOCKSTEP_CUDNN_LIBRARY NAMES cudnn libcudnn.so.9 HINTS ${_cudnn_lib_hints} PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
 
 set(CUDNN_VERSION "")
 foreach(_cudnn_header cudnn_version.h cudnn.h)
@@ -45,8 +53,9 @@ if(EXISTS "${LOCKSTEP_CUDNN_INCLUDE_DIR}/cudnn.h" AND EXISTS "${LOCKSTEP_CUDNN_L
 endif()
 find_package_handle_standard_args(CUDNN REQUIRED_VARS LOCKSTEP_CUDNN_LIBRARY LOCKSTEP_CUDNN_INCLUDE_DIR _cudnn_files_exist
                                   VERSION_VAR CUDNN_VERSION)
-if(CUDNN_FOUND AND CUDNN_VERSION VERSION_LESS 9)
-  message(STATUS "cuDNN ${CUDNN_VERSION} at ${LOCKSTEP_CUDNN_INCLUDE_DIR} is older than 9: not used")
+# lockstep calls cuDNN 9's convolution API (cudnn_cnn.h); another major version is not used.
+if(CUDNN_FOUND AND NOT CUDNN_VERSION MATCHES "^9\\.")
+  message(STATUS "cuDNN ${CUDNN_VERSION} at ${LOCKSTEP_CUDNN_INCLUDE_DIR} is not cuDNN 9: not used")
   set(CUDNN_FOUND FALSE)
 endif()
 

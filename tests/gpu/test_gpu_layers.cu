@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -329,8 +330,13 @@ int main() {
         // convolutions]), and im2col + cuBLAS, which an execution without a cuDNN handle runs.
         std::vector<std::pair<std::string, nn::Context<Cuda>>> engines;
 #if LOCKSTEP_WITH_CUDNN
-        expect(ctx.exec.cudnn != nullptr, "a replica built with cuDNN has a cuDNN handle");
-        engines.emplace_back(" (cuDNN)", ctx);
+        const char* env = std::getenv("LOCKSTEP_CUDNN");
+        if (env != nullptr && std::string(env) == "0") {
+            expect(ctx.exec.cudnn == nullptr, "LOCKSTEP_CUDNN=0 in the environment: no cuDNN handle, convolutions on cuBLAS");
+        } else {
+            expect(ctx.exec.cudnn != nullptr, "a replica built with cuDNN has a cuDNN handle");
+            engines.emplace_back(" (cuDNN)", ctx);
+        }
 #endif
         engines.emplace_back(" (im2col)", ctx);
         engines.back().second.exec.cudnn = nullptr;
@@ -398,6 +404,18 @@ int main() {
             compare_layer("SyncBatchNorm NCHW C=8 14x14" + tail, nn::SyncBatchNorm<Host>(8, {.fused_relu = relu}),
                           nn::SyncBatchNorm<Cuda>(8, {.fused_relu = relu}), Shape{4, 8, 14, 14}, MemoryFormat::nchw, ctx, rng);
         }
+
+#if LOCKSTEP_WITH_CUDNN
+        if (ctx.exec.cudnn != nullptr) {  // the cuDNN engine ran cuDNN: its shape had a deterministic algorithm
+            kernels::cuda_ops::CudnnConvolutions::Choice ch;
+            const kernels::ConvGeometry g{
+                .batch = 4, .in_channels = 3, .height = 9, .width = 7, .out_channels = 8, .kernel = 3, .padding = 1};
+            expect(kernels::cuda_ops::CudnnConvolutions::chosen(kernels::device::layer_kernels::ConvPlan(g), Math::strict_fp32,
+                                                                ch) &&
+                       ch.usable,
+                   "Conv2d 3->8 k3 p1 (cuDNN) ran a deterministic cuDNN algorithm, not the fallback");
+        }
+#endif
 
         // ---- math modes: TF32 where each mode allows it, against fp64 ----
         for (const Math m : {Math::strict_fp32, Math::pytorch_default, Math::tf32}) {

@@ -5,9 +5,13 @@
 //! cuBLAS (Note [convolution on CUDA]).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -55,6 +59,13 @@ namespace lockstep::kernels::cuda_ops {
 // - Handle and descriptors: one cuDNN handle per replica, set to the replica's stream at each
 //   call; the descriptors of a shape are made once per replica and kept (a replica serves one
 //   thread at a time, as its stream does).
+// - Off at run time: LOCKSTEP_CUDNN=0 in the environment, or a cuDNN that cannot start on the
+//   process's first replica (a library that does not match the driver: a warning on stderr), runs
+//   every convolution of the process through im2col + cuBLAS. The first replica decides for all.
+// - The algorithm is checked where it is chosen: one whose workspace query fails or exceeds the
+//   cap is skipped for the next. Replicas on GPUs of different models share the first one's
+//   choice; where that algorithm is refused on another model, that replica's query throws
+//   DeviceError (run such a mix with LOCKSTEP_CUDNN=0).
 
 #if LOCKSTEP_WITH_CUDNN
 
@@ -72,16 +83,38 @@ public:
         cudnnConvolutionBwdFilterAlgo_t backward_filter{};
     };
 
-    //! Made with the replica's device current.
-    explicit CudnnConvolutions(int device) {
-        const cudnnStatus_t st = cudnnCreate(&handle_);
-        if (st != CUDNN_STATUS_SUCCESS)
-            throw DeviceError(std::string("cuDNN could not start on cuda:") + std::to_string(device) + " (" +
-                                  cudnnGetErrorString(st) +
-                                  "); check that libcudnn matches this CUDA driver, or configure lockstep with "
-                                  "-DLOCKSTEP_CUDNN=OFF to run convolutions through cuBLAS",
+    //! A replica's handle, made with its device current; null where the process runs without
+    //! cuDNN: the environment says LOCKSTEP_CUDNN=0 (or OFF), or cuDNN could not start on the
+    //! process's first replica (a warning says why, once). Once the first replica has decided,
+    //! every later one follows it: replicas never mix engines. A later replica whose cuDNN cannot
+    //! start where the first one's could throws DeviceError.
+    static std::unique_ptr<CudnnConvolutions> make(int device) {
+        static std::mutex m;    // cuDNN's handles are made one at a time
+        static int state = -1;  // -1: undecided, 0: without cuDNN, 1: with it
+        std::lock_guard lock(m);
+        if (state == 0) return nullptr;
+        if (state < 0 && off_by_environment()) {
+            state = 0;
+            return nullptr;
+        }
+        cudnnHandle_t h = nullptr;
+        const cudnnStatus_t st = cudnnCreate(&h);
+        if (st == CUDNN_STATUS_SUCCESS) {
+            state = 1;
+            return std::unique_ptr<CudnnConvolutions>(new CudnnConvolutions(h));
+        }
+        const std::string why = std::string("cuDNN could not start on cuda:") + std::to_string(device) + " (" +
+                                cudnnGetErrorString(st) + "; check that libcudnn matches this CUDA driver)";
+        if (state == 1)
+            throw DeviceError(why +
+                                  " although it did on an earlier replica; every replica must run one engine: set "
+                                  "LOCKSTEP_CUDNN=0 in the environment to run convolutions through cuBLAS",
                               ::lockstep::detail::replica_rank_slot(), device);
+        state = 0;
+        std::fprintf(stderr, "lockstep: %s; convolutions run through im2col + cuBLAS in this process\n", why.c_str());
+        return nullptr;
     }
+
     CudnnConvolutions(const CudnnConvolutions&) = delete;
     CudnnConvolutions& operator=(const CudnnConvolutions&) = delete;
     ~CudnnConvolutions() {
@@ -130,6 +163,15 @@ public:
     }
 
 private:
+    explicit CudnnConvolutions(cudnnHandle_t h) : handle_(h) {}
+
+    static bool off_by_environment() {
+        const char* v = std::getenv("LOCKSTEP_CUDNN");
+        if (v == nullptr) return false;
+        const std::string s(v);
+        return s == "0" || s == "OFF" || s == "off" || s == "false" || s == "FALSE";
+    }
+
     using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                            std::int64_t, bool>;
 
@@ -223,36 +265,47 @@ private:
             int n = 0;
             LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle_, s.x, s.w, s.conv, s.y,
                                                                         CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
-            f = pick(perf, n, ch.forward);
+            f = pick(perf, n, ch.forward, [&](cudnnConvolutionFwdAlgo_t a, std::size_t* b) {
+                return cudnnGetConvolutionForwardWorkspaceSize(handle_, s.x, s.w, s.conv, s.y, a, b);
+            });
         }
         {
             cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
             int n = 0;
             LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle_, s.w, s.y, s.conv, s.x,
                                                                              CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
-            d = pick(perf, n, ch.backward_data);
+            d = pick(perf, n, ch.backward_data, [&](cudnnConvolutionBwdDataAlgo_t a, std::size_t* b) {
+                return cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, s.w, s.y, s.conv, s.x, a, b);
+            });
         }
         {
             cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
             int n = 0;
             LOCKSTEP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
                 handle_, s.x, s.y, s.conv, s.w, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
-            w = pick(perf, n, ch.backward_filter);
+            w = pick(perf, n, ch.backward_filter, [&](cudnnConvolutionBwdFilterAlgo_t a, std::size_t* b) {
+                return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, s.x, s.y, s.conv, s.w, a, b);
+            });
         }
         ch.usable = f && d && w;
         t.choices.emplace(key, ch);
         return ch;
     }
 
-    // The first supported, deterministic algorithm within the workspace cap, in cuDNN's ranking.
-    template <class Perf, class Algo>
-    static bool pick(const Perf* perf, int n, Algo& out) {
-        for (int i = 0; i < n; ++i)
-            if (perf[i].status == CUDNN_STATUS_SUCCESS && perf[i].determinism == CUDNN_DETERMINISTIC &&
-                perf[i].memory <= max_workspace_bytes) {
-                out = perf[i].algo;
-                return true;
-            }
+    // The first supported, deterministic algorithm within the workspace cap, in cuDNN's ranking,
+    // whose workspace query (`bytes(algo, &size)`) succeeds within the cap too: a ranking may list
+    // an algorithm that the query then refuses, and the next one serves instead.
+    template <class Perf, class Algo, class Bytes>
+    static bool pick(const Perf* perf, int n, Algo& out, Bytes&& bytes) {
+        for (int i = 0; i < n; ++i) {
+            if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].determinism != CUDNN_DETERMINISTIC ||
+                perf[i].memory > max_workspace_bytes)
+                continue;
+            std::size_t size = 0;
+            if (bytes(perf[i].algo, &size) != CUDNN_STATUS_SUCCESS || size > max_workspace_bytes) continue;
+            out = perf[i].algo;
+            return true;
+        }
         return false;
     }
 

@@ -67,7 +67,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
                 layers = std::make_unique<cuda_ops::LayerWorkspace>();
 #if LOCKSTEP_WITH_CUDNN
-                cudnn = std::make_unique<cuda_ops::CudnnConvolutions>(device);
+                cudnn = cuda_ops::CudnnConvolutions::make(device);  // null: im2col (Note [cuDNN convolutions])
 #endif
                 cuda::wait_stream(stream.get(), "zeroing a replica's scratch");  // once, at creation: the tickets are zero
             } catch (...) {
