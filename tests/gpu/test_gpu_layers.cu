@@ -330,9 +330,13 @@ int main() {
         // convolutions]), and im2col + cuBLAS, which an execution without a cuDNN handle runs.
         std::vector<std::pair<std::string, nn::Context<Cuda>>> engines;
 #if LOCKSTEP_WITH_CUDNN
-        const char* env = std::getenv("LOCKSTEP_CUDNN");
-        if (env != nullptr && std::string(env) == "0") {
-            expect(ctx.exec.cudnn == nullptr, "LOCKSTEP_CUDNN=0 in the environment: no cuDNN handle, convolutions on cuBLAS");
+        const auto env_is = [](const char* name, const char* value) {
+            const char* v = std::getenv(name);
+            return v != nullptr && std::string(v) == value;
+        };
+        // cuDNN off by the environment, or (the host CUDA device's injection) unable to start.
+        if (env_is("LOCKSTEP_CUDNN", "0") || env_is("LOCKSTEP_HOSTCUDA_CUDNN_CREATE", "fail")) {
+            expect(ctx.exec.cudnn == nullptr, "cuDNN off or unable to start: no cuDNN handle, convolutions on cuBLAS");
         } else {
             expect(ctx.exec.cudnn != nullptr, "a replica built with cuDNN has a cuDNN handle");
             engines.emplace_back(" (cuDNN)", ctx);

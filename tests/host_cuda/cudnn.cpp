@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -52,6 +54,7 @@ struct State {
     std::vector<std::unique_ptr<cudnnConvolutionStruct>> convolutions;  // kept: a dead address is never reused
     std::vector<hc::CudnnCall> calls;
     bool deterministic = true;
+    std::set<std::pair<char, int>> refused;  // (direction, algorithm) ranked as supported, then refused
 };
 
 State& state() {
@@ -185,7 +188,16 @@ std::vector<Offer> offers(Direction d, int device, const Geometry& g) {
     return out;
 }
 
+char letter(Direction d) { return d == Direction::forward ? 'f' : d == Direction::backward_data ? 'd' : 'w'; }
+
+//! The offer of `algo` if the heuristics rank it as supported and it is not refused (as a
+//! ranking may list an algorithm that the workspace query or the call then refuses).
 const Offer* offered(Direction d, int device, const Geometry& g, int algo, std::vector<Offer>& all) {
+    {
+        State& s = state();
+        std::lock_guard lock(s.m);
+        if (s.refused.count({letter(d), algo}) != 0) return nullptr;
+    }
     all = offers(d, device, g);
     for (const Offer& o : all)
         if (o.algo == algo && o.status == CUDNN_STATUS_SUCCESS) return &o;
@@ -293,6 +305,12 @@ std::vector<CudnnCall> cudnn_calls() {
     return s.calls;
 }
 
+void refuse_cudnn_algorithm(char direction, int algorithm) {
+    State& s = state();
+    std::lock_guard lock(s.m);
+    s.refused.insert({direction, algorithm});
+}
+
 void set_cudnn_deterministic(bool offered) {
     State& s = state();
     std::lock_guard lock(s.m);
@@ -305,6 +323,7 @@ void reset_cudnn() {
     std::lock_guard lock(s.m);
     s.calls.clear();
     s.deterministic = true;
+    s.refused.clear();
 }
 }  // namespace detail
 
@@ -330,6 +349,9 @@ const char* cudnnGetErrorString(cudnnStatus_t status) {
 cudnnStatus_t cudnnCreate(cudnnHandle_t* handle) {
     if (handle == nullptr) return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
     if (sticky(current_device()) != cudaSuccess) return CUDNN_STATUS_NOT_INITIALIZED;
+    // A cuDNN that cannot start (a library newer than the driver), for a whole process.
+    if (const char* e = std::getenv("LOCKSTEP_HOSTCUDA_CUDNN_CREATE"); e != nullptr && std::string(e) == "fail")
+        return CUDNN_STATUS_NOT_INITIALIZED;
     static std::once_flag once;
     std::call_once(once, [] { openblas_set_num_threads(1); });  // the stream workers are the parallelism
     const cudnnStatus_t st = create(handle, &State::handles);

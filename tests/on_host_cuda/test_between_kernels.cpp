@@ -470,6 +470,16 @@ TEST_CASE("cuDNN convolutions: deterministic algorithms in the replica's workspa
     REQUIRE(after.size() == before + 1);
     CHECK(after.back().tf32);
 
+    // An algorithm the ranking lists as supported but its workspace query refuses is skipped for
+    // the next (device 0 ranks the GEMM forward first among the deterministic ones).
+    host_cuda::refuse_cudnn_algorithm('f', CUDNN_CONVOLUTION_FWD_ALGO_GEMM);
+    const auto r_before = host_cuda::cudnn_calls().size();
+    run_conv_stack(ctx, dev, host, 6, rng);  // a batch of 6: shapes not chosen yet
+    const auto r_after = host_cuda::cudnn_calls();
+    REQUIRE(r_after.size() == r_before + 9);
+    for (std::size_t i = r_before; i < r_after.size(); ++i)
+        if (r_after[i].direction == 'f') CHECK(r_after[i].algorithm == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM);
+
     // A shape with no deterministic backward-filter algorithm runs im2col + cuBLAS in every
     // direction, and still computes what the host does.
     host_cuda::set_cudnn_deterministic(false);
