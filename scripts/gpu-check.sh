@@ -21,7 +21,8 @@
 #        GPU in strict FP32 (bench/torch_cuda_parity.py): worst relative parameter error <= 1e-3;
 #     4. training speed: the example at batch 64, 256 and 1024 on cuda:0 against PyTorch's training
 #        of the same network (bench/torch_cuda_train.py: defaults, strict FP32 and bf16 autocast, vs_torch), and
-#        bench_cuda_train_step (1, 2 and 4 replicas sharing cuda:0);
+#        bench_cuda_train_step (1, 2 and 4 replicas sharing cuda:0), and bench_cuda_conv (the
+#        example's convolutions through cuDNN against im2col + cuBLAS: vs_im2col);
 #     5. bench_cuda_batch_norm against cuDNN and PyTorch's BatchNorm2d
 #        (bench/torch_cuda_batch_norm.py: vs_torch), and bench_cuda_allreduce;
 #     6. last, compute-sanitizer memcheck, racecheck, synccheck and initcheck on the four tests
@@ -179,6 +180,7 @@ plan+=("example|25|step_example|example 10 steps, 1 vs 4 replicas;example accura
 plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
 plan+=("train|40|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024")
 plan+=("train_step|15|step_train_step|bench_cuda_train_step")
+plan+=("conv|15|step_conv|conv cuDNN vs im2col")
 plan+=("syncbn|30|step_syncbn|SyncBN benchmark")
 plan+=("allreduce|15|step_allreduce|rendezvous_overhead")
 plan+=("sanitizers|20|step_sanitizers|$(IFS=';'; echo "${sanitizer_rows[*]}")")
@@ -286,7 +288,7 @@ if [[ -z $blocked ]]; then
   nccl_flags=(); [[ -n $nccl_lib ]] && nccl_flags=(-DNCCL_INCLUDE_DIR="$nvidia/nccl/include" -DNCCL_LIBRARY="$nccl_lib")
   generator=(); command -v ninja >/dev/null && generator=(-G Ninja)
   targets=(test_gpu_core test_gpu_bn_math test_gpu_layers test_gpu_data_parallel mnist bench_cuda_batch_norm
-           bench_cuda_train_step bench_cuda_allreduce)
+           bench_cuda_train_step bench_cuda_allreduce bench_cuda_conv)
   blas_inc="$prefix/usr/include/x86_64-linux-gnu/openblas-pthread"
   # -lineinfo: compute-sanitizer and the profilers name the file and line of a kernel's fault.
   capped 60 "$logs/configure.log" cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
@@ -418,6 +420,16 @@ step_train() {
 step_train_step() {
   capped 60 "$logs/bench_cuda_train_step.log" "$bench/bench_cuda_train_step" --benchmark_min_time=0.5
   judge train-step "$logs/bench_cuda_train_step.log" "$rc" --cut "$cut"
+}
+
+# The example's convolutions through cuDNN against im2col + cuBLAS, in one process (vs_im2col).
+step_conv() {
+  capped 60 "$logs/bench_cuda_conv.log" "$bench/bench_cuda_conv" --benchmark_min_time=0.2
+  local lines
+  lines=$(grep '^conv cuDNN vs im2col' "$logs/bench_cuda_conv.log" | tr '\n' ';')
+  if [[ -n $lines ]]; then row "conv cuDNN vs im2col" measured "${lines%;}"
+  elif ((rc == 124 || rc == 137)) && ((cut)); then row "conv cuDNN vs im2col" "not run (budget)" "stopped after $lim s"
+  else row "conv cuDNN vs im2col" FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_conv.log")"; fi
 }
 
 # ---- 5. SyncBatchNorm, all-reduce ---------------------------------------------------------------------------

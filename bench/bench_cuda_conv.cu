@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: MIT
+//! The example network's two convolutions (conv1 1->32 and conv2 32->64, 3x3, padding 1, on 28 x 28)
+//! forward and backward on one replica, through cuDNN (Note [cuDNN convolutions]) and through
+//! im2col + cuBLAS, at batch 64, 256 and 1024, in strict fp32 and in PyTorch's default math.
+//! Reports images/s and, for cuDNN, `vs_im2col`: its images/s over im2col's at the same batch and
+//! math, measured in the same process. Prints "no GPU" and exits 0 where there is none; without
+//! cuDNN in the build only im2col runs.
+#include <benchmark/benchmark.h>
+
+#include <lockstep/cuda.cuh>
+#include <lockstep/nn.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <string>
+#include <tuple>
+
+namespace {
+
+using namespace lockstep;
+
+// images/s by (engine, math, batch); engine 0: im2col, 1: cuDNN.
+std::map<std::tuple<int, int, std::int64_t>, double> images_per_s;
+
+void BM_CudaConv(benchmark::State& state) {
+    const int engine = static_cast<int>(state.range(0));
+    const Math math = state.range(1) == 0 ? Math::strict_fp32 : Math::pytorch_default;
+    const std::int64_t batch = state.range(2);
+    try {
+        kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+        const auto entered = res.enter();
+        nn::Context<Cuda> ctx;
+        ctx.exec = res.execution();
+        ctx.exec.math = math;
+        if (engine == 0) ctx.exec.cudnn = nullptr;
+        if (engine == 1 && ctx.exec.cudnn == nullptr) {
+            state.SkipWithError("no cuDNN in this build (or LOCKSTEP_CUDNN=0)");
+            return;
+        }
+        nn::Generator gen(1);
+        nn::Conv2d<Cuda> conv1(1, 32, 3, {.padding = 1}, gen), conv2(32, 64, 3, {.padding = 1}, gen);
+        Tensor<float, Host> xh(Shape{batch, 1, 28, 28});
+        std::mt19937 rng(3);
+        std::normal_distribution<float> d;
+        for (float& v : xh.span()) v = d(rng);
+        const auto x = xh.to<Cuda>(Device::cuda(0));
+        Tensor<float, Host> dyh(Shape{batch, 64, 28, 28});
+        for (float& v : dyh.span()) v = d(rng);
+        const auto dy = dyh.to<Cuda>(Device::cuda(0));
+        const auto step = [&] {
+            (void)conv2.forward(ctx, conv1.forward(ctx, x));
+            (void)conv1.backward(ctx, conv2.backward(ctx, dy));
+        };
+        for (int i = 0; i < 3; ++i) step();  // warm-up: algorithms chosen, workspace grown
+        kernels::Ops<Cuda>::wait(ctx.exec, "the warm-up");
+        const auto t0 = std::chrono::steady_clock::now();
+        for (auto _ : state) {
+            step();
+            kernels::Ops<Cuda>::wait(ctx.exec, "a convolution step");
+        }
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double ips = static_cast<double>(batch) * static_cast<double>(state.iterations()) / std::max(secs, 1e-12);
+        state.counters["images_per_s"] = ips;
+        images_per_s[{engine, static_cast<int>(state.range(1)), batch}] = ips;
+        if (engine == 1 && images_per_s.count({0, static_cast<int>(state.range(1)), batch}) != 0)
+            state.counters["vs_im2col"] = ips / images_per_s[{0, static_cast<int>(state.range(1)), batch}];
+    } catch (const std::exception& e) {
+        state.SkipWithError(e.what());
+    }
+}
+// im2col before cuDNN at each (math, batch): vs_im2col divides by a figure of the same run.
+BENCHMARK(BM_CudaConv)
+    ->ArgNames({"cudnn", "tf32", "batch"})
+    ->ArgsProduct({{0, 1}, {0, 1}, {64, 256, 1024}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (lockstep::cuda::device_count() == 0) {
+        std::puts("no GPU: nothing to benchmark");
+        return 0;
+    }
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    // One line per math: cuDNN over im2col at each batch (the GPU check reports it).
+    for (int m = 0; m < 2; ++m) {
+        std::string line = std::string("conv cuDNN vs im2col, ") + (m == 0 ? "strict_fp32" : "pytorch_default") + ":";
+        bool any = false;
+        for (const std::int64_t b : {64, 256, 1024}) {
+            const auto a = images_per_s.find({0, m, b}), c = images_per_s.find({1, m, b});
+            if (a == images_per_s.end() || c == images_per_s.end()) continue;
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " batch %lld %.2f", static_cast<long long>(b), c->second / a->second);
+            line += buf;
+            any = true;
+        }
+        if (any) std::printf("%s\n", line.c_str());
+    }
+    return 0;
+}
