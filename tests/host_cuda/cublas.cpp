@@ -44,19 +44,6 @@ std::shared_ptr<Handle> find(cublasHandle_t h) {
     return it == hs.live.end() ? nullptr : it->second;
 }
 
-//! Rounds to TF32 (10 mantissa bits, to nearest even), as the tensor cores read SGEMM inputs
-//! in CUBLAS_TF32_TENSOR_OP_MATH.
-float to_tf32(float x) {
-    std::uint32_t u = 0;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7F800000u) != 0x7F800000u) {
-        u += 0xFFFu + ((u >> 13) & 1u);
-        u &= 0xFFFFE000u;
-    }
-    std::memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 std::vector<float> tf32_copy(const float* p, int rows, int cols, int ld) {
     std::vector<float> out(static_cast<std::size_t>(ld) * static_cast<std::size_t>(cols - 1) + static_cast<std::size_t>(rows));
     for (int c = 0; c < cols; ++c)

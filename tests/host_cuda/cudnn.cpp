@@ -88,18 +88,6 @@ cudnnStatus_t destroy(const void* p) {
     return CUDNN_STATUS_SUCCESS;
 }
 
-//! Rounds to TF32 (10 mantissa bits, to nearest even), as the tensor cores read their inputs.
-float to_tf32(float x) {
-    std::uint32_t u = 0;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7F800000u) != 0x7F800000u) {
-        u += 0xFFFu + ((u >> 13) & 1u);
-        u &= 0xFFFFE000u;
-    }
-    std::memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 // ---- geometry -----------------------------------------------------------------------------------
 
 struct Geometry {
@@ -272,9 +260,21 @@ void blend(float* out, const float* value, std::size_t n, float alpha, float bet
 
 // ---- the calls ----------------------------------------------------------------------------------
 
-//! The checks every convolution call makes; on success the handle's stream for the work.
-cudnnStatus_t admit(cudnnHandle_t handle, const Geometry& g, Direction d, int algo, const void* work, std::size_t work_bytes,
-                    const std::vector<std::pair<const void*, std::size_t>>& operands, std::shared_ptr<Stream>& s) {
+//! A convolution call admitted: the handle's stream, alpha and beta (read at the call), and the
+//! workspace where the algorithm keeps its columns (null where it needs none).
+struct Admitted {
+    std::shared_ptr<Stream> stream;
+    float alpha = 1, beta = 0;
+    float* work = nullptr;
+};
+
+//! The checks every convolution call makes, the operands' pointers first.
+cudnnStatus_t admit(cudnnHandle_t handle, const Geometry& g, Direction d, int algo, void* work, std::size_t work_bytes,
+                    const void* alpha, const void* beta, const std::vector<std::pair<const void*, std::size_t>>& operands,
+                    Admitted& out) {
+    if (alpha == nullptr || beta == nullptr) return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
+    for (const auto& operand : operands)
+        if (operand.first == nullptr) return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
     if (!live(handle)) return CUDNN_STATUS_NOT_INITIALIZED;
     std::vector<Offer> all;
     const Offer* o = offered(d, handle->device, g, algo, all);
@@ -283,15 +283,27 @@ cudnnStatus_t admit(cudnnHandle_t handle, const Geometry& g, Direction d, int al
     if (o->memory > 0 && device_of_range(work, o->memory) != handle->device) return CUDNN_STATUS_EXECUTION_FAILED;
     for (const auto& [p, bytes] : operands)
         if (bytes > 0 && device_of_range(p, bytes) != handle->device) return CUDNN_STATUS_EXECUTION_FAILED;
-    if (current_device() != handle->device || stream_for_work(handle->stream, s) != cudaSuccess)
+    if (current_device() != handle->device || stream_for_work(handle->stream, out.stream) != cudaSuccess)
         return CUDNN_STATUS_EXECUTION_FAILED;
+    out.alpha = *static_cast<const float*>(alpha);
+    out.beta = *static_cast<const float*>(beta);
+    out.work = o->memory > 0 ? static_cast<float*>(work) : nullptr;
     State& st = state();
     std::lock_guard lock(st.m);
-    st.calls.push_back({handle->device,
-                        d == Direction::forward         ? 'f'
-                        : d == Direction::backward_data ? 'd'
-                                                        : 'w',
-                        algo, g.tf32, work_bytes, g.N, g.C, g.H, g.W, g.O});
+    st.calls.push_back({handle->device, letter(d), algo, g.tf32, work_bytes, g.N, g.C, g.H, g.W, g.O});
+    return CUDNN_STATUS_SUCCESS;
+}
+
+//! The workspace `algo` of direction `d` needs for the convolution the descriptors made `g`.
+cudnnStatus_t workspace_size(cudnnHandle_t handle, Direction d, cudnnStatus_t described, const Geometry& g, int algo,
+                             std::size_t* bytes) {
+    if (!live(handle)) return CUDNN_STATUS_NOT_INITIALIZED;
+    if (described != CUDNN_STATUS_SUCCESS) return described;
+    std::vector<Offer> all;
+    const Offer* o = offered(d, handle->device, g, algo, all);
+    if (o == nullptr) return CUDNN_STATUS_NOT_SUPPORTED;
+    if (bytes == nullptr) return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
+    *bytes = o->memory;
     return CUDNN_STATUS_SUCCESS;
 }
 
@@ -446,13 +458,8 @@ cudnnStatus_t cudnnGetConvolutionForwardWorkspaceSize(cudnnHandle_t handle, cons
                                                       const cudnnTensorDescriptor_t y, cudnnConvolutionFwdAlgo_t algo,
                                                       size_t* bytes) {
     Geometry g;
-    if (!live(handle)) return CUDNN_STATUS_NOT_INITIALIZED;
-    if (const cudnnStatus_t st = geometry(x, w, conv, y, g); st != CUDNN_STATUS_SUCCESS) return st;
-    std::vector<Offer> all;
-    const Offer* o = offered(Direction::forward, handle->device, g, algo, all);
-    if (o == nullptr || bytes == nullptr) return o == nullptr ? CUDNN_STATUS_NOT_SUPPORTED : CUDNN_STATUS_BAD_PARAM;
-    *bytes = o->memory;
-    return CUDNN_STATUS_SUCCESS;
+    const cudnnStatus_t described = geometry(x, w, conv, y, g);
+    return workspace_size(handle, Direction::forward, described, g, algo, bytes);
 }
 cudnnStatus_t cudnnGetConvolutionBackwardDataWorkspaceSize(cudnnHandle_t handle, const cudnnFilterDescriptor_t w,
                                                            const cudnnTensorDescriptor_t dy,
@@ -460,13 +467,8 @@ cudnnStatus_t cudnnGetConvolutionBackwardDataWorkspaceSize(cudnnHandle_t handle,
                                                            const cudnnTensorDescriptor_t dx, cudnnConvolutionBwdDataAlgo_t algo,
                                                            size_t* bytes) {
     Geometry g;
-    if (!live(handle)) return CUDNN_STATUS_NOT_INITIALIZED;
-    if (const cudnnStatus_t st = geometry(dx, w, conv, dy, g); st != CUDNN_STATUS_SUCCESS) return st;
-    std::vector<Offer> all;
-    const Offer* o = offered(Direction::backward_data, handle->device, g, algo, all);
-    if (o == nullptr || bytes == nullptr) return o == nullptr ? CUDNN_STATUS_NOT_SUPPORTED : CUDNN_STATUS_BAD_PARAM;
-    *bytes = o->memory;
-    return CUDNN_STATUS_SUCCESS;
+    const cudnnStatus_t described = geometry(dx, w, conv, dy, g);
+    return workspace_size(handle, Direction::backward_data, described, g, algo, bytes);
 }
 cudnnStatus_t cudnnGetConvolutionBackwardFilterWorkspaceSize(cudnnHandle_t handle, const cudnnTensorDescriptor_t x,
                                                              const cudnnTensorDescriptor_t dy,
@@ -474,13 +476,8 @@ cudnnStatus_t cudnnGetConvolutionBackwardFilterWorkspaceSize(cudnnHandle_t handl
                                                              const cudnnFilterDescriptor_t dw,
                                                              cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) {
     Geometry g;
-    if (!live(handle)) return CUDNN_STATUS_NOT_INITIALIZED;
-    if (const cudnnStatus_t st = geometry(x, dw, conv, dy, g); st != CUDNN_STATUS_SUCCESS) return st;
-    std::vector<Offer> all;
-    const Offer* o = offered(Direction::backward_filter, handle->device, g, algo, all);
-    if (o == nullptr || bytes == nullptr) return o == nullptr ? CUDNN_STATUS_NOT_SUPPORTED : CUDNN_STATUS_BAD_PARAM;
-    *bytes = o->memory;
-    return CUDNN_STATUS_SUCCESS;
+    const cudnnStatus_t described = geometry(x, dw, conv, dy, g);
+    return workspace_size(handle, Direction::backward_filter, described, g, algo, bytes);
 }
 
 cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t handle, const void* alpha, const cudnnTensorDescriptor_t xDesc, const void* x,
@@ -490,18 +487,16 @@ cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t handle, const void* alpha, c
                                       const cudnnTensorDescriptor_t yDesc, void* y) {
     Geometry g;
     if (const cudnnStatus_t st = geometry(xDesc, wDesc, convDesc, yDesc, g); st != CUDNN_STATUS_SUCCESS) return st;
-    if (alpha == nullptr || beta == nullptr || x == nullptr || w == nullptr || y == nullptr)
-        return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
-    std::shared_ptr<Stream> s;
-    if (const cudnnStatus_t st = admit(handle, g, Direction::forward, algo, workSpace, workSpaceSizeInBytes,
-                                       {{x, g.x_bytes()}, {w, g.w_bytes()}, {y, g.y_bytes()}}, s);
+    Admitted call;
+    if (const cudnnStatus_t st = admit(handle, g, Direction::forward, algo, workSpace, workSpaceSizeInBytes, alpha, beta,
+                                       {{x, g.x_bytes()}, {w, g.w_bytes()}, {y, g.y_bytes()}}, call);
         st != CUDNN_STATUS_SUCCESS)
         return st;
-    const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
+    const float a = call.alpha, b = call.beta;
+    float* work = call.work;
     const auto* xs = static_cast<const float*>(x);
     const auto* ws = static_cast<const float*>(w);
     auto* ys = static_cast<float*>(y);
-    float* work = need(Direction::forward, algo, g) > 0 ? static_cast<float*>(workSpace) : nullptr;
     Op op;
     op.body = [=] {
         const std::int64_t K = g.K(), P = g.P();
@@ -515,7 +510,7 @@ cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t handle, const void* alpha, c
             blend(ys + std::int64_t{n} * g.O * P, out.data(), out.size(), a, b);
         }
     };
-    enqueue(s, std::move(op));
+    enqueue(call.stream, std::move(op));
     return CUDNN_STATUS_SUCCESS;
 }
 
@@ -526,18 +521,16 @@ cudnnStatus_t cudnnConvolutionBackwardData(cudnnHandle_t handle, const void* alp
                                            const cudnnTensorDescriptor_t dxDesc, void* dx) {
     Geometry g;
     if (const cudnnStatus_t st = geometry(dxDesc, wDesc, convDesc, dyDesc, g); st != CUDNN_STATUS_SUCCESS) return st;
-    if (alpha == nullptr || beta == nullptr || w == nullptr || dy == nullptr || dx == nullptr)
-        return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
-    std::shared_ptr<Stream> s;
-    if (const cudnnStatus_t st = admit(handle, g, Direction::backward_data, algo, workSpace, workSpaceSizeInBytes,
-                                       {{dx, g.x_bytes()}, {w, g.w_bytes()}, {dy, g.y_bytes()}}, s);
+    Admitted call;
+    if (const cudnnStatus_t st = admit(handle, g, Direction::backward_data, algo, workSpace, workSpaceSizeInBytes, alpha, beta,
+                                       {{dx, g.x_bytes()}, {w, g.w_bytes()}, {dy, g.y_bytes()}}, call);
         st != CUDNN_STATUS_SUCCESS)
         return st;
-    const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
+    const float a = call.alpha, b = call.beta;
+    float* work = call.work;
     const auto* ws = static_cast<const float*>(w);
     const auto* dys = static_cast<const float*>(dy);
     auto* dxs = static_cast<float*>(dx);
-    float* work = need(Direction::backward_data, algo, g) > 0 ? static_cast<float*>(workSpace) : nullptr;
     Op op;
     op.body = [=] {
         const std::int64_t K = g.K(), P = g.P(), image = std::int64_t{g.C} * g.H * g.W;
@@ -553,7 +546,7 @@ cudnnStatus_t cudnnConvolutionBackwardData(cudnnHandle_t handle, const void* alp
             blend(dxs + n * image, img.data(), img.size(), a, b);
         }
     };
-    enqueue(s, std::move(op));
+    enqueue(call.stream, std::move(op));
     return CUDNN_STATUS_SUCCESS;
 }
 
@@ -564,18 +557,16 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t handle, const void* a
                                              const cudnnFilterDescriptor_t dwDesc, void* dw) {
     Geometry g;
     if (const cudnnStatus_t st = geometry(xDesc, dwDesc, convDesc, dyDesc, g); st != CUDNN_STATUS_SUCCESS) return st;
-    if (alpha == nullptr || beta == nullptr || x == nullptr || dy == nullptr || dw == nullptr)
-        return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
-    std::shared_ptr<Stream> s;
-    if (const cudnnStatus_t st = admit(handle, g, Direction::backward_filter, algo, workSpace, workSpaceSizeInBytes,
-                                       {{x, g.x_bytes()}, {dw, g.w_bytes()}, {dy, g.y_bytes()}}, s);
+    Admitted call;
+    if (const cudnnStatus_t st = admit(handle, g, Direction::backward_filter, algo, workSpace, workSpaceSizeInBytes, alpha, beta,
+                                       {{x, g.x_bytes()}, {dw, g.w_bytes()}, {dy, g.y_bytes()}}, call);
         st != CUDNN_STATUS_SUCCESS)
         return st;
-    const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
+    const float a = call.alpha, b = call.beta;
+    float* work = call.work;
     const auto* xs = static_cast<const float*>(x);
     const auto* dys = static_cast<const float*>(dy);
     auto* dws = static_cast<float*>(dw);
-    float* work = need(Direction::backward_filter, algo, g) > 0 ? static_cast<float*>(workSpace) : nullptr;
     Op op;
     op.body = [=] {
         const std::int64_t K = g.K(), P = g.P();
@@ -589,7 +580,7 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t handle, const void* a
         }
         blend(dws, acc.data(), acc.size(), a, b);
     };
-    enqueue(s, std::move(op));
+    enqueue(call.stream, std::move(op));
     return CUDNN_STATUS_SUCCESS;
 }
 

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -85,6 +86,19 @@ bool reached(Stream& s, std::uint64_t seq);
 
 //! The device of the live device block holding [p, p + bytes), or -1.
 int device_of_range(const void* p, std::size_t bytes);
+
+//! Rounds to TF32 (10 mantissa bits, to nearest even), as the tensor cores read their inputs
+//! (cuBLAS in CUBLAS_TF32_TENSOR_OP_MATH, cuDNN outside CUDNN_FMA_MATH).
+inline float to_tf32(float x) {
+    std::uint32_t u = 0;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7F800000u) != 0x7F800000u) {
+        u += 0xFFFu + ((u >> 13) & 1u);
+        u &= 0xFFFFE000u;
+    }
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
 
 //! Clears the NCCL injections (nccl.cpp), for reset().
 void reset_nccl_injections();
