@@ -10,19 +10,8 @@
 
 include(FindPackageHandleStandardArgs)
 
-set(_cudnn_hints ${LOCKSTEP_CUDNN_HINTS} ${CUDNN_ROOT} $ENV{CUDNN_ROOT})
-if(CUDAToolkit_LIBRARY_ROOT)
-  list(APPEND _cudnn_hints "${CUDAToolkit_LIBRARY_ROOT}")
-endif()
-list(APPEND _cudnn_hints /usr/local/cuda)
-find_program(_cudnn_python NAMES python3)
-if(_cudnn_python)
-  execute_process(COMMAND ${_cudnn_python} -c "import nvidia.cudnn as m; print(list(m.__path__)[0])"
-                  OUTPUT_VARIABLE _cudnn_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _cudnn_rc)
-  if(_cudnn_rc EQUAL 0 AND _cudnn_wheel)
-    list(APPEND _cudnn_hints "${_cudnn_wheel}")
-  endif()
-endif()
+include("${CMAKE_CURRENT_LIST_DIR}/lockstepToolkitHints.cmake")
+lockstep_nvidia_hints(_cudnn_hints CUDNN_ROOT nvidia.cudnn ${LOCKSTEP_CUDNN_HINTS})
 
 find_path(LOCKSTEP_CUDNN_INCLUDE_DIR cudnn.h HINTS ${_cudnn_hints} PATH_SUFFIXES include)
 # The library next to the header first: both from one installation.

@@ -7,20 +7,8 @@
 
 include(FindPackageHandleStandardArgs)
 
-set(_nccl_hints ${NCCL_ROOT} $ENV{NCCL_ROOT})
-if(CUDAToolkit_LIBRARY_ROOT)
-  list(APPEND _nccl_hints "${CUDAToolkit_LIBRARY_ROOT}")
-endif()
-list(APPEND _nccl_hints /usr/local/cuda)
-# NCCL from the Python wheel (nvidia-nccl-cu13, as PyTorch installs it): site-packages/nvidia/nccl.
-find_program(_nccl_python NAMES python3)
-if(_nccl_python)
-  execute_process(COMMAND ${_nccl_python} -c "import nvidia.nccl as m; print(list(m.__path__)[0])"
-                  OUTPUT_VARIABLE _nccl_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _nccl_rc)
-  if(_nccl_rc EQUAL 0 AND _nccl_wheel)
-    list(APPEND _nccl_hints "${_nccl_wheel}")
-  endif()
-endif()
+include("${CMAKE_CURRENT_LIST_DIR}/lockstepToolkitHints.cmake")
+lockstep_nvidia_hints(_nccl_hints NCCL_ROOT nvidia.nccl)
 
 find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} PATH_SUFFIXES include)
 find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
