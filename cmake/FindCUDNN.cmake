@@ -35,10 +35,16 @@ foreach(_cudnn_header cudnn_version.h cudnn.h)
   endif()
 endforeach()
 
-# A directory given by hand must hold the header, a library given by hand must exist.
+# A directory given by hand must hold the header, a library given by hand must exist, and the
+# library must be cuDNN 9's (libcudnn.so.9, through its links).
 set(_cudnn_files_exist FALSE)
 if(EXISTS "${LOCKSTEP_CUDNN_INCLUDE_DIR}/cudnn.h" AND EXISTS "${LOCKSTEP_CUDNN_LIBRARY}")
-  set(_cudnn_files_exist TRUE)
+  get_filename_component(_cudnn_real "${LOCKSTEP_CUDNN_LIBRARY}" REALPATH)
+  if(_cudnn_real MATCHES "libcudnn\\.so\\.9")
+    set(_cudnn_files_exist TRUE)
+  else()
+    message(STATUS "${LOCKSTEP_CUDNN_LIBRARY} is not cuDNN 9's library (${_cudnn_real}): not used")
+  endif()
 endif()
 find_package_handle_standard_args(CUDNN REQUIRED_VARS LOCKSTEP_CUDNN_LIBRARY LOCKSTEP_CUDNN_INCLUDE_DIR _cudnn_files_exist
                                   VERSION_VAR CUDNN_VERSION)

@@ -427,7 +427,8 @@ step_conv() {
   capped 60 "$logs/bench_cuda_conv.log" "$bench/bench_cuda_conv" --benchmark_min_time=0.2
   local lines
   lines=$(grep '^conv cuDNN vs im2col' "$logs/bench_cuda_conv.log" | tr '\n' ';')
-  if [[ -n $lines ]]; then row "conv cuDNN vs im2col" measured "${lines%;}"
+  if [[ $lines == *"not run"* ]]; then row "conv cuDNN vs im2col" "not run (no cuDNN)" "${lines%;}"
+  elif [[ -n $lines ]]; then row "conv cuDNN vs im2col" measured "${lines%;}"
   elif ((rc == 124 || rc == 137)) && ((cut)); then row "conv cuDNN vs im2col" "not run (budget)" "stopped after $lim s"
   else row "conv cuDNN vs im2col" FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_conv.log")"; fi
 }

@@ -335,7 +335,7 @@ int main() {
             return v != nullptr && std::string(v) == value;
         };
         // cuDNN off by the environment, or (the host CUDA device's injection) unable to start.
-        if (env_is("LOCKSTEP_CUDNN", "0") || env_is("LOCKSTEP_HOSTCUDA_CUDNN_CREATE", "fail")) {
+        if (kernels::cuda_ops::CudnnConvolutions::off_by_environment() || env_is("LOCKSTEP_HOSTCUDA_CUDNN_CREATE", "fail")) {
             expect(ctx.exec.cudnn == nullptr, "cuDNN off or unable to start: no cuDNN handle, convolutions on cuBLAS");
         } else {
             expect(ctx.exec.cudnn != nullptr, "a replica built with cuDNN has a cuDNN handle");

@@ -354,6 +354,7 @@ const char* cudnnGetErrorString(cudnnStatus_t status) {
         case CUDNN_STATUS_NOT_SUPPORTED: return "CUDNN_STATUS_NOT_SUPPORTED";
         case CUDNN_STATUS_INTERNAL_ERROR: return "CUDNN_STATUS_INTERNAL_ERROR";
         case CUDNN_STATUS_EXECUTION_FAILED: return "CUDNN_STATUS_EXECUTION_FAILED";
+        case CUDNN_STATUS_NOT_SUPPORTED_INCOMPATIBLE_CUDA_DRIVER: return "CUDNN_STATUS_NOT_SUPPORTED_INCOMPATIBLE_CUDA_DRIVER";
         default: return "CUDNN_STATUS_UNKNOWN";
     }
 }
@@ -363,7 +364,7 @@ cudnnStatus_t cudnnCreate(cudnnHandle_t* handle) {
     if (sticky(current_device()) != cudaSuccess) return CUDNN_STATUS_NOT_INITIALIZED;
     // A cuDNN that cannot start (a library newer than the driver), for a whole process.
     if (const char* e = std::getenv("LOCKSTEP_HOSTCUDA_CUDNN_CREATE"); e != nullptr && std::string(e) == "fail")
-        return CUDNN_STATUS_NOT_INITIALIZED;
+        return CUDNN_STATUS_NOT_SUPPORTED_INCOMPATIBLE_CUDA_DRIVER;
     static std::once_flag once;
     std::call_once(once, [] { openblas_set_num_threads(1); });  // the stream workers are the parallelism
     const cudnnStatus_t st = create(handle, &State::handles);

@@ -70,7 +70,7 @@ std::vector<CudnnCall> cudnn_calls();
 //! From now until reset(), cuDNN's heuristics still rank `algorithm` of `direction` ('f', 'd' or
 //! 'w') as supported, but its workspace query and its calls refuse it (CUDNN_STATUS_NOT_SUPPORTED).
 //! LOCKSTEP_HOSTCUDA_CUDNN_CREATE=fail in the environment: cudnnCreate fails
-//! (CUDNN_STATUS_NOT_INITIALIZED), as a cuDNN newer than the driver does.
+//! (CUDNN_STATUS_NOT_SUPPORTED_INCOMPATIBLE_CUDA_DRIVER), as a cuDNN newer than the driver does.
 void refuse_cudnn_algorithm(char direction, int algorithm);
 //! Whether the cuDNN heuristics offer a deterministic backward-filter algorithm (default true;
 //! false: every one they rank is non-deterministic, until reset()).

@@ -618,6 +618,8 @@ TEST_CASE("host cuDNN: convolutions match a double reference and check descripto
     REQUIRE(cudaMemcpy(dw_, w.data(), w.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
     REQUIRE(cudaMemcpy(ddy, dy.data(), dy.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
     REQUIRE(cudaMemcpy(dwg, w.data(), w.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);  // beta = 1 adds to it
+    // Pageable uploads run on the legacy stream, which a non-blocking stream does not wait for.
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
 
     // fp64 references.
     std::vector<double> ry(dy.size()), rdx(x.size()), rdw(w.begin(), w.end());

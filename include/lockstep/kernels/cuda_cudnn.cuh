@@ -60,8 +60,11 @@ namespace lockstep::kernels::cuda_ops {
 //   call; the descriptors of a shape are made once per replica and kept (a replica serves one
 //   thread at a time, as its stream does).
 // - Off at run time: LOCKSTEP_CUDNN=0 in the environment, or a cuDNN that cannot start on the
-//   process's first replica (a library that does not match the driver: a warning on stderr), runs
-//   every convolution of the process through im2col + cuBLAS. The first replica decides for all.
+//   process's first replica (a library that does not match the driver or the GPU: a warning on
+//   stderr), runs every convolution of the process through im2col + cuBLAS. The first replica
+//   decides for all of its process. Processes decide each for themselves: one whose cuDNN cannot
+//   start while its peers' can would round differently from them, so the warning says to give
+//   every process the same LOCKSTEP_CUDNN (they are not made to agree yet).
 // - The algorithm is checked where it is chosen: one whose workspace query fails or exceeds the
 //   cap is skipped for the next. Replicas on GPUs of different models share the first one's
 //   choice; where that algorithm is refused on another model, that replica's query throws
@@ -84,10 +87,11 @@ public:
     };
 
     //! A replica's handle, made with its device current; null where the process runs without
-    //! cuDNN: the environment says LOCKSTEP_CUDNN=0 (or OFF), or cuDNN could not start on the
-    //! process's first replica (a warning says why, once). Once the first replica has decided,
-    //! every later one follows it: replicas never mix engines. A later replica whose cuDNN cannot
-    //! start where the first one's could throws DeviceError.
+    //! cuDNN: the environment turns it off (off_by_environment), or cuDNN cannot start here on the
+    //! process's first replica (cannot_start: a warning says why, once). Once the first replica
+    //! has decided, every later one follows it: a process's replicas never mix engines. Any other
+    //! failure, and a later replica whose cuDNN cannot start where the first one's could, throws
+    //! DeviceError.
     static std::unique_ptr<CudnnConvolutions> make(int device) {
         static std::mutex m;    // cuDNN's handles are made one at a time
         static int state = -1;  // -1: undecided, 0: without cuDNN, 1: with it
@@ -103,16 +107,28 @@ public:
             state = 1;
             return std::unique_ptr<CudnnConvolutions>(new CudnnConvolutions(h));
         }
-        const std::string why = std::string("cuDNN could not start on cuda:") + std::to_string(device) + " (" +
-                                cudnnGetErrorString(st) + "; check that libcudnn matches this CUDA driver)";
-        if (state == 1)
-            throw DeviceError(why +
-                                  " although it did on an earlier replica; every replica must run one engine: set "
-                                  "LOCKSTEP_CUDNN=0 in the environment to run convolutions through cuBLAS",
-                              ::lockstep::detail::replica_rank_slot(), device);
-        state = 0;
-        std::fprintf(stderr, "lockstep: %s; convolutions run through im2col + cuBLAS in this process\n", why.c_str());
-        return nullptr;
+        const std::string why =
+            std::string("cuDNN could not start on cuda:") + std::to_string(device) + " (" + cudnnGetErrorString(st) + ")";
+        if (state < 0 && cannot_start(st)) {
+            state = 0;
+            std::fprintf(stderr,
+                         "lockstep: %s: this cuDNN does not run with this driver or GPU; convolutions run through im2col + "
+                         "cuBLAS in this process (give every process of a DataParallel the same LOCKSTEP_CUDNN)\n",
+                         why.c_str());
+            return nullptr;
+        }
+        throw DeviceError(why + (state == 1 ? " although it did on an earlier replica; every replica of a process runs one "
+                                              "engine: set LOCKSTEP_CUDNN=0 in the environment to run convolutions through cuBLAS"
+                                            : "; set LOCKSTEP_CUDNN=0 in the environment to run convolutions through cuBLAS"),
+                          ::lockstep::detail::replica_rank_slot(), device);
+    }
+
+    //! Whether LOCKSTEP_CUDNN in the environment turns cuDNN off (0, OFF, off, false, FALSE).
+    static bool off_by_environment() {
+        const char* v = std::getenv("LOCKSTEP_CUDNN");
+        if (v == nullptr) return false;
+        const std::string s(v);
+        return s == "0" || s == "OFF" || s == "off" || s == "false" || s == "FALSE";
     }
 
     CudnnConvolutions(const CudnnConvolutions&) = delete;
@@ -165,11 +181,20 @@ public:
 private:
     explicit CudnnConvolutions(cudnnHandle_t h) : handle_(h) {}
 
-    static bool off_by_environment() {
-        const char* v = std::getenv("LOCKSTEP_CUDNN");
-        if (v == nullptr) return false;
-        const std::string s(v);
-        return s == "0" || s == "OFF" || s == "off" || s == "false" || s == "FALSE";
+    // A status of cudnnCreate that says this cuDNN cannot run here (its libraries, the driver, the
+    // GPU), as opposed to a failure of the moment (memory, a device error left behind).
+    static bool cannot_start(cudnnStatus_t st) {
+        switch (st) {
+            case CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH:
+            case CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED:
+            case CUDNN_STATUS_LICENSE_ERROR:
+            case CUDNN_STATUS_NOT_SUPPORTED_INCOMPATIBLE_CUDA_DRIVER:
+            case CUDNN_STATUS_NOT_SUPPORTED_INCOMPATIBLE_CUDART:
+            case CUDNN_STATUS_NOT_SUPPORTED_ARCH_MISMATCH:
+            case CUDNN_STATUS_NOT_SUPPORTED_RUNTIME_PREREQUISITE_MISSING:
+            case CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE: return true;
+            default: return false;
+        }
     }
 
     using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
