@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace lockstep::host_cuda::detail {
@@ -21,6 +22,7 @@ namespace lockstep::host_cuda::detail {
 inline constexpr int max_devices = 4;
 
 struct Stream;
+struct Capture;
 
 //! "Wait until `stream` has completed its `seq`-th op" (ops are numbered from 1).
 struct Dep {
@@ -53,6 +55,10 @@ struct Stream {
     std::atomic<std::uint64_t> completed{0};  // written by the worker only
     std::atomic<bool> closing{false};
     std::mt19937_64 rng;  // the worker's delays
+    // Stream capture (graphs.cpp): set while the stream records into `capture` instead of
+    // running; `capture` changes under graphs.cpp's lock.
+    std::atomic<bool> capturing{false};
+    std::shared_ptr<Capture> capture;
 };
 
 // The current device of the calling thread, and the number of modelled devices.
@@ -99,6 +105,80 @@ inline float to_tf32(float x) {
     std::memcpy(&x, &u, sizeof x);
     return x;
 }
+
+//! A stream of `device` for the double's own use (a graph's lanes): non-blocking, waited for by
+//! cudaDeviceSynchronize and reset(); close_stream() lets its worker finish and exit.
+std::shared_ptr<Stream> internal_stream(int device);
+void close_stream(const std::shared_ptr<Stream>& s);
+
+//! A kernel launch's injections, drawn when it is enqueued (runtime.cpp).
+struct LaunchPlan {
+    bool fault = false, stall = false;
+    std::uint64_t generation = 0, number = 0;
+    std::string name;
+};
+//! Counts one launch of `name` on `device` for the injections: cudaErrorLaunchFailure when an
+//! injected failure hits it (nothing is enqueued then).
+cudaError_t plan_launch(std::string name, int device, LaunchPlan& plan);
+//! The op that runs host function `fn(data)` as a kernel launch planned so.
+Op launch_op(cudaHostFn_t fn, void* data, const LaunchPlan& plan, int device);
+
+//! A device block a graph owns (graphs.cpp): cudaFree and cudaFreeAsync refuse it.
+struct GraphBlock {
+    void* p = nullptr;
+    int device = 0;
+    std::size_t charged = 0;
+    std::shared_ptr<std::atomic<bool>> released;
+};
+//! Makes device block `p` a graph's.
+GraphBlock own_by_graph(void* p);
+//! The block is no longer usable (its graph's last handle is gone); a host call.
+void retire_graph_block(const GraphBlock& b);
+//! Gives a retired block back to the system allocator; lock-free (the last replay's op may do it).
+void release_graph_block(const GraphBlock& b);
+
+// --- Stream capture and graphs (graphs.cpp) ------------------------------------------------------
+
+//! A captured node's work, run at each replay: enqueues its op on `lane` with `deps` added and
+//! returns the op's number there.
+using Submit = std::function<std::uint64_t(const std::shared_ptr<Stream>& lane, std::vector<Dep> deps)>;
+
+//! Where a stream stood in a capture when an event was recorded on it.
+struct CaptureMark {
+    std::weak_ptr<Capture> capture;
+    std::vector<int> tail;  // the nodes the stream's next node would follow
+};
+
+//! Whether work may go on `s` now, with capture: cudaErrorStreamCaptureInvalidated on a stream
+//! whose capture failed; cudaErrorStreamCaptureImplicit for the legacy stream while a blocking
+//! stream of its device captures (that capture is invalidated).
+cudaError_t capture_admits(const std::shared_ptr<Stream>& s);
+//! Records `op` (without deps: a capturing stream has no implicit ones) as a node of the
+//! capture of `s`; enqueue() calls it for a capturing stream.
+void capture_op(const std::shared_ptr<Stream>& s, Op op);
+//! Records a node whose work `submit` does at each replay (a collective, which numbers itself then).
+void capture_submit(const std::shared_ptr<Stream>& s, Submit submit);
+//! Records a kernel launch node: planned for the injections at each replay, as an eager launch.
+void capture_launch(const std::shared_ptr<Stream>& s, cudaHostFn_t fn, void* data, std::string name);
+//! A "potentially unsafe" call during a capture (cudaMalloc, cudaFree, synchronous copies,
+//! cudaDeviceSynchronize, ...): cudaErrorStreamCaptureUnsupported where the capture mode forbids
+//! it (the conflicting captures are invalidated), else success.
+cudaError_t capture_unsafe_call();
+//! An operation capture does not permit on capturing stream `s` (synchronizing with it, querying
+//! it, a copy with pageable memory): cudaErrorStreamCaptureUnsupported, and the capture is
+//! invalidated; success when `s` does not capture.
+cudaError_t capture_refuse(const std::shared_ptr<Stream>& s);
+//! The mark of an event recorded on capturing stream `s`.
+std::shared_ptr<CaptureMark> capture_mark(const std::shared_ptr<Stream>& s);
+//! `s` waits for an event recorded in a capture: joins that capture, or adds the dependency.
+cudaError_t capture_wait(const std::shared_ptr<Stream>& s, const CaptureMark& mark);
+//! Capturing `s` waits for an event recorded outside any capture: cudaErrorStreamCaptureIsolation.
+cudaError_t capture_isolation(const std::shared_ptr<Stream>& s);
+//! cudaMallocAsync on capturing `s` made block `p`: the capture's graph owns it.
+void capture_allocation(const std::shared_ptr<Stream>& s, void* p);
+//! cudaFreeAsync of `p` on capturing `s`: success for a block the capture allocated (freed in
+//! the graph), cudaErrorStreamCaptureUnsupported otherwise (the capture is invalidated).
+cudaError_t capture_free(const std::shared_ptr<Stream>& s, void* p);
 
 //! Clears the NCCL injections (nccl.cpp), for reset().
 void reset_nccl_injections();

@@ -566,6 +566,47 @@ void run_collective(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const 
     if (grant == Grant::held) release_device(comm->device, generation);
 }
 
+//! Enqueues collective `c` of `comm` on `s` after `deps`: its sequence number, its injection, its
+//! ticket under the hazard model. Returns its op's number on `s`.
+std::uint64_t submit_collective(const std::shared_ptr<Comm>& comm, const std::shared_ptr<Stream>& s, Collective c,
+                                std::vector<Dep> deps) {
+    {
+        Registry& reg = registry();
+        std::lock_guard lock(reg.m);
+        if (auto it = reg.fail_in.find(comm->rank); it != reg.fail_in.end() && it->second > 0 && --it->second == 0) {
+            c.fails = true;
+            reg.fail_in.erase(it);
+        }
+    }
+    std::uint64_t seq = 0;
+    {
+        std::lock_guard lock(comm->m);
+        seq = ++comm->next_seq;
+    }
+    c.ordered = comm->ordered;
+    // Under the hazard model the ticket and the stream position are taken together, so that the
+    // host's order is the enqueue order.
+    std::unique_lock<std::mutex> ticketing;
+    if (hazard_on()) {
+        DeviceSched& d = sched(comm->device);
+        ticketing = std::unique_lock(d.m);
+        c.ticket = ++d.next_ticket;
+        d.unstarted.emplace(c.ticket, comm->clique->id);
+    }
+    Op op;
+    op.deps = std::move(deps);
+    op.device_work = false;  // run_collective drops it on a dead device, giving its ticket back
+    op.body = [comm, seq, c] { run_collective(comm, seq, c); };
+    const std::uint64_t at = enqueue(s, std::move(op));
+    if (ticketing.owns_lock()) ticketing.unlock();
+    std::lock_guard lock(comm->m);
+    bool found = false;
+    for (auto& [st, n] : comm->last_ops)
+        if (st == s) n = at, found = true;
+    if (!found) comm->last_ops.emplace_back(s, at);
+    return at;
+}
+
 ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collective c, const char* name) {
     const auto comm = find(handle);
     if (comm == nullptr) return refuse(ncclInvalidArgument, std::string(name) + ": not a live communicator");
@@ -581,45 +622,22 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
     if (s->device != comm->device)
         return refuse(ncclInvalidUsage, std::string(name) + ": the stream belongs to another device than the communicator");
     if (sticky(comm->device) != cudaSuccess) return refuse(ncclUnhandledCudaError, std::string(name) + ": CUDA error");
+    if (capture_admits(s) != cudaSuccess) return refuse(ncclInvalidUsage, std::string(name) + ": the stream's capture failed");
     if (c.count == 0) return ncclSuccess;
     const std::size_t bytes = c.count * type_size(c.type);
     const bool needs_send = c.root < 0 || c.root == comm->rank;
     if ((needs_send && device_of_range(c.send, bytes) != comm->device) || device_of_range(c.recv, bytes) != comm->device)
         return refuse(ncclInvalidArgument, std::string(name) + ": a buffer is not device memory of the communicator's device");
-    {
-        Registry& reg = registry();
-        std::lock_guard lock(reg.m);
-        if (auto it = reg.fail_in.find(comm->rank); it != reg.fail_in.end() && it->second > 0 && --it->second == 0) {
-            c.fails = true;
-            reg.fail_in.erase(it);
-        }
-    }
-    std::uint64_t seq = 0;
-    {
-        std::lock_guard lock(comm->m);
-        seq = ++comm->next_seq;
-    }
     c.name = name;
-    c.ordered = comm->ordered;
-    // Under the hazard model the ticket and the stream position are taken together, so that the
-    // host's order is the enqueue order.
-    std::unique_lock<std::mutex> ticketing;
-    if (hazard_on()) {
-        DeviceSched& d = sched(comm->device);
-        ticketing = std::unique_lock(d.m);
-        c.ticket = ++d.next_ticket;
-        d.unstarted.emplace(c.ticket, comm->clique->id);
+    if (s->capturing.load()) {
+        // A graph's collective takes its sequence number, and counts for the injections, at each
+        // replay, as NCCL's captured kernels meet their peers' at each launch.
+        capture_submit(s, [comm, c](const std::shared_ptr<Stream>& lane, std::vector<Dep> deps) {
+            return submit_collective(comm, lane, c, std::move(deps));
+        });
+        return ncclSuccess;
     }
-    Op op;
-    op.device_work = false;  // run_collective drops it on a dead device, giving its ticket back
-    op.body = [comm, seq, c] { run_collective(comm, seq, c); };
-    const std::uint64_t at = enqueue(s, std::move(op));
-    if (ticketing.owns_lock()) ticketing.unlock();
-    std::lock_guard lock(comm->m);
-    bool found = false;
-    for (auto& [st, n] : comm->last_ops)
-        if (st == s) n = at, found = true;
-    if (!found) comm->last_ops.emplace_back(s, at);
+    submit_collective(comm, s, c, {});
     return ncclSuccess;
 }
 

@@ -32,6 +32,7 @@ struct Block {
     // Set (relaxed) by the worker that freed it: the worker takes no registry lock, which would
     // order it after whatever host call last took that lock. Dead entries are purged lazily.
     std::shared_ptr<std::atomic<bool>> released;
+    bool graph = false;  // made in a capture: its graph frees it (graphs.cpp)
 };
 
 struct Event {
@@ -43,7 +44,8 @@ struct Event {
     int device = 0;
     unsigned flags = 0;
     std::mutex m;
-    std::shared_ptr<Record> record;  // null: never recorded (complete)
+    std::shared_ptr<Record> record;     // null: never recorded (complete)
+    std::shared_ptr<CaptureMark> mark;  // last recorded in a capturing stream (then record is null)
 };
 
 struct Device {
@@ -274,6 +276,8 @@ Space space_of(const void* p, std::size_t bytes) {
 
 //! cudaMemcpy and cudaMemcpyAsync. `sync_api`: the synchronous call, on the legacy stream.
 cudaError_t copy(void* dst, const void* src, std::size_t count, cudaMemcpyKind kind, cudaStream_t h, bool sync_api) {
+    if (sync_api)
+        if (const cudaError_t e = capture_unsafe_call(); e != cudaSuccess) return e;
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = stream_for_work(h, s); e != cudaSuccess) return e;
     if (count == 0) return cudaSuccess;
@@ -300,6 +304,9 @@ cudaError_t copy(void* dst, const void* src, std::size_t count, cudaMemcpyKind k
         default: return fail(cudaErrorInvalidMemcpyDirection);
     }
     const bool to_device = ds == Space::device, from_device = ss == Space::device;
+    // A graph copies between device and pinned memory only.
+    if (ds == Space::pageable || ss == Space::pageable)
+        if (const cudaError_t e = capture_refuse(s); e != cudaSuccess) return e;
     Op op;
     bool wait = false;
     if (!from_device && ss == Space::pageable && to_device) {
@@ -347,6 +354,11 @@ T* lookup(const std::unordered_map<const void*, std::shared_ptr<T>>& live, const
 std::shared_ptr<Event::Record> record_of(Event& ev) {
     std::lock_guard lock(ev.m);
     return ev.record;
+}
+
+std::shared_ptr<CaptureMark> mark_of(Event& ev) {
+    std::lock_guard lock(ev.m);
+    return ev.mark;
 }
 
 cudaError_t resolve_event(cudaEvent_t h, std::shared_ptr<Event>& out) {
@@ -404,10 +416,14 @@ cudaError_t stream_for_work(cudaStream_t h, std::shared_ptr<Stream>& out) {
     if (const cudaError_t e = resolve_stream(h, out); e != cudaSuccess) return e;
     if (out->device != current) return fail(cudaErrorInvalidResourceHandle);
     if (const cudaError_t e = sticky(out->device); e != cudaSuccess) return e;
-    return cudaSuccess;
+    return capture_admits(out);
 }
 
 std::uint64_t enqueue(const std::shared_ptr<Stream>& s, Op op) {
+    if (s->capturing.load()) {  // recorded into the stream's capture: runs at each replay
+        capture_op(s, std::move(op));
+        return 0;
+    }
     Device& dev = device_state(s->device);
     std::unique_lock order(dev.order, std::defer_lock);
     if (s->blocking) {
@@ -459,6 +475,80 @@ int device_of_range(const void* p, std::size_t bytes) {
     std::lock_guard lock(st.m);
     const Block* b = live_block(st, p, bytes);
     return b == nullptr ? -1 : b->device;
+}
+
+std::shared_ptr<Stream> internal_stream(int device) {
+    auto s = start_stream(device, false, false);
+    std::lock_guard lock(device_state(device).order);
+    device_state(device).streams.push_back(s);
+    return s;
+}
+
+void close_stream(const std::shared_ptr<Stream>& s) {
+    {
+        std::lock_guard lock(s->m);
+        s->closing.store(true);
+    }
+    s->cv.notify_all();
+}
+
+GraphBlock own_by_graph(void* p) {
+    State& st = state();
+    std::lock_guard lock(st.m);
+    Block& b = st.device_blocks.at(reinterpret_cast<std::uintptr_t>(p));
+    b.graph = true;
+    return GraphBlock{p, b.device, b.charged, b.released};
+}
+
+void retire_graph_block(const GraphBlock& b) {
+    State& st = state();
+    std::lock_guard lock(st.m);
+    if (auto it = st.device_blocks.find(reinterpret_cast<std::uintptr_t>(b.p));
+        it != st.device_blocks.end() && it->second.released == b.released)
+        it->second.freeing = true;
+}
+
+void release_graph_block(const GraphBlock& b) {
+    if (!b.released->load(std::memory_order_relaxed)) release_block(b.p, b.device, b.charged, *b.released);
+}
+
+cudaError_t plan_launch(std::string name, int device, LaunchPlan& plan) {
+    State& st = state();
+    plan = LaunchPlan{};
+    plan.name = std::move(name);
+    {
+        std::lock_guard lock(st.m);
+        if (hit(st.inject.fail_launch, plan.name, device)) return fail(cudaErrorLaunchFailure);
+        plan.fault = hit(st.inject.fault_launch, plan.name, device);
+        plan.stall = hit(st.inject.stall_launch, plan.name, device);
+        plan.number = ++st.launches;
+    }
+    if (plan.stall) {
+        std::lock_guard lock(st.stall_m);
+        plan.generation = st.stall_generation;
+    }
+    return cudaSuccess;
+}
+
+Op launch_op(cudaHostFn_t fn, void* data, const LaunchPlan& plan, int device) {
+    Op op;
+    op.body = [fn, data, plan, device] {
+        if (plan.stall) {
+            State& st = state();
+            std::unique_lock lock(st.stall_m);
+            st.stall_cv.wait(lock, [&] { return st.stall_generation != plan.generation; });
+        }
+        // As CUDA does for host functions, a launch queued behind a fault is never called.
+        fn(data);
+        if (plan.fault) {
+            std::fprintf(stderr,
+                         "host CUDA device: launch %llu%s%s%s on device %d faults as injected (cudaErrorIllegalAddress)\n",
+                         static_cast<unsigned long long>(plan.number), plan.name.empty() ? "" : " (", plan.name.c_str(),
+                         plan.name.empty() ? "" : ")", device);
+            set_sticky(device, cudaErrorIllegalAddress);
+        }
+    };
+    return op;
 }
 
 }  // namespace lockstep::host_cuda::detail
@@ -570,70 +660,77 @@ using namespace lockstep::host_cuda::detail;
 
 namespace {
 
-#define LOCKSTEP_HOST_CUDA_ERRORS(X)                                                                       \
-    X(cudaSuccess, "no error")                                                                             \
-    X(cudaErrorInvalidValue, "invalid argument")                                                           \
-    X(cudaErrorMemoryAllocation, "out of memory")                                                          \
-    X(cudaErrorInitializationError, "initialization error")                                                \
-    X(cudaErrorCudartUnloading, "driver shutting down")                                                    \
-    X(cudaErrorInvalidConfiguration, "invalid configuration argument")                                     \
-    X(cudaErrorInvalidPitchValue, "invalid pitch argument")                                                \
-    X(cudaErrorInvalidSymbol, "invalid device symbol")                                                     \
-    X(cudaErrorInvalidMemcpyDirection, "invalid copy direction for memcpy")                                \
-    X(cudaErrorMissingConfiguration, "__global__ function call is not configured")                         \
-    X(cudaErrorLaunchMaxDepthExceeded, "launch would exceed maximum depth of nested launches")             \
-    X(cudaErrorInsufficientDriver, "CUDA driver version is insufficient for CUDA runtime version")         \
-    X(cudaErrorCallRequiresNewerDriver, "API call is not supported in the installed CUDA driver")          \
-    X(cudaErrorInvalidSurface, "invalid surface reference")                                                \
-    X(cudaErrorNoDevice, "no CUDA-capable device is detected")                                             \
-    X(cudaErrorInvalidDevice, "invalid device ordinal")                                                    \
-    X(cudaErrorStartupFailure, "device kernel image is invalid")                                           \
-    X(cudaErrorInvalidKernelImage, "device kernel image is invalid")                                       \
-    X(cudaErrorDeviceUninitialized, "invalid device context")                                              \
-    X(cudaErrorMapBufferObjectFailed, "mapping of buffer object failed")                                   \
-    X(cudaErrorNoKernelImageForDevice, "no kernel image is available for execution on the device")         \
-    X(cudaErrorECCUncorrectable, "uncorrectable ECC error encountered")                                    \
-    X(cudaErrorUnsupportedLimit, "limit is not supported on this architecture")                            \
-    X(cudaErrorPeerAccessUnsupported, "peer access is not supported between these two devices")            \
-    X(cudaErrorInvalidPtx, "a PTX JIT compilation failed")                                                 \
-    X(cudaErrorUnsupportedPtxVersion, "the provided PTX was compiled with an unsupported toolchain.")      \
-    X(cudaErrorInvalidSource, "device kernel image is invalid")                                            \
-    X(cudaErrorFileNotFound, "file not found")                                                             \
-    X(cudaErrorSharedObjectSymbolNotFound, "shared object symbol not found")                               \
-    X(cudaErrorSharedObjectInitFailed, "shared object initialization failed")                              \
-    X(cudaErrorOperatingSystem, "OS call failed or operation not supported on this OS")                    \
-    X(cudaErrorInvalidResourceHandle, "invalid resource handle")                                           \
-    X(cudaErrorIllegalState, "the operation cannot be performed in the present state")                     \
-    X(cudaErrorSymbolNotFound, "named symbol not found")                                                   \
-    X(cudaErrorNotReady, "device not ready")                                                               \
-    X(cudaErrorIllegalAddress, "an illegal memory access was encountered")                                 \
-    X(cudaErrorLaunchOutOfResources, "too many resources requested for launch")                            \
-    X(cudaErrorLaunchTimeout, "the launch timed out and was terminated")                                   \
-    X(cudaErrorLaunchIncompatibleTexturing, "launch uses incompatible texturing mode")                     \
-    X(cudaErrorPeerAccessAlreadyEnabled, "peer access is already enabled")                                 \
-    X(cudaErrorPeerAccessNotEnabled, "peer access has not been enabled")                                   \
-    X(cudaErrorSetOnActiveProcess, "cannot set while device is active in this process")                    \
-    X(cudaErrorContextIsDestroyed, "context is destroyed")                                                 \
-    X(cudaErrorAssert, "device-side assert triggered")                                                     \
-    X(cudaErrorTooManyPeers, "peer mapping resources exhausted")                                           \
-    X(cudaErrorHostMemoryAlreadyRegistered, "part or all of the requested memory range is already mapped") \
-    X(cudaErrorHostMemoryNotRegistered, "pointer does not correspond to a registered memory region")       \
-    X(cudaErrorHardwareStackError, "hardware stack error")                                                 \
-    X(cudaErrorIllegalInstruction, "an illegal instruction was encountered")                               \
-    X(cudaErrorMisalignedAddress, "misaligned address")                                                    \
-    X(cudaErrorInvalidAddressSpace, "operation not supported on global/shared address space")              \
-    X(cudaErrorInvalidPc, "invalid program counter")                                                       \
-    X(cudaErrorLaunchFailure, "unspecified launch failure")                                                \
-    X(cudaErrorCooperativeLaunchTooLarge, "too many blocks in cooperative launch")                         \
-    X(cudaErrorNotPermitted, "operation not permitted")                                                    \
-    X(cudaErrorNotSupported, "operation not supported")                                                    \
-    X(cudaErrorSystemNotReady, "system not yet initialized")                                               \
-    X(cudaErrorSystemDriverMismatch, "system has unsupported display driver / cuda driver combination")    \
-    X(cudaErrorStreamCaptureUnsupported, "operation not permitted when stream is capturing")               \
-    X(cudaErrorStreamCaptureInvalidated, "operation failed due to a previous error during capture")        \
-    X(cudaErrorTimeout, "wait operation timed out")                                                        \
-    X(cudaErrorInvalidDeviceFunction, "invalid device function")                                           \
-    X(cudaErrorDevicesUnavailable, "CUDA-capable device(s) is/are busy or unavailable")                    \
+#define LOCKSTEP_HOST_CUDA_ERRORS(X)                                                                                  \
+    X(cudaSuccess, "no error")                                                                                        \
+    X(cudaErrorInvalidValue, "invalid argument")                                                                      \
+    X(cudaErrorMemoryAllocation, "out of memory")                                                                     \
+    X(cudaErrorInitializationError, "initialization error")                                                           \
+    X(cudaErrorCudartUnloading, "driver shutting down")                                                               \
+    X(cudaErrorInvalidConfiguration, "invalid configuration argument")                                                \
+    X(cudaErrorInvalidPitchValue, "invalid pitch argument")                                                           \
+    X(cudaErrorInvalidSymbol, "invalid device symbol")                                                                \
+    X(cudaErrorInvalidMemcpyDirection, "invalid copy direction for memcpy")                                           \
+    X(cudaErrorMissingConfiguration, "__global__ function call is not configured")                                    \
+    X(cudaErrorLaunchMaxDepthExceeded, "launch would exceed maximum depth of nested launches")                        \
+    X(cudaErrorInsufficientDriver, "CUDA driver version is insufficient for CUDA runtime version")                    \
+    X(cudaErrorCallRequiresNewerDriver, "API call is not supported in the installed CUDA driver")                     \
+    X(cudaErrorInvalidSurface, "invalid surface reference")                                                           \
+    X(cudaErrorNoDevice, "no CUDA-capable device is detected")                                                        \
+    X(cudaErrorInvalidDevice, "invalid device ordinal")                                                               \
+    X(cudaErrorStartupFailure, "device kernel image is invalid")                                                      \
+    X(cudaErrorInvalidKernelImage, "device kernel image is invalid")                                                  \
+    X(cudaErrorDeviceUninitialized, "invalid device context")                                                         \
+    X(cudaErrorMapBufferObjectFailed, "mapping of buffer object failed")                                              \
+    X(cudaErrorNoKernelImageForDevice, "no kernel image is available for execution on the device")                    \
+    X(cudaErrorECCUncorrectable, "uncorrectable ECC error encountered")                                               \
+    X(cudaErrorUnsupportedLimit, "limit is not supported on this architecture")                                       \
+    X(cudaErrorPeerAccessUnsupported, "peer access is not supported between these two devices")                       \
+    X(cudaErrorInvalidPtx, "a PTX JIT compilation failed")                                                            \
+    X(cudaErrorUnsupportedPtxVersion, "the provided PTX was compiled with an unsupported toolchain.")                 \
+    X(cudaErrorInvalidSource, "device kernel image is invalid")                                                       \
+    X(cudaErrorFileNotFound, "file not found")                                                                        \
+    X(cudaErrorSharedObjectSymbolNotFound, "shared object symbol not found")                                          \
+    X(cudaErrorSharedObjectInitFailed, "shared object initialization failed")                                         \
+    X(cudaErrorOperatingSystem, "OS call failed or operation not supported on this OS")                               \
+    X(cudaErrorInvalidResourceHandle, "invalid resource handle")                                                      \
+    X(cudaErrorIllegalState, "the operation cannot be performed in the present state")                                \
+    X(cudaErrorSymbolNotFound, "named symbol not found")                                                              \
+    X(cudaErrorNotReady, "device not ready")                                                                          \
+    X(cudaErrorIllegalAddress, "an illegal memory access was encountered")                                            \
+    X(cudaErrorLaunchOutOfResources, "too many resources requested for launch")                                       \
+    X(cudaErrorLaunchTimeout, "the launch timed out and was terminated")                                              \
+    X(cudaErrorLaunchIncompatibleTexturing, "launch uses incompatible texturing mode")                                \
+    X(cudaErrorPeerAccessAlreadyEnabled, "peer access is already enabled")                                            \
+    X(cudaErrorPeerAccessNotEnabled, "peer access has not been enabled")                                              \
+    X(cudaErrorSetOnActiveProcess, "cannot set while device is active in this process")                               \
+    X(cudaErrorContextIsDestroyed, "context is destroyed")                                                            \
+    X(cudaErrorAssert, "device-side assert triggered")                                                                \
+    X(cudaErrorTooManyPeers, "peer mapping resources exhausted")                                                      \
+    X(cudaErrorHostMemoryAlreadyRegistered, "part or all of the requested memory range is already mapped")            \
+    X(cudaErrorHostMemoryNotRegistered, "pointer does not correspond to a registered memory region")                  \
+    X(cudaErrorHardwareStackError, "hardware stack error")                                                            \
+    X(cudaErrorIllegalInstruction, "an illegal instruction was encountered")                                          \
+    X(cudaErrorMisalignedAddress, "misaligned address")                                                               \
+    X(cudaErrorInvalidAddressSpace, "operation not supported on global/shared address space")                         \
+    X(cudaErrorInvalidPc, "invalid program counter")                                                                  \
+    X(cudaErrorLaunchFailure, "unspecified launch failure")                                                           \
+    X(cudaErrorCooperativeLaunchTooLarge, "too many blocks in cooperative launch")                                    \
+    X(cudaErrorNotPermitted, "operation not permitted")                                                               \
+    X(cudaErrorNotSupported, "operation not supported")                                                               \
+    X(cudaErrorSystemNotReady, "system not yet initialized")                                                          \
+    X(cudaErrorSystemDriverMismatch, "system has unsupported display driver / cuda driver combination")               \
+    X(cudaErrorStreamCaptureUnsupported, "operation not permitted when stream is capturing")                          \
+    X(cudaErrorStreamCaptureInvalidated, "operation failed due to a previous error during capture")                   \
+    X(cudaErrorStreamCaptureMerge, "operation would result in a merge of separate capture sequences")                 \
+    X(cudaErrorStreamCaptureUnmatched, "capture was not ended in the same stream as it began")                        \
+    X(cudaErrorStreamCaptureUnjoined, "capturing stream has unjoined work")                                           \
+    X(cudaErrorStreamCaptureIsolation, "dependency created on uncaptured work in another stream")                     \
+    X(cudaErrorStreamCaptureImplicit, "operation would make the legacy stream depend on a capturing blocking stream") \
+    X(cudaErrorCapturedEvent, "operation not permitted on an event last recorded in a capturing stream")              \
+    X(cudaErrorStreamCaptureWrongThread, "attempt to terminate a thread-local capture sequence from another thread")  \
+    X(cudaErrorTimeout, "wait operation timed out")                                                                   \
+    X(cudaErrorInvalidDeviceFunction, "invalid device function")                                                      \
+    X(cudaErrorDevicesUnavailable, "CUDA-capable device(s) is/are busy or unavailable")                               \
     X(cudaErrorUnknown, "unknown error")
 
 constexpr int sm_count = 132;
@@ -849,6 +946,7 @@ cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int v
 
 cudaError_t cudaMalloc(void** devPtr, size_t size) {
     if (const cudaError_t e = device_sticky(); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_unsafe_call(); e != cudaSuccess) return e;
     return allocate_device(devPtr, size, current_device());
 }
 
@@ -856,13 +954,14 @@ cudaError_t cudaFree(void* devPtr) {
     // Freed at once, without waiting for the device: work still queued that uses the block is a
     // use after free, as CUDA promises no synchronization here.
     if (const cudaError_t e = device_sticky(); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_unsafe_call(); e != cudaSuccess) return e;
     if (devPtr == nullptr) return cudaSuccess;
     Block block;
     {
         State& st = state();
         std::lock_guard lock(st.m);
         auto it = st.device_blocks.find(reinterpret_cast<std::uintptr_t>(devPtr));
-        if (it == st.device_blocks.end() || it->second.freeing) return fail(cudaErrorInvalidValue);
+        if (it == st.device_blocks.end() || it->second.freeing || it->second.graph) return fail(cudaErrorInvalidValue);
         block = std::move(it->second);
         st.device_blocks.erase(it);
     }
@@ -874,20 +973,25 @@ cudaError_t cudaMallocAsync(void** devPtr, size_t size, cudaStream_t hStream) {
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = resolve_stream(hStream, s); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(s->device); e != cudaSuccess) return e;
-    return allocate_device(devPtr, size, s->device);  // a fresh block, usable at once
+    if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
+    if (const cudaError_t e = allocate_device(devPtr, size, s->device); e != cudaSuccess) return e;  // usable at once
+    if (s->capturing.load()) capture_allocation(s, *devPtr);  // the graph's, for its lifetime
+    return cudaSuccess;
 }
 
 cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t hStream) {
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = resolve_stream(hStream, s); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(s->device); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
     if (devPtr == nullptr) return cudaSuccess;
+    if (s->capturing.load()) return capture_free(s, devPtr);  // a graph frees what it made with itself
     Block block;
     {
         State& st = state();
         std::lock_guard lock(st.m);
         auto it = st.device_blocks.find(reinterpret_cast<std::uintptr_t>(devPtr));
-        if (it == st.device_blocks.end() || it->second.freeing) return fail(cudaErrorInvalidValue);
+        if (it == st.device_blocks.end() || it->second.freeing || it->second.graph) return fail(cudaErrorInvalidValue);
         it->second.freeing = true;  // unusable from now on, freed when the stream reaches the op
         block = it->second;
     }
@@ -902,6 +1006,7 @@ cudaError_t cudaHostAlloc(void** pHost, size_t size, unsigned int /*flags*/) {
     if (pHost == nullptr) return fail(cudaErrorInvalidValue);
     *pHost = nullptr;
     if (const cudaError_t e = device_sticky(); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_unsafe_call(); e != cudaSuccess) return e;
     void* p = nullptr;
     if (posix_memalign(&p, host_alignment, std::max<std::size_t>(size, 1)) != 0) return fail(cudaErrorMemoryAllocation);
     std::memset(p, 0xFF, std::max<std::size_t>(size, 1));
@@ -917,6 +1022,7 @@ cudaError_t cudaMallocHost(void** ptr, size_t size) { return cudaHostAlloc(ptr, 
 cudaError_t cudaFreeHost(void* ptr) {
     // Freed at once: a copy still queued that reads or writes it is a use after free.
     if (const cudaError_t e = device_sticky(); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_unsafe_call(); e != cudaSuccess) return e;
     if (ptr == nullptr) return cudaSuccess;
     {
         State& st = state();
@@ -1037,6 +1143,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
         std::lock_guard lock(st.m);
         auto it = st.streams.find(stream);
         if (it == st.streams.end()) return fail(cudaErrorInvalidResourceHandle);
+        if (it->second->capturing.load()) return fail(cudaErrorStreamCaptureUnsupported);
         s = it->second;
         st.streams.erase(it);
         st.dead_streams.push_back(s);
@@ -1054,6 +1161,8 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = resolve_stream(stream, s); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(s->device); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_refuse(s); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
     wait_for(*s, s->submitted.load());
     return sticky(s->device);
 }
@@ -1062,6 +1171,8 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = resolve_stream(stream, s); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(s->device); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_refuse(s); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
     return reached(*s, s->submitted.load()) ? cudaSuccess : cudaErrorNotReady;
 }
 
@@ -1084,6 +1195,7 @@ cudaError_t cudaStreamGetDevice(cudaStream_t hStream, int* device) {
 cudaError_t cudaDeviceSynchronize(void) {
     const int d = current_device();
     if (const cudaError_t e = sticky(d); e != cudaSuccess) return e;
+    if (const cudaError_t e = capture_unsafe_call(); e != cudaSuccess) return e;
     std::vector<std::pair<std::shared_ptr<Stream>, std::uint64_t>> targets;
     {
         std::lock_guard lock(device_state(d).order);
@@ -1098,41 +1210,16 @@ void lockstep_host_cuda_name_next_launch(const char* kernel) { next_launch_name 
 
 cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* userData) {
     std::shared_ptr<Stream> s;
+    std::string name = std::exchange(next_launch_name, std::string());
     if (const cudaError_t e = stream_for_work(stream, s); e != cudaSuccess) return e;
     if (fn == nullptr) return fail(cudaErrorInvalidValue);
-    State& st = state();
-    bool fault = false, stall = false;
-    std::uint64_t generation = 0, number = 0;
-    const std::string name = std::exchange(next_launch_name, std::string());
-    {
-        std::lock_guard lock(st.m);
-        if (hit(st.inject.fail_launch, name, s->device)) return fail(cudaErrorLaunchFailure);
-        fault = hit(st.inject.fault_launch, name, s->device);
-        stall = hit(st.inject.stall_launch, name, s->device);
-        number = ++st.launches;
+    if (s->capturing.load()) {  // planned at each replay
+        capture_launch(s, fn, userData, std::move(name));
+        return cudaSuccess;
     }
-    if (stall) {
-        std::lock_guard lock(st.stall_m);
-        generation = st.stall_generation;
-    }
-    Op op;
-    const int device = s->device;
-    op.body = [fn, userData, fault, stall, generation, device, number, name] {
-        if (stall) {
-            State& st = state();
-            std::unique_lock lock(st.stall_m);
-            st.stall_cv.wait(lock, [&] { return st.stall_generation != generation; });
-        }
-        // As CUDA does for host functions, a launch queued behind a fault is never called.
-        fn(userData);
-        if (fault) {
-            std::fprintf(
-                stderr, "host CUDA device: launch %llu%s%s%s on device %d faults as injected (cudaErrorIllegalAddress)\n",
-                static_cast<unsigned long long>(number), name.empty() ? "" : " (", name.c_str(), name.empty() ? "" : ")", device);
-            set_sticky(device, cudaErrorIllegalAddress);
-        }
-    };
-    enqueue(s, std::move(op));
+    LaunchPlan plan;
+    if (const cudaError_t e = plan_launch(std::move(name), s->device, plan); e != cudaSuccess) return e;
+    enqueue(s, launch_op(fn, userData, plan, s->device));
     return cudaSuccess;
 }
 
@@ -1178,9 +1265,17 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     Op op;
     op.device_work = false;
     op.body = [rec] { rec->time = std::chrono::steady_clock::now(); };
+    if (s->capturing.load()) {  // a position in the capture, for streams that wait on it to fork from
+        auto mark = capture_mark(s);
+        std::lock_guard lock(ev->m);
+        ev->record = nullptr;
+        ev->mark = std::move(mark);
+        return cudaSuccess;
+    }
     rec->seq = enqueue(s, std::move(op));
     std::lock_guard lock(ev->m);
     ev->record = std::move(rec);
+    ev->mark = nullptr;
     return cudaSuccess;
 }
 
@@ -1188,6 +1283,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
     std::shared_ptr<Event> ev;
     if (const cudaError_t e = resolve_event(event, ev); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(ev->device); e != cudaSuccess) return e;
+    if (mark_of(*ev) != nullptr) return fail(cudaErrorCapturedEvent);
     const auto rec = record_of(*ev);
     if (rec == nullptr) return cudaSuccess;  // never recorded: complete
     return reached(*rec->stream, rec->seq) ? cudaSuccess : cudaErrorNotReady;
@@ -1197,6 +1293,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     std::shared_ptr<Event> ev;
     if (const cudaError_t e = resolve_event(event, ev); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(ev->device); e != cudaSuccess) return e;
+    if (mark_of(*ev) != nullptr) return fail(cudaErrorCapturedEvent);
     if (const auto rec = record_of(*ev)) wait_for(*rec->stream, rec->seq);
     return sticky(ev->device);
 }
@@ -1207,6 +1304,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
     if (const cudaError_t e = resolve_event(end, b); e != cudaSuccess) return e;
     if (ms == nullptr) return fail(cudaErrorInvalidValue);
     if (const cudaError_t e = sticky(a->device); e != cudaSuccess) return e;
+    if (mark_of(*a) != nullptr || mark_of(*b) != nullptr) return fail(cudaErrorCapturedEvent);
     if (((a->flags | b->flags) & cudaEventDisableTiming) != 0) return fail(cudaErrorInvalidResourceHandle);
     const auto ra = record_of(*a), rb = record_of(*b);
     if (ra == nullptr || rb == nullptr) return fail(cudaErrorInvalidResourceHandle);
@@ -1222,9 +1320,12 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = resolve_stream(stream, s); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(s->device); e != cudaSuccess) return e;
+    if (const auto mark = mark_of(*ev)) return capture_wait(s, *mark);  // forks or joins a capture
+    if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
     // The event's state now: a later re-record does not change what the stream waits for.
     const auto rec = record_of(*ev);
     if (rec == nullptr) return cudaSuccess;
+    if (s->capturing.load()) return capture_isolation(s);  // a capture depends on nothing outside it
     Op op;
     op.device_work = false;
     op.deps.push_back({rec->stream, rec->seq});

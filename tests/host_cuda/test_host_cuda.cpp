@@ -1052,3 +1052,338 @@ TEST_CASE("host CUDA: launch injections can target the launches of one named ker
     CHECK(ran == 3);
     REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
 }
+
+// ---- Stream capture and graphs ------------------------------------------------------------------
+
+namespace {
+
+cudaStreamCaptureStatus capture_status(cudaStream_t s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    REQUIRE(cudaStreamIsCapturing(s, &status) == cudaSuccess);
+    return status;
+}
+
+//! Instantiates `graph`, launches it `times` on `s`, waits, destroys both.
+void replay(cudaGraph_t graph, cudaStream_t s, int times) {
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    for (int i = 0; i < times; ++i) REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+}
+
+}  // namespace
+
+TEST_CASE("host graphs: a capture runs nothing; each launch replays its work in order, kernels counted each time") {
+    Kernels k;  // outlives the drain in ~Fresh
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    float* x = device_floats(4);
+    float* y = device_floats(4);
+    REQUIRE(cudaMemsetAsync(x, 0, 4 * sizeof(float), s) == cudaSuccess);
+    std::atomic<int> runs{0};
+
+    REQUIRE(capture_status(s) == cudaStreamCaptureStatusNone);
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaErrorIllegalState);
+    CHECK(capture_status(s) == cudaStreamCaptureStatusActive);
+    const std::uint64_t launched = hc::launches();
+    lockstep_host_cuda_name_next_launch("affine");
+    REQUIRE(k.launch(s, [&] {
+        ++runs;
+        for (int i = 0; i < 4; ++i) x[i] = x[i] * 2.0f + static_cast<float>(i);
+    }) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(y, 0, 4 * sizeof(float), s) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(y, x, 2 * sizeof(float), cudaMemcpyDeviceToDevice, s) == cudaSuccess);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    cudaGraph_t building = nullptr, graph = nullptr;
+    REQUIRE(cudaStreamGetCaptureInfo(s, &status, &id, &building) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusActive);
+    CHECK(id != 0);
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    CHECK(graph == building);
+    CHECK(capture_status(s) == cudaStreamCaptureStatusNone);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(runs.load() == 0);  // captured, not run
+    CHECK(hc::launches() == launched);
+    CHECK(read_back(x, 4) == std::vector<float>{0, 0, 0, 0});
+
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    for (int i = 0; i < 3; ++i) REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(runs.load() == 3);
+    CHECK(hc::launches() == launched + 3);
+    // x_{n+1} = 2 x_n + i, from 0: 0, i, 3i, 7i; y = x's first two, the rest zeroed.
+    CHECK(read_back(x, 4) == std::vector<float>{0, 7, 14, 21});
+    CHECK(read_back(y, 4) == std::vector<float>{0, 7, 0, 0});
+
+    // Injections count the graph's kernels at each launch: a failed launch enqueues nothing, a
+    // fault is sticky as in an eager launch.
+    hc::fail_launch(1, "affine");
+    CHECK(cudaGraphLaunch(exec, s) == cudaErrorLaunchFailure);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(runs.load() == 3);
+    hc::fault_launch(1, "affine");
+    REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaErrorIllegalAddress);
+    hc::reset();
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+    CHECK(cudaGraphExecDestroy(exec) == cudaErrorInvalidValue);
+    CHECK(cudaGraphLaunch(exec, s) == cudaErrorInvalidResourceHandle);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    CHECK(cudaGraphDestroy(graph) == cudaErrorInvalidValue);
+    REQUIRE(cudaFree(x) == cudaSuccess);
+    REQUIRE(cudaFree(y) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("host graphs: forks through events join the capture and must rejoin it; nothing outside it is waited for") {
+    Kernels k;
+    Fresh fresh;
+    cudaStream_t a = nullptr, b = nullptr, c = nullptr;
+    for (cudaStream_t* p : {&a, &b, &c}) REQUIRE(cudaStreamCreateWithFlags(p, cudaStreamNonBlocking) == cudaSuccess);
+    cudaEvent_t fork = nullptr, join = nullptr, outside = nullptr;
+    for (cudaEvent_t* p : {&fork, &join, &outside}) REQUIRE(cudaEventCreateWithFlags(p, cudaEventDisableTiming) == cudaSuccess);
+    float* v = device_floats(3);
+    REQUIRE(cudaMemsetAsync(v, 0, 3 * sizeof(float), a) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(a) == cudaSuccess);
+
+    // a: v0 += 1 | fork | b: v1 = 10 v0 (after a's first kernel) | join | a: v2 = v1 + v0.
+    REQUIRE(cudaStreamBeginCapture(a, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    REQUIRE(k.launch(a, [&] { v[0] += 1.0f; }) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork, a) == cudaSuccess);
+    CHECK(cudaEventQuery(fork) == cudaErrorCapturedEvent);
+    CHECK(cudaEventSynchronize(fork) == cudaErrorCapturedEvent);
+    REQUIRE(cudaStreamWaitEvent(b, fork, 0) == cudaSuccess);
+    CHECK(capture_status(b) == cudaStreamCaptureStatusActive);
+    REQUIRE(k.launch(b, [&] {
+        std::this_thread::sleep_for(2ms);  // a's kernel after the join would see v1 unwritten
+        v[1] = 10.0f * v[0];
+    }) == cudaSuccess);
+    REQUIRE(cudaEventRecord(join, b) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    CHECK(cudaStreamEndCapture(b, &graph) == cudaErrorStreamCaptureUnmatched);  // b joined, a began
+    REQUIRE(cudaStreamWaitEvent(a, join, 0) == cudaSuccess);
+    REQUIRE(k.launch(a, [&] { v[2] = v[1] + v[0]; }) == cudaSuccess);
+    REQUIRE(cudaStreamEndCapture(a, &graph) == cudaSuccess);
+    CHECK(capture_status(b) == cudaStreamCaptureStatusNone);
+    replay(graph, c, 2);  // launched on a third stream: the lanes are the graph's own
+    CHECK(read_back(v, 3) == std::vector<float>{2, 20, 22});
+
+    // A fork that never rejoins: no graph, and both streams leave the capture.
+    REQUIRE(cudaStreamBeginCapture(a, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork, a) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(b, fork, 0) == cudaSuccess);
+    REQUIRE(k.launch(b, [] {}) == cudaSuccess);
+    CHECK(cudaStreamEndCapture(a, &graph) == cudaErrorStreamCaptureUnjoined);
+    CHECK(graph == nullptr);
+    CHECK(capture_status(a) == cudaStreamCaptureStatusNone);
+    CHECK(capture_status(b) == cudaStreamCaptureStatusNone);
+
+    // Waiting for work recorded outside the capture breaks it: only its own order crosses in.
+    REQUIRE(cudaEventRecord(outside, c) == cudaSuccess);
+    REQUIRE(cudaStreamBeginCapture(a, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    CHECK(cudaStreamWaitEvent(a, outside, 0) == cudaErrorStreamCaptureIsolation);
+    CHECK(capture_status(a) == cudaStreamCaptureStatusInvalidated);
+    CHECK(k.launch(a, [] {}) == cudaErrorStreamCaptureInvalidated);
+    CHECK(cudaStreamEndCapture(a, &graph) == cudaErrorStreamCaptureInvalidated);
+    CHECK(graph == nullptr);
+
+    // Two captures cannot merge through an event.
+    REQUIRE(cudaStreamBeginCapture(a, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    REQUIRE(cudaStreamBeginCapture(b, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork, a) == cudaSuccess);
+    CHECK(cudaStreamWaitEvent(b, fork, 0) == cudaErrorStreamCaptureMerge);
+    CHECK(cudaStreamEndCapture(a, &graph) == cudaErrorStreamCaptureInvalidated);
+    CHECK(cudaStreamEndCapture(b, &graph) == cudaErrorStreamCaptureInvalidated);
+    // The event's capture has ended: it is not a position anyone can wait for.
+    CHECK(cudaStreamWaitEvent(c, fork, 0) == cudaErrorCapturedEvent);
+    REQUIRE(cudaEventRecord(fork, c) == cudaSuccess);  // re-recorded outside: an ordinary event again
+    CHECK(cudaEventSynchronize(fork) == cudaSuccess);
+
+    REQUIRE(cudaFree(v) == cudaSuccess);
+    for (cudaEvent_t e : {fork, join, outside}) REQUIRE(cudaEventDestroy(e) == cudaSuccess);
+    for (cudaStream_t s : {a, b, c}) REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("host graphs: what a capture forbids: synchronizing, pageable copies, the legacy stream, unsafe calls in its mode") {
+    Fresh fresh;
+    cudaStream_t s = nullptr, blocking = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+    float* d = device_floats(4);
+    cudaGraph_t graph = nullptr;
+    const auto invalidated_by = [&](cudaStream_t on, auto&& call, cudaError_t expected) {
+        REQUIRE(cudaStreamBeginCapture(on, cudaStreamCaptureModeGlobal) == cudaSuccess);
+        CHECK(call() == expected);
+        CHECK(capture_status(on) == cudaStreamCaptureStatusInvalidated);
+        CHECK(cudaStreamEndCapture(on, &graph) == cudaErrorStreamCaptureInvalidated);
+        (void)cudaGetLastError();
+    };
+    invalidated_by(
+        s, [&] { return cudaStreamSynchronize(s); }, cudaErrorStreamCaptureUnsupported);
+    invalidated_by(
+        s, [&] { return cudaStreamQuery(s); }, cudaErrorStreamCaptureUnsupported);
+    std::vector<float> pageable(4, 1.0f);
+    invalidated_by(
+        s, [&] { return cudaMemcpyAsync(d, pageable.data(), 16, cudaMemcpyHostToDevice, s); }, cudaErrorStreamCaptureUnsupported);
+    invalidated_by(
+        blocking, [&] { return cudaMemsetAsync(d, 0, 16, nullptr); }, cudaErrorStreamCaptureImplicit);
+    invalidated_by(
+        s, [&] { return cudaFreeAsync(d, s); }, cudaErrorStreamCaptureUnsupported);  // not the graph's
+    invalidated_by(
+        s,
+        [&] {
+            void* p = nullptr;
+            return cudaMalloc(&p, 16);
+        },
+        cudaErrorStreamCaptureUnsupported);
+    CHECK(cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeGlobal) == cudaErrorStreamCaptureUnsupported);
+    // The legacy stream beside a non-blocking capture is fine.
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    CHECK(cudaMemsetAsync(d, 0, 16, nullptr) == cudaSuccess);
+    CHECK(cudaStreamDestroy(s) == cudaErrorStreamCaptureUnsupported);
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);  // the memset ran before d is freed
+
+    // Unsafe calls from another thread: forbidden beside a global capture, allowed beside a
+    // thread-local one; a relaxed capture forbids nothing, even on its own thread.
+    const auto malloc_elsewhere = [] {
+        cudaError_t e = cudaErrorUnknown;
+        std::thread([&] {
+            void* p = nullptr;
+            e = cudaMalloc(&p, 16);
+            if (e == cudaSuccess) (void)cudaFree(p);
+        }).join();
+        return e;
+    };
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    CHECK(malloc_elsewhere() == cudaErrorStreamCaptureUnsupported);
+    CHECK(cudaStreamEndCapture(s, &graph) == cudaErrorStreamCaptureInvalidated);
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    CHECK(malloc_elsewhere() == cudaSuccess);
+    cudaError_t wrong_thread = cudaSuccess;
+    std::thread([&] { wrong_thread = cudaStreamEndCapture(s, &graph); }).join();
+    CHECK(wrong_thread == cudaErrorStreamCaptureWrongThread);
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+    void* p = nullptr;
+    CHECK(cudaMalloc(&p, 16) == cudaSuccess);
+    CHECK(cudaFree(p) == cudaSuccess);
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    // A thread in relaxed mode may make unsafe calls beside its own global capture.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    REQUIRE(cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess);
+    CHECK(mode == cudaStreamCaptureModeGlobal);
+    CHECK(cudaMalloc(&p, 16) == cudaSuccess);
+    CHECK(cudaFree(p) == cudaSuccess);
+    REQUIRE(cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess);
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+
+    REQUIRE(cudaFree(d) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(blocking) == cudaSuccess);
+}
+
+TEST_CASE("host graphs: a capture's allocations and retained user objects live as long as its graph") {
+    Kernels k;
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    float* out = device_floats(2);
+    static std::atomic<int> destroyed{0};
+    destroyed = 0;
+    cudaUserObject_t object = nullptr;
+    int payload = 7;
+    CHECK(cudaUserObjectCreate(
+              &object, &payload, [](void*) { ++destroyed; }, 1, 0) == cudaErrorInvalidValue);
+    REQUIRE(cudaUserObjectCreate(
+                &object, &payload, [](void* p) { destroyed += *static_cast<int*>(p) == 7 ? 1 : 100; }, 1,
+                cudaUserObjectNoDestructorSync) == cudaSuccess);
+
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    cudaStreamCaptureStatus status{};
+    cudaGraph_t building = nullptr;
+    REQUIRE(cudaStreamGetCaptureInfo(s, &status, nullptr, &building) == cudaSuccess);
+    REQUIRE(cudaGraphRetainUserObject(building, object, 1, cudaGraphUserObjectMove) == cudaSuccess);
+    void* scratch = nullptr;
+    REQUIRE(cudaMallocAsync(&scratch, 2 * sizeof(float), s) == cudaSuccess);
+    const std::size_t with_scratch = hc::live_device_blocks();
+    auto* f = static_cast<float*>(scratch);
+    REQUIRE(k.launch(s, [f] { f[0] = 3.0f, f[1] = 4.0f; }) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(out, scratch, 2 * sizeof(float), cudaMemcpyDeviceToDevice, s) == cudaSuccess);
+    REQUIRE(cudaFreeAsync(scratch, s) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    CHECK(hc::live_device_blocks() == with_scratch);  // the graph keeps its block
+    CHECK(cudaFree(scratch) == cudaErrorInvalidValue);
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    CHECK(destroyed.load() == 0);  // the executable holds the object
+    REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);  // with replays queued: they finish first
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(read_back(out, 2) == std::vector<float>{3, 4});
+    CHECK(eventually([&] { return destroyed.load() == 1 && hc::live_device_blocks() == with_scratch - 1; }));
+    CHECK(destroyed.load() == 1);
+    CHECK(cudaUserObjectRelease(object, 1) == cudaErrorInvalidValue);  // its last reference went with the graph
+
+    // An allocation that outlives its capture: the double's graphs do not take one.
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    REQUIRE(cudaMallocAsync(&scratch, 16, s) == cudaSuccess);
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    CHECK(cudaGraphInstantiate(&exec, graph, 0) == cudaErrorNotSupported);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    CHECK(hc::live_device_blocks() == with_scratch - 1);
+    REQUIRE(cudaFree(out) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEST_CASE("host graphs: captured collectives meet their peers' again at each replay") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    Clique clique(2);
+    std::vector<float*> bufs;
+    for (int r = 0; r < 2; ++r) bufs.push_back(clique.buffer(r, static_cast<float>(r + 1)));
+    std::vector<std::string> why(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+        threads.emplace_back([&, r] {
+            const auto u = static_cast<std::size_t>(r);
+            (void)cudaSetDevice(r);
+            cudaStream_t s = clique.streams[u];
+            cudaGraph_t graph = nullptr;
+            cudaGraphExec_t exec = nullptr;
+            if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) why[u] += "begin; ";
+            if (ncclAllReduce(bufs[u], bufs[u], elements, ncclFloat32, ncclSum, clique.comms[u], s) != ncclSuccess)
+                why[u] += "all-reduce; ";
+            if (cudaStreamEndCapture(s, &graph) != cudaSuccess) why[u] += "end; ";
+            if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) why[u] += "instantiate; ";
+            for (int i = 0; i < 3; ++i)
+                if (cudaGraphLaunch(exec, s) != cudaSuccess) why[u] += "launch; ";
+            if (cudaStreamSynchronize(s) != cudaSuccess) why[u] += "sync; ";
+            if (cudaGraphExecDestroy(exec) != cudaSuccess || cudaGraphDestroy(graph) != cudaSuccess) why[u] += "destroy; ";
+        });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) {
+        INFO(why[static_cast<std::size_t>(r)]);
+        CHECK(why[static_cast<std::size_t>(r)].empty());
+        for (float x : clique.read(r, bufs[static_cast<std::size_t>(r)])) REQUIRE(x == 12.0f);  // 3, 6, 12
+    }
+    for (int r = 0; r < 2; ++r) {
+        (void)cudaSetDevice(r);
+        REQUIRE(cudaFree(bufs[static_cast<std::size_t>(r)]) == cudaSuccess);
+    }
+    (void)cudaSetDevice(0);
+}

@@ -17,10 +17,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <regex>
 #include <set>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "../gpu/small_model.hpp"
@@ -172,6 +174,107 @@ TEST_CASE("replicas on different devices run the cuDNN algorithms the process ch
     }
 }
 #endif
+
+// Issue 27, item 3 (Note [graphs] in core/cuda_runtime.cuh): a replica's forward and backward
+// captured once, SyncBatchNorm's collectives with them. The host rendezvous of the replica
+// threads happens at capture; at each launch the captured collectives meet their peers' on the
+// devices alone, and every replica gets the eager step's bits (outputs, gradients, dx and the
+// running statistics it updates). A capture that ran its work, dropped a node, or a collective
+// numbered at capture instead of at each launch, would not.
+TEST_CASE("replicas' graphs of forward and backward meet in SyncBatchNorm's collectives at each launch", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(10)));
+    const auto b = make_batch(10, 41);  // shards of 5
+    struct Replica {
+        Tensor<float, Cuda> x, dy, dx;  // what the graph reads and writes: made before its capture
+        std::vector<Tensor<float, Cuda>> floats;
+        std::vector<Tensor<std::int64_t, Cuda>> counts;   // the buffers as the eager steps found them
+        std::vector<std::vector<float>> eager, replayed;  // read on the replica threads, checked here
+        cuda::Graph graph;
+    };
+    std::vector<Replica> reps(2);
+    const auto values_of = [](const auto& t) {
+        const auto h = t.to_host();
+        return std::vector<float>(h.data(), h.data() + h.numel());
+    };
+    // After a step: dx, every gradient, every float buffer (the running statistics).
+    const auto snapshot = [&](Small<Cuda>& m, Replica& rep) {
+        auto all = values_of(rep.dx);
+        nn::for_each_parameter(m, [&](const std::string&, auto& p) {
+            const auto v = values_of(p.grad);
+            all.insert(all.end(), v.begin(), v.end());
+        });
+        nn::for_each_buffer(m, [&](const std::string&, auto& t) {
+            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(t)>, Tensor<float, Cuda>>) {
+                const auto v = values_of(t);
+                all.insert(all.end(), v.begin(), v.end());
+            }
+        });
+        return all;
+    };
+    const auto step = [](Small<Cuda>& m, nn::Context<Cuda>& ctx, Replica& rep) {
+        (void)m.forward(ctx, Tensor<float, Cuda>(rep.x));
+        auto dx = m.backward(ctx, Tensor<float, Cuda>(rep.dy));
+        LOCKSTEP_CUDA_CHECK(
+            cudaMemcpyAsync(rep.dx.data(), dx.data(), rep.dx.numel() * sizeof(float), cudaMemcpyDeviceToDevice, ctx.exec.stream));
+    };
+    dp.parallel_apply([&](Small<Cuda>& m, nn::Context<Cuda>& ctx) {
+        auto& rep = reps[static_cast<std::size_t>(ctx.local_rank)];
+        const auto device = Device::cuda(ctx.exec.device);
+        Tensor<float, Host> x(Shape{5, 2, 10, 10}), dy(Shape{5, 7});
+        std::copy_n(b.x.data() + 5 * 200 * ctx.local_rank, 5 * 200, x.data());
+        std::mt19937 rng(static_cast<unsigned>(ctx.local_rank));
+        std::normal_distribution<float> d;
+        for (float& v : dy.span()) v = d(rng);
+        rep.x = x.to<Cuda>(device), rep.dy = dy.to<Cuda>(device);
+        rep.dx = Tensor<float, Cuda>(rep.x.shape(), MemoryFormat::nchw, device);
+        nn::for_each_buffer(m, [&](const std::string&, auto& t) {
+            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(t)>, Tensor<float, Cuda>>)
+                rep.floats.push_back(t);
+            else
+                rep.counts.push_back(t);
+        });
+        nn::zero_grad(m);
+        for (int i = 0; i < 2; ++i) {  // two eager steps: the gradients and running statistics move on
+            step(m, ctx, rep);
+            rep.eager.push_back(snapshot(m, rep));
+        }
+    });
+    // Back to where the eager steps began, then one capture per replica, side by side.
+    std::atomic<std::uint64_t> launched{0};
+    dp.parallel_apply([&](Small<Cuda>& m, nn::Context<Cuda>& ctx) {
+        auto& rep = reps[static_cast<std::size_t>(ctx.local_rank)];
+        std::size_t f = 0, c = 0;
+        nn::for_each_buffer(m, [&](const std::string&, auto& t) {
+            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(t)>, Tensor<float, Cuda>>)
+                t.copy_from(rep.floats[f++]);
+            else
+                t.copy_from(rep.counts[c++]);
+        });
+        nn::zero_grad(m);
+        rep.dx.zero();
+        kernels::Ops<Cuda>::wait(ctx.exec, "the reset");
+        launched = host_cuda::launches();
+        rep.graph = cuda::Graph::capture(ctx.exec.stream, ctx.exec.device, [&] { step(m, ctx, rep); });
+    });
+    CHECK(host_cuda::launches() == launched.load());  // recorded on both replicas, run on neither
+    for (int i = 0; i < 2; ++i)
+        dp.parallel_apply([&, i](Small<Cuda>& m, nn::Context<Cuda>& ctx) {
+            auto& rep = reps[static_cast<std::size_t>(ctx.local_rank)];
+            rep.graph.launch(ctx.exec.stream);  // no host rendezvous: the collectives meet on the devices
+            rep.replayed.push_back(snapshot(m, rep));
+        });
+    for (std::size_t r = 0; r < 2; ++r) {
+        CAPTURE(r);
+        REQUIRE(reps[r].replayed.size() == 2);
+        CHECK(reps[r].replayed[0] == reps[r].eager[0]);
+        CHECK(reps[r].replayed[1] == reps[r].eager[1]);
+        CHECK(reps[r].eager[0] != reps[r].eager[1]);  // the second step moved on
+    }
+    CHECK(reps[0].eager[0] != reps[1].eager[0]);  // the replicas' shards differ: each its own graph
+    dp.parallel_apply([&](Small<Cuda>&, nn::Context<Cuda>& ctx) { reps[static_cast<std::size_t>(ctx.local_rank)].graph = {}; });
+}
 
 // A rank whose stream stands still before a collective (a kernel that never ends) leaves its
 // peer waiting in that collective on its own device; the host waits of the step end at the

@@ -492,6 +492,90 @@ TEST_CASE("cuDNN convolutions: deterministic algorithms in the replica's workspa
 }
 #endif
 
+// Issue 27 (Note [graphs]): a replica's step captured once and launched again. On the host CUDA
+// device a kernel's parameters live in a block its eager launch frees after running: a captured
+// launch that did the same would run freed parameters at the second launch (ASan), and a graph
+// that ran its work at capture, or dropped a node, would not give the eager step's bits.
+TEST_CASE("a replica's convolution step captured in a CUDA graph replays the eager step bit for bit", "[hostcuda]") {
+    Clean clean;
+    kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+    const auto entered = res.enter();
+    nn::Context<Cuda> ctx;
+    ctx.exec = res.execution();  // cuDNN where the build has it, im2col + cuBLAS otherwise
+    nn::Generator gen(7);
+    std::vector<nn::Conv2d<Cuda>> layers;
+    layers.emplace_back(2, 4, 3, nn::Conv2dOptions{.padding = 1}, gen);
+    layers.emplace_back(4, 3, 3, nn::Conv2dOptions{.stride = 2}, gen);
+    std::mt19937 rng(8);
+    std::normal_distribution<float> d;
+    Tensor<float, Host> xh(Shape{3, 2, 10, 10}), dyh(Shape{3, 3, 4, 4});
+    for (float& v : xh.span()) v = d(rng);
+    for (float& v : dyh.span()) v = d(rng);
+    // What the graph reads and writes outlives its capture; the step's temporaries do not.
+    const auto x = xh.to<Cuda>(Device::cuda(0));
+    const auto dy = dyh.to<Cuda>(Device::cuda(0));
+    Tensor<float, Cuda> dx(x.shape(), MemoryFormat::nchw, Device::cuda(0));
+    const auto step = [&] {
+        Tensor<float, Cuda> y = x;
+        for (auto& l : layers) y = l.forward(ctx, y);
+        Tensor<float, Cuda> g = dy;
+        for (std::size_t l = layers.size(); l-- > 0;) g = layers[l].backward(ctx, g);
+        // In stream order (copy_from waits for the copy: the host may not wait inside a capture).
+        REQUIRE(cudaMemcpyAsync(dx.data(), g.data(), dx.numel() * sizeof(float), cudaMemcpyDeviceToDevice, ctx.exec.stream) ==
+                cudaSuccess);
+    };
+    const auto zero_grads = [&] {
+        for (auto& l : layers) l.weight.grad.zero(), l.bias.grad.zero();
+    };
+    // Three eager steps: the weight gradients accumulate.
+    std::vector<std::vector<float>> eager;
+    const auto snapshot = [&] {
+        std::vector<float> all = values(dx);
+        for (auto& l : layers)
+            for (const auto* t : {&l.weight.grad, &l.bias.grad}) {
+                const auto v = values(*t);
+                all.insert(all.end(), v.begin(), v.end());
+            }
+        return all;
+    };
+    zero_grads();
+    for (int i = 0; i < 3; ++i) {
+        step();
+        eager.push_back(snapshot());
+    }
+
+    zero_grads();
+    dx.zero();
+    const auto blocks = [&] {
+        kernels::Ops<Cuda>::wait(ctx.exec, "the replica's stream");
+        return host_cuda::live_device_blocks();
+    };
+    const auto before = blocks();
+    const auto launched = host_cuda::launches();
+    auto graph = cuda::Graph::capture(ctx.exec.stream, 0, step);
+    CHECK(host_cuda::launches() == launched);  // recorded, not run
+    CHECK(values(dx) == std::vector<float>(static_cast<std::size_t>(dx.numel()), 0.0f));
+    CHECK(blocks() > before);  // the step's temporaries: the graph's memory while it lives
+    for (int i = 0; i < 3; ++i) {
+        graph.launch(ctx.exec.stream);
+        CAPTURE(i);
+        CHECK(snapshot() == eager[static_cast<std::size_t>(i)]);
+    }
+    CHECK(host_cuda::launches() > launched);
+    graph = cuda::Graph();
+    CHECK(blocks() == before);  // given back with the graph
+
+    // Work the capture refuses ends it: here a read to the host, which waits for the device.
+    CHECK_THROWS_AS(cuda::Graph::capture(ctx.exec.stream, 0, [&] { (void)values(dx); }), DeviceError);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusActive;
+    REQUIRE(cudaStreamIsCapturing(ctx.exec.stream, &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusNone);
+    zero_grads();
+    step();  // the stream runs eagerly again
+    CHECK(snapshot() == eager[0]);
+    CHECK_THROWS_AS(cuda::Graph().launch(ctx.exec.stream), UsageError);
+}
+
 // Issue 27 (Note [ReLU mask from x]): a fused ReLU after SyncBatchNorm on CUDA saved a byte per
 // element for backward. The forward keeps no mask now: it holds what a plain batch norm holds,
 // and backward, which finds the mask from x, still computes what the host does with its mask.

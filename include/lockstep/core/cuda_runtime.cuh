@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-//! CUDA runtime glue: the CUDA check macro, RAII device guard / stream / event, `Allocator<Cuda>`
+//! CUDA runtime glue: the CUDA check macro, RAII device guard / stream / event / graph, `Allocator<Cuda>`
 //! and the copies between host and device memory. NCCL and cuBLAS belong to the layers that use
 //! them (comm/cuda_group.cuh, kernels/cuda_ops.cuh).
 #pragma once
@@ -197,6 +197,92 @@ public:
 
 private:
     cudaEvent_t event_ = nullptr;
+};
+
+// Note [graphs]
+// A `Graph` is stream work recorded once and run again by one launch: the kernels, copies, cuBLAS
+// and cuDNN calls and NCCL collectives that a function enqueues on a stream, and on streams it
+// forks from that one through events (which must join it again before the end), are captured
+// instead of run; each launch() runs them all with what they had at capture: the same buffers,
+// sizes and host scalars. A launch costs one call however many kernels the graph holds.
+// - The capture is thread-local (cudaStreamCaptureModeThreadLocal): replica threads capture side
+//   by side, and other threads' allocations do not break them. The capturing thread must not do
+//   what CUDA refuses during a capture: synchronize, cudaMalloc or cudaFree, copy pageable host
+//   memory, wait for work recorded outside the capture. The first step, run eagerly, grows the
+//   replica's workspaces so that a captured step allocates none of them.
+// - Memory the stream-ordered allocator gives inside the capture is the graph's: a tensor made
+//   there must also be released there (temporaries of a step are).
+// - A collective in a graph meets its peers' collectives at each launch: every replica launches
+//   its graph of the same collectives, in the same order, as an eager step would enqueue them.
+// On the host CUDA device a kernel is a host function whose parameters live in a heap block; a GPU
+// graph keeps a kernel's parameters in its node, and here the graph keeps the block, as a user
+// object freed with the graph (launch.cuh).
+
+//! Captured stream work, instantiated for launching (move-only; Note [graphs]).
+class Graph {
+public:
+    Graph() = default;
+    //! Captures what `record()` enqueues on `stream` (of device `device`) and instantiates it.
+    //! When `record` throws, the capture is ended and dropped and the exception goes on; a
+    //! capture CUDA refuses throws DeviceError saying why.
+    template <class Record>
+    static Graph capture(cudaStream_t stream, int device, Record&& record) {
+        DeviceGuard guard(device);
+        Graph g;
+        g.device_ = device;
+        LOCKSTEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        try {
+            record();
+        } catch (...) {
+            cudaGraph_t dropped = nullptr;
+            if (cudaStreamEndCapture(stream, &dropped) == cudaSuccess && dropped != nullptr) (void)cudaGraphDestroy(dropped);
+            (void)cudaGetLastError();
+            throw;
+        }
+        if (const cudaError_t e = cudaStreamEndCapture(stream, &g.graph_); e != cudaSuccess) refused(e, "capturing");
+        if (const cudaError_t e = cudaGraphInstantiate(&g.exec_, g.graph_, 0); e != cudaSuccess) refused(e, "instantiating");
+        return g;
+    }
+    Graph(Graph&& o) noexcept
+        : graph_(std::exchange(o.graph_, nullptr)), exec_(std::exchange(o.exec_, nullptr)), device_(o.device_) {}
+    Graph& operator=(Graph&& o) noexcept {
+        if (this != &o) {
+            destroy();
+            graph_ = std::exchange(o.graph_, nullptr);
+            exec_ = std::exchange(o.exec_, nullptr);
+            device_ = o.device_;
+        }
+        return *this;
+    }
+    ~Graph() { destroy(); }
+
+    //! Enqueues one run of the graph on `stream` (of the graph's device), after its earlier work.
+    void launch(cudaStream_t stream) const {
+        LOCKSTEP_CHECK_AS(UsageError, exec_ != nullptr, "launching an empty cuda::Graph: make one with Graph::capture");
+        DeviceGuard guard(device_);
+        LOCKSTEP_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
+    }
+    bool empty() const noexcept { return exec_ == nullptr; }
+    int device() const noexcept { return device_; }
+
+private:
+    [[noreturn]] static void refused(cudaError_t e, const char* doing) {
+        (void)cudaGetLastError();
+        int device = -1;
+        if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+        throw DeviceError(std::string(doing) + " a CUDA graph failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                              "); the recorded work must not synchronize, allocate with cudaMalloc, copy pageable host "
+                              "memory, wait for work outside the capture, keep memory allocated in it, or leave a "
+                              "stream it forked unjoined",
+                          ::lockstep::detail::replica_rank_slot(), device);
+    }
+    void destroy() noexcept {
+        if (exec_ != nullptr) (void)cudaGraphExecDestroy(std::exchange(exec_, nullptr));
+        if (graph_ != nullptr) (void)cudaGraphDestroy(std::exchange(graph_, nullptr));
+    }
+    cudaGraph_t graph_ = nullptr;
+    cudaGraphExec_t exec_ = nullptr;
+    int device_ = -1;
 };
 
 //! How long a host wait on the device may last where no replica group says (a DataParallel

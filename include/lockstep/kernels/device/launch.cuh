@@ -135,24 +135,48 @@ template <class K, bool Reduce>
 struct HostLaunch {
     typename K::Params params;
     Grid grid;
-    static void CUDART_CB run(void* data) {
-        const std::unique_ptr<HostLaunch> launch(static_cast<HostLaunch*>(data));
+    void operator()() const {
         if constexpr (Reduce)
-            emulate_reduce<K>(launch->params, launch->grid);
+            emulate_reduce<K>(params, grid);
         else
-            emulate_map<K>(launch->params, launch->grid);
+            emulate_map<K>(params, grid);
     }
+    //! An eager launch: runs once and frees itself.
+    static void CUDART_CB run_once(void* data) {
+        const std::unique_ptr<const HostLaunch> launch(static_cast<const HostLaunch*>(data));
+        (*launch)();
+    }
+    //! A captured launch: runs at each replay of its graph, which frees it (destroy).
+    static void CUDART_CB run(void* data) { (*static_cast<const HostLaunch*>(data))(); }
+    static void CUDART_CB destroy(void* data) { delete static_cast<HostLaunch*>(data); }
 };
 
 template <class K, bool Reduce>
 void host_launch(const typename K::Params& p, const Grid& g, cudaStream_t stream) {
+    using Launch = HostLaunch<K, Reduce>;
     if (g.x <= 0 || g.y <= 0) return;
     // A configuration a GPU refuses is refused here too: grid y within 65535, a block of at most
     // 1024 threads and, for a reducing kernel, exactly its K::threads.
     if (g.y > 65535 || g.threads <= 0 || g.threads > 1024 || g.threads > K::threads || (Reduce && g.threads != K::threads))
         LOCKSTEP_CUDA_CHECK(cudaErrorInvalidConfiguration);
-    auto launch = std::make_unique<HostLaunch<K, Reduce>>(HostLaunch<K, Reduce>{p, g});
-    LOCKSTEP_CUDA_CHECK(cudaLaunchHostFunc(stream, &HostLaunch<K, Reduce>::run, launch.get()));
+    auto launch = std::make_unique<Launch>(Launch{p, g});
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph));
+    if (capture == cudaStreamCaptureStatusActive) {
+        // A GPU graph keeps a kernel's parameters in its node for every replay; here the graph
+        // keeps the launch, as a user object it frees with itself (Note [graphs]).
+        cudaUserObject_t object = nullptr;
+        LOCKSTEP_CUDA_CHECK(cudaUserObjectCreate(&object, launch.get(), &Launch::destroy, 1, cudaUserObjectNoDestructorSync));
+        const Launch* kept = launch.release();  // the object's now
+        if (const cudaError_t e = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove); e != cudaSuccess) {
+            (void)cudaUserObjectRelease(object, 1);
+            LOCKSTEP_CUDA_CHECK(e);
+        }
+        LOCKSTEP_CUDA_CHECK(cudaLaunchHostFunc(stream, &Launch::run, const_cast<Launch*>(kept)));
+        return;
+    }
+    LOCKSTEP_CUDA_CHECK(cudaLaunchHostFunc(stream, &Launch::run_once, launch.get()));
     launch.release();  // the stream runs it and frees it
 }
 
