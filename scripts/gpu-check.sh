@@ -181,6 +181,7 @@ plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
 plan+=("train|40|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024")
 plan+=("train_step|15|step_train_step|bench_cuda_train_step")
 plan+=("conv|15|step_conv|conv cuDNN vs im2col")
+plan+=("graph|15|step_graph|graph step vs eager")
 plan+=("syncbn|30|step_syncbn|SyncBN benchmark")
 plan+=("allreduce|15|step_allreduce|rendezvous_overhead")
 plan+=("sanitizers|20|step_sanitizers|$(IFS=';'; echo "${sanitizer_rows[*]}")")
@@ -288,7 +289,7 @@ if [[ -z $blocked ]]; then
   nccl_flags=(); [[ -n $nccl_lib ]] && nccl_flags=(-DNCCL_INCLUDE_DIR="$nvidia/nccl/include" -DNCCL_LIBRARY="$nccl_lib")
   generator=(); command -v ninja >/dev/null && generator=(-G Ninja)
   targets=(test_gpu_core test_gpu_bn_math test_gpu_layers test_gpu_data_parallel mnist bench_cuda_batch_norm
-           bench_cuda_train_step bench_cuda_allreduce bench_cuda_conv)
+           bench_cuda_train_step bench_cuda_allreduce bench_cuda_conv bench_cuda_graph)
   blas_inc="$prefix/usr/include/x86_64-linux-gnu/openblas-pthread"
   # -lineinfo: compute-sanitizer and the profilers name the file and line of a kernel's fault.
   capped 60 "$logs/configure.log" cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
@@ -431,6 +432,17 @@ step_conv() {
   elif [[ -n $lines ]]; then row "conv cuDNN vs im2col" measured "${lines%;}"
   elif ((rc == 124 || rc == 137)) && ((cut)); then row "conv cuDNN vs im2col" "not run (budget)" "stopped after $lim s"
   else row "conv cuDNN vs im2col" FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_conv.log")"; fi
+}
+
+# The example network's forward and backward, eager and as one captured CUDA graph, in one process
+# (vs_eager; cpu_per_gpu: host CPU time to enqueue a step over its GPU time, goal < 0.1 for the graph).
+step_graph() {
+  capped 60 "$logs/bench_cuda_graph.log" "$bench/bench_cuda_graph" --benchmark_min_time=0.2
+  local lines
+  lines=$(grep '^graph step vs eager' "$logs/bench_cuda_graph.log" | tr '\n' ';')
+  if [[ -n $lines && $lines != *"not run"* ]]; then row "graph step vs eager" measured "${lines%;}"
+  elif ((rc == 124 || rc == 137)) && ((cut)); then row "graph step vs eager" "not run (budget)" "stopped after $lim s"
+  else row "graph step vs eager" FAIL "exit $rc: ${lines:-$(tail -1 "$logs/bench_cuda_graph.log")}"; fi
 }
 
 # ---- 5. SyncBatchNorm, all-reduce ---------------------------------------------------------------------------
