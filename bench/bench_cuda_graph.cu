@@ -62,7 +62,7 @@ void BM_CudaGraphStep(benchmark::State& state) {
         for (int i = 0; i < 3; ++i) step();  // warm-up: workspaces grown, algorithms chosen
         kernels::Ops<Cuda>::wait(ctx.exec, "the warm-up");
         lockstep::cuda::Graph captured;
-        if (graph) captured = lockstep::cuda::Graph::capture(ctx.exec.stream, 0, step);
+        if (graph) captured = lockstep::cuda::Graph::capture(ctx.exec.stream, step);
         cudaEvent_t timed[2] = {nullptr, nullptr};
         for (auto& e : timed) LOCKSTEP_CUDA_CHECK(cudaEventCreate(&e));
         double cpu = 0, gpu_ms = 0;

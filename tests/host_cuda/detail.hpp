@@ -126,6 +126,7 @@ Op launch_op(cudaHostFn_t fn, void* data, const LaunchPlan& plan, int device);
 //! A device block a graph owns (graphs.cpp): cudaFree and cudaFreeAsync refuse it.
 struct GraphBlock {
     void* p = nullptr;
+    std::size_t size = 0;
     int device = 0;
     std::size_t charged = 0;
     std::shared_ptr<std::atomic<bool>> released;
@@ -151,8 +152,12 @@ struct CaptureMark {
 
 //! Whether work may go on `s` now, with capture: cudaErrorStreamCaptureInvalidated on a stream
 //! whose capture failed; cudaErrorStreamCaptureImplicit for the legacy stream while a blocking
-//! stream of its device captures (that capture is invalidated).
-cudaError_t capture_admits(const std::shared_ptr<Stream>& s);
+//! stream of its device captures (that capture is invalidated, unless `invalidate` is false: a
+//! query such as cudaStreamIsCapturing leaves it alone).
+cudaError_t capture_admits(const std::shared_ptr<Stream>& s, bool invalidate = true);
+//! Ends every capture in progress without a graph, and the calling thread's capture mode goes back
+//! to global (reset()).
+void reset_captures();
 //! Records `op` (without deps: a capturing stream has no implicit ones) as a node of the
 //! capture of `s`; enqueue() calls it for a capturing stream.
 void capture_op(const std::shared_ptr<Stream>& s, Op op);

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -45,6 +46,7 @@ struct GraphData {
     std::set<void*> unfreed;         // of those, not freed in it
     std::vector<std::pair<std::shared_ptr<UserObject>, unsigned>> objects;
     int handles = 0;  // the graph and its executables (under Graphs::m)
+    int execs = 0;    // its executables: one at most where it allocates (under Graphs::m)
     ~GraphData() {
         for (const GraphBlock& b : blocks) release_graph_block(b);
         for (auto& [o, n] : objects) release_object(*o, n);
@@ -60,6 +62,9 @@ struct ExecHandle {
     std::shared_ptr<GraphData> data;                                         // null once destroyed
     std::vector<std::shared_ptr<Stream>> lanes;                              // one internal stream per lane
     std::shared_ptr<std::mutex> replaying = std::make_shared<std::mutex>();  // one launch enqueues at a time
+    // Under `replaying`: each lane's last op of the previous launch, which the next launch follows
+    // (CUDA orders the launches of one executable, whatever their streams).
+    std::shared_ptr<std::vector<std::uint64_t>> tails = std::make_shared<std::vector<std::uint64_t>>();
 };
 
 struct LaneState {
@@ -173,7 +178,7 @@ bool joined(const Capture& c) {
 
 }  // namespace
 
-cudaError_t capture_admits(const std::shared_ptr<Stream>& s) {
+cudaError_t capture_admits(const std::shared_ptr<Stream>& s, bool invalidate) {
     Graphs& g = graphs();
     if (g.active_count.load() == 0 || (!s->capturing.load() && !s->legacy)) return cudaSuccess;
     std::lock_guard lock(g.m);
@@ -184,7 +189,7 @@ cudaError_t capture_admits(const std::shared_ptr<Stream>& s) {
         if (c->data->device == s->device)
             for (const auto& [_, l] : c->streams)
                 if (l.stream->blocking) {
-                    c->invalidated = true;
+                    if (invalidate) c->invalidated = true;
                     implicit = true;
                 }
     return implicit ? fail(cudaErrorStreamCaptureImplicit) : cudaSuccess;
@@ -295,22 +300,56 @@ cudaError_t capture_isolation(const std::shared_ptr<Stream>& s) {
     return fail(cudaErrorStreamCaptureIsolation);
 }
 
+//! A node that fills a graph's block with 0xFF (NaN as float) when it runs: memory a graph
+//! allocates is new at each launch, and unusable after its free, as on a GPU whose graph
+//! allocations may share memory with others.
+Node poison_node(const GraphBlock& b) {
+    Node n;
+    n.submit = [p = b.p, size = b.size](const std::shared_ptr<Stream>& lane, std::vector<Dep> deps) {
+        Op op;
+        op.deps = std::move(deps);
+        op.body = [p, size] { std::memset(p, 0xFF, size); };
+        return enqueue(lane, std::move(op));
+    };
+    return n;
+}
+
 void capture_allocation(const std::shared_ptr<Stream>& s, void* p) {
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
     if (s->capture == nullptr || p == nullptr) return;
-    s->capture->data->blocks.push_back(own_by_graph(p));
+    const GraphBlock b = own_by_graph(p);
+    s->capture->data->blocks.push_back(b);
     s->capture->data->unfreed.insert(p);
+    if (!s->capture->invalidated) append(*s->capture, *s, poison_node(b));
 }
 
 cudaError_t capture_free(const std::shared_ptr<Stream>& s, void* p) {
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
     if (s->capture == nullptr) return cudaSuccess;
-    if (s->capture->data->unfreed.erase(p) == 1) return cudaSuccess;
+    if (s->capture->data->unfreed.erase(p) == 1) {
+        for (const GraphBlock& b : s->capture->data->blocks)
+            if (b.p == p && !s->capture->invalidated) append(*s->capture, *s, poison_node(b));
+        return cudaSuccess;
+    }
     // The double's graphs free only what they allocated (CUDA could free other memory once).
     s->capture->invalidated = true;
     return fail(cudaErrorStreamCaptureUnsupported);
+}
+
+void reset_captures() {
+    std::vector<std::shared_ptr<Capture>> ended;  // their graphs' data is released after the lock
+    {
+        Graphs& g = graphs();
+        std::lock_guard lock(g.m);
+        ended = g.active;
+        for (const auto& c : ended) {
+            end(g, c);
+            discard(g, *c);
+        }
+    }
+    thread_mode = cudaStreamCaptureModeGlobal;
 }
 
 }  // namespace lockstep::host_cuda::detail
@@ -355,9 +394,10 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* pGraph) {
     if (pGraph == nullptr) return fail(cudaErrorInvalidValue);
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = resolve_stream(stream, s); e != cudaSuccess) return e;
+    std::shared_ptr<Capture> c;  // released after the lock: a dropped graph's user objects may call back
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
-    const auto c = s->capture;
+    c = s->capture;
     if (c == nullptr) return fail(cudaErrorIllegalState);
     if (c->origin != s) return fail(cudaErrorStreamCaptureUnmatched);
     if (c->mode != cudaStreamCaptureModeRelaxed && c->thread != std::this_thread::get_id())
@@ -382,7 +422,7 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* 
     if (const cudaError_t e = resolve_stream(stream, s); e != cudaSuccess) return e;
     if (pCaptureStatus == nullptr) return fail(cudaErrorInvalidValue);
     if (s->legacy)
-        if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
+        if (const cudaError_t e = capture_admits(s, false); e != cudaSuccess) return e;
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
     *pCaptureStatus = s->capture == nullptr     ? cudaStreamCaptureStatusNone
@@ -400,7 +440,7 @@ cudaError_t cudaStreamGetCaptureInfo(cudaStream_t stream, cudaStreamCaptureStatu
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = resolve_stream(stream, s); e != cudaSuccess) return e;
     if (s->legacy)
-        if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
+        if (const cudaError_t e = capture_admits(s, false); e != cudaSuccess) return e;
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
     const auto& c = s->capture;
@@ -434,11 +474,14 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* pGraphExec, cudaGraph_t graph,
     // The double's graphs keep no allocation past their end (a CUDA graph could, launched once
     // until the memory is freed outside it).
     if (!h.data->unfreed.empty()) return fail(cudaErrorNotSupported);
+    // CUDA: a graph with allocation nodes has one executable at a time.
+    if (!h.data->blocks.empty() && h.data->execs > 0) return fail(cudaErrorInvalidValue);
     if (const cudaError_t e = sticky(h.data->device); e != cudaSuccess) return e;
     auto exec = std::make_unique<ExecHandle>();
     exec->data = h.data;
     for (int i = 0; i < h.data->lanes; ++i) exec->lanes.push_back(internal_stream(h.data->device));
     ++h.data->handles;
+    ++h.data->execs;
     *pGraphExec = reinterpret_cast<cudaGraphExec_t>(exec.get());
     g.execs[exec.get()] = std::move(exec);
     return cudaSuccess;
@@ -448,6 +491,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
     std::shared_ptr<GraphData> data;
     std::vector<std::shared_ptr<Stream>> lanes;
     std::shared_ptr<std::mutex> replaying;
+    std::shared_ptr<std::vector<std::uint64_t>> tails;
     {
         Graphs& g = graphs();
         std::lock_guard lock(g.m);
@@ -456,6 +500,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
         data = it->second->data;
         lanes = it->second->lanes;
         replaying = it->second->replaying;
+        tails = it->second->tails;
     }
     std::shared_ptr<Stream> s;
     if (const cudaError_t e = stream_for_work(stream, s); e != cudaSuccess) return e;
@@ -472,6 +517,9 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
     Op fork;
     fork.device_work = false;
     fork.body = [] {};
+    tails->resize(lanes.size(), 0);
+    for (std::size_t l = 0; l < lanes.size(); ++l)
+        if ((*tails)[l] != 0) fork.deps.push_back({lanes[l], (*tails)[l]});  // after the previous launch, on any stream
     const std::uint64_t start = enqueue(s, std::move(fork));
     std::vector<std::uint64_t> seq(data->nodes.size(), 0);
     std::vector<std::uint64_t> last(lanes.size(), 0);
@@ -495,13 +543,17 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
     Op join;
     join.device_work = false;
     for (std::size_t l = 0; l < lanes.size(); ++l)
-        if (last[l] != 0) join.deps.push_back({lanes[l], last[l]});
+        if (last[l] != 0) {
+            join.deps.push_back({lanes[l], last[l]});
+            (*tails)[l] = last[l];
+        }
     join.body = [keep = std::move(data)] {};
     enqueue(s, std::move(join));
     return cudaSuccess;
 }
 
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t graphExec) {
+    std::shared_ptr<GraphData> dropped;  // released after the lock: user objects' destructors may call back
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
     auto it = g.execs.find(graphExec);
@@ -509,20 +561,22 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t graphExec) {
     // Replays still queued finish (their ops hold the graph's data); the lanes then exit.
     for (const auto& l : it->second->lanes) close_stream(l);
     drop_handle(*it->second->data);
-    it->second->data.reset();
+    --it->second->data->execs;
+    dropped = std::move(it->second->data);
     g.dead_execs.push_back(std::move(it->second));
     g.execs.erase(it);
     return cudaSuccess;
 }
 
 cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    std::shared_ptr<GraphData> dropped;  // released after the lock
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
     auto it = g.graphs.find(graph);
     if (it == g.graphs.end() || it->second->data == nullptr) return fail(cudaErrorInvalidValue);
     if (it->second->capturing) return fail(cudaErrorIllegalState);
     drop_handle(*it->second->data);
-    it->second->data.reset();
+    dropped = std::move(it->second->data);
     g.dead_graphs.push_back(std::move(it->second));
     g.graphs.erase(it);
     return cudaSuccess;

@@ -82,8 +82,8 @@ void set_delay_cap_us(unsigned us);
 
 //! For the next test case: releases the stalls, waits (at most 5 s, then warns on stderr) until
 //! every stream ran what is queued, then clears every injection, the sticky errors, the calling
-//! thread's last error, the NCCL version and hazard setting, the capacities, and the cuDNN call
-//! log and offer. Work still blocked after the wait
+//! thread's last error and capture mode, the NCCL version and hazard setting, the capacities, the
+//! cuDNN call log and offer, and ends every capture left open. Work still blocked after the wait
 //! (a collective whose peers never come) would run in the cleared state: abort such
 //! communicators first.
 void reset();

@@ -75,7 +75,8 @@ struct Comm {
     // ncclSystemError / ncclRemoteError after a failed collective.
     std::atomic<ncclResult_t> error{ncclInProgress};
     std::atomic<bool> aborted{false};
-    std::mutex m;  // the fields below
+    std::atomic<bool> destroyed{false};  // ncclCommDestroy: a graph that still holds it must not run it
+    std::mutex m;                        // the fields below
     std::uint64_t next_seq = 0;
     bool finalizing = false;
     std::vector<std::pair<std::shared_ptr<Stream>, std::uint64_t>> last_ops;  // per stream, for finalize
@@ -633,6 +634,21 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
         // A graph's collective takes its sequence number, and counts for the injections, at each
         // replay, as NCCL's captured kernels meet their peers' at each launch.
         capture_submit(s, [comm, c](const std::shared_ptr<Stream>& lane, std::vector<Dep> deps) {
+            if (comm->aborted.load() || comm->destroyed.load()) {
+                // A GPU graph whose communicator is gone runs a kernel on freed NCCL state: a fault
+                // or a hang. The double faults, named: such a graph must be captured again.
+                Op op;
+                op.deps = std::move(deps);
+                op.body = [device = comm->device, rank = comm->rank, name = c.name,
+                           what = comm->destroyed.load() ? "destroyed" : "aborted"] {
+                    std::fprintf(stderr,
+                                 "host NCCL: a graph launched %s of rank %d on device %d after its communicator was %s "
+                                 "(cudaErrorIllegalAddress); capture it again on the new communicator\n",
+                                 name, rank, device, what);
+                    set_sticky(device, cudaErrorIllegalAddress);
+                };
+                return enqueue(lane, std::move(op));
+            }
             return submit_collective(comm, lane, c, std::move(deps));
         });
         return ncclSuccess;
@@ -929,6 +945,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     std::lock_guard lock(reg.m);
     auto it = reg.live.find(comm);
     if (it == reg.live.end()) return refuse(ncclInvalidArgument, "ncclCommDestroy: not a live communicator");
+    it->second->destroyed.store(true);
     reg.dead.push_back(std::move(it->second));
     reg.live.erase(it);
     return ncclSuccess;

@@ -497,7 +497,7 @@ GraphBlock own_by_graph(void* p) {
     std::lock_guard lock(st.m);
     Block& b = st.device_blocks.at(reinterpret_cast<std::uintptr_t>(p));
     b.graph = true;
-    return GraphBlock{p, b.device, b.charged, b.released};
+    return GraphBlock{p, b.size, b.device, b.charged, b.released};
 }
 
 void retire_graph_block(const GraphBlock& b) {
@@ -628,6 +628,7 @@ void reset() {
         st.inject = Injections{};
         for (Device& d : st.devices) d.capacity = default_capacity;
     }
+    reset_captures();
     for (auto& e : sticky_errors) e.store(cudaSuccess);
     last_error = cudaSuccess;
     reset_nccl_injections();

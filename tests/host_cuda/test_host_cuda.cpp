@@ -1174,6 +1174,31 @@ TEST_CASE("host graphs: forks through events join the capture and must rejoin it
     replay(graph, c, 2);  // launched on a third stream: the lanes are the graph's own
     CHECK(read_back(v, 3) == std::vector<float>{2, 20, 22});
 
+    // Launches of one executable run one after the other, whatever their streams: the second
+    // launch's first kernel sees the first launch's forked kernel done.
+    std::atomic<int> forked_done{0};
+    std::vector<int> seen;  // written by kernels that CUDA orders, read after a synchronize
+    REQUIRE(cudaStreamBeginCapture(a, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    REQUIRE(k.launch(a, [&] { seen.push_back(forked_done.load()); }) == cudaSuccess);
+    REQUIRE(cudaEventRecord(fork, a) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(b, fork, 0) == cudaSuccess);
+    REQUIRE(k.launch(b, [&] {
+        std::this_thread::sleep_for(10ms);
+        ++forked_done;
+    }) == cudaSuccess);
+    REQUIRE(cudaEventRecord(join, b) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(a, join, 0) == cudaSuccess);
+    REQUIRE(cudaStreamEndCapture(a, &graph) == cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, c) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, a) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(a) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(c) == cudaSuccess);
+    CHECK(seen == std::vector<int>{0, 1});
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+
     // A fork that never rejoins: no graph, and both streams leave the capture.
     REQUIRE(cudaStreamBeginCapture(a, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
     REQUIRE(cudaEventRecord(fork, a) == cudaSuccess);
@@ -1243,6 +1268,22 @@ TEST_CASE("host graphs: what a capture forbids: synchronizing, pageable copies, 
         },
         cudaErrorStreamCaptureUnsupported);
     CHECK(cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeGlobal) == cudaErrorStreamCaptureUnsupported);
+    // Asking the legacy stream whether it captures, beside a blocking capture, is refused but
+    // breaks nothing.
+    REQUIRE(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    cudaStreamCaptureStatus legacy_status{};
+    CHECK(cudaStreamIsCapturing(nullptr, &legacy_status) == cudaErrorStreamCaptureImplicit);
+    CHECK(cudaStreamGetCaptureInfo(nullptr, &legacy_status) == cudaErrorStreamCaptureImplicit);
+    CHECK(capture_status(blocking) == cudaStreamCaptureStatusActive);
+    REQUIRE(cudaStreamEndCapture(blocking, &graph) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    // reset() (between test cases) ends a capture left open, and the thread may allocate again.
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    hc::reset();
+    CHECK(capture_status(s) == cudaStreamCaptureStatusNone);
+    void* after_reset = nullptr;
+    CHECK(cudaMalloc(&after_reset, 16) == cudaSuccess);
+    CHECK(cudaFree(after_reset) == cudaSuccess);
     // The legacy stream beside a non-blocking capture is fine.
     REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
     CHECK(cudaMemsetAsync(d, 0, 16, nullptr) == cudaSuccess);
@@ -1319,7 +1360,11 @@ TEST_CASE("host graphs: a capture's allocations and retained user objects live a
     REQUIRE(cudaMallocAsync(&scratch, 2 * sizeof(float), s) == cudaSuccess);
     const std::size_t with_scratch = hc::live_device_blocks();
     auto* f = static_cast<float*>(scratch);
-    REQUIRE(k.launch(s, [f] { f[0] = 3.0f, f[1] = 4.0f; }) == cudaSuccess);
+    std::vector<float> before_write;  // what each launch's kernel finds in the block: nothing written
+    REQUIRE(k.launch(s, [f, &before_write] {
+        before_write.push_back(f[0]);
+        f[0] = 3.0f, f[1] = 4.0f;
+    }) == cudaSuccess);
     REQUIRE(cudaMemcpyAsync(out, scratch, 2 * sizeof(float), cudaMemcpyDeviceToDevice, s) == cudaSuccess);
     REQUIRE(cudaFreeAsync(scratch, s) == cudaSuccess);
     cudaGraph_t graph = nullptr;
@@ -1328,6 +1373,8 @@ TEST_CASE("host graphs: a capture's allocations and retained user objects live a
     CHECK(cudaFree(scratch) == cudaErrorInvalidValue);
     cudaGraphExec_t exec = nullptr;
     REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    cudaGraphExec_t second = nullptr;
+    CHECK(cudaGraphInstantiate(&second, graph, 0) == cudaErrorInvalidValue);  // it allocates: one executable
     REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
     CHECK(destroyed.load() == 0);  // the executable holds the object
     REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
@@ -1335,6 +1382,8 @@ TEST_CASE("host graphs: a capture's allocations and retained user objects live a
     REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);  // with replays queued: they finish first
     REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
     CHECK(read_back(out, 2) == std::vector<float>{3, 4});
+    REQUIRE(before_write.size() == 2);
+    for (float x : before_write) CHECK(std::isnan(x));  // new at each launch, not the last launch's 3
     CHECK(eventually([&] { return destroyed.load() == 1 && hc::live_device_blocks() == with_scratch - 1; }));
     CHECK(destroyed.load() == 1);
     CHECK(cudaUserObjectRelease(object, 1) == cudaErrorInvalidValue);  // its last reference went with the graph
@@ -1384,6 +1433,77 @@ TEST_CASE("host graphs: captured collectives meet their peers' again at each rep
     for (int r = 0; r < 2; ++r) {
         (void)cudaSetDevice(r);
         REQUIRE(cudaFree(bufs[static_cast<std::size_t>(r)]) == cudaSuccess);
+    }
+    (void)cudaSetDevice(0);
+}
+
+TEST_CASE("host graphs: a collective failing at a replay fails that launch; new communicators need a new capture") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    float* buf[2] = {nullptr, nullptr};
+    // One thread captures and launches both ranks' graphs: a launch only enqueues.
+    const auto capture = [&](Clique& q) {
+        std::vector<cudaGraphExec_t> execs(2);
+        for (int r = 0; r < 2; ++r) {
+            const auto u = static_cast<std::size_t>(r);
+            REQUIRE(cudaSetDevice(r) == cudaSuccess);
+            cudaGraph_t graph = nullptr;
+            REQUIRE(cudaStreamBeginCapture(q.streams[u], cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+            REQUIRE(ncclAllReduce(buf[r], buf[r], elements, ncclFloat32, ncclSum, q.comms[u], q.streams[u]) == ncclSuccess);
+            REQUIRE(cudaStreamEndCapture(q.streams[u], &graph) == cudaSuccess);
+            REQUIRE(cudaGraphInstantiate(&execs[u], graph, 0) == cudaSuccess);
+            REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);  // the executable keeps what it needs
+        }
+        REQUIRE(cudaSetDevice(0) == cudaSuccess);
+        return execs;
+    };
+    const auto launch = [&](Clique& q, const std::vector<cudaGraphExec_t>& execs) {
+        for (int r = 0; r < 2; ++r) {
+            REQUIRE(cudaSetDevice(r) == cudaSuccess);
+            REQUIRE(cudaGraphLaunch(execs[static_cast<std::size_t>(r)], q.streams[static_cast<std::size_t>(r)]) == cudaSuccess);
+        }
+        for (int r = 0; r < 2; ++r) {
+            REQUIRE(cudaSetDevice(r) == cudaSuccess);
+            REQUIRE(cudaStreamSynchronize(q.streams[static_cast<std::size_t>(r)]) == cudaSuccess);  // released, not hung
+        }
+        REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    };
+    const auto destroy = [](const std::vector<cudaGraphExec_t>& execs) {
+        for (auto e : execs) REQUIRE(cudaGraphExecDestroy(e) == cudaSuccess);
+    };
+    {
+        Clique old(2);
+        buf[0] = old.buffer(0, 1.0f), buf[1] = old.buffer(1, 2.0f);
+        const auto execs = capture(old);
+        launch(old, execs);
+        for (int r = 0; r < 2; ++r)
+            for (float x : old.read(r, buf[r])) REQUIRE(x == 3.0f);
+        hc::fail_nccl(0, 1);  // counted at the replay's enqueue, not at capture
+        launch(old, execs);
+        ncclResult_t e0 = ncclSuccess, e1 = ncclSuccess;
+        REQUIRE(ncclCommGetAsyncError(old.comms[0], &e0) == ncclSuccess);
+        REQUIRE(ncclCommGetAsyncError(old.comms[1], &e1) == ncclSuccess);
+        CHECK(e0 == ncclSystemError);
+        CHECK(e1 == ncclRemoteError);
+        for (int r = 0; r < 2; ++r)
+            for (float x : old.read(r, buf[r])) REQUIRE(x == 3.0f);  // nothing written by the failed launch
+        // The communicators are aborted (a group rebuild): a graph that still holds one faults.
+        for (auto comm : old.comms) REQUIRE(ncclCommAbort(comm) == ncclSuccess);
+        REQUIRE(cudaGraphLaunch(execs[0], old.streams[0]) == cudaSuccess);
+        CHECK(cudaStreamSynchronize(old.streams[0]) == cudaErrorIllegalAddress);
+        hc::reset();
+        destroy(execs);
+    }
+    Clique fresh_comms(2);
+    const auto execs = capture(fresh_comms);  // captured again, on the new communicators
+    launch(fresh_comms, execs);
+    launch(fresh_comms, execs);
+    for (int r = 0; r < 2; ++r)
+        for (float x : fresh_comms.read(r, buf[r])) REQUIRE(x == 12.0f);
+    destroy(execs);
+    for (int r = 0; r < 2; ++r) {
+        (void)cudaSetDevice(r);
+        REQUIRE(cudaFree(buf[r]) == cudaSuccess);
     }
     (void)cudaSetDevice(0);
 }

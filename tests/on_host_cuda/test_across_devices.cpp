@@ -256,7 +256,7 @@ TEST_CASE("replicas' graphs of forward and backward meet in SyncBatchNorm's coll
         rep.dx.zero();
         kernels::Ops<Cuda>::wait(ctx.exec, "the reset");
         launched = host_cuda::launches();
-        rep.graph = cuda::Graph::capture(ctx.exec.stream, ctx.exec.device, [&] { step(m, ctx, rep); });
+        rep.graph = cuda::Graph::capture(ctx.exec.stream, [&] { step(m, ctx, rep); });
     });
     CHECK(host_cuda::launches() == launched.load());  // recorded on both replicas, run on neither
     for (int i = 0; i < 2; ++i)

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -552,7 +553,7 @@ TEST_CASE("a replica's convolution step captured in a CUDA graph replays the eag
     };
     const auto before = blocks();
     const auto launched = host_cuda::launches();
-    auto graph = cuda::Graph::capture(ctx.exec.stream, 0, step);
+    auto graph = cuda::Graph::capture(ctx.exec.stream, step);
     CHECK(host_cuda::launches() == launched);  // recorded, not run
     CHECK(values(dx) == std::vector<float>(static_cast<std::size_t>(dx.numel()), 0.0f));
     CHECK(blocks() > before);  // the step's temporaries: the graph's memory while it lives
@@ -566,14 +567,32 @@ TEST_CASE("a replica's convolution step captured in a CUDA graph replays the eag
     CHECK(blocks() == before);  // given back with the graph
 
     // Work the capture refuses ends it: here a read to the host, which waits for the device.
-    CHECK_THROWS_AS(cuda::Graph::capture(ctx.exec.stream, 0, [&] { (void)values(dx); }), DeviceError);
+    CHECK_THROWS_AS(cuda::Graph::capture(ctx.exec.stream, [&] { (void)values(dx); }), DeviceError);
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusActive;
     REQUIRE(cudaStreamIsCapturing(ctx.exec.stream, &status) == cudaSuccess);
     CHECK(status == cudaStreamCaptureStatusNone);
     zero_grads();
     step();  // the stream runs eagerly again
     CHECK(snapshot() == eager[0]);
+
+    // A record() that throws its own error: the capture ends, its graph and memory are dropped;
+    // the stream then captures again.
+    const auto kept = blocks();
+    CHECK_THROWS_WITH(cuda::Graph::capture(ctx.exec.stream,
+                                           [&] {
+                                               step();
+                                               throw std::runtime_error("the caller's own");
+                                           }),
+                      "the caller's own");
+    CHECK(blocks() == kept);
+    zero_grads();
+    dx.zero();
+    graph = cuda::Graph::capture(ctx.exec.stream, step);
+    graph.launch(ctx.exec.stream);
+    CHECK(snapshot() == eager[0]);
+    graph = cuda::Graph();
     CHECK_THROWS_AS(cuda::Graph().launch(ctx.exec.stream), UsageError);
+    CHECK_THROWS_AS(cuda::Graph::capture(nullptr, step), UsageError);  // the legacy stream cannot capture
 }
 
 // Issue 27 (Note [ReLU mask from x]): a fused ReLU after SyncBatchNorm on CUDA saved a byte per

@@ -222,11 +222,15 @@ private:
 class Graph {
 public:
     Graph() = default;
-    //! Captures what `record()` enqueues on `stream` (of device `device`) and instantiates it.
-    //! When `record` throws, the capture is ended and dropped and the exception goes on; a
-    //! capture CUDA refuses throws DeviceError saying why.
+    //! Captures what `record()` enqueues on `stream` (a stream of its own, not the legacy one) and
+    //! instantiates it for the stream's device. When `record` throws, the capture is ended and
+    //! dropped and the exception goes on; a capture CUDA refuses throws DeviceError saying why.
     template <class Record>
-    static Graph capture(cudaStream_t stream, int device, Record&& record) {
+    static Graph capture(cudaStream_t stream, Record&& record) {
+        LOCKSTEP_CHECK_AS(UsageError, stream != nullptr && stream != cudaStreamLegacy,
+                          "cuda::Graph::capture needs a stream of its own: the legacy default stream cannot capture");
+        int device = -1;
+        LOCKSTEP_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
         DeviceGuard guard(device);
         Graph g;
         g.device_ = device;
@@ -270,10 +274,16 @@ private:
         (void)cudaGetLastError();
         int device = -1;
         if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+        // The capture's own refusals (and a graph whose memory outlives it) get what to change;
+        // anything else (a fault, memory) is the device's error as every other call reports it.
+        const bool capture_rule =
+            (e >= cudaErrorStreamCaptureUnsupported && e <= cudaErrorStreamCaptureWrongThread) || e == cudaErrorNotSupported;
         throw DeviceError(std::string(doing) + " a CUDA graph failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
-                              "); the recorded work must not synchronize, allocate with cudaMalloc, copy pageable host "
-                              "memory, wait for work outside the capture, keep memory allocated in it, or leave a "
-                              "stream it forked unjoined",
+                              ")" +
+                              (capture_rule ? "; the recorded work must not synchronize, allocate with cudaMalloc, copy "
+                                              "pageable host memory, wait for work outside the capture, leave a stream it "
+                                              "forked unjoined, or keep memory allocated in the capture past its end"
+                                            : ""),
                           ::lockstep::detail::replica_rank_slot(), device);
     }
     void destroy() noexcept {

@@ -139,25 +139,29 @@ public:
     }
 
     //! The choice for `c` in `math`, made now if the process has none yet; false when the shape
-    //! runs im2col.
+    //! runs im2col (forward and backward answer the same; this is for tests and diagnostics).
     bool usable(const device::layer_kernels::ConvPlan& c, Math math) { return shape(c, math).choice.usable; }
 
     //! y = conv(x, w), on `stream`; `workspace(bytes)` returns at least that many bytes on the device.
+    //! False, with nothing enqueued, for a shape that runs im2col (one lookup: the choice and the descriptors).
     template <class Workspace>
-    void forward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* w,
+    bool forward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* w,
                  float* y, Workspace&& workspace) {
         Shape_& s = shape(c, math);
+        if (!s.choice.usable) return false;
         LOCKSTEP_CUDNN_CHECK(cudnnSetStream(handle_, stream));
         const float one = 1.0f, zero = 0.0f;
         LOCKSTEP_CUDNN_CHECK(cudnnConvolutionForward(handle_, &one, s.x, x, s.w, w, s.conv, s.choice.forward,
                                                      workspace(s.forward_bytes), s.forward_bytes, &zero, s.y, y));
+        return true;
     }
 
-    //! weight_grad += dL/dw, dx = dL/dx, on `stream`.
+    //! weight_grad += dL/dw, dx = dL/dx, on `stream`; false, with nothing enqueued, where the shape runs im2col.
     template <class Workspace>
-    void backward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* dy,
+    bool backward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* dy,
                   const float* w, float* weight_grad, float* dx, Workspace&& workspace) {
         Shape_& s = shape(c, math);
+        if (!s.choice.usable) return false;
         LOCKSTEP_CUDNN_CHECK(cudnnSetStream(handle_, stream));
         const float one = 1.0f, zero = 0.0f;
         const std::size_t bytes = std::max(s.filter_bytes, s.data_bytes);
@@ -166,6 +170,7 @@ public:
                                                             bytes, &one, s.w, weight_grad));
         LOCKSTEP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, s.w, w, s.y, dy, s.conv, s.choice.backward_data, ws,
                                                           bytes, &zero, s.x, dx));
+        return true;
     }
 
     //! The process's choice for a shape, if one was made (tests and diagnostics).

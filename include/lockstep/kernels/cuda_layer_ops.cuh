@@ -269,8 +269,8 @@ struct LayerOps {
         layer_detail::check_numel(y, c.N * c.O * c.P, "conv2d_forward", "y");
         layer_detail::LayerRun run(ex);
 #if LOCKSTEP_WITH_CUDNN
-        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 && ex.cudnn->usable(c, ex.math)) {  // Note [cuDNN convolutions]
-            ex.cudnn->forward(ex.stream, c, ex.math, x.data(), weight.data(), y.data(), workspace_bytes(ex));
+        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 &&  // Note [cuDNN convolutions]
+            ex.cudnn->forward(ex.stream, c, ex.math, x.data(), weight.data(), y.data(), workspace_bytes(ex))) {
             if (bias != nullptr) device::layer_kernels::bias_act(run, y.data(), c.N, c.O, c.P, bias->data(), false, nullptr);
             return;
         }
@@ -292,9 +292,9 @@ struct LayerOps {
         layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
         layer_detail::LayerRun run(ex);
 #if LOCKSTEP_WITH_CUDNN
-        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 && ex.cudnn->usable(c, ex.math)) {  // Note [cuDNN convolutions]
+        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 &&  // Note [cuDNN convolutions]
             ex.cudnn->backward(ex.stream, c, ex.math, x.data(), dy.data(), weight.data(), weight_grad.data(), dx.data(),
-                               workspace_bytes(ex));
+                               workspace_bytes(ex))) {
             if (bias_grad != nullptr) device::layer_kernels::channel_sums(run, dy.data(), c.N, c.O, c.P, bias_grad->data());
             return;
         }
