@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <stdexcept>
 #include <thread>
@@ -593,6 +594,86 @@ TEST_CASE("a replica's convolution step captured in a CUDA graph replays the eag
     graph = cuda::Graph();
     CHECK_THROWS_AS(cuda::Graph().launch(ctx.exec.stream), UsageError);
     CHECK_THROWS_AS(cuda::Graph::capture(nullptr, step), UsageError);  // the legacy stream cannot capture
+}
+
+// Issue 27, item 3: captured steps kept per input shape and module structure, at most a
+// capacity, the least recently launched dropped. A cache keyed by the shape alone would launch a
+// stale graph after a parameter is replaced (its old address is in the graph): this one captures
+// again, and each launch gives the eager step's bits for its batch.
+TEST_CASE("a GraphCache captures each shape once, drops the least recently launched, and captures again for a changed module",
+          "[hostcuda]") {
+    Clean clean;
+    kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(0));
+    const auto entered = res.enter();
+    nn::Context<Cuda> ctx;
+    ctx.exec = res.execution();
+    nn::Generator gen(11);
+    using Net = nn::Sequential<nn::Conv2d<Cuda>, nn::Conv2d<Cuda>>;
+    Net net(nn::Conv2d<Cuda>(2, 3, 3, {.padding = 1}, gen), nn::Conv2d<Cuda>(3, 2, 3, {.stride = 2}, gen));
+    struct Io {
+        Tensor<float, Cuda> x, dy, dx;  // made before any capture, outliving the graphs
+    };
+    std::map<std::int64_t, Io> io;
+    std::mt19937 rng(12);
+    std::normal_distribution<float> d;
+    for (const std::int64_t n : {2, 3, 4}) {
+        Tensor<float, Host> x(Shape{n, 2, 8, 8}), dy(Shape{n, 2, 3, 3});
+        for (float& v : x.span()) v = d(rng);
+        for (float& v : dy.span()) v = d(rng);
+        io[n] = {x.to<Cuda>(Device::cuda(0)), dy.to<Cuda>(Device::cuda(0)),
+                 Tensor<float, Cuda>(Shape{n, 2, 8, 8}, MemoryFormat::nchw, Device::cuda(0))};
+    }
+    const auto step = [&](std::int64_t n) {
+        auto& b = io.at(n);
+        (void)net.forward(ctx, Tensor<float, Cuda>(b.x));
+        const auto g = net.backward(ctx, b.dy);
+        LOCKSTEP_CUDA_CHECK(
+            cudaMemcpyAsync(b.dx.data(), g.data(), b.dx.numel() * sizeof(float), cudaMemcpyDeviceToDevice, ctx.exec.stream));
+    };
+    // What one step from zero gradients gives, per batch: dx and the gradients.
+    const auto result = [&](std::int64_t n) {
+        std::vector<float> all = values(io.at(n).dx);
+        nn::for_each_parameter(net, [&](const std::string&, auto& p) {
+            const auto v = values(p.grad);
+            all.insert(all.end(), v.begin(), v.end());
+        });
+        return all;
+    };
+    std::map<std::int64_t, std::vector<float>> eager;
+    for (const std::int64_t n : {2, 3, 4}) {  // the eager steps also grow the workspace and choose the algorithms
+        nn::zero_grad(net);
+        step(n);
+        eager[n] = result(n);
+    }
+    cuda::GraphCache cache(2);
+    const auto run = [&](std::int64_t n) {
+        nn::zero_grad(net);
+        cuda::GraphCache::Key key{n};
+        const auto sig = nn::structure_signature(net);
+        key.insert(key.end(), sig.begin(), sig.end());
+        const bool captured = cache.launch(key, ctx.exec.stream, [&] { step(n); });
+        CAPTURE(n);
+        CHECK(result(n) == eager.at(n));
+        return captured;
+    };
+    CHECK(run(2));
+    CHECK_FALSE(run(2));
+    CHECK(run(3));
+    CHECK(run(4));  // past the capacity: batch 2's graph, the least recently launched, is dropped
+    CHECK(cache.size() == 2);
+    CHECK_FALSE(run(3));
+    CHECK(run(2));  // captured again
+    CHECK_FALSE(run(3));
+    // A parameter replaced (same shape, new memory): the module's signature changes.
+    const auto before = nn::structure_signature(net);
+    auto& weight = net.get<0>().weight.value;
+    weight = Tensor<float, Cuda>(weight);
+    CHECK(nn::structure_signature(net) != before);
+    CHECK(run(3));  // not the stale graph of the old weight's address
+    cache.clear();
+    CHECK(cache.size() == 0);
+    CHECK(run(3));
+    CHECK_THROWS_AS(cuda::GraphCache(0), UsageError);
 }
 
 // Issue 27 (Note [ReLU mask from x]): a fused ReLU after SyncBatchNorm on CUDA saved a byte per

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -213,7 +214,11 @@ private:
 // - Memory the stream-ordered allocator gives inside the capture is the graph's: a tensor made
 //   there must also be released there (temporaries of a step are).
 // - A collective in a graph meets its peers' collectives at each launch: every replica launches
-//   its graph of the same collectives, in the same order, as an eager step would enqueue them.
+//   its graph of the same collectives, in the same order, as an eager step would enqueue them. A
+//   graph holds its communicators: after an abort or a group rebuild, capture again.
+// - A graph holds the addresses it was captured with: `GraphCache` keys graphs by everything
+//   they depend on (the input's shape, nn::structure_signature of the module), so a new shape or
+//   a replaced parameter captures again.
 // On the host CUDA device a kernel is a host function whose parameters live in a heap block; a GPU
 // graph keeps a kernel's parameters in its node, and here the graph keeps the block, as a user
 // object freed with the graph (launch.cuh).
@@ -293,6 +298,63 @@ private:
     cudaGraph_t graph_ = nullptr;
     cudaGraphExec_t exec_ = nullptr;
     int device_ = -1;
+};
+
+//! Captured graphs by what they depend on, at most `capacity` of them, the least recently
+//! launched dropped first (Note [graphs]). A key is compared whole: say in it everything the
+//! recorded work depends on, such as the input's shape and nn::structure_signature of the module,
+//! so that a new shape or a changed module captures again instead of launching a stale graph.
+class GraphCache {
+public:
+    using Key = std::vector<std::int64_t>;
+
+    explicit GraphCache(std::size_t capacity = 8) : capacity_(capacity) {
+        LOCKSTEP_CHECK_AS(UsageError, capacity > 0, "a cuda::GraphCache holds at least one graph");
+    }
+
+    //! Launches the graph kept for `key` on `stream`; without one, first captures `record` on
+    //! `stream` (Graph::capture), dropping the least recently launched graph past the capacity.
+    //! Returns whether it captured. A capture that throws keeps nothing.
+    template <class Record>
+    bool launch(const Key& key, cudaStream_t stream, Record&& record) {
+        bool captured = false;
+        auto it = index_.find(key);
+        if (it == index_.end()) {
+            Graph g = Graph::capture(stream, std::forward<Record>(record));
+            if (order_.size() >= capacity_) {
+                index_.erase(order_.back().first);
+                order_.pop_back();  // its graph is destroyed; its launches already enqueued still run
+            }
+            order_.emplace_front(key, std::move(g));
+            it = index_.emplace(key, order_.begin()).first;
+            captured = true;
+        } else {
+            order_.splice(order_.begin(), order_, it->second);  // most recent first
+        }
+        it->second->second.launch(stream);
+        return captured;
+    }
+
+    //! Drops every graph: after an abort or a group rebuild, whose communicators the graphs hold.
+    void clear() noexcept {
+        index_.clear();
+        order_.clear();
+    }
+    bool contains(const Key& key) const { return index_.count(key) != 0; }
+    std::size_t size() const noexcept { return order_.size(); }
+    std::size_t capacity() const noexcept { return capacity_; }
+
+private:
+    struct KeyHash {
+        std::size_t operator()(const Key& k) const noexcept {
+            std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the values; equality decides
+            for (const std::int64_t v : k) h = (h ^ static_cast<std::uint64_t>(v)) * 1099511628211ull;
+            return static_cast<std::size_t>(h);
+        }
+    };
+    std::size_t capacity_;
+    std::list<std::pair<Key, Graph>> order_;  // most recently launched first
+    std::unordered_map<Key, std::list<std::pair<Key, Graph>>::iterator, KeyHash> index_;
 };
 
 //! How long a host wait on the device may last where no replica group says (a DataParallel

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/error.hpp"
@@ -179,6 +180,31 @@ M clone(const M& module, Device device) {
 template <class M>
 void zero_grad(M& module) {
     for_each_parameter(module, [](const std::string&, auto& p) { p.grad.zero(); });
+}
+
+//! What a captured step of `module` depends on besides its input (Note [graphs] in
+//! core/cuda_runtime.cuh): the number of parameters, and for every parameter its value's and
+//! gradient's shape and address, and for every buffer its shape and address. Two calls give equal
+//! signatures exactly when nothing a capture recorded of the module has changed: a parameter
+//! replaced, resized or moved gives another. Compared whole, never hashed alone.
+template <class M>
+std::vector<std::int64_t> structure_signature(const M& m) {
+    std::vector<std::int64_t> sig{0};
+    const auto add = [&](const auto& t) {
+        sig.push_back(static_cast<std::int64_t>(t.rank()));
+        for (std::int64_t d = 0; d < t.rank(); ++d) sig.push_back(t.dim(d));
+        const void* where = t.data();  // seam: the address as an identity, never read through
+        sig.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(where)));
+    };
+    walk(
+        m,
+        [&](const std::string&, const auto& p) {
+            ++sig[0];
+            add(p.value);
+            add(p.grad);
+        },
+        [&](const std::string&, const auto& t) { add(t); });
+    return sig;
 }
 
 //! Number of trainable values.
