@@ -85,11 +85,22 @@ std::size_t extent(int rows, int cols, int ld) {
 }
 
 //! The operand [p + first .. p + last element of the batch) lies in a device block of `device`.
-bool operand_ok(const float* p, int rows, int cols, int ld, long long stride, int batch, int device) {
+//! The bytes a batched operand spans (0: none); false for a negative stride.
+bool operand_bytes(int rows, int cols, int ld, long long stride, int batch, std::size_t& bytes) {
     const std::size_t one = extent(rows, cols, ld);
+    bytes = 0;
     if (one == 0 || batch == 0) return true;
     if (stride < 0) return false;
-    const std::size_t bytes = static_cast<std::size_t>(stride) * static_cast<std::size_t>(batch - 1) * sizeof(float) + one;
+    bytes = static_cast<std::size_t>(stride) * static_cast<std::size_t>(batch - 1) * sizeof(float) + one;
+    return true;
+}
+
+bool operand_ok(const float* p, int rows, int cols, int ld, long long stride, int batch, int device,
+                std::vector<std::pair<const void*, std::size_t>>& ranges) {
+    std::size_t bytes = 0;
+    if (!operand_bytes(rows, cols, ld, stride, batch, bytes)) return false;
+    if (bytes == 0) return true;
+    ranges.emplace_back(p, bytes);
     return device_of_range(p, bytes) == device;
 }
 
@@ -106,17 +117,20 @@ cublasStatus_t sgemm_batched(cublasHandle_t handle, cublasOperation_t transa, cu
         return CUBLAS_STATUS_INVALID_VALUE;
     if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
     if (m == 0 || n == 0 || batchCount == 0) return CUBLAS_STATUS_SUCCESS;
-    if (!operand_ok(A, ta ? k : m, ta ? m : k, lda, strideA, batchCount, h->device) ||
-        !operand_ok(B, tb ? n : k, tb ? k : n, ldb, strideB, batchCount, h->device) ||
-        !operand_ok(C, m, n, ldc, strideC, batchCount, h->device))
+    std::vector<std::pair<const void*, std::size_t>> ranges;
+    if (!operand_ok(A, ta ? k : m, ta ? m : k, lda, strideA, batchCount, h->device, ranges) ||
+        !operand_ok(B, tb ? n : k, tb ? k : n, ldb, strideB, batchCount, h->device, ranges) ||
+        !operand_ok(C, m, n, ldc, strideC, batchCount, h->device, ranges))
         return CUBLAS_STATUS_INVALID_VALUE;
     if (h->workspace != nullptr && device_of_range(h->workspace, h->workspace_bytes) != h->device)
         return CUBLAS_STATUS_EXECUTION_FAILED;  // its workspace was freed
+    if (h->workspace != nullptr) ranges.emplace_back(h->workspace, h->workspace_bytes);
     // The kernel runs on the current device with the handle's stream: a stream that is gone, or
     // of another device, fails the launch.
     std::shared_ptr<Stream> s;
     if (current_device() != h->device || stream_for_work(h->stream, s) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     Op op;
+    op.device_ranges = std::move(ranges);
     const float a = *alpha, b = *beta;  // host pointer mode: read at the call
     const bool tf32 = (h->math & 0xF) == CUBLAS_TF32_TENSOR_OP_MATH;
     op.body = [=] {

@@ -266,6 +266,7 @@ struct Admitted {
     std::shared_ptr<Stream> stream;
     float alpha = 1, beta = 0;
     float* work = nullptr;
+    std::vector<std::pair<const void*, std::size_t>> ranges;  // the operands and the workspace used
 };
 
 //! The checks every convolution call makes, the operands' pointers first.
@@ -288,6 +289,9 @@ cudnnStatus_t admit(cudnnHandle_t handle, const Geometry& g, Direction d, int al
     out.alpha = *static_cast<const float*>(alpha);
     out.beta = *static_cast<const float*>(beta);
     out.work = o->memory > 0 ? static_cast<float*>(work) : nullptr;
+    for (const auto& [p, bytes] : operands)
+        if (bytes > 0) out.ranges.emplace_back(p, bytes);
+    if (o->memory > 0) out.ranges.emplace_back(work, o->memory);
     State& st = state();
     std::lock_guard lock(st.m);
     st.calls.push_back({handle->device, letter(d), algo, g.tf32, work_bytes, g.N, g.C, g.H, g.W, g.O});
@@ -511,6 +515,7 @@ cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t handle, const void* alpha, c
             blend(ys + std::int64_t{n} * g.O * P, out.data(), out.size(), a, b);
         }
     };
+    op.device_ranges = call.ranges;
     enqueue(call.stream, std::move(op));
     return CUDNN_STATUS_SUCCESS;
 }
@@ -547,6 +552,7 @@ cudnnStatus_t cudnnConvolutionBackwardData(cudnnHandle_t handle, const void* alp
             blend(dxs + n * image, img.data(), img.size(), a, b);
         }
     };
+    op.device_ranges = call.ranges;
     enqueue(call.stream, std::move(op));
     return CUDNN_STATUS_SUCCESS;
 }
@@ -581,6 +587,7 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t handle, const void* a
         }
         blend(dws, acc.data(), acc.size(), a, b);
     };
+    op.device_ranges = call.ranges;
     enqueue(call.stream, std::move(op));
     return CUDNN_STATUS_SUCCESS;
 }

@@ -37,6 +37,9 @@ struct Op {
     //! Device work is dropped once its device holds a sticky error (the context is dead);
     //! bookkeeping (stream-ordered frees, event timestamps) still runs.
     bool device_work = true;
+    //! The device memory it reads or writes, where the call knows it (copies, memsets, cuBLAS,
+    //! cuDNN): checked again at each launch of a graph that captured it (graphs.cpp).
+    std::vector<std::pair<const void*, std::size_t>> device_ranges;
 };
 
 //! An asynchronous FIFO queue with its own worker thread. `m` guards the queue only (host
@@ -163,6 +166,9 @@ void reset_captures();
 void capture_op(const std::shared_ptr<Stream>& s, Op op);
 //! Records a node whose work `submit` does at each replay (a collective, which numbers itself then).
 void capture_submit(const std::shared_ptr<Stream>& s, Submit submit);
+//! An op that puts `device` in a sticky cudaErrorIllegalAddress when it runs, after printing
+//! "host CUDA device: <what>": a graph's work on memory or a communicator gone since its capture.
+Op fault_op(int device, std::string what);
 //! Records a kernel launch node: planned for the injections at each replay, as an eager launch.
 void capture_launch(const std::shared_ptr<Stream>& s, cudaHostFn_t fn, void* data, std::string name);
 //! A "potentially unsafe" call during a capture (cudaMalloc, cudaFree, synchronous copies,

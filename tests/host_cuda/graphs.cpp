@@ -3,10 +3,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
@@ -35,6 +37,7 @@ struct Node {
     cudaHostFn_t fn = nullptr;
     void* data = nullptr;
     std::string name;
+    std::vector<std::pair<const void*, std::size_t>> device_ranges;  // checked again at each launch
 };
 
 //! What a graph is, shared by the graph handle and its executables; the last replay may release it.
@@ -197,6 +200,7 @@ cudaError_t capture_admits(const std::shared_ptr<Stream>& s, bool invalidate) {
 
 void capture_op(const std::shared_ptr<Stream>& s, Op op) {
     Node n;
+    n.device_ranges = op.device_ranges;
     n.submit = [op = std::move(op)](const std::shared_ptr<Stream>& lane, std::vector<Dep> deps) {
         Op o;
         o.deps = std::move(deps);
@@ -336,6 +340,15 @@ cudaError_t capture_free(const std::shared_ptr<Stream>& s, void* p) {
     // The double's graphs free only what they allocated (CUDA could free other memory once).
     s->capture->invalidated = true;
     return fail(cudaErrorStreamCaptureUnsupported);
+}
+
+Op fault_op(int device, std::string what) {
+    Op op;
+    op.body = [device, what = std::move(what)] {
+        std::fprintf(stderr, "host CUDA device: %s\n", what.c_str());
+        set_sticky(device, cudaErrorIllegalAddress);
+    };
+    return op;
 }
 
 void reset_captures() {
@@ -530,7 +543,17 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
         auto& lane_last = last[static_cast<std::size_t>(n.lane)];
         if (lane_last == 0) deps.push_back({s, start});  // the lane's first node: after the stream's earlier work
         const auto& lane = lanes[static_cast<std::size_t>(n.lane)];
-        if (n.fn != nullptr) {
+        // A GPU graph's copy or library call on memory freed since its capture faults (the
+        // memory a graph allocates itself stays its own).
+        const auto gone = std::find_if(n.device_ranges.begin(), n.device_ranges.end(),
+                                       [&](const auto& r) { return device_of_range(r.first, r.second) != data->device; });
+        if (gone != n.device_ranges.end()) {
+            Op op = fault_op(data->device, "a graph launch reads or writes " + std::to_string(gone->second) +
+                                               " bytes of device memory freed since its capture (cudaErrorIllegalAddress); "
+                                               "capture it again");
+            op.deps = std::move(deps);
+            seq[i] = enqueue(lane, std::move(op));
+        } else if (n.fn != nullptr) {
             Op op = launch_op(n.fn, n.data, plans[i], data->device);
             op.deps = std::move(deps);
             seq[i] = enqueue(lane, std::move(op));

@@ -637,16 +637,20 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
             if (comm->aborted.load() || comm->destroyed.load()) {
                 // A GPU graph whose communicator is gone runs a kernel on freed NCCL state: a fault
                 // or a hang. The double faults, named: such a graph must be captured again.
-                Op op;
+                Op op = fault_op(comm->device, std::string("a graph launched ") + c.name + " of rank " +
+                                                   std::to_string(comm->rank) + " after its communicator was " +
+                                                   (comm->destroyed.load() ? "destroyed" : "aborted") +
+                                                   " (cudaErrorIllegalAddress); capture it again on the new communicator");
                 op.deps = std::move(deps);
-                op.body = [device = comm->device, rank = comm->rank, name = c.name,
-                           what = comm->destroyed.load() ? "destroyed" : "aborted"] {
-                    std::fprintf(stderr,
-                                 "host NCCL: a graph launched %s of rank %d on device %d after its communicator was %s "
-                                 "(cudaErrorIllegalAddress); capture it again on the new communicator\n",
-                                 name, rank, device, what);
-                    set_sticky(device, cudaErrorIllegalAddress);
-                };
+                return enqueue(lane, std::move(op));
+            }
+            const std::size_t bytes = c.count * type_size(c.type);
+            if ((c.root < 0 || c.root == comm->rank ? device_of_range(c.send, bytes) != comm->device : false) ||
+                device_of_range(c.recv, bytes) != comm->device) {
+                Op op =
+                    fault_op(comm->device, std::string("a graph launched ") + c.name + " of rank " + std::to_string(comm->rank) +
+                                               " on a buffer freed since its capture (cudaErrorIllegalAddress)");
+                op.deps = std::move(deps);
                 return enqueue(lane, std::move(op));
             }
             return submit_collective(comm, lane, c, std::move(deps));

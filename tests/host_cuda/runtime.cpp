@@ -308,6 +308,8 @@ cudaError_t copy(void* dst, const void* src, std::size_t count, cudaMemcpyKind k
     if (ds == Space::pageable || ss == Space::pageable)
         if (const cudaError_t e = capture_refuse(s); e != cudaSuccess) return e;
     Op op;
+    if (to_device) op.device_ranges.emplace_back(dst, count);
+    if (from_device) op.device_ranges.emplace_back(src, count);
     bool wait = false;
     if (!from_device && ss == Space::pageable && to_device) {
         // Pageable source: staged at the call, so the caller may reuse it at once.
@@ -338,6 +340,7 @@ cudaError_t memset_on(void* p, int value, std::size_t count, cudaStream_t h) {
     if (count == 0) return cudaSuccess;
     if (space_of(p, count) != Space::device) return fail(cudaErrorInvalidValue);
     Op op;
+    op.device_ranges.emplace_back(p, count);
     op.body = [p, value, count] { std::memset(p, value, count); };
     enqueue(s, std::move(op));
     return cudaSuccess;

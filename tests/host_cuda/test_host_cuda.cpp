@@ -1507,3 +1507,28 @@ TEST_CASE("host graphs: a collective failing at a replay fails that launch; new 
     }
     (void)cudaSetDevice(0);
 }
+
+TEST_CASE("host graphs: a launch on device memory freed since its capture faults") {
+    Fresh fresh;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    float* a = device_floats(4);
+    float* b = device_floats(4);
+    REQUIRE(cudaMemsetAsync(a, 0, 16, s) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(b, a, 16, cudaMemcpyDeviceToDevice, s) == cudaSuccess);
+    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaFree(b) == cudaSuccess);  // the graph still writes it
+    REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaErrorIllegalAddress);
+    hc::reset();
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+    REQUIRE(cudaFree(a) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}

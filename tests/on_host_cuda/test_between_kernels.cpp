@@ -666,10 +666,17 @@ TEST_CASE("a GraphCache captures each shape once, drops the least recently launc
     CHECK_FALSE(run(3));
     // A parameter replaced (same shape, new memory): the module's signature changes.
     const auto before = nn::structure_signature(net);
+    nn::zero_grad(net);
+    auto stale = cuda::Graph::capture(ctx.exec.stream, [&] { step(3); });  // made with the old weight
     auto& weight = net.get<0>().weight.value;
     weight = Tensor<float, Cuda>(weight);
     CHECK(nn::structure_signature(net) != before);
     CHECK(run(3));  // not the stale graph of the old weight's address
+    // Which, launched, works on freed memory: a GPU faults, and so does the double.
+    stale.launch(ctx.exec.stream);
+    CHECK_THROWS_AS(kernels::Ops<Cuda>::wait(ctx.exec, "the stale graph"), DeviceError);
+    host_cuda::reset();  // the device's sticky error, for the rest of the case
+    stale = cuda::Graph();
     cache.clear();
     CHECK(cache.size() == 0);
     CHECK(run(3));
