@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -105,12 +107,7 @@ BENCHMARK(BM_Group)->ArgName("count")->Arg(129)->Arg(6553600)->UseManualTime()->
 
 int main(int argc, char** argv) {
     const int gpus = lockstep::cuda::device_count();
-    if (gpus == 0) {
-        std::puts("no GPU: nothing to benchmark");
-        return 0;
-    }
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    if (const auto done = lockstep::bench::start_gpu_benchmark(gpus, &argc, argv)) return *done;
     try {
         world = std::make_unique<World>();
         World& w = *world;

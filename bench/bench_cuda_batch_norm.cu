@@ -39,6 +39,8 @@
 #include <utility>
 #include <vector>
 
+#include "bench_util.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -550,12 +552,7 @@ void print_goals(const std::string& device) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (lockstep::cuda::device_count() == 0) {
-        std::puts("no GPU: nothing to benchmark");
-        return 0;
-    }
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    if (const auto done = lockstep::bench::start_gpu_benchmark(lockstep::cuda::device_count(), &argc, argv)) return *done;
     std::string device = "GPU 0";
     try {
         resources = std::make_unique<Resources>(lockstep::Device::cuda(0));

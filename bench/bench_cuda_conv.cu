@@ -18,6 +18,8 @@
 #include <string>
 #include <tuple>
 
+#include "bench_util.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -81,12 +83,7 @@ BENCHMARK(BM_CudaConv)
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (lockstep::cuda::device_count() == 0) {
-        std::puts("no GPU: nothing to benchmark");
-        return 0;
-    }
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    if (const auto done = lockstep::bench::start_gpu_benchmark(lockstep::cuda::device_count(), &argc, argv)) return *done;
     benchmark::RunSpecifiedBenchmarks();
     benchmark::Shutdown();
     // One line per math: cuDNN over im2col at each batch (the GPU check reports it).

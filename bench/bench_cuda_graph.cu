@@ -22,6 +22,8 @@
 
 #include "../examples/mnist/net.hpp"
 
+#include "bench_util.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -105,12 +107,7 @@ BENCHMARK(BM_CudaGraphStep)
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (lockstep::cuda::device_count() == 0) {
-        std::puts("no GPU: nothing to benchmark");
-        return 0;
-    }
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    if (const auto done = lockstep::bench::start_gpu_benchmark(lockstep::cuda::device_count(), &argc, argv)) return *done;
     benchmark::RunSpecifiedBenchmarks();
     benchmark::Shutdown();
     for (const std::int64_t batch : {64, 256}) {

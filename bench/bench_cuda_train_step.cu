@@ -22,6 +22,8 @@
 
 #include "../examples/mnist/net.hpp"
 
+#include "bench_util.hpp"
+
 namespace {
 
 using namespace lockstep;
@@ -65,12 +67,7 @@ BENCHMARK(BM_CudaTrainStep)->ArgName("replicas")->Arg(1)->Arg(2)->Arg(4)->UseRea
 
 int main(int argc, char** argv) {
     gpus = lockstep::cuda::device_count();
-    if (gpus == 0) {
-        std::puts("no GPU: nothing to benchmark");
-        return 0;
-    }
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    if (const auto done = lockstep::bench::start_gpu_benchmark(gpus, &argc, argv)) return *done;
     benchmark::AddCustomContext("gpus", std::to_string(gpus));
     benchmark::RunSpecifiedBenchmarks();
     benchmark::Shutdown();

@@ -1,11 +1,16 @@
 // SPDX-License-Identifier: MIT
-//! Helpers shared by lockstep's benchmarks: memcpy bandwidth as the in-process yardstick.
+//! Helpers shared by lockstep's benchmarks: memcpy bandwidth as the in-process yardstick, and the
+//! start of a benchmark that needs a GPU.
 #pragma once
+
+#include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace lockstep::bench {
@@ -29,6 +34,20 @@ inline double memcpy_bandwidth(std::size_t bytes) {
         best = std::min(best, s);
     }
     return static_cast<double>(bytes) / best;
+}
+
+//! The start of a benchmark that needs a GPU, given the number of GPUs: with none it prints
+//! "no GPU: nothing to benchmark" (the program exits 0: the GPU check and CI read that line);
+//! otherwise Google Benchmark takes its arguments (one it does not know: exit 1). Returns the
+//! status to exit with, or nothing to go on and run the benchmarks.
+inline std::optional<int> start_gpu_benchmark(int gpus, int* argc, char** argv) {
+    if (gpus == 0) {
+        std::puts("no GPU: nothing to benchmark");
+        return 0;
+    }
+    benchmark::Initialize(argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(*argc, argv)) return 1;
+    return std::nullopt;
 }
 
 }  // namespace lockstep::bench

@@ -122,6 +122,13 @@ void append(Capture& c, const Stream& s, Node n) {
     c.data->nodes.push_back(std::move(n));
 }
 
+//! Appends `n` to the capture of `s`; dropped where the capture has ended or failed (its end says so).
+void record(const std::shared_ptr<Stream>& s, Node n) {
+    Graphs& g = graphs();
+    std::lock_guard lock(g.m);
+    if (s->capture != nullptr && !s->capture->invalidated) append(*s->capture, *s, std::move(n));
+}
+
 std::vector<int> tail_of(const LaneState& l) {
     std::vector<int> t = l.pending;
     if (l.last >= 0) t.push_back(l.last);
@@ -208,17 +215,13 @@ void capture_op(const std::shared_ptr<Stream>& s, Op op) {
         o.device_work = op.device_work;
         return enqueue(lane, std::move(o));
     };
-    Graphs& g = graphs();
-    std::lock_guard lock(g.m);
-    if (s->capture != nullptr && !s->capture->invalidated) append(*s->capture, *s, std::move(n));
+    record(s, std::move(n));
 }
 
 void capture_submit(const std::shared_ptr<Stream>& s, Submit submit) {
     Node n;
     n.submit = std::move(submit);
-    Graphs& g = graphs();
-    std::lock_guard lock(g.m);
-    if (s->capture != nullptr && !s->capture->invalidated) append(*s->capture, *s, std::move(n));
+    record(s, std::move(n));
 }
 
 void capture_launch(const std::shared_ptr<Stream>& s, cudaHostFn_t fn, void* data, std::string name) {
@@ -226,9 +229,7 @@ void capture_launch(const std::shared_ptr<Stream>& s, cudaHostFn_t fn, void* dat
     n.fn = fn;
     n.data = data;
     n.name = std::move(name);
-    Graphs& g = graphs();
-    std::lock_guard lock(g.m);
-    if (s->capture != nullptr && !s->capture->invalidated) append(*s->capture, *s, std::move(n));
+    record(s, std::move(n));
 }
 
 cudaError_t capture_unsafe_call() {
