@@ -4,12 +4,15 @@
 //! process. Reports images/s of each, `vs_eager` (the graph's images/s over the eager path's at the
 //! same batch), and `cpu_per_gpu`: the host CPU time that enqueues a step (the calling thread's
 //! CPU clock around the enqueue, the wait excluded) over the step's GPU time (CUDA events around
-//! it on the stream); the goal for a captured step is under 0.1. Prints "no GPU" and exits 0 where
-//! there is none.
+//! it on the stream); the goal for a captured step is under 0.1. Then the same network trained
+//! by DataParallel::train_step on one replica, eagerly and with DataParallelOptions::graphs
+//! (images/s, `vs_eager`). Prints "no GPU" and exits 0 where there is none.
 #include <benchmark/benchmark.h>
 
 #include <lockstep/cuda.cuh>
+#include <lockstep/host.hpp>
 #include <lockstep/nn.hpp>
+#include <lockstep/parallel.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -19,6 +22,7 @@
 #include <random>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "../examples/mnist/net.hpp"
 
@@ -104,6 +108,45 @@ BENCHMARK(BM_CudaGraphStep)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
+// DataParallel's own captured steps (DataParallelOptions::graphs, Note [captured steps]): the
+// example network trained by train_step on one replica, SGD with momentum, eager and with graphs.
+std::map<std::pair<int, std::int64_t>, double> dp_images_per_s;  // by (graphs, batch)
+
+void BM_DataParallelGraphs(benchmark::State& state) {
+    const bool graphs = state.range(0) != 0;
+    const std::int64_t batch = state.range(1);
+    try {
+        nn::Generator gen(1);
+        DataParallelOptions o;
+        o.graphs = graphs;
+        DataParallel<mnist::Net<Cuda>> dp(mnist::Net<Cuda>(gen), {Device::cuda(0)}, o);
+        nn::Sgd<Cuda> sgd({.lr = 0.01, .momentum = 0.9});
+        Tensor<float, Host> xh(Shape{batch, 1, 28, 28});
+        std::mt19937 rng(3);
+        std::uniform_real_distribution<float> u(0.0f, 1.0f);
+        for (float& v : xh.span()) v = u(rng);
+        std::vector<std::int64_t> labels(static_cast<std::size_t>(batch));
+        for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int64_t>(i % 10);
+        const auto x = xh.to<Cuda>(Device::cuda(0));
+        for (int i = 0; i < 3; ++i) (void)dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);  // captured at the 2nd
+        const auto t0 = std::chrono::steady_clock::now();
+        for (auto _ : state) benchmark::DoNotOptimize(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd));
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double ips = static_cast<double>(batch) * static_cast<double>(state.iterations()) / std::max(secs, 1e-12);
+        state.counters["images_per_s"] = ips;
+        state.counters["graph_launches"] = static_cast<double>(dp.graph_launches(0));
+        dp_images_per_s[{graphs ? 1 : 0, batch}] = ips;
+        if (graphs && dp_images_per_s.count({0, batch}) != 0) state.counters["vs_eager"] = ips / dp_images_per_s[{0, batch}];
+    } catch (const std::exception& e) {
+        state.SkipWithError(e.what());
+    }
+}
+BENCHMARK(BM_DataParallelGraphs)
+    ->ArgNames({"graphs", "batch"})
+    ->ArgsProduct({{0, 1}, {64, 256}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -121,6 +164,15 @@ int main(int argc, char** argv) {
             "(goal < 0.1)\n",
             static_cast<long long>(batch), g->second.images_per_s / e->second.images_per_s, g->second.images_per_s,
             e->second.images_per_s, g->second.cpu_per_gpu, e->second.cpu_per_gpu);
+    }
+    for (const std::int64_t batch : {64, 256}) {
+        const auto e = dp_images_per_s.find({0, batch}), g = dp_images_per_s.find({1, batch});
+        if (e == dp_images_per_s.end() || g == dp_images_per_s.end()) {
+            std::printf("DataParallel graphs vs eager: batch %lld not run\n", static_cast<long long>(batch));
+            continue;
+        }
+        std::printf("DataParallel graphs vs eager: batch %lld vs_eager %.2f (images/s %.0f vs %.0f)\n",
+                    static_cast<long long>(batch), g->second / e->second, g->second, e->second);
     }
     return 0;
 }

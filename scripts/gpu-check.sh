@@ -181,7 +181,7 @@ plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
 plan+=("train|40|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024")
 plan+=("train_step|15|step_train_step|bench_cuda_train_step")
 plan+=("conv|15|step_conv|conv cuDNN vs im2col")
-plan+=("graph|15|step_graph|graph step vs eager")
+plan+=("graph|15|step_graph|graph step vs eager;DataParallel graphs vs eager")
 plan+=("syncbn|30|step_syncbn|SyncBN benchmark")
 plan+=("allreduce|15|step_allreduce|rendezvous_overhead")
 plan+=("sanitizers|20|step_sanitizers|$(IFS=';'; echo "${sanitizer_rows[*]}")")
@@ -435,14 +435,17 @@ step_conv() {
 }
 
 # The example network's forward and backward, eager and as one captured CUDA graph, in one process
-# (vs_eager; cpu_per_gpu: host CPU time to enqueue a step over its GPU time, goal < 0.1 for the graph).
+# (vs_eager; cpu_per_gpu: host CPU time to enqueue a step over its GPU time, goal < 0.1 for the graph);
+# then DataParallel::train_step of the same network, eager and with DataParallelOptions::graphs.
 step_graph() {
   capped 60 "$logs/bench_cuda_graph.log" "$bench/bench_cuda_graph" --benchmark_min_time=0.2
-  local lines
-  lines=$(grep '^graph step vs eager' "$logs/bench_cuda_graph.log" | tr '\n' ';')
-  if [[ -n $lines && $lines != *"not run"* ]]; then row "graph step vs eager" measured "${lines%;}"
-  elif ((rc == 124 || rc == 137)) && ((cut)); then row "graph step vs eager" "not run (budget)" "stopped after $lim s"
-  else row "graph step vs eager" FAIL "exit $rc: ${lines:-$(tail -1 "$logs/bench_cuda_graph.log")}"; fi
+  local lines what
+  for what in "graph step vs eager" "DataParallel graphs vs eager"; do
+    lines=$(grep "^$what" "$logs/bench_cuda_graph.log" | tr '\n' ';')
+    if [[ -n $lines && $lines != *"not run"* ]]; then row "$what" measured "${lines%;}"
+    elif ((rc == 124 || rc == 137)) && ((cut)); then row "$what" "not run (budget)" "stopped after $lim s"
+    else row "$what" FAIL "exit $rc: ${lines:-$(tail -1 "$logs/bench_cuda_graph.log")}"; fi
+  done
 }
 
 # ---- 5. SyncBatchNorm, all-reduce ---------------------------------------------------------------------------

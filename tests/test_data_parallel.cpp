@@ -811,6 +811,18 @@ TEST_CASE("Every math mode trains alike on the host, in strict fp32", "[parallel
                       Catch::Contains("DataParallelOptions::math is not a lockstep::Math (7)"));
 }
 
+// Issue 27: captured steps are CUDA graphs; the host backend refuses them by name rather than
+// running eagerly under an option that promises otherwise (Note [captured steps]).
+TEST_CASE("DataParallelOptions::graphs is refused on the host backend, naming it", "[parallel]") {
+    DataParallelOptions o;
+    o.graphs = true;
+    CHECK_THROWS_AS(DataParallel<Net>(make_net(5), 2, o), UsageError);
+    CHECK_THROWS_WITH(DataParallel<Net>(make_net(5), 2, o), Catch::Contains("DataParallelOptions::graphs"));
+    DataParallel<Net> dp(make_net(5), 2);
+    CHECK(dp.captured_graphs(0) == 0);
+    CHECK(dp.graph_launches(1) == 0);
+}
+
 TEST_CASE("A step that fails in backward changes no replica's parameters or optimizer state", "[parallel]") {
     Faulty proto{make_net(4)};
     DataParallel<Faulty> dp(proto, 3, {.timeout = 60s});

@@ -179,6 +179,9 @@ int main(int argc, char** argv) {
                    "how convolutions and linear layers may round on CUDA: pytorch_default (TF32 convolutions, "
                    "strict fp32 linear layers, as PyTorch), strict_fp32 or tf32; the host computes all in fp32")
         ->check(CLI::IsMember({"pytorch_default", "strict_fp32", "tf32"}));
+    app.add_flag("--graphs", opt.graphs,
+                 "CUDA: run each replica's training step as CUDA graphs, captured at its second step of each batch "
+                 "shape (one replica per GPU)");
     app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::Range(1, 1000));
     app.add_option("--batch", opt.batch, "global batch size")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
     // NaN passes a range check (every comparison with it is false): refuse it first.

@@ -57,6 +57,7 @@ struct Options {
     double expect_accuracy = -1;
     bool quiet = false;
     lockstep::Math math = lockstep::Math::pytorch_default;  // --math (Note [math modes])
+    bool graphs = false;                                    // --graphs (Note [captured steps]), CUDA only
 };
 
 // "name" or "name.gz" in dir, whichever exists.
@@ -292,7 +293,7 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     const auto& test = *test_data;
     // A step whose loss or gradients are NaN or infinite is refused (lockstep::NonFinite): the run
     // stops with the message, and nothing is saved over the last good checkpoint.
-    DataParallel<Model> dp(prototype, devices, {.check_finite = true, .math = opt.math, .process_group = procs});
+    DataParallel<Model> dp(prototype, devices, {.check_finite = true, .math = opt.math, .graphs = opt.graphs, .process_group = procs});
     if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
 
     std::ofstream metrics;
@@ -421,11 +422,15 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
                        {"images_used", images + evaluations * test.count()}});
     }
     const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+    // Captured steps (--graphs): replica 0's graphs captured and launched.
+    const std::string graphs = opt.graphs ? " | graphs: " + std::to_string(dp.captured_graphs(0)) + " captured, " +
+                                                std::to_string(dp.graph_launches(0)) + " launched"
+                                          : "";
     if (leader)
-        std::printf("test accuracy %.4f | replicas %d%s | backend %s | %lld steps | %.1f s total | %.0f img/s training\n",
+        std::printf("test accuracy %.4f | replicas %d%s | backend %s | %lld steps | %.1f s total | %.0f img/s training%s\n",
                     last.accuracy, replicas, procs ? (" over " + std::to_string(processes) + " processes").c_str() : "",
                     std::string(B::name).c_str(), static_cast<long long>(step), total_s,
-                    train_seconds > 0 ? static_cast<double>(images) / train_seconds : 0.0);
+                    train_seconds > 0 ? static_cast<double>(images) / train_seconds : 0.0, graphs.c_str());
     if (opt.expect_accuracy >= 0 && last.accuracy < opt.expect_accuracy) {
         std::fprintf(stderr, "mnist: test accuracy %.4f is below the expected %.4f\n", last.accuracy, opt.expect_accuracy);
         return 1;

@@ -11,6 +11,7 @@
 #include <lockstep/parallel.hpp>
 
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -98,6 +99,24 @@ std::size_t threads_now() {
     std::size_t n = 0;
     for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
     return n;
+}
+
+//! A replica's parameters and float buffers (the checkpoint shows replica 0's only).
+std::vector<float> replica_values(const Small<Cuda>& m) {
+    std::vector<float> all;
+    nn::walk(
+        m,
+        [&](const std::string&, const auto& p) {
+            const auto h = p.value.to_host();
+            all.insert(all.end(), h.data(), h.data() + h.numel());
+        },
+        [&](const std::string&, const auto& t) {
+            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(t)>, Tensor<float, Cuda>>) {
+                const auto h = t.to_host();
+                all.insert(all.end(), h.data(), h.data() + h.numel());
+            }
+        });
+    return all;
 }
 
 }  // namespace
@@ -357,4 +376,247 @@ TEST_CASE("teardown after an aborted step leaves no thread running", "[hostcuda]
         host_cuda::fail_nccl(0, 0);
     }
     CHECK(settle(baseline) <= baseline);
+}
+
+// Issue 27, item 3 (Note [captured steps]): DataParallelOptions::graphs runs a replica's step as
+// graph (a) (forward, loss, backward, SyncBatchNorm and bucket collectives) and graph (b)
+// (clipping and the update) with the commit point between them. Each step must give the bits of
+// an eager step, for a first shape, an uneven second one and the first again from the cache.
+// Mutation-checked: a graph (a) without finish_buckets (its buckets never joined) fails the
+// capture; clipping left out of graph (b) fails the comparison.
+TEST_CASE("captured steps train as eager steps do, bit for bit, across shapes and from the cache", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(10));
+    o.clip_grad_norm = 0.5;
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    const auto a = make_batch(10, 51), b = make_batch(9, 52);  // shards of 5 and 5, then of 5 and 4
+    const auto xa = a.x.to<Cuda>(Device::cuda(0)), xb = b.x.to<Cuda>(Device::cuda(0));
+    const auto step = [&](const Tensor<float, Cuda>& x, const std::vector<std::int64_t>& labels) {
+        const auto e = eager.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        const auto g = graphed.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+        CHECK(g.loss == e.loss);
+        CHECK(g.correct == e.correct);
+    };
+    const auto same = [&] {
+        const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
+        for (const auto& name : e.names()) {
+            CAPTURE(name);
+            CHECK(g.at(name).data == e.at(name).data);
+        }
+    };
+    for (int i = 0; i < 5; ++i) step(xa, a.labels);
+    same();
+    // (a) and (b): eager (the workspace grown, the momentum buffers made), then captured and
+    // launched, then launched 3 more times.
+    for (int r = 0; r < 2; ++r) {
+        CAPTURE(r);
+        CHECK(graphed.captured_graphs(r) == 2);
+        CHECK(graphed.graph_launches(r) == 8);
+    }
+    for (int i = 0; i < 2; ++i) step(xb, b.labels);  // a new shape: eager, then captured; (b) launched
+    for (int i = 0; i < 2; ++i) step(xa, a.labels);  // the first shape's graph, from the cache
+    same();
+    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+    CHECK(graphed.captured_graphs(0) == 3);
+    CHECK(graphed.graph_launches(0) == 15);
+    CHECK(eager.captured_graphs(0) == 0);
+}
+
+// A step that fails drops every replica's graphs: they hold the communicators the failure
+// aborted. The next step runs eagerly on rebuilt ones, the one after captures again, and the
+// model ends where an eager model that never met the failure ends (with check_finite the failed
+// step leaves nothing behind). Mutation-checked: without drop_graphs the next step launches the
+// old graph, whose collectives fault on their destroyed communicators.
+TEST_CASE("a failed captured step drops the graphs, and the steps after it capture again", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(5));
+    o.check_finite = true;
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05}), sgd_graphed({.lr = 0.05});
+    const auto a = make_batch(10, 61);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    for (int i = 0; i < 3; ++i) {
+        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+    }
+    REQUIRE(graphed.captured_graphs(1) == 2);  // (a) and (b), each at the second step
+    host_cuda::fail_nccl(1, 2);                // in the launch of graph (a)
+    CHECK_THROWS(graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed));
+    host_cuda::fail_nccl(1, 0);
+    CHECK_FALSE(graphed.diverged());
+    const auto launched = graphed.graph_launches(1);
+    (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+    (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+    CHECK(graphed.graph_launches(1) == launched);  // eagerly, on rebuilt communicators
+    for (int i = 0; i < 2; ++i) {
+        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+    }
+    CHECK(graphed.captured_graphs(1) == 4);
+    const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
+    for (const auto& name : e.names()) {
+        CAPTURE(name);
+        CHECK(g.at(name).data == e.at(name).data);
+    }
+}
+
+// Labels are host values a graph cannot check: before each launch the loss's check_targets
+// checks them against the output shape of the capture, so a label out of range is the loss's
+// own error, and no replica applies the step. Graphs are CUDA's, one replica per GPU.
+TEST_CASE("captured steps check their labels before each launch, and what graphs cannot do is refused", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(5));
+    o.graphs = true;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05});
+    auto a = make_batch(10, 71);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    for (int i = 0; i < 3; ++i) (void)dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    REQUIRE(dp.captured_graphs(0) == 2);
+    const auto before = dp.checkpoint(sgd);
+    auto bad = a.labels;
+    bad[7] = 7;  // 7 classes: [0, 7)
+    CHECK_THROWS_WITH(dp.train_step(x, bad, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("label 7 of sample 2"));
+    const auto after = dp.checkpoint(sgd);
+    for (const auto& name : before.names()) CHECK(after.at(name).data == before.at(name).data);
+    CHECK_NOTHROW(dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd));
+
+    o.graphs = true;
+    CHECK_THROWS_WITH((DataParallel<Small<Cuda>>(make_small<Cuda>(), {Device::cuda(0), Device::cuda(0)}, o)),
+                      Catch::Contains("one replica per GPU"));
+    o.graph_capacity = 0;
+    CHECK_THROWS_AS((DataParallel<Small<Cuda>>(make_small<Cuda>(), two, o)), UsageError);
+}
+
+// The other paths of a step with graphs: targets that are a tensor (MseLoss, copied into the
+// graph's own tensor before each launch), buckets all-reduced after backward (overlap off), and
+// a step after accumulate(), which runs eagerly (its weights are the call's host numbers), each
+// giving the eager model's bits.
+TEST_CASE("captured steps with tensor targets, without overlap and after accumulate give the eager bits", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(10));
+    o.overlap = GENERATE(true, false);
+    CAPTURE(o.overlap);
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}),
+        sgd_graphed({.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3});
+    std::vector<Tensor<float, Cuda>> xs, ys;
+    std::mt19937 rng(81);
+    std::normal_distribution<float> d;
+    for (int i = 0; i < 4; ++i) {
+        const auto b = make_batch(11, 82 + static_cast<std::uint64_t>(i));  // shards of 6 and 5
+        Tensor<float, Host> y(Shape{11, 7});
+        for (float& v : y.span()) v = d(rng);
+        xs.push_back(b.x.to<Cuda>(Device::cuda(0)));
+        ys.push_back(y.to<Cuda>(Device::cuda(0)));
+    }
+    for (int i = 0; i < 6; ++i) {
+        const auto& x = xs[static_cast<std::size_t>(i % 4)];
+        const auto& y = ys[static_cast<std::size_t>(i % 4)];
+        if (i == 4) {  // a micro-batch first: this step's (a) runs eagerly
+            eager.accumulate(xs[0], ys[0], nn::MseLoss{});
+            graphed.accumulate(xs[0], ys[0], nn::MseLoss{});
+        }
+        const auto e = eager.train_step(x, y, nn::MseLoss{}, sgd_eager);
+        const auto g = graphed.train_step(x, y, nn::MseLoss{}, sgd_graphed);
+        CAPTURE(i);
+        CHECK(g.loss == e.loss);
+        CHECK(g.count == e.count);
+    }
+    // (a): eager, captured at step 2, launched at 2, 3, 4 and 6 (5 followed accumulate);
+    // (b): eager, then captured at 2 and launched at 2 to 6.
+    CHECK(graphed.captured_graphs(1) == 2);
+    CHECK(graphed.graph_launches(1) == 9);
+    const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
+    for (const auto& name : e.names()) {
+        CAPTURE(name);
+        CHECK(g.at(name).data == e.at(name).data);
+    }
+}
+
+namespace {
+// SoftmaxCrossEntropy with a host setting: what a captured step would keep as it was at capture.
+struct WeightedLoss {
+    double weight = 1;
+    template <class B, class Targets>
+    nn::LossOutput<B> operator()(const nn::Context<B>& ctx, const Tensor<float, B>& out, const Targets& labels) const {
+        auto lo = nn::SoftmaxCrossEntropy{}(ctx, out, labels);
+        kernels::Ops<B>::scale(ctx.exec, lo.grad, weight);
+        return lo;
+    }
+};
+struct KeyedWeightedLoss : WeightedLoss {
+    std::vector<std::int64_t> graph_key() const { return {std::bit_cast<std::int64_t>(weight)}; }
+};
+}  // namespace
+
+// The replicas decide together whether a step runs eagerly, is captured or is launched: a
+// replica that launched while a peer captured would skip the rendezvous the peer waits in. Here
+// replica 1's shard grows from 1 to 2 rows, so only its workspace moves and only its key of the
+// 3-row batch changes. Then: a training-mode forward() right before a capture (the layers hold
+// what a capture would free: that step runs eagerly), a new learning rate (a new key for the
+// update), and a loss with a host setting (refused without a graph_key, captured with one).
+// Mutation-checked: each replica deciding alone fails the first part with a collective mismatch;
+// without the forward() mark the capture is refused.
+TEST_CASE("replicas agree on capturing a step, and what a graph would freeze makes a new key or is refused", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    // im2col convolutions, whose workspace grows with the shard (read once per process: ctest runs
+    // each case in its own).
+    ::setenv("LOCKSTEP_CUDNN", "0", 1);
+    auto o = options(std::chrono::seconds(10));
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    const auto nine = make_batch(3, 91), ten = make_batch(4, 92);  // shards of 2 and 1, then 2 and 2
+    const auto x9 = nine.x.to<Cuda>(Device::cuda(0)), x10 = ten.x.to<Cuda>(Device::cuda(0));
+    const auto step = [&](const Tensor<float, Cuda>& x, const std::vector<std::int64_t>& labels, const auto& loss) {
+        const auto e = eager.train_step(x, labels, loss, sgd_eager);
+        const auto g = graphed.train_step(x, labels, loss, sgd_graphed);
+        CHECK(g.loss == e.loss);
+    };
+    const auto same = [&] {
+        const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
+        for (const auto& name : e.names()) {
+            CAPTURE(name);
+            CHECK(g.at(name).data == e.at(name).data);
+        }
+    };
+    const nn::SoftmaxCrossEntropy ce;
+    for (const bool big : {false, false, true, true, false, false, false})
+        big ? step(x10, ten.labels, ce) : step(x9, nine.labels, ce);
+    same();
+    // A training-mode forward before the step that would capture a new shape's graph.
+    const auto eight = make_batch(8, 93);
+    const auto x8 = eight.x.to<Cuda>(Device::cuda(0));
+    step(x8, eight.labels, ce);  // eagerly: the key ready
+    (void)eager.forward(x8), (void)graphed.forward(x8);
+    const auto captured = graphed.captured_graphs(0);
+    step(x8, eight.labels, ce);  // eagerly again
+    CHECK(graphed.captured_graphs(0) == captured);
+    step(x8, eight.labels, ce);  // captured
+    CHECK(graphed.captured_graphs(0) > captured);
+    same();
+    // A new learning rate: the update runs eagerly once, then is captured with it.
+    sgd_eager.set_lr(0.02), sgd_graphed.set_lr(0.02);
+    for (int i = 0; i < 3; ++i) step(x8, eight.labels, ce);
+    same();
+    // A loss with a host setting: refused without graph_key, captured with it.
+    CHECK_THROWS_WITH(graphed.train_step(x8, eight.labels, WeightedLoss{0.5}, sgd_graphed), Catch::Contains("graph_key()"));
+    for (const double w : {0.5, 0.5, 0.5, 2.0, 2.0, 2.0}) step(x8, eight.labels, KeyedWeightedLoss{{w}});
+    same();
+    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+    ::unsetenv("LOCKSTEP_CUDNN");
 }

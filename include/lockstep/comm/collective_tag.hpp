@@ -90,7 +90,10 @@ struct CollectiveSite {
                                    : "layer " + n + " (collective " + std::to_string(part) + ")";
             case Kind::bucket: return "gradient bucket " + n;
             case Kind::broadcast: return "broadcast of tensor " + n;
-            case Kind::commit: return part == 0 ? "the commit barrier" : "the barrier after the optimizer step";
+            case Kind::commit:
+                return part == 0   ? "the commit barrier"
+                       : part == 1 ? "the barrier after the optimizer step"
+                                   : "the replicas' agreement on a captured step";
             case Kind::control:
                 return std::string("the exchange of ") + to_string(static_cast<Exchange>(part)) + " between processes";
             default: return "user site " + n;

@@ -34,9 +34,11 @@ namespace detail {
                                const char* file, int line) {
     int device = -1;
     if (cudaGetDevice(&device) != cudaSuccess) device = -1;
-    throw DeviceError(std::string(domain) + " error " + std::to_string(code) + " (" + code_name + ": " + text + ") in `" + expr +
-                          "` at " + file + ":" + std::to_string(line),
-                      ::lockstep::detail::replica_rank_slot(), device);
+    std::string message = std::string(domain) + " error " + std::to_string(code) + " (" + code_name + ": " + text + ") in `" +
+                          expr + "` at " + file + ":" + std::to_string(line);
+    if (code >= cudaErrorStreamCaptureUnsupported && code <= cudaErrorStreamCaptureWrongThread && std::string(domain) == "CUDA")
+        throw CaptureRefused(std::move(message), ::lockstep::detail::replica_rank_slot(), device);
+    throw DeviceError(std::move(message), ::lockstep::detail::replica_rank_slot(), device);
 }
 
 }  // namespace detail
@@ -283,13 +285,14 @@ private:
         // anything else (a fault, memory) is the device's error as every other call reports it.
         const bool capture_rule =
             (e >= cudaErrorStreamCaptureUnsupported && e <= cudaErrorStreamCaptureWrongThread) || e == cudaErrorNotSupported;
-        throw DeviceError(std::string(doing) + " a CUDA graph failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
-                              ")" +
-                              (capture_rule ? "; the recorded work must not synchronize, allocate with cudaMalloc, copy "
-                                              "pageable host memory, wait for work outside the capture, leave a stream it "
-                                              "forked unjoined, or keep memory allocated in the capture past its end"
-                                            : ""),
-                          ::lockstep::detail::replica_rank_slot(), device);
+        std::string message =
+            std::string(doing) + " a CUDA graph failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+        if (!capture_rule) throw DeviceError(std::move(message), ::lockstep::detail::replica_rank_slot(), device);
+        throw CaptureRefused(std::move(message) +
+                                 "; the recorded work must not synchronize, allocate with cudaMalloc, free memory made "
+                                 "outside the capture, copy pageable host memory, wait for work outside the capture, leave "
+                                 "a stream it forked unjoined, or keep memory allocated in the capture past its end",
+                             ::lockstep::detail::replica_rank_slot(), device);
     }
     void destroy() noexcept {
         if (exec_ != nullptr) (void)cudaGraphExecDestroy(std::exchange(exec_, nullptr));
@@ -317,22 +320,33 @@ public:
     //! Returns whether it captured. A capture that throws keeps nothing.
     template <class Record>
     bool launch(const Key& key, cudaStream_t stream, Record&& record) {
-        bool captured = false;
-        auto it = index_.find(key);
-        if (it == index_.end()) {
-            Graph g = Graph::capture(stream, std::forward<Record>(record));
-            if (order_.size() >= capacity_) {
-                index_.erase(order_.back().first);
-                order_.pop_back();  // its graph is destroyed; its launches already enqueued still run
-            }
-            order_.emplace_front(key, std::move(g));
-            it = index_.emplace(key, order_.begin()).first;
-            captured = true;
-        } else {
-            order_.splice(order_.begin(), order_, it->second);  // most recent first
-        }
+        const bool captured = prepare(key, stream, std::forward<Record>(record));
+        const auto it = index_.find(key);
+        order_.splice(order_.begin(), order_, it->second);  // most recent first
         it->second->second.launch(stream);
         return captured;
+    }
+
+    //! Captures `record` for `key` unless a graph is kept for it, without launching; returns
+    //! whether it captured (`launch` then launches it). A capture that throws keeps nothing.
+    template <class Record>
+    bool prepare(const Key& key, cudaStream_t stream, Record&& record) {
+        if (index_.count(key) != 0) return false;
+        Graph g = Graph::capture(stream, std::forward<Record>(record));
+        if (order_.size() >= capacity_) {
+            index_.erase(order_.back().first);
+            order_.pop_back();  // its graph is destroyed; its launches already enqueued still run
+        }
+        order_.emplace_front(key, std::move(g));
+        index_.emplace(key, order_.begin());
+        return true;
+    }
+    //! Drops the graph kept for `key`, if any.
+    void erase(const Key& key) {
+        const auto it = index_.find(key);
+        if (it == index_.end()) return;
+        order_.erase(it->second);
+        index_.erase(it);
     }
 
     //! Drops every graph: after an abort or a group rebuild, whose communicators the graphs hold.
@@ -713,7 +727,9 @@ struct Allocator<Cuda> {
                 } catch (...) {  // a failed device: the free below fails alike, and is ignored
                 }
             }
-        (void)cudaFreeAsync(p, stream);
+        // A free CUDA refuses (in a capture, of memory made outside it: the capture is broken and
+        // says so at its end) leaves no error behind for the thread's next launch to report.
+        if (cudaFreeAsync(p, stream) != cudaSuccess) (void)cudaGetLastError();
         if (previous != device.index) (void)cudaSetDevice(previous);
     }
     // A copy or zero-fill runs on the calling thread's current stream, after the work of the

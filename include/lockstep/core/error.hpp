@@ -81,6 +81,11 @@ class DeviceError : public Error {
 class OutOfMemory : public DeviceError {
     using DeviceError::DeviceError;
 };
+//! CUDA refused a stream capture: the recorded work broke one of its rules (it synchronized,
+//! allocated with cudaMalloc, freed memory made outside the capture, ...).
+class CaptureRefused : public DeviceError {
+    using DeviceError::DeviceError;
+};
 //! The library was used in a way it does not support (wrong order of calls, missing backend).
 class UsageError : public Error {
     using Error::Error;

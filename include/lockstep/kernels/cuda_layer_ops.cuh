@@ -47,6 +47,10 @@ public:
         }
         return buffer_.data();
     }
+    //! Where the buffer lies (a captured step's identity: it holds the address; Note [captured
+    //! steps] in parallel/step.hpp). A buffer grown in place of another may lie where that one
+    //! did: it is then at least as large, so a graph made with the old one still fits.
+    const void* address() const noexcept { return buffer_.data(); }
     //! Floats held now: the largest need so far.
     std::int64_t floats() const noexcept { return buffer_.numel(); }
     //! `n` rounded up to the alignment.
@@ -401,6 +405,32 @@ struct LayerOps {
         layer_detail::LabelStaging::of(ex.device).upload(labels, on_device.data(), ex.stream);
         device::layer_kernels::softmax_cross_entropy(run, logits.data(), N, K, on_device.data(), inv_count, grad.data(),
                                                      totals.data());
+    }
+
+    //! The same against labels already on the device (a captured step's: Note [captured steps] in
+    //! parallel/step.hpp); a label outside [0, K) gives a NaN loss, never a read outside the row.
+    static void softmax_cross_entropy(const Ex& ex, const T_<float>& logits, const T_<std::int64_t>& labels, double inv_count,
+                                      T_<float>& grad, T_<double>& totals) {
+        layer_detail::check_on(ex, logits, "softmax_cross_entropy's logits");
+        layer_detail::check_on(ex, labels, "softmax_cross_entropy's labels");
+        LOCKSTEP_CHECK_AS(ShapeError, logits.rank() == 2, "softmax_cross_entropy on CUDA takes (N, K) logits, got rank ",
+                          logits.rank());
+        const std::int64_t N = logits.dim(0), K = logits.dim(1);
+        layer_detail::check_numel(labels, N, "softmax_cross_entropy", "the labels");
+        layer_detail::check_numel(grad, N * K, "softmax_cross_entropy", "grad");
+        layer_detail::check_numel(totals, 2, "softmax_cross_entropy", "totals");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::softmax_cross_entropy(run, logits.data(), N, K, labels.data(), inv_count, grad.data(),
+                                                     totals.data());
+    }
+
+    //! dst = `labels` (host values), enqueued on the replica's stream through the calling thread's
+    //! pinned staging (Note [labels on the device]); the host does not wait.
+    static void upload_labels(const Ex& ex, std::span<const std::int64_t> labels, T_<std::int64_t>& dst) {
+        layer_detail::check_on(ex, dst, "upload_labels' destination");
+        layer_detail::check_numel(dst, static_cast<std::int64_t>(labels.size()), "upload_labels", "the destination");
+        cuda::DeviceGuard guard(ex.device);
+        layer_detail::LabelStaging::of(ex.device).upload(labels, dst.data(), ex.stream);
     }
 
     //! Mean squared error per sample (mean over a sample's D elements): totals = [sum over samples

@@ -154,6 +154,25 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     //! optimizer step on each replica thread, and their overlap with the streams' work).
     using Range = cuda::NvtxRange;
 
+    // ---- captured steps (Note [captured steps] in parallel/step.hpp) --------------------------
+
+    //! A replica's step can be captured as a CUDA graph and launched again (Note [graphs]).
+    static constexpr bool graphs = true;
+    using GraphCache = cuda::GraphCache;
+    //! Launches `cache`'s graph for `key` on the replica's stream, capturing `record` first when
+    //! it holds none; returns whether it captured.
+    template <class Record>
+    static bool launch_graph(const Ex& ex, GraphCache& cache, const GraphCache::Key& key, Record&& record) {
+        return cache.launch(key, ex.stream, std::forward<Record>(record));
+    }
+    //! Appends to `key` what a captured step holds of the replica beyond its module and its step's
+    //! tensors: its device and where its convolutions' workspace lies.
+    static void add_graph_key(const Ex& ex, GraphCache::Key& key) {
+        key.push_back(ex.device);
+        const void* ws = ex.layer_workspace != nullptr ? ex.layer_workspace->address() : nullptr;
+        key.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(ws)));
+    }
+
     //! `replicas` replicas over the visible GPUs, round-robin: one per GPU, or all on the one GPU
     //! there is (a group takes no mix of both: Note [stream-ordered collectives]).
     static std::vector<Device> default_devices(int replicas) {

@@ -70,6 +70,16 @@ struct Ops<Host> {
         explicit Range(const char*) noexcept {}
     };
 
+    //! The host runs every step eagerly: no graphs (DataParallel refuses
+    //! DataParallelOptions::graphs on it; Note [captured steps] in parallel/step.hpp).
+    static constexpr bool graphs = false;
+    struct GraphCache {
+        using Key = std::vector<std::int64_t>;
+        explicit GraphCache(std::size_t = 8) noexcept {}
+        void clear() noexcept {}
+        std::size_t size() const noexcept { return 0; }
+    };
+
     //! The devices of `replicas` host replicas: host:0, host:1, ...
     static std::vector<Device> default_devices(int replicas) {
         LOCKSTEP_CHECK(replicas > 0, "DataParallel needs at least one replica, got ", replicas);
@@ -296,6 +306,20 @@ struct Ops<Host> {
     }
 
     // ---- losses -------------------------------------------------------------------------------
+
+    //! dst = `labels`.
+    static void upload_labels(const Ex&, std::span<const std::int64_t> labels, T_<std::int64_t>& dst) {
+        LOCKSTEP_CHECK_AS(ShapeError, dst.numel() == static_cast<std::int64_t>(labels.size()), "upload_labels: ", labels.size(),
+                          " labels for a tensor of ", dst.numel());
+        std::copy(labels.begin(), labels.end(), dst.data());
+    }
+
+    //! Softmax cross-entropy against labels in a tensor (checked by the caller), as below.
+    static void softmax_cross_entropy(const Ex& ex, const T_<float>& logits, const T_<std::int64_t>& labels, double inv_count,
+                                      T_<float>& grad, T_<double>& totals) {
+        softmax_cross_entropy(ex, logits, std::span<const std::int64_t>(labels.data(), static_cast<std::size_t>(labels.numel())),
+                              inv_count, grad, totals);
+    }
 
     //! Softmax cross-entropy of `logits` (N, K) against `labels` (checked by the caller):
     //! totals = [sum of per-sample losses, samples whose arg-max is the label], grad =

@@ -6,6 +6,7 @@
 #include <concepts>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -63,19 +64,55 @@ public:
         LOCKSTEP_CHECK_AS(ShapeError, logits.rank() == 2, "SoftmaxCrossEntropy: expected logits (N, classes), got shape ",
                           logits.shape());
         const std::int64_t N = logits.dim(0), K = logits.dim(1);
-        LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(labels.size()) == N, "SoftmaxCrossEntropy: ", labels.size(),
-                          " labels for a batch of ", N, "; pass one label per sample");
-        for (std::int64_t n = 0; n < N; ++n) {  // labels are host values, whatever the backend
-            const std::int64_t label = labels[static_cast<std::size_t>(n)];
-            LOCKSTEP_CHECK(label >= 0 && label < K, "SoftmaxCrossEntropy: label ", label, " of sample ", n,
-                           " is out of range for ", K, " classes; labels must be in [0, ", K, ")");
-        }
-        LossOutput<B> out;
-        out.count = N;
-        out.grad = Tensor<float, B>::empty_like(logits);
-        out.totals = Tensor<double, B>(Shape{2}, MemoryFormat::nchw, logits.device(), uninitialized);
+        check_labels(labels, N, K);  // labels are host values, whatever the backend
+        LossOutput<B> out = make_output(logits);
         kernels::Ops<B>::softmax_cross_entropy(ctx.exec, logits, labels, detail::inverse_count(ctx.global_batch, N), out.grad,
                                                out.totals);
+        return out;
+    }
+
+    //! The same against labels already on the logits' device: what a captured step reads
+    //! (Note [captured steps] in parallel/step.hpp), whose host labels DataParallel checks with
+    //! `check_targets` before it copies them there. Unchecked here on CUDA (that would wait for the
+    //! device): a label outside [0, classes) gives a NaN loss, never a read outside its row.
+    template <BackendTag B>
+    LossOutput<B> operator()(const Context<B>& ctx, const Tensor<float, B>& logits, const Tensor<std::int64_t, B>& labels) const {
+        LOCKSTEP_CHECK_AS(ShapeError, logits.rank() == 2, "SoftmaxCrossEntropy: expected logits (N, classes), got shape ",
+                          logits.shape());
+        const std::int64_t N = logits.dim(0);
+        LOCKSTEP_CHECK_AS(ShapeError, labels.numel() == N, "SoftmaxCrossEntropy: ", labels.numel(), " labels for a batch of ", N,
+                          "; pass one label per sample");
+        check_device(logits.device(), labels.device(), "SoftmaxCrossEntropy: the labels");
+        if constexpr (std::is_same_v<B, Host>) check_labels(labels.span(), N, logits.dim(1));
+        LossOutput<B> out = make_output(logits);
+        kernels::Ops<B>::softmax_cross_entropy(ctx.exec, logits, labels, detail::inverse_count(ctx.global_batch, N), out.grad,
+                                               out.totals);
+        return out;
+    }
+
+    //! Throws unless `labels` holds one class in [0, classes) for each of `samples` samples.
+    static void check_labels(std::span<const std::int64_t> labels, std::int64_t samples, std::int64_t classes) {
+        LOCKSTEP_CHECK_AS(ShapeError, static_cast<std::int64_t>(labels.size()) == samples, "SoftmaxCrossEntropy: ", labels.size(),
+                          " labels for a batch of ", samples, "; pass one label per sample");
+        for (std::int64_t n = 0; n < samples; ++n) {
+            const std::int64_t label = labels[static_cast<std::size_t>(n)];
+            LOCKSTEP_CHECK(label >= 0 && label < classes, "SoftmaxCrossEntropy: label ", label, " of sample ", n,
+                           " is out of range for ", classes, " classes; labels must be in [0, ", classes, ")");
+        }
+    }
+    //! What DataParallel checks of a captured step's labels before each launch, the output's
+    //! shape being the one its capture saw (Note [captured steps] in parallel/step.hpp).
+    static void check_targets(std::span<const std::int64_t> labels, const Shape& output) {
+        check_labels(labels, output[0], output.rank() == 2 ? output[1] : 0);
+    }
+
+private:
+    template <BackendTag B>
+    static LossOutput<B> make_output(const Tensor<float, B>& logits) {
+        LossOutput<B> out;
+        out.count = logits.dim(0);
+        out.grad = Tensor<float, B>::empty_like(logits);
+        out.totals = Tensor<double, B>(Shape{2}, MemoryFormat::nchw, logits.device(), uninitialized);
         return out;
     }
 };

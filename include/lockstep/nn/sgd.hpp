@@ -4,8 +4,10 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <concepts>
 #include <cstdint>
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -118,6 +120,28 @@ public:
         }
         if (options_.momentum != 0) place_buffers(ctx, state);
         K::sgd_step_many(ctx.exec, state.items, u);
+    }
+
+    //! What a captured update of replica `rank` holds (Note [captured steps] in
+    //! parallel/step.hpp): the hyper-parameters' bits, whether each momentum buffer exists (a
+    //! first step differs) and where it lies. Equal keys: a graph captured at an earlier step does
+    //! this step's update. (Called before step(), on the replica's thread.)
+    template <class M>
+    std::vector<std::int64_t> graph_key(int rank, const M& module) const {
+        const auto bits = [](double v) { return std::bit_cast<std::int64_t>(v); };
+        std::vector<std::int64_t> key{bits(options_.lr), bits(options_.momentum), bits(options_.dampening),
+                                      bits(options_.weight_decay), options_.nesterov ? 1 : 0};
+        if (options_.momentum == 0) return key;
+        const auto* state =
+            rank >= 0 && rank < static_cast<int>(states_.size()) ? &states_[static_cast<std::size_t>(rank)] : nullptr;
+        std::size_t i = 0;
+        for_each_parameter(module, [&](const std::string&, const Parameter<B>& p) {
+            const bool has = state != nullptr && i < state->buffers.size() && state->buffers[i].numel() == p.numel();
+            const void* where = has ? state->buffers[i].data() : nullptr;  // seam: the address as an identity, never read through
+            key.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(where)));
+            ++i;
+        });
+        return key;
     }
 
     //! Calls `f(name, state, parameter)` for replica `rank`'s momentum buffer of every parameter

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,12 +37,17 @@ struct Core {
     // Destroyed in reverse: the replicas, then the groups (a CUDA group finalizes its
     // communicators and destroys its streams), then the replicas' resources (their streams).
     std::vector<std::unique_ptr<typename K::ReplicaResources>> resources;  // made on the replica threads
-    std::unique_ptr<Group> layer_group;                      // layer collectives (SyncBatchNorm), on the replica threads
-    std::unique_ptr<Group> grad_group;                       // gradient buckets and commit barriers (Note [gradient buckets])
-    comm::ProcessGroup* procs = nullptr;                     // options.process_group: null for this process alone
-    int first_rank = 0;                                      // global rank of this process's replica 0
-    int global_world = 0;                                    // replicas over all processes
-    nn::BucketLayout layout;                                 // every replica's buckets, handed to the optimizer
+    std::unique_ptr<Group> layer_group;   // layer collectives (SyncBatchNorm), on the replica threads
+    std::unique_ptr<Group> grad_group;    // gradient buckets and commit barriers (Note [gradient buckets])
+    comm::ProcessGroup* procs = nullptr;  // options.process_group: null for this process alone
+    int first_rank = 0;                   // global rank of this process's replica 0
+    int global_world = 0;                 // replicas over all processes
+    nn::BucketLayout layout;              // every replica's buckets, handed to the optimizer
+    // Bumped by every call that failed, and by load and resync: replicas drop the graphs of an
+    // older epoch before their next step (Note [captured steps] in parallel/step.hpp).
+    std::atomic<std::uint64_t> graph_epoch{0};
+    // Each replica's vote on running a step as graph (a), read after a barrier (Note [captured steps]).
+    std::unique_ptr<std::atomic<int>[]> graph_votes;
     std::vector<std::unique_ptr<Replica<Module>>> replicas;  // destroyed first: they use the groups and resources
 
     comm::Collectives& layer(int r) { return layer_group->communicator(r); }
@@ -61,7 +68,7 @@ struct Core {
         core->procs = options.process_group.get();
         const auto check = [&] {
             core->options = check_options(options);
-            core->devices = check_devices(devices);
+            core->devices = check_devices(devices, core->options.graphs);
         };
         // Every process refuses alike (comm::agreed_failure): none waits for one that left.
         if (core->procs) {
@@ -71,6 +78,7 @@ struct Core {
             check();
         }
         core->world = static_cast<int>(core->devices.size());
+        core->graph_votes = std::make_unique<std::atomic<int>[]>(core->devices.size());
         core->resources.resize(core->devices.size());
         core->layer_group =
             std::make_unique<Group>(core->devices, options.timeout, options.process_group, comm::ProcessGroup::layer);
@@ -88,6 +96,13 @@ private:
                        o.clip_grad_norm.value_or(0), "; leave it unset to not clip");
         LOCKSTEP_CHECK(to_string(o.math) != "unknown", "DataParallelOptions::math is not a lockstep::Math (",
                        static_cast<int>(o.math), "); use Math::pytorch_default, Math::strict_fp32 or Math::tf32");
+        LOCKSTEP_CHECK_AS(UsageError, !o.graphs || K::graphs, "DataParallelOptions::graphs: the ", backend::name,
+                          " backend runs every step eagerly (graphs are CUDA's); leave graphs off on it");
+        LOCKSTEP_CHECK_AS(UsageError, o.graph_capacity > 0,
+                          "DataParallelOptions::graph_capacity must be at least 1 (leave graphs off to capture nothing)");
+        LOCKSTEP_CHECK_AS(NotImplemented, !o.graphs || o.process_group == nullptr,
+                          "DataParallelOptions::graphs across processes is not implemented: leave graphs off when "
+                          "DataParallelOptions::process_group is set");
         return o;
     }
 
@@ -106,13 +121,21 @@ private:
                          "by process); give every process the same DataParallelOptions::math");
     }
 
-    static std::vector<Device> check_devices(const std::vector<Device>& devices) {
+    static std::vector<Device> check_devices(const std::vector<Device>& devices, bool graphs) {
         LOCKSTEP_CHECK(!devices.empty(),
                        "DataParallel needs at least one device, got none; pass e.g. "
                        "lockstep::DataParallel(model, 2) for two host replicas");
         for (const auto& d : devices)
             LOCKSTEP_CHECK_AS(DeviceMismatch, d.kind == device_kind_of<backend>(), "DataParallel of a ", backend::name,
                               " module cannot use device ", d);
+        // Replays meet in NCCL with no host rendezvous: replicas sharing a GPU sum on the host's
+        // word (Note [stream-ordered collectives]), which a graph cannot hold.
+        if (graphs)
+            for (std::size_t i = 0; i < devices.size(); ++i)
+                for (std::size_t j = 0; j < i; ++j)
+                    LOCKSTEP_CHECK_AS(UsageError, !(devices[i] == devices[j]), "DataParallelOptions::graphs: replicas ", j,
+                                      " and ", i, " share ", devices[i],
+                                      "; captured steps need one replica per GPU (or leave graphs off)");
         return devices;
     }
 };

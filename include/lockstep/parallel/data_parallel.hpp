@@ -141,6 +141,9 @@ public:
         } else {
             f = std::addressof(fn);
         }
+        // Whatever fn changes (a host setting of a layer, a tensor left in one), a graph captured
+        // before would not see it: every replica captures again (Note [captured steps]).
+        drop_graphs();
         pool_.run([core = core_, owned, f, training = training_](int r) {
             auto& rep = *core->replicas[static_cast<std::size_t>(r)];
             rep.ctx.training = training;
@@ -179,6 +182,9 @@ public:
                     [ex = rep.ctx.exec] { K::wait_inputs_read(ex); }))
                 throw parallel::detail::caller_gone();
             call->outs[ur] = rep.module.forward(rep.ctx, std::move(in));
+            // In training mode the layers keep what backward would read: a capture must not free
+            // it (Note [captured steps]), so the next step runs eagerly.
+            if (training && rep.graphs) rep.graphs->layers_hold_state = true;
         });
         std::vector<Execution<backend>> producers;
         for (const auto& rep : core_->replicas) producers.push_back(rep->ctx.exec);
@@ -319,6 +325,17 @@ public:
         return core_->replicas.at(static_cast<std::size_t>(rank))->reduced_during_backward;
     }
 
+    //! With DataParallelOptions::graphs: the CUDA graphs replica `rank` has captured so far, and
+    //! the launches of graphs it made (Note [captured steps]; both 0 without graphs).
+    std::uint64_t captured_graphs(int rank) const {
+        const auto& g = core_->replicas.at(static_cast<std::size_t>(rank))->graphs;
+        return g ? g->captures : 0;
+    }
+    std::uint64_t graph_launches(int rank) const {
+        const auto& g = core_->replicas.at(static_cast<std::size_t>(rank))->graphs;
+        return g ? g->launches : 0;
+    }
+
     //! Collectives made so far by replica `rank` on the layer group and the gradient group.
     std::uint64_t layer_collectives(int rank) const {
         return core_->replicas.at(static_cast<std::size_t>(rank))->layer_comm->collective_count();
@@ -356,6 +373,7 @@ private:
         rep.finite_check = Tensor<double, backend>(Shape{static_cast<std::int64_t>(rep.param_names.size()) + 2},
                                                    MemoryFormat::nchw, core.devices[ur]);
         rep.build_buckets(core.devices[ur], core.options.bucket_bytes);
+        if (core.options.graphs) rep.graphs.emplace(core.options.graph_capacity);
         rep.make_buffer_copies();
     }
 
@@ -410,6 +428,7 @@ private:
                 root, core_->replicas[static_cast<std::size_t>(root)]->module,
                 [&](const std::string&, const auto& state, const auto&) { root_has.push_back(state.numel() > 0); });
         }
+        drop_graphs();  // the optimizer's state may be made anew (Note [captured steps])
         // Note [jobs own their state]: the job holds its own copy of `root_has`.
         pool_.run([core = core_, root, root_has = std::move(root_has), optimizer](int r) {
             auto& rep = core->replica(r);
@@ -437,6 +456,7 @@ private:
         pool_.check_usable("DataParallel::load");
         // Everything checked against replica 0 before any replica changes.
         parallel::check_loadable(*held, core_->replica(0).module, optimizer, world_, core_->layout);
+        drop_graphs();                                      // the optimizer's state may be made anew (Note [captured steps])
         pool_.run([core = core_, held, optimizer](int r) {  // Note [jobs own their state]: the job owns the checkpoint
             auto& rep = core->replica(r);
             nn::assign_module(*held, rep.module);  // checked above, against replica 0
@@ -453,9 +473,17 @@ private:
             parallel::detail::CallerRefs& refs;
             ~Release() { refs.release(); }
         } release{caller};
-        pool_.run(std::move(job));
-        caller.settle();  // the call succeeds only once its copies of the caller's objects have run
+        try {
+            pool_.run(std::move(job));
+            caller.settle();  // the call succeeds only once its copies of the caller's objects have run
+        } catch (...) {
+            drop_graphs();  // the groups may have been aborted: graphs hold their communicators
+            throw;
+        }
     }
+
+    // Every replica drops its captured steps before its next one (Note [captured steps]).
+    void drop_graphs() noexcept { core_->graph_epoch.fetch_add(1, std::memory_order_release); }
 
     typename K::Runtime runtime_;  // the backend's process-wide settings while replicas exist
     std::shared_ptr<Core> core_;   // Note [jobs own their state]

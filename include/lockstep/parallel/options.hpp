@@ -38,6 +38,16 @@ struct DataParallelOptions {
     //! `Math::strict_fp32` for fp32 everywhere, `Math::tf32` for TF32 everywhere. The host
     //! backend computes every mode in strict fp32.
     Math math = Math::pytorch_default;
+    //! Run each replica's training step as CUDA graphs (Note [captured steps] in
+    //! parallel/step.hpp): forward, loss, backward and every collective of the step in one
+    //! launch, clipping and the optimizer's update in a second, the commit point between them.
+    //! The first step of each input shape runs eagerly, the next one is captured, later ones
+    //! launch it. CUDA only, one replica per GPU; the loss must also take its targets on the device
+    //! (nn::SoftmaxCrossEntropy and nn::MseLoss do).
+    bool graphs = false;
+    //! Captured steps kept per replica (input shapes and module structures), least recently
+    //! launched dropped first.
+    std::size_t graph_capacity = 8;
     //! The processes this DataParallel spans (Note [replicas across processes] in
     //! comm/process_group.hpp; `comm::MpiProcessGroup` from `<lockstep/mpi.hpp>`); empty: this
     //! process alone. Then the devices are this process's replicas, every process runs as many,

@@ -7,6 +7,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -67,6 +71,61 @@ struct Bucket {
     bool launched = false;
 };
 
+//! A replica's captured steps (Note [captured steps] in parallel/step.hpp): graphs (a) of
+//! forward, loss, backward and the collectives, and (b) of clipping and the update, each keyed by
+//! what it holds; the tensors (a) reads its input from; the keys that ran eagerly once.
+template <class B>
+struct StepGraphs {
+    using Cache = typename kernels::Ops<B>::GraphCache;
+    using Key = typename Cache::Key;
+
+    explicit StepGraphs(std::size_t capacity) : forward(capacity), update(capacity), capacity_(capacity) {}
+
+    //! The input of a graph (a): its shard of x and its targets, copied in before each launch.
+    struct Inputs {
+        Tensor<float, B> x;
+        Tensor<std::int64_t, B> labels;
+        Tensor<float, B> targets;
+        Shape output;  // the module's output at capture (what the loss checks replayed targets against)
+    };
+
+    Cache forward;                   // (a)
+    Cache update;                    // (b)
+    std::map<Key, Inputs> inputs;    // of (a)'s keys: dropped with their graphs
+    std::uint64_t epoch = 0;         // Core::graph_epoch when these were made
+    bool layers_hold_state = false;  // a training-mode forward() since the last step: capture would free its tensors
+    std::uint64_t captures = 0, launches = 0;
+
+    //! The keys that an eager step left ready for capture since the last clear: the key as it
+    //! reads after that step, which grew what it needed (Note [captured steps]).
+    std::set<Key> seen_forward, seen_update;
+    void remember(std::set<Key>& keys, Key key) {
+        if (keys.size() >= 4 * capacity_) keys.clear();  // shapes that come and go: bounded
+        keys.insert(std::move(key));
+    }
+
+    //! Keeps the inputs of (a)'s graphs only.
+    void prune() {
+        for (auto it = inputs.begin(); it != inputs.end();) it = forward_contains(it->first) ? std::next(it) : inputs.erase(it);
+    }
+    void clear() noexcept {
+        forward.clear();
+        update.clear();
+        inputs.clear();
+        seen_forward.clear();
+        seen_update.clear();
+    }
+
+private:
+    bool forward_contains(const Key& key) const {
+        if constexpr (kernels::Ops<B>::graphs)
+            return forward.contains(key);
+        else
+            return false;
+    }
+    std::size_t capacity_;
+};
+
 //! One replica: its module and execution context, its gradient buckets, its communication
 //! thread, and copies of its buffers taken when a step begins (Note [commit point] in
 //! parallel/step.hpp).
@@ -93,6 +152,7 @@ struct Replica {
     };
     std::unordered_map<const void*, Slot> slots;  // every parameter of the replica
     SerialWorker worker;
+    std::optional<StepGraphs<backend>> graphs;  // with DataParallelOptions::graphs
     bool overlap = true;
     std::atomic<std::size_t> reduced{0};  // buckets all-reduced in this step so far
     std::size_t reduced_during_backward = 0;
@@ -155,6 +215,13 @@ struct Replica {
     std::vector<kernels::CopyPiece<backend>> placing;
     std::vector<std::pair<Tensor<float, backend>*, Tensor<float, backend>>> swaps;
     std::vector<Tensor<float, backend>*> zeroing;
+
+    //! The gradients (every one a view of its bucket after place_all: one zeroing per bucket)
+    //! and the step's totals, zeroed for a new step.
+    void clear_step() {
+        for (auto& b : buckets) b.flat.zero();
+        totals.zero();
+    }
 
     void place_all() {
         clear_queue();  // nothing left over from a place that threw

@@ -5,12 +5,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -19,6 +22,7 @@
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/ops.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/module.hpp"
 #include "lockstep/parallel/call_state.hpp"
 #include "lockstep/parallel/core.hpp"
@@ -33,13 +37,15 @@ namespace lockstep::parallel::detail {
 // Note [step order]
 // After backward, in this order on every replica: gradient all-reduce (the buckets) -> finite
 // check (optional) -> clip by the global norm (optional) -> commit barrier -> optimizer step ->
-// second barrier. Every replica holds the same all-reduced gradients, so the check and the
+// second barrier. (With graphs the clipping is part of the update, after the commit barrier:
+// Note [captured steps].) Every replica holds the same all-reduced gradients, so the check and the
 // clipping decide and compute the same bits everywhere.
 //
 // Note [commit point]
 // A step that fails on any replica must not leave replicas different. Every replica passes one
-// barrier after its gradients are all-reduced and clipped, and before its optimizer step; a
-// replica that fails earlier aborts the barrier, so either every replica steps or none does.
+// barrier after its gradients are all-reduced (and clipped, without graphs), and before its
+// optimizer step; a replica that fails earlier aborts the barrier, so either every replica steps
+// or none does.
 // A step (or an accumulate) that fails before the commit barrier leaves nothing behind: each
 // replica restores its buffers (SyncBatchNorm's running statistics, which its forward updated)
 // from the copy it took when the step began; the gradients are dropped (the next call starts
@@ -67,6 +73,51 @@ namespace lockstep::parallel::detail {
 // diverged with no replica known to be right: `load()` a checkpoint, or `resync()` to make
 // the replicas equal again (replica 0's state). With check_finite the failure is seen before
 // the commit barrier and no replica applies the step.
+
+// Note [captured steps]
+// With DataParallelOptions::graphs (CUDA) a replica's training step is two CUDA graphs (Note
+// [graphs] in core/cuda_runtime.cuh) launched on its stream, with the commit point between them:
+//   (a) forward, loss, backward, SyncBatchNorm's collectives and the buckets' all-reduces, ending
+//       with the all-reduced gradients and the step's totals;
+//   (b) clipping and the optimizer's update.
+// The host code between the kernels (the rendezvous before each collective, the bucket
+// bookkeeping, the layers' checks) runs once, at capture, on every replica alike, so a launch is
+// one call and the collectives meet on the devices, with no host rendezvous.
+// - A graph holds what it was captured with, and its key says what that is: for (a) the global
+//   batch (the loss's 1/N), the shard's and the targets' shapes, the loss's type (and its
+//   graph_key() where it has state: a loss with state and none is refused), nn::structure_signature
+//   of the module, the replica's device and workspace; for (b) the clipping norm, the optimizer's
+//   graph_key (its hyper-parameters and where its state lies: a new learning rate is a new key),
+//   the module's signature and the device. A key's first step runs eagerly (it grows the
+//   workspaces, lets cuDNN choose, makes the optimizer's state: allocations a capture may not
+//   make) and leaves the key as it then reads ready; the next step captures; later ones launch.
+//   Each replica keeps at most graph_capacity graphs of each kind, the least recently launched
+//   dropped first.
+// - The replicas decide (a) together: each votes (eagerly, capture, launch) and all do the least
+//   (agree_on_graph, one host barrier a step). A replica that launched while a peer captured
+//   would skip the rendezvous the peer waits in: keys differ by replica (a workspace grown on one
+//   only) and so may their graphs. (b) holds no collective: each replica decides for itself, and
+//   captures before the commit barrier (capturing runs nothing), so a capture CUDA refuses fails
+//   the step before any replica applies it.
+// - Before each launch of (a), eagerly: the buffers saved (a failure before the launch restores
+//   them), and the step's input copied into the tensors the graph reads (one set per key, dropped
+//   with its graph): the shard of x, and the targets: class labels through pinned staging after
+//   the loss's `check_targets` (if it has one) has checked them against the output shape of the
+//   capture, or a tensor's rows. In the graph: the gradients and totals zeroed, then the loss
+//   called with its targets on the device.
+// - A call that fails, parallel_apply(), load() and resync() move Core::graph_epoch on: every
+//   replica drops its graphs before its next step (they may hold aborted communicators or state
+//   replaced since), and each key runs eagerly once more before it is captured again. A failure
+//   during a launch is a failed step as any other (Note [commit point]). After a training-mode
+//   forward() the layers hold tensors a capture would have to free (CUDA refuses that): the next
+//   step runs eagerly.
+// - What a graph cannot hold runs eagerly: the update of an optimizer without graph_key, the
+//   step after accumulate() (its weights are host numbers of the call), the finite check (a
+//   read to the host, between the graphs).
+// - A capture CUDA refuses (a layer that waits for the device in its forward or backward) fails
+//   the step with UsageError, naming the rule.
+// - One replica per GPU, one process (Core refuses the rest): replicas that share a GPU sum
+//   through the host's rendezvous, which a graph cannot replay.
 
 // Scales every gradient by min(1, max_norm / (global norm + 1e-6)) (Note [step order]).
 template <class Module>
@@ -138,18 +189,16 @@ struct StepCall {
 };
 
 //! What a replica does first, step or micro-batch: its tensors back in their buckets (Note
-//! [gradients in their buckets]), gradients zeroed at the first micro-batch, no bucket armed yet,
+//! [gradients in their buckets]), gradients and totals zeroed at the first micro-batch (unless
+//! `clear` is false: a step that may be captured zeroes them in its graph), no bucket armed yet,
 //! its buffers saved (Note [commit point]).
 template <class Module, class Loss>
-void begin_part(Replica<Module>& rep, const StepCall<Loss>& call) {
+void begin_part(Replica<Module>& rep, const StepCall<Loss>& call, bool clear = true) {
     rep.ctx.training = true;
     rep.ctx.global_batch = call.batch;
     rep.ctx.grad_ready = nullptr;
     rep.place_all();
-    if (call.before == 0) {
-        nn::zero_grad(rep.module);
-        rep.totals.zero();
-    }
+    if (call.before == 0 && clear) rep.clear_step();
     rep.save_buffers();
 }
 
@@ -193,16 +242,271 @@ void forward_backward(Core<Module, Group>& core, int r, StepCall<Loss>& call, co
         rep.module.backward(rep.ctx, lo.grad);
     }
     K::add(rep.ctx.exec, rep.totals, lo.totals);
+    if (rep.graphs) rep.graphs->layers_hold_state = false;  // backward released what forward kept
+}
+
+//! How a step's targets reach a graph (a) (Note [captured steps]): class labels given on the host
+//! go to a tensor of labels on the device; a tensor of targets (float rows, or labels) is copied.
+template <class View, class B>
+struct GraphTargets {
+    static constexpr bool supported = false;
+    using device_type = void;
+};
+template <class B>
+struct GraphTargets<std::span<const std::int64_t>, B> {
+    static constexpr bool supported = true, host_labels = true;
+    using device_type = Tensor<std::int64_t, B>;
+};
+template <class T, class B>
+struct GraphTargets<Tensor<T, B>, B> {
+    static constexpr bool supported = std::is_same_v<T, float> || std::is_same_v<T, std::int64_t>, host_labels = false;
+    using device_type = Tensor<T, B>;
+};
+
+//! Appends what a loss's result depends on besides the output and targets: its type, and its
+//! graph_key() where it has state; a loss with state and no graph_key cannot be captured.
+template <class Loss>
+void add_loss_key(const Loss& loss, std::vector<std::int64_t>& key) {
+    key.push_back(static_cast<std::int64_t>(typeid(Loss).hash_code()));
+    if constexpr (requires { loss.graph_key(); }) {
+        const auto k = loss.graph_key();
+        key.push_back(static_cast<std::int64_t>(k.size()));
+        key.insert(key.end(), k.begin(), k.end());
+    } else {
+        LOCKSTEP_CHECK_AS(UsageError, std::is_empty_v<Loss>, "DataParallelOptions::graphs: the loss (", typeid(Loss).name(),
+                          ") holds state that a captured step would keep as it was at its capture; give it a graph_key() "
+                          "returning a std::vector<std::int64_t> of everything its result depends on besides the output "
+                          "and the targets, or leave graphs off");
+    }
+}
+
+//! The key of a graph (a) (Note [captured steps]).
+template <class Module, class Loss, class View>
+std::vector<std::int64_t> forward_key(Replica<Module>& rep, const StepCall<Loss>& call, const ShardRange& shard,
+                                      const Tensor<float, typename Module::backend>& x, const View& targets) {
+    using K = kernels::Ops<typename Module::backend>;
+    std::vector<std::int64_t> key{call.batch, shard.count, static_cast<std::int64_t>(x.format()), x.rank(), rep.overlap ? 1 : 0};
+    for (int d = 1; d < x.rank(); ++d) key.push_back(x.dim(d));
+    if constexpr (std::is_same_v<View, std::span<const std::int64_t>>) {
+        key.push_back(-1);
+    } else {
+        key.push_back(static_cast<std::int64_t>(sizeof(typename View::value_type)));
+        key.push_back(static_cast<std::int64_t>(targets.format()));
+        key.push_back(targets.rank());
+        for (int d = 1; d < targets.rank(); ++d) key.push_back(targets.dim(d));
+    }
+    add_loss_key(call.loss.get(), key);
+    const auto sig = nn::structure_signature(rep.module);
+    key.insert(key.end(), sig.begin(), sig.end());
+    if constexpr (K::graphs) K::add_graph_key(rep.ctx.exec, key);
+    return key;
+}
+
+//! The replicas' one decision on graph (a) for this step (Note [captured steps]): the least of
+//! their votes, 0 eagerly, 1 capture, 2 launch. Every replica votes at the same point of every
+//! step with graphs; a barrier of the gradient group orders the votes before the reads, and a
+//! replica votes again only after the commit barriers of this step, which every replica reaches
+//! after its read.
+template <class Module, class Group>
+int agree_on_graph(Core<Module, Group>& core, int r, int vote) {
+    core.graph_votes[static_cast<std::size_t>(r)].store(vote, std::memory_order_release);
+    core.replica(r).grad_comm->barrier(comm::CollectiveSite::commit(2));
+    int least = 2;
+    for (int i = 0; i < core.world; ++i)
+        least = std::min(least, core.graph_votes[static_cast<std::size_t>(i)].load(std::memory_order_acquire));
+    return least;
+}
+
+//! A capture CUDA refused, as the step's error: what the user can change.
+[[noreturn]] inline void capture_refused(int r, const char* what, const CaptureRefused& e) {
+    throw UsageError(std::string("DataParallelOptions::graphs: replica ") + std::to_string(r) + "'s " + what +
+                     " could not be captured as a CUDA graph (" + e.what() +
+                     "); a layer or optimizer that waits for the device, reads a tensor to the host, or frees in the step "
+                     "a tensor it made before it cannot run in a graph: leave graphs off for this model");
+}
+
+//! Forward, loss and backward of replica `r` as graph (a), with its buckets' all-reduces
+//! (Note [captured steps]); false, having done nothing, when the replicas run this step eagerly.
+template <class Module, class Group, class Loss, class View>
+bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& call,
+                              const Tensor<float, typename Module::backend>& x, const View& targets) {
+    using backend = typename Module::backend;
+    using K = kernels::Ops<backend>;
+    using GT = GraphTargets<View, backend>;
+    if constexpr (!K::graphs || !GT::supported) {
+        throw UsageError(
+            "DataParallelOptions::graphs takes class labels (a std::vector or span of std::int64_t) or a tensor of float or "
+            "std::int64_t targets, which it copies to the device before each launch; pass those, or leave graphs off");
+    } else if constexpr (!nn::LossLike<Loss, backend, typename GT::device_type>) {
+        throw UsageError(
+            "DataParallelOptions::graphs calls the loss with its targets on the device (class labels as a "
+            "Tensor<std::int64_t, backend>); this loss takes them only on the host. Use nn::SoftmaxCrossEntropy or "
+            "nn::MseLoss, give the loss that overload, or leave graphs off");
+    } else {
+        const auto ur = static_cast<std::size_t>(r);
+        auto& rep = core.replica(r);
+        auto& g = *rep.graphs;
+        const auto& ex = rep.ctx.exec;
+        const auto& shard = call.shards[ur];
+        const Device device = core.devices[ur];
+        const auto& loss = call.loss.get();
+        const auto key = forward_key(rep, call, shard, x, targets);
+        const bool kept = g.forward.contains(key);
+        // A training-mode forward() left tensors in the layers that a capture would free; a key's
+        // first step runs eagerly.
+        const int vote = g.layers_hold_state || g.seen_forward.count(key) == 0 ? 0 : kept ? 2 : 1;
+        const int decision = agree_on_graph(core, r, vote);
+        if (decision == 0) return false;
+        if (decision == 1 && kept) g.forward.erase(key);  // every replica captures: this one too
+        const bool replay = decision == 2;
+        auto [it, made] = g.inputs.try_emplace(key);
+        auto& in = it->second;
+        auto& on_device = [&]() -> typename GT::device_type& {
+            if constexpr (std::is_same_v<typename GT::device_type, Tensor<float, backend>>)
+                return in.targets;
+            else
+                return in.labels;
+        }();
+        if (made) {
+            in.x = Tensor<float, backend>(x.shape().with(0, shard.count), x.format(), device, uninitialized);
+            if constexpr (GT::host_labels)
+                on_device = Tensor<std::int64_t, backend>(Shape{shard.count}, MemoryFormat::nchw, device, uninitialized);
+            else
+                on_device =
+                    typename GT::device_type(targets.shape().with(0, shard.count), targets.format(), device, uninitialized);
+        }
+        constexpr bool checks = GT::host_labels && requires { loss.check_targets(std::span<const std::int64_t>(), Shape{}); };
+        std::vector<std::int64_t> capture_labels;  // checked in the capture, once the output's shape is known
+        if (!call.caller.read(
+                [&] {
+                    const std::int64_t row = x.shape().row_numel();
+                    K::copy(ex, in.x, 0, x, shard.begin * row, shard.count * row);
+                    if constexpr (GT::host_labels) {
+                        const auto mine = shard_targets(ex, targets, shard, device);
+                        if constexpr (checks) {
+                            if (replay)
+                                loss.check_targets(mine, in.output);
+                            else
+                                capture_labels.assign(mine.begin(), mine.end());
+                        }
+                        K::upload_labels(ex, mine, on_device);
+                    } else {
+                        const std::int64_t trow = targets.shape().row_numel();
+                        K::copy(ex, on_device, 0, targets, shard.begin * trow, shard.count * trow);
+                    }
+                    K::mark_inputs_read(ex);
+                },
+                [ex] { K::wait_inputs_read(ex); }))
+            throw caller_gone();
+        const auto record = [&] {
+            rep.clear_step();  // in the graph: a launch less on the host
+            Tensor<float, backend> out;
+            {
+                const typename K::Range range("lockstep forward");
+                out = rep.module.forward(rep.ctx, Tensor<float, backend>::view(in.x, 0, in.x.shape(), in.x.format()));
+            }
+            in.output = out.shape();
+            if constexpr (checks) loss.check_targets(std::span<const std::int64_t>(capture_labels), in.output);
+            auto lo = loss(rep.ctx, out, on_device);
+            out = Tensor<float, backend>();
+            {
+                const typename K::Range range("lockstep backward");
+                rep.module.backward(rep.ctx, lo.grad);
+            }
+            K::add(ex, rep.totals, lo.totals);
+            rep.finish_buckets();
+        };
+        try {
+            if (K::launch_graph(ex, g.forward, key, record)) {
+                ++g.captures;
+                g.prune();  // the inputs of a graph the capture pushed out
+            }
+        } catch (const CaptureRefused& e) {
+            capture_refused(r, "forward and backward", e);
+        }
+        ++g.launches;
+        return true;
+    }
+}
+
+//! Clipping and the optimizer's step: what graph (b) holds.
+template <class Module, class Optimizer>
+void run_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options) {
+    if (options.clip_grad_norm) clip(rep, *options.clip_grad_norm);
+    optimizer.step(rep.ctx, rep.module);
+}
+
+//! The key of a graph (b); none where the optimizer does not say what its update holds
+//! (graph_key), whose update then runs eagerly (Note [captured steps]).
+template <class Module, class Optimizer>
+std::optional<std::vector<std::int64_t>> update_key(Replica<Module>& rep, Optimizer& optimizer,
+                                                    const DataParallelOptions& options) {
+    using K = kernels::Ops<typename Module::backend>;
+    if constexpr (K::graphs && requires { optimizer.graph_key(rep.ctx.local_rank, rep.module); }) {
+        auto key = optimizer.graph_key(rep.ctx.local_rank, rep.module);
+        key.push_back(options.clip_grad_norm ? std::bit_cast<std::int64_t>(*options.clip_grad_norm) : -1);
+        const auto sig = nn::structure_signature(rep.module);
+        key.insert(key.end(), sig.begin(), sig.end());
+        key.push_back(rep.ctx.exec.device);  // no convolution: the workspace is not (b)'s
+        return key;
+    } else {
+        return std::nullopt;
+    }
+}
+
+//! Before the commit barrier: graph (b) captured where its key ran eagerly before and no graph is
+//! kept for it. A capture records and runs nothing, so one that CUDA refuses fails the step before
+//! any replica applies it. (b) holds no collective: each replica decides for itself.
+template <class Module, class Optimizer>
+void prepare_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r) {
+    using K = kernels::Ops<typename Module::backend>;
+    if constexpr (K::graphs) {
+        const auto key = update_key(rep, optimizer, options);
+        auto& g = *rep.graphs;
+        if (!key || g.seen_update.count(*key) == 0) return;
+        try {
+            if (g.update.prepare(*key, rep.ctx.exec.stream, [&] { run_update(rep, optimizer, options); })) ++g.captures;
+        } catch (const CaptureRefused& e) {
+            capture_refused(r, "update", e);
+        }
+    }
+}
+
+//! After the commit barrier, with graphs: graph (b) launched where one is kept for its key, else
+//! the update eagerly, after which its key (as it then reads: the optimizer's state made) is ready
+//! for capture.
+template <class Module, class Optimizer>
+void update_graphed(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options) {
+    using K = kernels::Ops<typename Module::backend>;
+    const auto key = update_key(rep, optimizer, options);
+    if constexpr (K::graphs) {
+        auto& g = *rep.graphs;
+        if (key && g.update.contains(*key)) {
+            K::launch_graph(rep.ctx.exec, g.update, *key, [&] { run_update(rep, optimizer, options); });
+            ++g.launches;
+            return;
+        }
+        run_update(rep, optimizer, options);
+        if (key) g.remember(g.seen_update, *update_key(rep, optimizer, options));
+    } else {
+        run_update(rep, optimizer, options);
+    }
 }
 
 //! After backward, in a step: the gradient all-reduce, the finite check and the clipping, then
-//! the commit barrier (Notes [step order] and [commit point]).
-template <class Module, class Loss>
-void reduce_and_commit(Replica<Module>& rep, const DataParallelOptions& options, int r, StepCall<Loss>& call) {
+//! the commit barrier (Notes [step order] and [commit point]). With graphs the clipping is part of
+//! the update, after the barrier (the same bits: it reads only the all-reduced gradients), and
+//! graph (b) is captured before it.
+template <class Module, class Loss, class Optimizer>
+void reduce_and_commit(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r,
+                       StepCall<Loss>& call, bool captured) {
     const auto ur = static_cast<std::size_t>(r);
-    rep.finish_buckets();
+    if (!captured) rep.finish_buckets();  // a captured step's graph joins its buckets itself
     if (options.check_finite) check_finite(rep, r, call.step_number, call.sums[ur], call.corrects[ur]);
-    if (options.clip_grad_norm) clip(rep, *options.clip_grad_norm);
+    if (options.graphs)
+        prepare_update(rep, optimizer, options, r);
+    else if (options.clip_grad_norm)
+        clip(rep, *options.clip_grad_norm);
     // No replica updates its parameters unless every replica got here; a failure anywhere before
     // aborts this barrier on all.
     rep.grad_comm->barrier(comm::CollectiveSite::commit(0));
@@ -217,7 +521,10 @@ void apply_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallel
     call.committed.fetch_add(1, std::memory_order_relaxed);
     {
         const typename K::Range range("lockstep optimizer step");
-        optimizer.step(rep.ctx, rep.module);
+        if (options.graphs)
+            update_graphed(rep, optimizer, options);
+        else
+            optimizer.step(rep.ctx, rep.module);
     }
     call.applied[ur].store(true, std::memory_order_relaxed);
     rep.grad_comm->barrier(comm::CollectiveSite::commit(1));
@@ -252,11 +559,28 @@ template <class Module, class Group, class Loss, class View, class Optimizer>
 void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Tensor<float, typename Module::backend>& x,
                 const View& targets, Optimizer& optimizer) {
     auto& rep = core.replica(r);
-    begin_part(rep, call);
+    if (rep.graphs) {  // Note [captured steps]: graphs of an older epoch may hold aborted communicators
+        const std::uint64_t epoch = core.graph_epoch.load(std::memory_order_acquire);
+        if (rep.graphs->epoch != epoch) {
+            rep.graphs->clear();
+            rep.graphs->epoch = epoch;
+        }
+    }
+    const bool may_capture = rep.graphs && call.before == 0;  // alike on every replica
+    begin_part(rep, call, !may_capture);
     rep.begin_buckets(core.options.overlap);  // Note [gradient buckets]: all-reduced as backward finishes them
     try {
-        forward_backward(core, r, call, x, targets);
-        reduce_and_commit(rep, core.options, r, call);
+        const bool captured = may_capture && forward_backward_graphed(core, r, call, x, targets);
+        if (!captured) {
+            if (may_capture) rep.clear_step();
+            forward_backward(core, r, call, x, targets);
+            // The key as it reads after an eager step, which grew what it needed: the next step
+            // with it captures (Note [captured steps]).
+            if (may_capture)
+                rep.graphs->remember(rep.graphs->seen_forward,
+                                     forward_key(rep, call, call.shards[static_cast<std::size_t>(r)], x, targets));
+        }
+        reduce_and_commit(rep, optimizer, core.options, r, call, captured);
     } catch (...) {
         abandon_part(rep, r);
         throw;
