@@ -27,6 +27,7 @@
 #include "../examples/mnist/net.hpp"
 
 #include "bench_util.hpp"
+#include "mnist_batch.hpp"
 
 namespace {
 
@@ -121,13 +122,7 @@ void BM_DataParallelGraphs(benchmark::State& state) {
         o.graphs = graphs;
         DataParallel<mnist::Net<Cuda>> dp(mnist::Net<Cuda>(gen), {Device::cuda(0)}, o);
         nn::Sgd<Cuda> sgd({.lr = 0.01, .momentum = 0.9});
-        Tensor<float, Host> xh(Shape{batch, 1, 28, 28});
-        std::mt19937 rng(3);
-        std::uniform_real_distribution<float> u(0.0f, 1.0f);
-        for (float& v : xh.span()) v = u(rng);
-        std::vector<std::int64_t> labels(static_cast<std::size_t>(batch));
-        for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int64_t>(i % 10);
-        const auto x = xh.to<Cuda>(Device::cuda(0));
+        const auto [x, labels] = lockstep::bench::mnist_batch<Cuda>(batch, Device::cuda(0));
         for (int i = 0; i < 3; ++i) (void)dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);  // captured at the 2nd
         const auto t0 = std::chrono::steady_clock::now();
         for (auto _ : state) benchmark::DoNotOptimize(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd));

@@ -8,7 +8,7 @@ Markdown. Standard library only (it runs on the GPU machine's python3).
     gpu-check-summarize.py sanitizer TOOL TEST LOG RC LIMIT CUT
     gpu-check-summarize.py example --tol-loss 1e-4 --tol-acc 0.005 --steps 10 --run ROLE LABEL JSONL LOG RC ...
     gpu-check-summarize.py parity JSONL ERRLOG RC --example LABEL LOG RC ...
-    gpu-check-summarize.py train [--torch JSONL ERRLOG RC] --lockstep BATCH JSONL LOG RC ...
+    gpu-check-summarize.py train [--torch JSONL ERRLOG RC] --lockstep BATCH JSONL LOG RC ... [--graphs BATCH JSONL LOG RC]
     gpu-check-summarize.py train-step LOG RC
     gpu-check-summarize.py syncbn BENCH_JSON TORCH_JSONL
     gpu-check-summarize.py table TSV          (the final table, for a terminal)
@@ -373,14 +373,16 @@ def judge_train(args):
                 continue
             torch_rows[(r["batch"], r["mode"])] = r
         torch_text = "exit %s: %s" % (rc, tail_line(read(errlog))[:120]) if not torch_rows else ""
-    for batch, path, log, rc in args.lockstep:
+    runs = [(spec, False) for spec in args.lockstep] + [(spec, True) for spec in (getattr(args, "graphs", None) or [])]
+    for (batch, path, log, rc), graphs in runs:
         batch, rc = int(batch), int(rc)
-        name = "training img/s, batch %d" % batch
+        name = "training img/s, batch %d%s" % (batch, ", graphs" if graphs else "")
         ours, n = lockstep_median(path)
         if ours is None:
             emit(name, "FAIL", "the example gave no step rates (exit %d): %s" % (rc, tail_line(read(log))[:160]))
             continue
-        detail = "lockstep %s (1 replica, math pytorch_default, median of %d steps)" % (si(ours), n)
+        detail = "lockstep %s (1 replica, math pytorch_default%s, median of %d steps)" % (
+            si(ours), ", --graphs; goal vs PyTorch defaults >= 3" if graphs else "", n)
         parts = []
         for mode, label in (("default", "PyTorch defaults"), ("strict", "strict fp32"), ("bf16", "bf16 autocast")):
             r = torch_rows.get((batch, mode))
@@ -666,6 +668,10 @@ def self_test():
               "vs_torch 2.50" in r[0][2] and "lockstep 50.0k" in r[0][2], "train: vs_torch per mode: %s" % r[0][2])
         ns = argparse.Namespace(torch=None, lockstep=[["256", r1, l1, "0"]])
         check(rows_of(judge_train, ns)[0][1] == "not run (no torch)", "train: no torch")
+        ns = argparse.Namespace(torch=[tj, put("t2.err", ""), "0"], lockstep=[["64", r1, l1, "0"]], graphs=[["64", r1, l1, "0"]])
+        r = rows_of(judge_train, ns)
+        check(len(r) == 2 and r[1][:2] == ["training img/s, batch 64, graphs", "measured"] and "--graphs" in r[1][2] and
+              "vs_torch 2.00" in r[1][2], "train: the --graphs run gets its own row: %s" % (r[-1:],))
 
         # summary
         tsv = put("s.tsv", "step\tresult\tdetail\nbuild\tok\t60 s\ntest_gpu_core\tpass\t3 passed, 0 failed\n"
@@ -704,6 +710,7 @@ def main(argv=None):
     s = sub.add_parser("train")
     s.add_argument("--torch", nargs=3, metavar=("JSONL", "ERRLOG", "RC"))
     s.add_argument("--lockstep", nargs=4, action="append", required=True, metavar=("BATCH", "JSONL", "LOG", "RC"))
+    s.add_argument("--graphs", nargs=4, action="append", metavar=("BATCH", "JSONL", "LOG", "RC"))
     s = sub.add_parser("train-step")
     s.add_argument("log"); s.add_argument("rc", type=int); s.add_argument("--cut", type=int, default=0)
     s = sub.add_parser("syncbn")

@@ -21,8 +21,10 @@
 #        GPU in strict FP32 (bench/torch_cuda_parity.py): worst relative parameter error <= 1e-3;
 #     4. training speed: the example at batch 64, 256 and 1024 on cuda:0 against PyTorch's training
 #        of the same network (bench/torch_cuda_train.py: defaults, strict FP32 and bf16 autocast, vs_torch), and
-#        bench_cuda_train_step (1, 2 and 4 replicas sharing cuda:0), and bench_cuda_conv (the
-#        example's convolutions through cuDNN against im2col + cuBLAS: vs_im2col);
+#        the example with --graphs (captured steps) at batch 64 against the same PyTorch figures,
+#        bench_cuda_train_step (1, 2 and 4 replicas sharing cuda:0), bench_cuda_conv (the
+#        example's convolutions through cuDNN against im2col + cuBLAS: vs_im2col), and
+#        bench_cuda_graph (a captured step by hand and through DataParallel, vs_eager);
 #     5. bench_cuda_batch_norm against cuDNN and PyTorch's BatchNorm2d
 #        (bench/torch_cuda_batch_norm.py: vs_torch), and bench_cuda_allreduce;
 #     6. last, compute-sanitizer memcheck, racecheck, synccheck and initcheck on the four tests
@@ -178,7 +180,7 @@ plan=()
 for t in "${gpu_tests[@]}"; do plan+=("$t|10|step_test|$t"); done
 plan+=("example|25|step_example|example 10 steps, 1 vs 4 replicas;example accuracy vs host")
 plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
-plan+=("train|40|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024")
+plan+=("train|45|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024;training img/s, batch 64, graphs")
 plan+=("train_step|15|step_train_step|bench_cuda_train_step")
 plan+=("conv|15|step_conv|conv cuDNN vs im2col")
 plan+=("graph|15|step_graph|graph step vs eager;DataParallel graphs vs eager")
@@ -409,6 +411,10 @@ step_train() {
     spec+=(--lockstep "$b" "$logs/train-b$b.jsonl" "$logs/train-b$b.log" "$rc")
     torch_args+=(--lockstep "$b=$logs/train-b$b.jsonl")
   done
+  # Captured steps (--graphs) at batch 64, where launches bound PyTorch: goal >= 3x its images/s.
+  capped 45 "$logs/train-graphs-b64.log" "$mnist" --data "$data" --seed 7 --no-shuffle --batch 64 --steps 120 --quiet \
+    "${eval_small[@]}" --backend cuda --devices 0 --math pytorch_default --graphs --metrics "$logs/train-graphs-b64.jsonl"
+  spec+=(--graphs 64 "$logs/train-graphs-b64.jsonl" "$logs/train-graphs-b64.log" "$rc")
   if ((have_torch)); then
     capped_py 120 "$logs/torch_train.jsonl" "$logs/torch_train.log" "$root/bench/torch_cuda_train.py" --batches 64,256,1024 --modes default,strict,bf16 \
       --min-time 0.5 "${torch_args[@]}"

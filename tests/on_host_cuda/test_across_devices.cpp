@@ -101,6 +101,14 @@ std::size_t threads_now() {
     return n;
 }
 
+//! Every tensor of checkpoint `got` holds the bits of the same tensor of `want`.
+void check_same(const nn::Checkpoint& got, const nn::Checkpoint& want) {
+    for (const auto& name : want.names()) {
+        CAPTURE(name);
+        CHECK(got.at(name).data == want.at(name).data);
+    }
+}
+
 //! A replica's parameters and float buffers (the checkpoint shows replica 0's only).
 std::vector<float> replica_values(const Small<Cuda>& m) {
     std::vector<float> all;
@@ -401,13 +409,7 @@ TEST_CASE("captured steps train as eager steps do, bit for bit, across shapes an
         CHECK(g.loss == e.loss);
         CHECK(g.correct == e.correct);
     };
-    const auto same = [&] {
-        const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
-        for (const auto& name : e.names()) {
-            CAPTURE(name);
-            CHECK(g.at(name).data == e.at(name).data);
-        }
-    };
+    const auto same = [&] { check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager)); };
     for (int i = 0; i < 5; ++i) step(xa, a.labels);
     same();
     // (a) and (b): eager (the workspace grown, the momentum buffers made), then captured and
@@ -460,11 +462,7 @@ TEST_CASE("a failed captured step drops the graphs, and the steps after it captu
         (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
     }
     CHECK(graphed.captured_graphs(1) == 4);
-    const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
-    for (const auto& name : e.names()) {
-        CAPTURE(name);
-        CHECK(g.at(name).data == e.at(name).data);
-    }
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
 }
 
 // Labels are host values a graph cannot check: before each launch the loss's check_targets
@@ -485,8 +483,7 @@ TEST_CASE("captured steps check their labels before each launch, and what graphs
     auto bad = a.labels;
     bad[7] = 7;  // 7 classes: [0, 7)
     CHECK_THROWS_WITH(dp.train_step(x, bad, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("label 7 of sample 2"));
-    const auto after = dp.checkpoint(sgd);
-    for (const auto& name : before.names()) CHECK(after.at(name).data == before.at(name).data);
+    check_same(dp.checkpoint(sgd), before);
     CHECK_NOTHROW(dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd));
 
     o.graphs = true;
@@ -538,11 +535,7 @@ TEST_CASE("captured steps with tensor targets, without overlap and after accumul
     // (b): eager, then captured at 2 and launched at 2 to 6.
     CHECK(graphed.captured_graphs(1) == 2);
     CHECK(graphed.graph_launches(1) == 9);
-    const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
-    for (const auto& name : e.names()) {
-        CAPTURE(name);
-        CHECK(g.at(name).data == e.at(name).data);
-    }
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
 }
 
 namespace {
@@ -587,13 +580,7 @@ TEST_CASE("replicas agree on capturing a step, and what a graph would freeze mak
         const auto g = graphed.train_step(x, labels, loss, sgd_graphed);
         CHECK(g.loss == e.loss);
     };
-    const auto same = [&] {
-        const auto e = eager.checkpoint(sgd_eager), g = graphed.checkpoint(sgd_graphed);
-        for (const auto& name : e.names()) {
-            CAPTURE(name);
-            CHECK(g.at(name).data == e.at(name).data);
-        }
-    };
+    const auto same = [&] { check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager)); };
     const nn::SoftmaxCrossEntropy ce;
     for (const bool big : {false, false, true, true, false, false, false})
         big ? step(x10, ten.labels, ce) : step(x9, nine.labels, ce);

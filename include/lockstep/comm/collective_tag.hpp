@@ -93,7 +93,8 @@ struct CollectiveSite {
             case Kind::commit:
                 return part == 0   ? "the commit barrier"
                        : part == 1 ? "the barrier after the optimizer step"
-                                   : "the replicas' agreement on a captured step";
+                       : part == 2 ? "the replicas' agreement on a captured step"
+                                   : "the end of the replicas' captures of a step";
             case Kind::control:
                 return std::string("the exchange of ") + to_string(static_cast<Exchange>(part)) + " between processes";
             default: return "user site " + n;

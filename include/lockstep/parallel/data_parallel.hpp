@@ -182,9 +182,9 @@ public:
                     [ex = rep.ctx.exec] { K::wait_inputs_read(ex); }))
                 throw parallel::detail::caller_gone();
             call->outs[ur] = rep.module.forward(rep.ctx, std::move(in));
-            // In training mode the layers keep what backward would read: a capture must not free
-            // it (Note [captured steps]), so the next step runs eagerly.
-            if (training && rep.graphs) rep.graphs->layers_hold_state = true;
+            // The layers may keep what backward would read (in training mode they do): a capture
+            // must not free it (Note [captured steps]), so the next step runs eagerly.
+            if (rep.graphs) rep.graphs->layers_hold_state = true;
         });
         std::vector<Execution<backend>> producers;
         for (const auto& rep : core_->replicas) producers.push_back(rep->ctx.exec);

@@ -93,14 +93,17 @@ struct StepGraphs {
     Cache update;                    // (b)
     std::map<Key, Inputs> inputs;    // of (a)'s keys: dropped with their graphs
     std::uint64_t epoch = 0;         // Core::graph_epoch when these were made
-    bool layers_hold_state = false;  // a training-mode forward() since the last step: capture would free its tensors
+    bool layers_hold_state = false;  // a forward() since the last step: a capture could free its tensors
     std::uint64_t captures = 0, launches = 0;
 
     //! The keys that an eager step left ready for capture since the last clear: the key as it
     //! reads after that step, which grew what it needed (Note [captured steps]).
     std::set<Key> seen_forward, seen_update;
     void remember(std::set<Key>& keys, Key key) {
-        if (keys.size() >= 4 * capacity_) keys.clear();  // shapes that come and go: bounded
+        if (keys.size() >= 4 * capacity_) {  // shapes that come and go: bounded
+            keys.clear();
+            prune();
+        }
         keys.insert(std::move(key));
     }
 

@@ -96,21 +96,25 @@ namespace lockstep::parallel::detail {
 // - The replicas decide (a) together: each votes (eagerly, capture, launch) and all do the least
 //   (agree_on_graph, one host barrier a step). A replica that launched while a peer captured
 //   would skip the rendezvous the peer waits in: keys differ by replica (a workspace grown on one
-//   only) and so may their graphs. (b) holds no collective: each replica decides for itself, and
-//   captures before the commit barrier (capturing runs nothing), so a capture CUDA refuses fails
-//   the step before any replica applies it.
+//   only) and so may their graphs. Nothing that can fail lies between the vote and the launch:
+//   the input is copied and checked before the vote, and captures end with a second barrier
+//   before anyone launches. A replica whose graph's collectives were launched while a peer never
+//   launches its own would leave them to run on communicators the abort then destroys (a fault,
+//   or a hang, on a GPU; the host CUDA device faults). (b) holds no collective: each replica
+//   decides for itself, and captures before the commit barrier (capturing runs nothing), so a
+//   capture CUDA refuses fails the step before any replica applies it.
 // - Before each launch of (a), eagerly: the buffers saved (a failure before the launch restores
 //   them), and the step's input copied into the tensors the graph reads (one set per key, dropped
 //   with its graph): the shard of x, and the targets: class labels through pinned staging after
 //   the loss's `check_targets` (if it has one) has checked them against the output shape of the
-//   capture, or a tensor's rows. In the graph: the gradients and totals zeroed, then the loss
-//   called with its targets on the device.
+//   capture (in a capture, once forward has given it), or a tensor's rows. In the graph: the
+//   gradients and totals zeroed, then the loss called with its targets on the device.
 // - A call that fails, parallel_apply(), load() and resync() move Core::graph_epoch on: every
 //   replica drops its graphs before its next step (they may hold aborted communicators or state
 //   replaced since), and each key runs eagerly once more before it is captured again. A failure
-//   during a launch is a failed step as any other (Note [commit point]). After a training-mode
-//   forward() the layers hold tensors a capture would have to free (CUDA refuses that): the next
-//   step runs eagerly.
+//   during a launch is a failed step as any other (Note [commit point]). After a forward() the
+//   layers may hold tensors (in training mode they do) that a capture would have to free, which
+//   CUDA refuses: the next step runs eagerly.
 // - What a graph cannot hold runs eagerly: the update of an optimizer without graph_key, the
 //   step after accumulate() (its weights are host numbers of the call), the finite check (a
 //   read to the host, between the graphs).
@@ -352,62 +356,65 @@ bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& 
         const auto& loss = call.loss.get();
         const auto key = forward_key(rep, call, shard, x, targets);
         const bool kept = g.forward.contains(key);
-        // A training-mode forward() left tensors in the layers that a capture would free; a key's
+        // A forward() may have left tensors in the layers that a capture would free; a key's
         // first step runs eagerly.
         const int vote = g.layers_hold_state || g.seen_forward.count(key) == 0 ? 0 : kept ? 2 : 1;
-        const int decision = agree_on_graph(core, r, vote);
-        if (decision == 0) return false;
-        if (decision == 1 && kept) g.forward.erase(key);  // every replica captures: this one too
-        const bool replay = decision == 2;
-        auto [it, made] = g.inputs.try_emplace(key);
-        auto& in = it->second;
-        auto& on_device = [&]() -> typename GT::device_type& {
-            if constexpr (std::is_same_v<typename GT::device_type, Tensor<float, backend>>)
-                return in.targets;
-            else
-                return in.labels;
-        }();
-        if (made) {
-            in.x = Tensor<float, backend>(x.shape().with(0, shard.count), x.format(), device, uninitialized);
-            if constexpr (GT::host_labels)
-                on_device = Tensor<std::int64_t, backend>(Shape{shard.count}, MemoryFormat::nchw, device, uninitialized);
-            else
-                on_device =
-                    typename GT::device_type(targets.shape().with(0, shard.count), targets.format(), device, uninitialized);
-        }
+        // The step's input in the graph's tensors, before the vote: whatever can fail here (a
+        // label out of range, a caller gone) fails before any replica launches. A replica that
+        // launched its collectives while a peer never will leaves them to run on communicators
+        // the abort destroys: a fault on a GPU (Note [captured steps]).
+        typename StepGraphs<backend>::Inputs* in = nullptr;
+        std::vector<std::int64_t> labels;  // this shard's, checked in a capture once the output's shape is known
         constexpr bool checks = GT::host_labels && requires { loss.check_targets(std::span<const std::int64_t>(), Shape{}); };
-        std::vector<std::int64_t> capture_labels;  // checked in the capture, once the output's shape is known
-        if (!call.caller.read(
-                [&] {
-                    const std::int64_t row = x.shape().row_numel();
-                    K::copy(ex, in.x, 0, x, shard.begin * row, shard.count * row);
-                    if constexpr (GT::host_labels) {
-                        const auto mine = shard_targets(ex, targets, shard, device);
-                        if constexpr (checks) {
-                            if (replay)
-                                loss.check_targets(mine, in.output);
-                            else
-                                capture_labels.assign(mine.begin(), mine.end());
+        const auto on_device = [&]() -> typename GT::device_type& {
+            if constexpr (std::is_same_v<typename GT::device_type, Tensor<float, backend>>)
+                return in->targets;
+            else
+                return in->labels;
+        };
+        if (vote > 0) {
+            auto [it, made] = g.inputs.try_emplace(key);
+            in = &it->second;
+            if (made) {
+                in->x = Tensor<float, backend>(x.shape().with(0, shard.count), x.format(), device, uninitialized);
+                if constexpr (GT::host_labels)
+                    on_device() = Tensor<std::int64_t, backend>(Shape{shard.count}, MemoryFormat::nchw, device, uninitialized);
+                else
+                    on_device() =
+                        typename GT::device_type(targets.shape().with(0, shard.count), targets.format(), device, uninitialized);
+            }
+            if (!call.caller.read(
+                    [&] {
+                        const std::int64_t row = x.shape().row_numel();
+                        K::copy(ex, in->x, 0, x, shard.begin * row, shard.count * row);
+                        if constexpr (GT::host_labels) {
+                            const auto mine = shard_targets(ex, targets, shard, device);
+                            if constexpr (checks) {
+                                if (kept) loss.check_targets(mine, in->output);
+                                labels.assign(mine.begin(), mine.end());
+                            }
+                            K::upload_labels(ex, mine, on_device());
+                        } else {
+                            const std::int64_t trow = targets.shape().row_numel();
+                            K::copy(ex, on_device(), 0, targets, shard.begin * trow, shard.count * trow);
                         }
-                        K::upload_labels(ex, mine, on_device);
-                    } else {
-                        const std::int64_t trow = targets.shape().row_numel();
-                        K::copy(ex, on_device, 0, targets, shard.begin * trow, shard.count * trow);
-                    }
-                    K::mark_inputs_read(ex);
-                },
-                [ex] { K::wait_inputs_read(ex); }))
-            throw caller_gone();
+                        K::mark_inputs_read(ex);
+                    },
+                    [ex] { K::wait_inputs_read(ex); }))
+                throw caller_gone();
+        }
+        const int decision = agree_on_graph(core, r, vote);
+        if (decision == 0) return false;  // eagerly: forward_backward reads the caller's objects again
         const auto record = [&] {
             rep.clear_step();  // in the graph: a launch less on the host
             Tensor<float, backend> out;
             {
                 const typename K::Range range("lockstep forward");
-                out = rep.module.forward(rep.ctx, Tensor<float, backend>::view(in.x, 0, in.x.shape(), in.x.format()));
+                out = rep.module.forward(rep.ctx, Tensor<float, backend>::view(in->x, 0, in->x.shape(), in->x.format()));
             }
-            in.output = out.shape();
-            if constexpr (checks) loss.check_targets(std::span<const std::int64_t>(capture_labels), in.output);
-            auto lo = loss(rep.ctx, out, on_device);
+            in->output = out.shape();
+            if constexpr (checks) loss.check_targets(std::span<const std::int64_t>(labels), in->output);
+            auto lo = loss(rep.ctx, out, on_device());
             out = Tensor<float, backend>();
             {
                 const typename K::Range range("lockstep backward");
@@ -416,14 +423,20 @@ bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& 
             K::add(ex, rep.totals, lo.totals);
             rep.finish_buckets();
         };
-        try {
-            if (K::launch_graph(ex, g.forward, key, record)) {
-                ++g.captures;
-                g.prune();  // the inputs of a graph the capture pushed out
+        if (decision == 1) {  // every replica captures, this one too if it kept a graph
+            if (kept) g.forward.erase(key);
+            try {
+                g.forward.prepare(key, ex.stream, record);
+            } catch (const CaptureRefused& e) {
+                capture_refused(r, "forward and backward", e);
             }
-        } catch (const CaptureRefused& e) {
-            capture_refused(r, "forward and backward", e);
+            ++g.captures;
+            g.prune();  // the inputs of a graph the capture pushed out
+            // No replica launches before every replica has its graph (a capture that fails at its
+            // end, after its last collective, fails here on all).
+            rep.grad_comm->barrier(comm::CollectiveSite::commit(3));
         }
+        K::launch_graph(ex, g.forward, key, record);
         ++g.launches;
         return true;
     }
