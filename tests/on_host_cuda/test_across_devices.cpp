@@ -463,6 +463,7 @@ TEST_CASE("a failed captured step drops the graphs, and the steps after it captu
     }
     CHECK(graphed.captured_graphs(1) == 4);
     check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
 }
 
 // Labels are host values a graph cannot check: before each launch the loss's check_targets
@@ -480,9 +481,12 @@ TEST_CASE("captured steps check their labels before each launch, and what graphs
     for (int i = 0; i < 3; ++i) (void)dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd);
     REQUIRE(dp.captured_graphs(0) == 2);
     const auto before = dp.checkpoint(sgd);
+    const auto launched = std::make_pair(dp.graph_launches(0), dp.graph_launches(1));
     auto bad = a.labels;
     bad[7] = 7;  // 7 classes: [0, 7)
     CHECK_THROWS_WITH(dp.train_step(x, bad, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("label 7 of sample 2"));
+    // Checked before the replicas' vote: replica 0 launched nothing either.
+    CHECK(std::make_pair(dp.graph_launches(0), dp.graph_launches(1)) == launched);
     check_same(dp.checkpoint(sgd), before);
     CHECK_NOTHROW(dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd));
 
@@ -585,6 +589,10 @@ TEST_CASE("replicas agree on capturing a step, and what a graph would freeze mak
     for (const bool big : {false, false, true, true, false, false, false})
         big ? step(x10, ten.labels, ce) : step(x9, nine.labels, ce);
     same();
+    // (a) captured at steps 2, 4 and 6 (replica 1's key of 3 rows changed at step 5: both ran it
+    // eagerly, then both captured), (b) once: the scenario happened on both replicas.
+    CHECK(graphed.captured_graphs(0) == 4);
+    CHECK(graphed.captured_graphs(1) == 4);
     // A training-mode forward before the step that would capture a new shape's graph.
     const auto eight = make_batch(8, 93);
     const auto x8 = eight.x.to<Cuda>(Device::cuda(0));
@@ -606,4 +614,53 @@ TEST_CASE("replicas agree on capturing a step, and what a graph would freeze mak
     same();
     CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
     ::unsetenv("LOCKSTEP_CUDNN");
+}
+
+namespace {
+// Sgd whose update waits for the device first: it runs eagerly, but a capture refuses it.
+struct WaitingSgd {
+    nn::Sgd<Cuda> sgd{{.lr = 0.05}};
+    void prepare(int replicas, const nn::BucketLayout& layout) { sgd.prepare(replicas, layout); }
+    template <class M>
+    void step(const nn::Context<Cuda>& ctx, M& module) {
+        kernels::Ops<Cuda>::wait(ctx.exec, "the update's own wait");
+        sgd.step(ctx, module);
+    }
+    template <class M, class F>
+    void visit_state(int rank, M& module, F&& f) {
+        sgd.visit_state(rank, module, std::forward<F>(f));
+    }
+    template <class M>
+    std::vector<std::int64_t> graph_key(int rank, const M& module) const {
+        return sgd.graph_key(rank, module);
+    }
+};
+}  // namespace
+
+// Graph (b) is captured at the start of its step, before the replicas vote on (a): an update that
+// cannot be captured (here it waits for the device) fails its step on every replica before any
+// replica launches anything, with UsageError naming the update, and nothing applied. Captured
+// after (a)'s launch, its failure on one replica would leave a peer's launched collectives to run
+// on aborted communicators.
+TEST_CASE("an update that cannot be captured fails its step before any replica launches", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(5));
+    o.graphs = true;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o);
+    WaitingSgd opt;
+    const auto a = make_batch(10, 101);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    (void)dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, opt);  // eagerly: (a) and (b) ready
+    const auto before = dp.checkpoint();
+    const auto step = [&] { (void)dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, opt); };
+    CHECK_THROWS_WITH(step(), Catch::Contains("update could not be captured"));
+    CHECK(dp.graph_launches(0) == 0);
+    CHECK(dp.graph_launches(1) == 0);
+    CHECK_FALSE(dp.diverged());
+    check_same(dp.checkpoint(), before);
+    // The failure dropped the graphs: the next step runs eagerly, the one after fails alike.
+    CHECK_NOTHROW(step());
+    CHECK_THROWS_AS(step(), UsageError);
+    CHECK(dp.graph_launches(0) == 0);
 }

@@ -96,13 +96,14 @@ namespace lockstep::parallel::detail {
 // - The replicas decide (a) together: each votes (eagerly, capture, launch) and all do the least
 //   (agree_on_graph, one host barrier a step). A replica that launched while a peer captured
 //   would skip the rendezvous the peer waits in: keys differ by replica (a workspace grown on one
-//   only) and so may their graphs. Nothing that can fail lies between the vote and the launch:
-//   the input is copied and checked before the vote, and captures end with a second barrier
-//   before anyone launches. A replica whose graph's collectives were launched while a peer never
-//   launches its own would leave them to run on communicators the abort then destroys (a fault,
-//   or a hang, on a GPU; the host CUDA device faults). (b) holds no collective: each replica
-//   decides for itself, and captures before the commit barrier (capturing runs nothing), so a
-//   capture CUDA refuses fails the step before any replica applies it.
+//   only) and so may their graphs. A replica whose graph's collectives were launched while a
+//   peer never launches its own would leave them to run on communicators the abort then destroys
+//   (a fault, or a hang, on a GPU; the host CUDA device faults), so what can fail comes before
+//   the vote: (b)'s capture, the input's copy and the labels' check; and captures of (a) end with
+//   a second barrier before anyone launches. What is left between the vote and the launch is
+//   cudaGraphLaunch itself, which fails only on a device that has failed already. (b) holds no
+//   collective: each replica decides for itself, and captures it before (a)'s vote (capturing
+//   runs nothing), so a capture CUDA refuses fails the step before anything runs.
 // - Before each launch of (a), eagerly: the buffers saved (a failure before the launch restores
 //   them), and the step's input copied into the tensors the graph reads (one set per key, dropped
 //   with its graph): the shard of x, and the targets: class labels through pinned staging after
@@ -467,9 +468,10 @@ std::optional<std::vector<std::int64_t>> update_key(Replica<Module>& rep, Optimi
     }
 }
 
-//! Before the commit barrier: graph (b) captured where its key ran eagerly before and no graph is
-//! kept for it. A capture records and runs nothing, so one that CUDA refuses fails the step before
-//! any replica applies it. (b) holds no collective: each replica decides for itself.
+//! At the start of a step, before (a)'s vote: graph (b) captured where its key ran eagerly before
+//! and no graph is kept for it. A capture records and runs nothing, so one that CUDA refuses (or
+//! an optimizer that throws in it) fails the step before any replica launches (a) or applies
+//! anything. (b) holds no collective: each replica decides for itself.
 template <class Module, class Optimizer>
 void prepare_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r) {
     using K = kernels::Ops<typename Module::backend>;
@@ -508,18 +510,13 @@ void update_graphed(Replica<Module>& rep, Optimizer& optimizer, const DataParall
 
 //! After backward, in a step: the gradient all-reduce, the finite check and the clipping, then
 //! the commit barrier (Notes [step order] and [commit point]). With graphs the clipping is part of
-//! the update, after the barrier (the same bits: it reads only the all-reduced gradients), and
-//! graph (b) is captured before it.
-template <class Module, class Loss, class Optimizer>
-void reduce_and_commit(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r,
-                       StepCall<Loss>& call, bool captured) {
+//! the update, after the barrier (the same bits: it reads only the all-reduced gradients).
+template <class Module, class Loss>
+void reduce_and_commit(Replica<Module>& rep, const DataParallelOptions& options, int r, StepCall<Loss>& call, bool captured) {
     const auto ur = static_cast<std::size_t>(r);
     if (!captured) rep.finish_buckets();  // a captured step's graph joins its buckets itself
     if (options.check_finite) check_finite(rep, r, call.step_number, call.sums[ur], call.corrects[ur]);
-    if (options.graphs)
-        prepare_update(rep, optimizer, options, r);
-    else if (options.clip_grad_norm)
-        clip(rep, *options.clip_grad_norm);
+    if (options.clip_grad_norm && !options.graphs) clip(rep, *options.clip_grad_norm);
     // No replica updates its parameters unless every replica got here; a failure anywhere before
     // aborts this barrier on all.
     rep.grad_comm->barrier(comm::CollectiveSite::commit(0));
@@ -583,6 +580,9 @@ void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Te
     begin_part(rep, call, !may_capture);
     rep.begin_buckets(core.options.overlap);  // Note [gradient buckets]: all-reduced as backward finishes them
     try {
+        // (b) is captured before (a)'s vote: a capture that fails on one replica must fail before
+        // any replica launches (a) (Note [captured steps]).
+        if (core.options.graphs) prepare_update(rep, optimizer, core.options, r);
         const bool captured = may_capture && forward_backward_graphed(core, r, call, x, targets);
         if (!captured) {
             if (may_capture) rep.clear_step();
@@ -593,7 +593,7 @@ void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Te
                 rep.graphs->remember(rep.graphs->seen_forward,
                                      forward_key(rep, call, call.shards[static_cast<std::size_t>(r)], x, targets));
         }
-        reduce_and_commit(rep, optimizer, core.options, r, call, captured);
+        reduce_and_commit(rep, core.options, r, call, captured);
     } catch (...) {
         abandon_part(rep, r);
         throw;
