@@ -38,12 +38,19 @@ inline std::vector<ShardRange> shard_ranges(std::int64_t batch, int replicas) {
     return shards;
 }
 
-//! A copy of rows [begin, begin + count) of `x` on `device` (rows are contiguous in NCHW and NHWC alike).
+//! dst = rows [begin, begin + count) of `x`, into a tensor of that many rows (rows are contiguous
+//! in NCHW and NHWC alike).
+template <class T, BackendTag B>
+void copy_rows(const Execution<B>& ex, Tensor<T, B>& dst, const Tensor<T, B>& x, ShardRange range) {
+    const std::int64_t row = x.shape().row_numel();
+    kernels::Ops<B>::copy(ex, dst, 0, x, range.begin * row, range.count * row);
+}
+
+//! A copy of rows [begin, begin + count) of `x` on `device`.
 template <class T, BackendTag B>
 Tensor<T, B> take_rows(const Execution<B>& ex, const Tensor<T, B>& x, ShardRange range, Device device) {
     Tensor<T, B> shard(x.shape().with(0, range.count), x.format(), device, uninitialized);
-    const std::int64_t row = x.shape().row_numel();
-    kernels::Ops<B>::copy(ex, shard, 0, x, range.begin * row, range.count * row);
+    copy_rows(ex, shard, x, range);
     return shard;
 }
 

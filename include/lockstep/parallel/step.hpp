@@ -386,8 +386,7 @@ bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& 
             }
             if (!call.caller.read(
                     [&] {
-                        const std::int64_t row = x.shape().row_numel();
-                        K::copy(ex, in->x, 0, x, shard.begin * row, shard.count * row);
+                        copy_rows(ex, in->x, x, shard);
                         if constexpr (GT::host_labels) {
                             const auto mine = shard_targets(ex, targets, shard, device);
                             if constexpr (checks) {
@@ -396,8 +395,7 @@ bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& 
                             }
                             K::upload_labels(ex, mine, on_device());
                         } else {
-                            const std::int64_t trow = targets.shape().row_numel();
-                            K::copy(ex, on_device(), 0, targets, shard.begin * trow, shard.count * trow);
+                            copy_rows(ex, on_device(), targets, shard);
                         }
                         K::mark_inputs_read(ex);
                     },
@@ -471,29 +469,32 @@ std::optional<std::vector<std::int64_t>> update_key(Replica<Module>& rep, Optimi
 //! At the start of a step, before (a)'s vote: graph (b) captured where its key ran eagerly before
 //! and no graph is kept for it. A capture records and runs nothing, so one that CUDA refuses (or
 //! an optimizer that throws in it) fails the step before any replica launches (a) or applies
-//! anything. (b) holds no collective: each replica decides for itself.
+//! anything. (b) holds no collective: each replica decides for itself. Returns the key, which
+//! nothing in the step changes before the update.
 template <class Module, class Optimizer>
-void prepare_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r) {
+std::optional<std::vector<std::int64_t>> prepare_update(Replica<Module>& rep, Optimizer& optimizer,
+                                                        const DataParallelOptions& options, int r) {
     using K = kernels::Ops<typename Module::backend>;
+    auto key = update_key(rep, optimizer, options);
     if constexpr (K::graphs) {
-        const auto key = update_key(rep, optimizer, options);
         auto& g = *rep.graphs;
-        if (!key || g.seen_update.count(*key) == 0) return;
+        if (!key || g.seen_update.count(*key) == 0) return key;
         try {
             if (g.update.prepare(*key, rep.ctx.exec.stream, [&] { run_update(rep, optimizer, options); })) ++g.captures;
         } catch (const CaptureRefused& e) {
             capture_refused(r, "update", e);
         }
     }
+    return key;
 }
 
-//! After the commit barrier, with graphs: graph (b) launched where one is kept for its key, else
-//! the update eagerly, after which its key (as it then reads: the optimizer's state made) is ready
-//! for capture.
+//! After the commit barrier, with graphs: graph (b) launched where one is kept for `key` (the one
+//! prepare_update gave at the step's start), else the update eagerly, after which its key (as it
+//! then reads: the optimizer's state made) is ready for capture.
 template <class Module, class Optimizer>
-void update_graphed(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options) {
+void update_graphed(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options,
+                    const std::optional<std::vector<std::int64_t>>& key) {
     using K = kernels::Ops<typename Module::backend>;
-    const auto key = update_key(rep, optimizer, options);
     if constexpr (K::graphs) {
         auto& g = *rep.graphs;
         if (key && g.update.contains(*key)) {
@@ -525,14 +526,15 @@ void reduce_and_commit(Replica<Module>& rep, const DataParallelOptions& options,
 //! After the commit barrier: the optimizer step, the barrier after it (a replica whose optimizer
 //! threw fails the step everywhere), then the step's scalars.
 template <class Module, class Loss, class Optimizer>
-void apply_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r, StepCall<Loss>& call) {
+void apply_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r, StepCall<Loss>& call,
+                  const std::optional<std::vector<std::int64_t>>& update_key_now) {
     using K = kernels::Ops<typename Module::backend>;
     const auto ur = static_cast<std::size_t>(r);
     call.committed.fetch_add(1, std::memory_order_relaxed);
     {
         const typename K::Range range("lockstep optimizer step");
         if (options.graphs)
-            update_graphed(rep, optimizer, options);
+            update_graphed(rep, optimizer, options, update_key_now);
         else
             optimizer.step(rep.ctx, rep.module);
     }
@@ -578,11 +580,12 @@ void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Te
     }
     const bool may_capture = rep.graphs && call.before == 0;  // alike on every replica
     begin_part(rep, call, !may_capture);
-    rep.begin_buckets(core.options.overlap);  // Note [gradient buckets]: all-reduced as backward finishes them
+    rep.begin_buckets(core.options.overlap);          // Note [gradient buckets]: all-reduced as backward finishes them
+    std::optional<std::vector<std::int64_t>> update;  // graph (b)'s key (Note [captured steps])
     try {
         // (b) is captured before (a)'s vote: a capture that fails on one replica must fail before
         // any replica launches (a) (Note [captured steps]).
-        if (core.options.graphs) prepare_update(rep, optimizer, core.options, r);
+        if (core.options.graphs) update = prepare_update(rep, optimizer, core.options, r);
         const bool captured = may_capture && forward_backward_graphed(core, r, call, x, targets);
         if (!captured) {
             if (may_capture) rep.clear_step();
@@ -598,7 +601,7 @@ void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Te
         abandon_part(rep, r);
         throw;
     }
-    apply_update(rep, optimizer, core.options, r, call);
+    apply_update(rep, optimizer, core.options, r, call, update);
 }
 
 //! Replica `r`'s part of an accumulated micro-batch (Note [gradient accumulation]).
