@@ -9,6 +9,7 @@ Markdown. Standard library only (it runs on the GPU machine's python3).
     gpu-check-summarize.py example --tol-loss 1e-4 --tol-acc 0.005 --steps 10 --run ROLE LABEL JSONL LOG RC ...
     gpu-check-summarize.py parity JSONL ERRLOG RC --example LABEL LOG RC ...
     gpu-check-summarize.py train [--torch JSONL ERRLOG RC] --lockstep BATCH JSONL LOG RC ... [--graphs BATCH JSONL LOG RC]
+    gpu-check-summarize.py bf16 [--torch JSONL ERRLOG RC] --train BATCH JSONL LOG RC --accuracy LOG RC [--goal 0.90]
     gpu-check-summarize.py train-step LOG RC
     gpu-check-summarize.py syncbn BENCH_JSON TORCH_JSONL
     gpu-check-summarize.py table TSV          (the final table, for a terminal)
@@ -361,11 +362,12 @@ def lockstep_median(path, skip=5):
     return (statistics.median(rates), len(rates)) if rates else (None, 0)
 
 
-def judge_train(args):
+def torch_train_rows(spec):
+    """bench/torch_cuda_train.py's lines by (batch, mode), and what to say when there are none."""
     torch_rows = {}
     torch_text = ""
-    if args.torch:
-        path, errlog, rc = args.torch
+    if spec:
+        path, errlog, rc = spec
         for line in read(path).splitlines():
             try:
                 r = json.loads(line)
@@ -373,6 +375,11 @@ def judge_train(args):
                 continue
             torch_rows[(r["batch"], r["mode"])] = r
         torch_text = "exit %s: %s" % (rc, tail_line(read(errlog))[:120]) if not torch_rows else ""
+    return torch_rows, torch_text
+
+
+def judge_train(args):
+    torch_rows, torch_text = torch_train_rows(args.torch)
     runs = [(spec, False) for spec in args.lockstep] + [(spec, True) for spec in (getattr(args, "graphs", None) or [])]
     for (batch, path, log, rc), graphs in runs:
         batch, rc = int(batch), int(rc)
@@ -397,6 +404,39 @@ def judge_train(args):
             emit(name, "not run (no torch)", detail + "; no PyTorch to compare with")
         else:
             emit(name, "measured", "%s; PyTorch gave nothing (%s)" % (detail, torch_text or "no line for this batch"))
+
+
+def judge_bf16(args):
+    """Rows 'training img/s, batch B, bf16' (--precision bf16 against PyTorch's bf16 autocast, goal
+    >= 1) and 'bf16 accuracy, 2 epochs' (the example's test accuracy, goal >= --goal)."""
+    torch_rows, torch_text = torch_train_rows(args.torch)
+    batch, path, log, rc = args.train
+    batch, rc = int(batch), int(rc)
+    name = "training img/s, batch %d, bf16" % batch
+    ours, n = lockstep_median(path)
+    if ours is None:
+        emit(name, "FAIL", "the example gave no step rates (exit %d): %s" % (rc, tail_line(read(log))[:160]))
+    else:
+        detail = "lockstep %s (1 replica, --precision bf16, median of %d steps)" % (si(ours), n)
+        parts = []
+        for mode, label in (("bf16", "bf16 autocast (goal vs_torch >= 1)"), ("default", "PyTorch defaults")):
+            r = torch_rows.get((batch, mode))
+            if r:
+                parts.append("%s %s: vs_torch %.2f" % (label, si(r["torch_images_per_s"]), ours / r["torch_images_per_s"]))
+        if parts:
+            emit(name, "measured", "%s; %s" % (detail, "; ".join(parts)))
+        elif not args.torch:
+            emit(name, "not run (no torch)", detail + "; no PyTorch to compare with")
+        else:
+            emit(name, "measured", "%s; PyTorch gave nothing (%s)" % (detail, torch_text or "no line for this batch"))
+    log, rc = args.accuracy
+    name = "bf16 accuracy, 2 epochs"
+    acc = accuracy_of(read(log))
+    if acc is None:
+        emit(name, "FAIL", "no test accuracy (exit %s): %s" % (rc, tail_line(read(log))[:160]))
+    else:
+        emit(name, "pass" if acc >= args.goal else "FAIL", "test accuracy %.4f (goal >= %.2f; --precision bf16, batch 64)" %
+             (acc, args.goal))
 
 
 def judge_train_step(log, rc):
@@ -673,6 +713,22 @@ def self_test():
         check(len(r) == 2 and r[1][:2] == ["training img/s, batch 64, graphs", "measured"] and "--graphs" in r[1][2] and
               "vs_torch 2.00" in r[1][2], "train: the --graphs run gets its own row: %s" % (r[-1:],))
 
+        # bf16
+        tj16 = put("t16.jsonl", "".join(json.dumps({"batch": 256, "mode": m, "torch_images_per_s": v, "torch_images_per_s_pipelined":
+                                                    v, "torch": "2.11.0"}) + "\n" for m, v in (("default", 100000.0),
+                                                                                              ("bf16", 25000.0))))
+        acc_log = put("acc16.log", "test accuracy 0.9071 | replicas 1 | backend cuda | 1876 steps\n")
+        ns = argparse.Namespace(torch=[tj16, put("t16.err", ""), "0"], train=["256", r1, l1, "0"], accuracy=[acc_log, "0"],
+                                goal=0.90)
+        r = rows_of(judge_bf16, ns)
+        check(r[0][:2] == ["training img/s, batch 256, bf16", "measured"] and "vs_torch 2.00" in r[0][2] and
+              "vs_torch 0.50" in r[0][2], "bf16: vs bf16 autocast and defaults: %s" % (r[:1],))
+        check(r[1][:2] == ["bf16 accuracy, 2 epochs", "pass"] and "0.9071" in r[1][2], "bf16: accuracy >= 0.90 passes")
+        ns.accuracy = [put("acc16b.log", "test accuracy 0.8712 | replicas 1\n"), "0"]
+        check(rows_of(judge_bf16, ns)[1][1] == "FAIL", "bf16: accuracy below the goal fails")
+        ns.accuracy = [put("acc16c.log", "mnist: boom\n"), "2"]
+        check(rows_of(judge_bf16, ns)[1][1] == "FAIL", "bf16: no accuracy fails")
+
         # summary
         tsv = put("s.tsv", "step\tresult\tdetail\nbuild\tok\t60 s\ntest_gpu_core\tpass\t3 passed, 0 failed\n"
                            "memcheck x\tnot run (budget)\ta | b\n")
@@ -711,6 +767,11 @@ def main(argv=None):
     s.add_argument("--torch", nargs=3, metavar=("JSONL", "ERRLOG", "RC"))
     s.add_argument("--lockstep", nargs=4, action="append", required=True, metavar=("BATCH", "JSONL", "LOG", "RC"))
     s.add_argument("--graphs", nargs=4, action="append", metavar=("BATCH", "JSONL", "LOG", "RC"))
+    s = sub.add_parser("bf16")
+    s.add_argument("--torch", nargs=3, metavar=("JSONL", "ERRLOG", "RC"))
+    s.add_argument("--train", nargs=4, required=True, metavar=("BATCH", "JSONL", "LOG", "RC"))
+    s.add_argument("--accuracy", nargs=2, required=True, metavar=("LOG", "RC"))
+    s.add_argument("--goal", type=float, default=0.90)
     s = sub.add_parser("train-step")
     s.add_argument("log"); s.add_argument("rc", type=int); s.add_argument("--cut", type=int, default=0)
     s = sub.add_parser("syncbn")
@@ -728,6 +789,8 @@ def main(argv=None):
         judge_parity(a)
     elif a.cmd == "train":
         judge_train(a)
+    elif a.cmd == "bf16":
+        judge_bf16(a)
     elif a.cmd == "train-step":
         ARGS_CUT[0] = bool(a.cut)
         judge_train_step(a.log, a.rc)

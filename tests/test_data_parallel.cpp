@@ -823,6 +823,23 @@ TEST_CASE("DataParallelOptions::graphs is refused on the host backend, naming it
     CHECK(dp.graph_launches(1) == 0);
 }
 
+// Issue 27: bf16 products are CUDA's (Note [precision]); the host backend refuses them by name
+// rather than training in fp32 under an option that promises bf16 rounding.
+TEST_CASE("bf16 products and bf16 gradient all-reduces are refused on the host backend, naming the option", "[parallel]") {
+    CHECK(DataParallelOptions{}.precision == Precision::fp32);
+    CHECK_THROWS_AS(DataParallel<Net>(make_net(5), 2, {.precision = Precision::bf16}), UsageError);
+    CHECK_THROWS_WITH(DataParallel<Net>(make_net(5), 2, {.precision = Precision::bf16}),
+                      Catch::Contains("DataParallelOptions::precision = bf16: the host backend has no bf16 products"));
+    CHECK_THROWS_WITH(DataParallel<Net>(make_net(5), 2, {.precision = static_cast<Precision>(5)}),
+                      Catch::Contains("DataParallelOptions::precision is not a lockstep::Precision (5)"));
+    CHECK_NOTHROW(DataParallel<Net>(make_net(5), 2, {.precision = Precision::fp32}));
+    CHECK(DataParallelOptions{}.gradient_precision == Precision::fp32);
+    CHECK_THROWS_WITH(DataParallel<Net>(make_net(5), 2, {.gradient_precision = Precision::bf16}),
+                      Catch::Contains("DataParallelOptions::gradient_precision = bf16: the host backend has no bf16 all-reduce"));
+    CHECK_THROWS_WITH(DataParallel<Net>(make_net(5), 2, {.gradient_precision = static_cast<Precision>(9)}),
+                      Catch::Contains("DataParallelOptions::gradient_precision is not a lockstep::Precision (9)"));
+}
+
 TEST_CASE("A step that fails in backward changes no replica's parameters or optimizer state", "[parallel]") {
     Faulty proto{make_net(4)};
     DataParallel<Faulty> dp(proto, 3, {.timeout = 60s});

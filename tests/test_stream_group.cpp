@@ -828,8 +828,9 @@ TEST_CASE(
     for (auto& e : errors) {
         REQUIRE(e);
         CHECK_THROWS_WITH(std::rethrow_exception(e),
-                          Catch::Contains("they run different math modes (strict_fp32, tf32, by process); give every process the "
-                                          "same DataParallelOptions::math"));
+                          Catch::Contains("they run different math modes (strict_fp32/fp32/fp32, tf32/fp32/fp32, by process, "
+                                          "math/precision/gradient_precision); give every process the same "
+                                          "DataParallelOptions::math, ::precision and ::gradient_precision"));
     }
 }
 

@@ -179,6 +179,16 @@ int main(int argc, char** argv) {
                    "how convolutions and linear layers may round on CUDA: pytorch_default (TF32 convolutions, "
                    "strict fp32 linear layers, as PyTorch), strict_fp32 or tf32; the host computes all in fp32")
         ->check(CLI::IsMember({"pytorch_default", "strict_fp32", "tf32"}));
+    std::string precision = "fp32";
+    app.add_option("--precision", precision,
+                   "CUDA: what convolutions and linear layers multiply: fp32 (as --math allows) or bf16 (bfloat16 "
+                   "operands, fp32 accumulation, fp32 weights and batch norm, as PyTorch's autocast)")
+        ->check(CLI::IsMember({"fp32", "bf16"}));
+    std::string gradient_precision = "fp32";
+    app.add_option("--gradient-precision", gradient_precision,
+                   "CUDA: what the gradient buckets are all-reduced in: fp32 or bf16 (rounded before the sum, widened "
+                   "after it: half the bytes)")
+        ->check(CLI::IsMember({"fp32", "bf16"}));
     app.add_flag("--graphs", opt.graphs,
                  "CUDA: run each replica's training step as CUDA graphs, captured at its second step of each batch "
                  "shape (one replica per GPU)");
@@ -226,6 +236,8 @@ int main(int argc, char** argv) {
         app.parse(argc, argv);
         opt.devices_given = app.count("--devices") > 0;
         opt.math = maths.at(math);
+        opt.precision = precision == "bf16" ? lockstep::Precision::bf16 : lockstep::Precision::fp32;
+        opt.gradient_precision = gradient_precision == "bf16" ? lockstep::Precision::bf16 : lockstep::Precision::fp32;
     } catch (const CLI::ParseError& e) {
         const int rc = app.exit(e);
         return rc == 0 ? 0 : 2;

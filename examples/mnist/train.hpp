@@ -56,8 +56,10 @@ struct Options {
     std::string init, save, resume, metrics;
     double expect_accuracy = -1;
     bool quiet = false;
-    lockstep::Math math = lockstep::Math::pytorch_default;  // --math (Note [math modes])
-    bool graphs = false;                                    // --graphs (Note [captured steps]), CUDA only
+    lockstep::Math math = lockstep::Math::pytorch_default;               // --math (Note [math modes])
+    bool graphs = false;                                                 // --graphs (Note [captured steps]), CUDA only
+    lockstep::Precision precision = lockstep::Precision::fp32;           // --precision (Note [precision]), CUDA only
+    lockstep::Precision gradient_precision = lockstep::Precision::fp32;  // --gradient-precision, CUDA only
 };
 
 // "name" or "name.gz" in dir, whichever exists.
@@ -293,7 +295,13 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     const auto& test = *test_data;
     // A step whose loss or gradients are NaN or infinite is refused (lockstep::NonFinite): the run
     // stops with the message, and nothing is saved over the last good checkpoint.
-    DataParallel<Model> dp(prototype, devices, {.check_finite = true, .math = opt.math, .graphs = opt.graphs, .process_group = procs});
+    DataParallel<Model> dp(prototype, devices,
+                           {.check_finite = true,
+                            .math = opt.math,
+                            .precision = opt.precision,
+                            .gradient_precision = opt.gradient_precision,
+                            .graphs = opt.graphs,
+                            .process_group = procs});
     if (resume) dp.load(*resume, sgd);  // model and momentum into every replica
 
     std::ofstream metrics;

@@ -66,9 +66,12 @@ using Ops = kernels::Ops<Cuda>;
 template <class T>
 using T_ = Tensor<T, Cuda>;
 
+// The products' bf16 rounding (Note [precision]) is in every convolution's and linear layer's GEMM.
 void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T_<std::uint8_t>& mask, T_<std::int32_t>& index,
-                       std::span<const std::int64_t> labels, Ops::ConvScratch& scratch) {
+                       T_<std::uint16_t>& bf16, std::span<const std::int64_t> labels, Ops::ConvScratch& scratch) {
     Ops::fill(ex, f, 0.0f);
+    Ops::to_bf16(ex, f, bf16);
+    Ops::from_bf16(ex, bf16, f);
     Ops::fill(ex, d, 0.0);
     Ops::scale(ex, f, 0.5);
     Ops::add(ex, f, f);

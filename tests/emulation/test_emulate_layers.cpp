@@ -228,6 +228,61 @@ TEST_CASE("emulated fill, scale and add equal the host bit for bit", "[emulation
             }
 }
 
+// bf16 rounding (Note [precision]) against the bits: to nearest, ties to even, NaN kept NaN.
+TEST_CASE("emulated rounding to bf16 rounds to nearest with ties to even, and widening is exact, for every vector path",
+          "[emulation][layers]") {
+    const std::uint64_t seed = lockstep::test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    const auto from_bits = [](std::uint32_t u) {
+        float f;
+        std::memcpy(&f, &u, sizeof f);
+        return f;
+    };
+    // The edges: ties both ways (even and odd kept bit), just above and below a tie, the largest
+    // float (rounds to infinity), the largest value rounding to bf16's largest, zeros, infinities,
+    // subnormals, NaNs (a payload only in the low bits too, which truncation would make infinity).
+    const std::vector<std::uint32_t> edges = {0x3F808000u, 0x3F818000u, 0x3F808001u, 0x3F807FFFu, 0x7F7FFFFFu, 0x7F7F7FFFu,
+                                              0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x00018000u, 0x00008000u,
+                                              0x80028000u, 0x7FC00000u, 0x7F800001u, 0xFF800001u, 0xBF808000u, 0xC0018000u};
+    for (const auto& d : devices)
+        for (const std::int64_t n : sizes)
+            for (const int misalign : {0, 1, 2}) {
+                INFO(where(d, n, misalign));
+                dev::HostScratch scratch;
+                EmulatedLayerRun run{d, &scratch};
+                std::vector<float> x = random_floats(static_cast<std::size_t>(n), rng, -1e4f, 1e4f);
+                for (std::size_t i = 0; i < x.size(); ++i)
+                    if (i % 7 == 3) x[i] = from_bits(edges[(i / 7) % edges.size()]);
+                Buffer<float> in(x, misalign == 2 ? 1 : 0);
+                Buffer<__nv_bfloat16> out(static_cast<std::size_t>(n), misalign == 1 ? 1 : 0);
+                lk::to_bf16(run, in.data(), out.data(), n);
+                std::int64_t wrong = 0;
+                for (std::int64_t i = 0; i < n; ++i) {
+                    std::uint32_t u;
+                    std::memcpy(&u, &x[static_cast<std::size_t>(i)], sizeof u);
+                    std::uint16_t got;
+                    std::memcpy(&got, out.p + i, sizeof got);
+                    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+                    const auto want = static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+                    if (nan ? !((got & 0x7FFFu) > 0x7F80u) : got != want) ++wrong;
+                }
+                CHECK(wrong == 0);
+                // And back: every bf16 widens to the float of its bits and 16 zero bits.
+                Buffer<float> back(static_cast<std::size_t>(n), misalign == 2 ? 1 : 0);
+                lk::from_bf16(run, out.data(), back.data(), n);
+                std::int64_t wrong_back = 0;
+                for (std::int64_t i = 0; i < n; ++i) {
+                    std::uint16_t bits;
+                    std::memcpy(&bits, out.p + i, sizeof bits);
+                    std::uint32_t got;
+                    std::memcpy(&got, back.p + i, sizeof got);
+                    if (got != static_cast<std::uint32_t>(bits) << 16) ++wrong_back;
+                }
+                CHECK(wrong_back == 0);
+            }
+}
+
 TEST_CASE("emulated ReLU forward and backward equal the host bit for bit, NaN and masks included", "[emulation][layers]") {
     const std::uint64_t seed = lockstep::test::fresh_seed();
     CAPTURE(seed);

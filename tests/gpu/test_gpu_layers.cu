@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 //! GPU test of the CUDA backend's layers: every layer, loss and SGD on CUDA against the host
 //! backend on the same inputs and parameters; `mnist::Net<Cuda>` against `mnist::Net<Host>` for 5
-//! SGD steps (all in strict fp32); convolution and linear layers in each math mode against fp64,
-//! within bounds derived from TF32's mantissa; SyncBatchNorm<Cuda> at world 1 against an fp64
+//! SGD steps (all in strict fp32); convolution and linear layers in each math mode and precision
+//! against fp64, within bounds derived from TF32's and bf16's mantissas; SyncBatchNorm<Cuda> at world 1 against an fp64
 //! batch norm for the host tests' shapes and both layouts; fp16/bf16 batch norm against fp32; out
 //! of memory as a typed error that leaks nothing. Exits 77 (skipped) where no GPU is present;
 //! built in CI so it always compiles.
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -85,83 +86,146 @@ void compare_layer(const std::string& name, HostLayer&& host, CudaLayer&& dev, S
         expect_close(gc_[i], gh_[i], 1e-5, name + ": parameter gradient " + std::to_string(i));
 }
 
-// ---- math modes against fp64 (Note [math modes]) ----
+// ---- math modes and precisions against fp64 (Note [math modes], Note [precision]) ----
 // TF32 keeps 10 of fp32's 23 mantissa bits: an input converted to it is off by less than 2^-10 of
 // itself (truncated; 2^-11 rounded to nearest), so a product of two such is off by less than
-// (2^-9 + 2^-20) |a b|. The products are summed in fp32, and a sum of n terms in any order is off
-// by at most gamma_n = n u / (1 - n u), u = 2^-24, times the sum of the terms' magnitudes S. An
-// output reduced over n products, plus a bias (n + 1 terms), is then off by at most
+// (2^-9 + 2^-20) |a b|. bfloat16 keeps 7 (8 significant bits), rounded to nearest: an input is off
+// by at most 2^-8 of itself, a product by (2^-7 + 2^-16) |a b|. The products are summed in fp32,
+// and a sum of n terms in any order is off by at most gamma_n = n u / (1 - n u), u = 2^-24, times
+// the sum of the terms' magnitudes S. An output reduced over n products, plus a bias (n + 1
+// terms), is then off by at most
 //   TF32:        ((2^-9 + 2^-20) (1 + gamma_{n+1}) + gamma_{n+1}) S
+//   bf16:        ((2^-7 + 2^-16) (1 + gamma_{n+1}) + gamma_{n+1}) S
 //   strict fp32: gamma_{n+1} S
 // and the checks allow twice that (a GPU may round a split sum's partials once more). On the host
-// CUDA device, which always rounds to TF32 when allowed, a TF32 product must also exceed the
-// strict bound somewhere: the mode took effect.
+// CUDA device, which always rounds when allowed, a rounded product must also exceed the strict
+// bound somewhere: the mode took effect. A bf16 product's two operands, once rounded, multiply
+// exactly in fp32 (8 x 8 significant bits): against an fp64 reference made of the operands
+// rounded to bf16 as the host rounds them, the product is within the strict bound, on a GPU too.
+enum class Rounding { strict, tf32, bf16 };
+
+const char* name_of(Rounding r) {
+    return r == Rounding::strict ? " in strict fp32" : r == Rounding::tf32 ? " in TF32" : " in bf16";
+}
+
 double gamma_of(std::int64_t n) {
     const double nu = static_cast<double>(n) * std::ldexp(1.0, -24);
     return nu / (1 - nu);
 }
 
+// v rounded to bfloat16, to nearest with ties to even (NaN kept): the host's reference rounding.
+float round_bf16(float v) {
+    if (std::isnan(v)) return v;
+    std::uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    u &= 0xFFFF0000u;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+}
+
 // Every element of `got` within its bound: `exact` and `mag` (the magnitudes' sum S) in fp64,
 // `terms` products summed per element.
 double expect_rounding(const std::vector<float>& got, const std::vector<double>& exact, const std::vector<double>& mag,
-                       std::int64_t terms, bool tf32, const std::string& what) {
+                       std::int64_t terms, Rounding r, const std::string& what) {
     const double g = gamma_of(terms + 1);
-    const double strict = g, rounded = (std::ldexp(1.0, -9) + std::ldexp(1.0, -20)) * (1 + g) + g;
-    const double allowed = 2 * (tf32 ? rounded : strict);
+    const double input = r == Rounding::tf32   ? std::ldexp(1.0, -9) + std::ldexp(1.0, -20)
+                         : r == Rounding::bf16 ? std::ldexp(1.0, -7) + std::ldexp(1.0, -16)
+                                               : 0.0;
+    const double strict = g, allowed = 2 * (input * (1 + g) + g);
     double worst = 0;  // the largest |got - exact| / S
     bool same_size = got.size() == exact.size() && exact.size() == mag.size() && !got.empty();
     for (std::size_t i = 0; same_size && i < got.size(); ++i) {
         const double e = std::abs(static_cast<double>(got[i]) - exact[i]);
         worst = std::max(worst, mag[i] > 0 ? e / mag[i] : (e == 0 ? 0.0 : INFINITY));
     }
-    expect(same_size && worst <= allowed, what + (tf32 ? " in TF32" : " in strict fp32") + " (error " + std::to_string(worst) +
-                                              " S, allowed " + std::to_string(allowed) + " S)");
+    expect(same_size && worst <= allowed,
+           what + name_of(r) + " (error " + std::to_string(worst) + " S, allowed " + std::to_string(allowed) + " S)");
 #if defined(LOCKSTEP_HOST_CUDA)
-    if (tf32)
-        expect(worst > strict, what + ": TF32 rounding took place (error " + std::to_string(worst) + " S beyond the strict " +
+    if (r != Rounding::strict)
+        expect(worst > strict, what + ": the rounding took place (error " + std::to_string(worst) + " S beyond the strict " +
                                    std::to_string(strict) + " S)");
 #endif
     return worst;
 }
 
-// An fp64 reference: values and the sums of their terms' magnitudes.
+// An fp64 reference: values and the sums of their terms' magnitudes; with `bf16`, of the operands
+// rounded to bfloat16 (a bias, added to the product in fp32, is not rounded).
 struct Reference {
     std::vector<double> value, mag;
-    explicit Reference(std::size_t n) : value(n, 0.0), mag(n, 0.0) {}
+    bool bf16 = false;
+    explicit Reference(std::size_t n, bool rounded = false) : value(n, 0.0), mag(n, 0.0), bf16(rounded) {}
     void add(std::size_t i, double a, double b) {
         value[i] += a * b;
         mag[i] += std::abs(a * b);
+    }
+    void product(std::size_t i, float a, float b) {
+        if (bf16)
+            add(i, round_bf16(a), round_bf16(b));
+        else
+            add(i, a, b);
     }
 };
 
 // On a GPU too, Math::tf32 must round: a linear layer large enough for cuBLAS's tensor-core
 // kernels (every dimension a multiple of 16, k = 512) must miss fp64 by more than strict fp32
-// can; otherwise the mode did not reach cuBLAS.
-void tf32_takes_effect(nn::Context<Cuda> ctx, std::mt19937& rng) {
-    ctx.exec.math = Math::tf32;
+// can; otherwise the mode did not reach cuBLAS. Precision::bf16 likewise, and within the strict
+// bound of its operands rounded to bf16.
+void rounding_takes_effect(nn::Context<Cuda> ctx, Rounding r, std::mt19937& rng) {
+    if (r == Rounding::tf32) ctx.exec.math = Math::tf32;
+    if (r == Rounding::bf16) ctx.exec.precision = Precision::bf16;
     const std::int64_t N = 128, in = 512, out = 256;
     nn::Generator gen(17);
     nn::Linear<Cuda> lin(in, out, true, gen);
     const auto x = random_host(Shape{N, in}, rng);
     const auto w = values(lin.weight.value), b = values(lin.bias.value);
     const auto y = values(lin.forward(ctx, x.to<Cuda>(Device::cuda(ctx.exec.device))));
-    Reference ry(static_cast<std::size_t>(N * out));
+    Reference ry(static_cast<std::size_t>(N * out)), ry16(static_cast<std::size_t>(N * out), true);
     for (std::int64_t n = 0; n < N; ++n)
         for (std::int64_t o = 0; o < out; ++o) {
             const auto yi = static_cast<std::size_t>(n * out + o);
             ry.add(yi, b[static_cast<std::size_t>(o)], 1.0);
-            for (std::int64_t i = 0; i < in; ++i) ry.add(yi, x[n * in + i], w[static_cast<std::size_t>(o * in + i)]);
+            ry16.add(yi, b[static_cast<std::size_t>(o)], 1.0);
+            for (std::int64_t i = 0; i < in; ++i) {
+                ry.add(yi, x[n * in + i], w[static_cast<std::size_t>(o * in + i)]);
+                ry16.product(yi, x[n * in + i], w[static_cast<std::size_t>(o * in + i)]);
+            }
         }
-    const double worst = expect_rounding(y, ry.value, ry.mag, in, true, "Linear 512->256 tf32 forward");
-    expect(worst > gamma_of(in + 1), "Linear 512->256 tf32: TF32 rounding took place on this device (error " +
+    const std::string name = "Linear 512->256";
+    const double worst = expect_rounding(y, ry.value, ry.mag, in, r, name + " forward");
+    expect(worst > gamma_of(in + 1), name + name_of(r) + ": the rounding took place on this device (error " +
                                          std::to_string(worst) + " S beyond the strict " + std::to_string(gamma_of(in + 1)) +
                                          " S)");
+    if (r == Rounding::bf16)
+        expect_rounding(y, ry16.value, ry16.mag, in, Rounding::strict, name + " forward against its bf16 operands");
 }
 
-// Conv2d (bias, padding 1, stride 1) forward and backward in mode `math` against fp64.
-void conv_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng, const std::string& engine) {
+// The rounding mode `math` and `precision` give a product for `of`.
+Rounding rounding_of(Math math, Precision precision, ProductOf of) {
+    if (precision == Precision::bf16) return Rounding::bf16;
+    return allows_tf32(math, of) ? Rounding::tf32 : Rounding::strict;
+}
+
+// Checks a layer's output, dx and weight gradient against both references (the bf16-rounded
+// one only where the products took bf16 operands).
+void expect_layer_rounding(const std::string& name, Rounding r, const std::vector<float>& y, const Reference (&ref)[3],
+                           const Reference (&ref16)[3], const std::vector<float>& dx, const std::vector<float>& dw,
+                           const std::int64_t (&terms)[3]) {
+    const std::vector<float>* got[3] = {&y, &dx, &dw};
+    const char* part[3] = {" forward", " dx", " weight gradient"};
+    for (int i = 0; i < 3; ++i) {
+        expect_rounding(*got[i], ref[i].value, ref[i].mag, terms[i], r, name + part[i]);
+        if (r == Rounding::bf16)
+            expect_rounding(*got[i], ref16[i].value, ref16[i].mag, terms[i], Rounding::strict,
+                            name + part[i] + " against its bf16 operands");
+    }
+}
+
+// Conv2d (bias, padding 1, stride 1) forward and backward in mode `math` and `precision` against fp64.
+void conv_in_mode(Math math, Precision precision, nn::Context<Cuda> ctx, std::mt19937& rng, const std::string& engine) {
     ctx.exec.math = math;
-    const bool tf32 = allows_tf32(math, ProductOf::convolution);
+    ctx.exec.precision = precision;
+    const Rounding r = rounding_of(math, precision, ProductOf::convolution);
     const std::int64_t N = 3, C = 5, H = 9, W = 8, O = 6, k = 3, pad = 1;
     nn::Generator gen(11);
     nn::Conv2d<Cuda> conv(C, O, k, {.padding = pad}, gen);
@@ -172,36 +236,40 @@ void conv_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng, const std
     const auto y = values(conv.forward(ctx, x.to<Cuda>(Device::cuda(ctx.exec.device))));
     const auto dx = values(conv.backward(ctx, dy.to<Cuda>(Device::cuda(ctx.exec.device))));
     const auto dw = values(conv.weight.grad);
-    Reference ry(static_cast<std::size_t>(N * O * H * W)), rdx(static_cast<std::size_t>(x.numel())),
-        rdw(static_cast<std::size_t>(w.size()));
-    for (std::int64_t n = 0; n < N; ++n)
+    const auto sizes = {static_cast<std::size_t>(N * O * H * W), static_cast<std::size_t>(x.numel()), w.size()};
+    const std::vector<std::size_t> n(sizes);
+    Reference ref[3] = {Reference(n[0]), Reference(n[1]), Reference(n[2])};
+    Reference ref16[3] = {Reference(n[0], true), Reference(n[1], true), Reference(n[2], true)};
+    for (std::int64_t s = 0; s < N; ++s)
         for (std::int64_t o = 0; o < O; ++o)
             for (std::int64_t oh = 0; oh < H; ++oh)
                 for (std::int64_t ow = 0; ow < W; ++ow) {
-                    const auto yi = static_cast<std::size_t>(((n * O + o) * H + oh) * W + ow);
-                    ry.add(yi, b[static_cast<std::size_t>(o)], 1.0);
+                    const auto yi = static_cast<std::size_t>(((s * O + o) * H + oh) * W + ow);
+                    ref[0].add(yi, b[static_cast<std::size_t>(o)], 1.0);
+                    ref16[0].add(yi, b[static_cast<std::size_t>(o)], 1.0);
                     for (std::int64_t c = 0; c < C; ++c)
                         for (std::int64_t i = 0; i < k; ++i)
                             for (std::int64_t j = 0; j < k; ++j) {
                                 const std::int64_t h = oh - pad + i, v = ow - pad + j;
                                 if (h < 0 || h >= H || v < 0 || v >= W) continue;
-                                const auto xi = static_cast<std::size_t>(((n * C + c) * H + h) * W + v);
+                                const auto xi = static_cast<std::size_t>(((s * C + c) * H + h) * W + v);
                                 const auto wi = static_cast<std::size_t>(((o * C + c) * k + i) * k + j);
-                                ry.add(yi, x[static_cast<std::int64_t>(xi)], w[wi]);
-                                rdx.add(xi, dy[static_cast<std::int64_t>(yi)], w[wi]);
-                                rdw.add(wi, dy[static_cast<std::int64_t>(yi)], x[static_cast<std::int64_t>(xi)]);
+                                const float xv = x[static_cast<std::int64_t>(xi)], dyv = dy[static_cast<std::int64_t>(yi)];
+                                for (Reference* rf : {&ref[0], &ref16[0]}) rf->product(yi, xv, w[wi]);
+                                for (Reference* rf : {&ref[1], &ref16[1]}) rf->product(xi, dyv, w[wi]);
+                                for (Reference* rf : {&ref[2], &ref16[2]}) rf->product(wi, dyv, xv);
                             }
                 }
-    const std::string name = std::string("Conv2d ") + std::string(to_string(math)) + engine;
-    expect_rounding(y, ry.value, ry.mag, C * k * k, tf32, name + " forward");
-    expect_rounding(dx, rdx.value, rdx.mag, O * k * k, tf32, name + " dx");
-    expect_rounding(dw, rdw.value, rdw.mag, N * H * W, tf32, name + " weight gradient");
+    const std::string name =
+        std::string("Conv2d ") + std::string(to_string(math)) + " " + std::string(to_string(precision)) + engine;
+    expect_layer_rounding(name, r, y, ref, ref16, dx, dw, {C * k * k, O * k * k, N * H * W});
 }
 
-// Linear (bias) forward and backward in mode `math` against fp64.
-void linear_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng) {
+// Linear (bias) forward and backward in mode `math` and `precision` against fp64.
+void linear_in_mode(Math math, Precision precision, nn::Context<Cuda> ctx, std::mt19937& rng) {
     ctx.exec.math = math;
-    const bool tf32 = allows_tf32(math, ProductOf::linear);
+    ctx.exec.precision = precision;
+    const Rounding r = rounding_of(math, precision, ProductOf::linear);
     const std::int64_t N = 7, in = 70, out = 11;
     nn::Generator gen(13);
     nn::Linear<Cuda> lin(in, out, true, gen);
@@ -212,22 +280,24 @@ void linear_in_mode(Math math, nn::Context<Cuda> ctx, std::mt19937& rng) {
     const auto y = values(lin.forward(ctx, x.to<Cuda>(Device::cuda(ctx.exec.device))));
     const auto dx = values(lin.backward(ctx, dy.to<Cuda>(Device::cuda(ctx.exec.device))));
     const auto dw = values(lin.weight.grad);
-    Reference ry(static_cast<std::size_t>(N * out)), rdx(static_cast<std::size_t>(N * in)), rdw(w.size());
-    for (std::int64_t n = 0; n < N; ++n)
+    const std::size_t n[3] = {static_cast<std::size_t>(N * out), static_cast<std::size_t>(N * in), w.size()};
+    Reference ref[3] = {Reference(n[0]), Reference(n[1]), Reference(n[2])};
+    Reference ref16[3] = {Reference(n[0], true), Reference(n[1], true), Reference(n[2], true)};
+    for (std::int64_t s = 0; s < N; ++s)
         for (std::int64_t o = 0; o < out; ++o) {
-            const auto yi = static_cast<std::size_t>(n * out + o);
-            ry.add(yi, b[static_cast<std::size_t>(o)], 1.0);
+            const auto yi = static_cast<std::size_t>(s * out + o);
+            ref[0].add(yi, b[static_cast<std::size_t>(o)], 1.0);
+            ref16[0].add(yi, b[static_cast<std::size_t>(o)], 1.0);
             for (std::int64_t i = 0; i < in; ++i) {
-                const auto xi = static_cast<std::size_t>(n * in + i), wi = static_cast<std::size_t>(o * in + i);
-                ry.add(yi, x[static_cast<std::int64_t>(xi)], w[wi]);
-                rdx.add(xi, dy[static_cast<std::int64_t>(yi)], w[wi]);
-                rdw.add(wi, dy[static_cast<std::int64_t>(yi)], x[static_cast<std::int64_t>(xi)]);
+                const auto xi = static_cast<std::size_t>(s * in + i), wi = static_cast<std::size_t>(o * in + i);
+                const float xv = x[static_cast<std::int64_t>(xi)], dyv = dy[static_cast<std::int64_t>(yi)];
+                for (Reference* rf : {&ref[0], &ref16[0]}) rf->product(yi, xv, w[wi]);
+                for (Reference* rf : {&ref[1], &ref16[1]}) rf->product(xi, dyv, w[wi]);
+                for (Reference* rf : {&ref[2], &ref16[2]}) rf->product(wi, dyv, xv);
             }
         }
-    const std::string name = std::string("Linear ") + std::string(to_string(math));
-    expect_rounding(y, ry.value, ry.mag, in, tf32, name + " forward");
-    expect_rounding(dx, rdx.value, rdx.mag, out, tf32, name + " dx");
-    expect_rounding(dw, rdw.value, rdw.mag, N, tf32, name + " weight gradient");
+    const std::string name = std::string("Linear ") + std::string(to_string(math)) + " " + std::string(to_string(precision));
+    expect_layer_rounding(name, r, y, ref, ref16, dx, dw, {in, out, N});
 }
 
 // fp64 batch norm of (N, C, P) in `f`: y and dx for gamma = 1, beta = 0.
@@ -421,12 +491,18 @@ int main() {
         }
 #endif
 
-        // ---- math modes: TF32 where each mode allows it, against fp64 ----
+        // ---- math modes and precisions: TF32 and bf16 where each allows it, against fp64 ----
         for (const Math m : {Math::strict_fp32, Math::pytorch_default, Math::tf32}) {
-            for (const auto& [engine, ectx] : engines) conv_in_mode(m, ectx, rng, engine);
-            linear_in_mode(m, ctx, rng);
+            for (const auto& [engine, ectx] : engines) conv_in_mode(m, Precision::fp32, ectx, rng, engine);
+            linear_in_mode(m, Precision::fp32, ctx, rng);
         }
-        tf32_takes_effect(ctx, rng);
+        // bf16 whatever the math mode says (Note [precision]).
+        for (const Math m : {Math::strict_fp32, Math::tf32}) {
+            for (const auto& [engine, ectx] : engines) conv_in_mode(m, Precision::bf16, ectx, rng, engine);
+            linear_in_mode(m, Precision::bf16, ctx, rng);
+        }
+        rounding_takes_effect(ctx, Rounding::tf32, rng);
+        rounding_takes_effect(ctx, Rounding::bf16, rng);
 
         // ---- the losses ----
         {

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 //! lockstep's host CUDA device: the cuBLAS entry points, SGEMM enqueued on the handle's stream and run by OpenBLAS.
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 
 #include <cblas.h>
 
@@ -78,27 +79,27 @@ void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, in
                 beta == 0.0f ? 0.0f : beta, c, ldc);
 }
 
-//! Bytes spanned by a column-major rows x cols operand with leading dimension ld.
-std::size_t extent(int rows, int cols, int ld) {
+//! Bytes spanned by a column-major rows x cols operand of `size`-byte elements with leading dimension ld.
+std::size_t extent(int rows, int cols, int ld, std::size_t size) {
     if (rows == 0 || cols == 0) return 0;
-    return (static_cast<std::size_t>(ld) * static_cast<std::size_t>(cols - 1) + static_cast<std::size_t>(rows)) * sizeof(float);
+    return (static_cast<std::size_t>(ld) * static_cast<std::size_t>(cols - 1) + static_cast<std::size_t>(rows)) * size;
 }
 
 //! The operand [p + first .. p + last element of the batch) lies in a device block of `device`.
 //! The bytes a batched operand spans (0: none); false for a negative stride.
-bool operand_bytes(int rows, int cols, int ld, long long stride, int batch, std::size_t& bytes) {
-    const std::size_t one = extent(rows, cols, ld);
+bool operand_bytes(int rows, int cols, int ld, long long stride, int batch, std::size_t size, std::size_t& bytes) {
+    const std::size_t one = extent(rows, cols, ld, size);
     bytes = 0;
     if (one == 0 || batch == 0) return true;
     if (stride < 0) return false;
-    bytes = static_cast<std::size_t>(stride) * static_cast<std::size_t>(batch - 1) * sizeof(float) + one;
+    bytes = static_cast<std::size_t>(stride) * static_cast<std::size_t>(batch - 1) * size + one;
     return true;
 }
 
-bool operand_ok(const float* p, int rows, int cols, int ld, long long stride, int batch, int device,
+bool operand_ok(const void* p, int rows, int cols, int ld, long long stride, int batch, std::size_t size, int device,
                 std::vector<std::pair<const void*, std::size_t>>& ranges) {
     std::size_t bytes = 0;
-    if (!operand_bytes(rows, cols, ld, stride, batch, bytes)) return false;
+    if (!operand_bytes(rows, cols, ld, stride, batch, size, bytes)) return false;
     if (bytes == 0) return true;
     ranges.emplace_back(p, bytes);
     return device_of_range(p, bytes) == device;
@@ -106,9 +107,25 @@ bool operand_ok(const float* p, int rows, int cols, int ld, long long stride, in
 
 bool op_ok(cublasOperation_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T || op == CUBLAS_OP_C; }
 
-cublasStatus_t sgemm_batched(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
-                             const float* alpha, const float* A, int lda, long long strideA, const float* B, int ldb,
-                             long long strideB, const float* beta, float* C, int ldc, long long strideC, int batchCount) {
+//! A bfloat16 operand widened to fp32 (exactly), the elements of a rows x cols column-major
+//! matrix with leading dimension ld; what lies between its columns stays 0.
+std::vector<float> widened(const __nv_bfloat16* p, int rows, int cols, int ld) {
+    std::vector<float> out(extent(rows, cols, ld, 1), 0.0f);
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < rows; ++r) {
+            const std::size_t i = static_cast<std::size_t>(c) * static_cast<std::size_t>(ld) + static_cast<std::size_t>(r);
+            out[i] = __bfloat162float(p[i]);
+        }
+    return out;
+}
+
+//! What the operands A and B hold: fp32, or bfloat16 (cublasGemmEx with CUDA_R_16BF).
+enum class Operands { f32, bf16 };
+
+cublasStatus_t gemm_batched(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
+                            const float* alpha, const void* A, int lda, long long strideA, const void* B, int ldb,
+                            long long strideB, const float* beta, float* C, int ldc, long long strideC, int batchCount,
+                            Operands in) {
     const auto h = find(handle);
     if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (!op_ok(transa) || !op_ok(transb) || m < 0 || n < 0 || k < 0 || batchCount < 0) return CUBLAS_STATUS_INVALID_VALUE;
@@ -117,10 +134,11 @@ cublasStatus_t sgemm_batched(cublasHandle_t handle, cublasOperation_t transa, cu
         return CUBLAS_STATUS_INVALID_VALUE;
     if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
     if (m == 0 || n == 0 || batchCount == 0) return CUBLAS_STATUS_SUCCESS;
+    const std::size_t size = in == Operands::bf16 ? sizeof(__nv_bfloat16) : sizeof(float);
     std::vector<std::pair<const void*, std::size_t>> ranges;
-    if (!operand_ok(A, ta ? k : m, ta ? m : k, lda, strideA, batchCount, h->device, ranges) ||
-        !operand_ok(B, tb ? n : k, tb ? k : n, ldb, strideB, batchCount, h->device, ranges) ||
-        !operand_ok(C, m, n, ldc, strideC, batchCount, h->device, ranges))
+    if (!operand_ok(A, ta ? k : m, ta ? m : k, lda, strideA, batchCount, size, h->device, ranges) ||
+        !operand_ok(B, tb ? n : k, tb ? k : n, ldb, strideB, batchCount, size, h->device, ranges) ||
+        !operand_ok(C, m, n, ldc, strideC, batchCount, sizeof(float), h->device, ranges))
         return CUBLAS_STATUS_INVALID_VALUE;
     if (h->workspace != nullptr && device_of_range(h->workspace, h->workspace_bytes) != h->device)
         return CUBLAS_STATUS_EXECUTION_FAILED;  // its workspace was freed
@@ -132,13 +150,35 @@ cublasStatus_t sgemm_batched(cublasHandle_t handle, cublasOperation_t transa, cu
     Op op;
     op.device_ranges = std::move(ranges);
     const float a = *alpha, b = *beta;  // host pointer mode: read at the call
-    const bool tf32 = (h->math & 0xF) == CUBLAS_TF32_TENSOR_OP_MATH;
+    // bf16 operands: their products are exact in fp32 and summed in fp32, whatever the math mode.
+    const bool tf32 = in == Operands::f32 && (h->math & 0xF) == CUBLAS_TF32_TENSOR_OP_MATH;
     op.body = [=] {
-        for (int i = 0; i < batchCount; ++i)
-            gemm(ta, tb, m, n, k, a, A + strideA * i, lda, B + strideB * i, ldb, b, C + strideC * i, ldc, tf32);
+        for (int i = 0; i < batchCount; ++i) {
+            if (in == Operands::f32) {
+                gemm(ta, tb, m, n, k, a, static_cast<const float*>(A) + strideA * i, lda,
+                     static_cast<const float*>(B) + strideB * i, ldb, b, C + strideC * i, ldc, tf32);
+            } else {
+                const auto wa = widened(static_cast<const __nv_bfloat16*>(A) + strideA * i, ta ? k : m, ta ? m : k, lda);
+                const auto wb = widened(static_cast<const __nv_bfloat16*>(B) + strideB * i, tb ? n : k, tb ? k : n, ldb);
+                gemm(ta, tb, m, n, k, a, wa.data(), lda, wb.data(), ldb, b, C + strideC * i, ldc, false);
+            }
+        }
     };
     enqueue(s, std::move(op));
     return CUBLAS_STATUS_SUCCESS;
+}
+
+//! The types cublasGemmEx is asked for: bf16 A and B, fp32 C, fp32 compute (what lockstep's bf16
+//! products use, Note [precision]), or fp32 throughout; anything else is not modelled.
+bool ex_types(cudaDataType at, cudaDataType bt, cudaDataType ct, cublasComputeType_t compute, Operands& in) {
+    if (ct != CUDA_R_32F || compute != CUBLAS_COMPUTE_32F || at != bt) return false;
+    if (at == CUDA_R_16BF)
+        in = Operands::bf16;
+    else if (at == CUDA_R_32F)
+        in = Operands::f32;
+    else
+        return false;
+    return true;
 }
 
 }  // namespace
@@ -250,15 +290,39 @@ const char* cublasGetStatusString(cublasStatus_t status) {
 cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
                            const float* alpha, const float* A, int lda, const float* B, int ldb, const float* beta, float* C,
                            int ldc) {
-    return sgemm_batched(handle, transa, transb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+    return gemm_batched(handle, transa, transb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1, Operands::f32);
 }
 
 cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
                                          int k, const float* alpha, const float* A, int lda, long long int strideA,
                                          const float* B, int ldb, long long int strideB, const float* beta, float* C, int ldc,
                                          long long int strideC, int batchCount) {
-    return sgemm_batched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC,
-                         batchCount);
+    return gemm_batched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC,
+                        batchCount, Operands::f32);
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
+                            const void* alpha, const void* A, cudaDataType Atype, int lda, const void* B, cudaDataType Btype,
+                            int ldb, const void* beta, void* C, cudaDataType Ctype, int ldc, cublasComputeType_t computeType,
+                            cublasGemmAlgo_t algo) {
+    Operands in{};
+    if (!ex_types(Atype, Btype, Ctype, computeType, in)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (algo != CUBLAS_GEMM_DEFAULT) return CUBLAS_STATUS_NOT_SUPPORTED;
+    return gemm_batched(handle, transa, transb, m, n, k, static_cast<const float*>(alpha), A, lda, 0, B, ldb, 0,
+                        static_cast<const float*>(beta), static_cast<float*>(C), ldc, 0, 1, in);
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                                          int k, const void* alpha, const void* A, cudaDataType Atype, int lda,
+                                          long long int strideA, const void* B, cudaDataType Btype, int ldb,
+                                          long long int strideB, const void* beta, void* C, cudaDataType Ctype, int ldc,
+                                          long long int strideC, int batchCount, cublasComputeType_t computeType,
+                                          cublasGemmAlgo_t algo) {
+    Operands in{};
+    if (!ex_types(Atype, Btype, Ctype, computeType, in)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (algo != CUBLAS_GEMM_DEFAULT) return CUBLAS_STATUS_NOT_SUPPORTED;
+    return gemm_batched(handle, transa, transb, m, n, k, static_cast<const float*>(alpha), A, lda, strideA, B, ldb, strideB,
+                        static_cast<const float*>(beta), static_cast<float*>(C), ldc, strideC, batchCount, in);
 }
 
 }  // extern "C"

@@ -10,6 +10,7 @@
 #include <lockstep/host.hpp>
 #include <lockstep/parallel.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -426,6 +427,114 @@ TEST_CASE("captured steps train as eager steps do, bit for bit, across shapes an
     CHECK(graphed.captured_graphs(0) == 3);
     CHECK(graphed.graph_launches(0) == 15);
     CHECK(eager.captured_graphs(0) == 0);
+}
+
+// bf16 products (Note [precision]) in a whole DataParallel: the replicas stay bit-identical, a
+// captured step gives the eager step's bits (the workspace's bf16 buffer is part of a graph's
+// key), the rounding reaches training (the losses differ from fp32's from the first step, by
+// little), and everything the step keeps is fp32: parameters, gradients, optimizer state, the
+// checkpoint's tensors. Mutation-checked: with the products left in fp32 the first loss equals
+// fp32's.
+TEST_CASE("bf16 products train with bit-identical replicas, captured as eagerly, and keep fp32 state", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(10));
+    o.math = Math::strict_fp32;
+    DataParallel<Small<Cuda>> fp32(make_small<Cuda>(), two, o);
+    o.precision = Precision::bf16;
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd32({.lr = 0.05, .momentum = 0.9}), sgd_eager({.lr = 0.05, .momentum = 0.9}),
+        sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    const auto a = make_batch(10, 81), b = make_batch(16, 82);
+    const auto xa = a.x.to<Cuda>(Device::cuda(0)), xb = b.x.to<Cuda>(Device::cuda(0));
+    std::vector<double> losses32, losses16;
+    const auto step = [&](const Tensor<float, Cuda>& x, const std::vector<std::int64_t>& labels) {
+        const auto f = fp32.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd32);
+        const auto e = eager.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        const auto g = graphed.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+        CHECK(g.loss == e.loss);
+        CHECK(g.correct == e.correct);
+        losses32.push_back(f.loss);
+        losses16.push_back(e.loss);
+    };
+    for (int i = 0; i < 4; ++i) step(xa, a.labels);
+    // A larger batch grows the workspace's buffers after (a) was captured for the first shape: the
+    // first shape runs eagerly again, then from a new capture.
+    for (int i = 0; i < 3; ++i) step(xb, b.labels);
+    for (int i = 0; i < 2; ++i) step(xa, a.labels);
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+    CHECK(graphed.graph_launches(0) > 8);
+    CHECK(replica_values(eager.replica(0)) == replica_values(eager.replica(1)));
+    CHECK(replica_values(graphed.replica(0)) == replica_values(graphed.replica(1)));
+    REQUIRE(losses16.size() == losses32.size());
+    CHECK(losses16[0] != losses32[0]);
+    for (std::size_t i = 0; i < losses16.size(); ++i) {
+        CAPTURE(i, losses16[i], losses32[i]);
+        CHECK(std::abs(losses16[i] - losses32[i]) <= 0.02 * std::abs(losses32[i]));
+    }
+    const auto ck = eager.checkpoint(sgd_eager);
+    for (const auto& name : ck.names()) {
+        CAPTURE(name);
+        CHECK((ck.at(name).dtype == "F32" || name.ends_with("num_batches_tracked")));
+    }
+}
+
+// Gradient buckets all-reduced in bf16 (DataParallelOptions::gradient_precision): each bucket is
+// rounded to bf16, summed, and widened back, so after a step every gradient element is a bf16
+// value (its low 16 bits zero), the same on both replicas, where fp32 buckets hold values that are
+// not; captured steps give the eager bits; training tracks fp32's. Mutation-checked: without the
+// widening after join() the gradients are the unreduced fp32 ones (low bits set).
+TEST_CASE("gradients all-reduced in bf16 are bf16 sums on every replica, captured as eagerly", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(10));
+    o.math = Math::strict_fp32;
+    DataParallel<Small<Cuda>> fp32(make_small<Cuda>(), two, o);
+    o.gradient_precision = Precision::bf16;
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd32({.lr = 0.05, .momentum = 0.9}), sgd_eager({.lr = 0.05, .momentum = 0.9}),
+        sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    const auto a = make_batch(10, 91);
+    const auto xa = a.x.to<Cuda>(Device::cuda(0));
+    std::vector<double> losses32, losses16;
+    for (int i = 0; i < 5; ++i) {
+        const auto f = fp32.train_step(xa, a.labels, nn::SoftmaxCrossEntropy{}, sgd32);
+        const auto e = eager.train_step(xa, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        const auto g = graphed.train_step(xa, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+        CHECK(g.loss == e.loss);
+        losses32.push_back(f.loss);
+        losses16.push_back(e.loss);
+    }
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+    CHECK(graphed.graph_launches(0) >= 6);
+    // The last step's gradients, as the optimizer took them.
+    const auto gradient_bits = [](const Small<Cuda>& m) {
+        std::vector<std::uint32_t> bits;
+        nn::for_each_parameter(m, [&](const std::string&, const nn::Parameter<Cuda>& p) {
+            const auto h = p.grad.to_host();
+            for (std::int64_t i = 0; i < h.numel(); ++i) bits.push_back(std::bit_cast<std::uint32_t>(h.data()[i]));
+        });
+        return bits;
+    };
+    const auto low_bits_set = [](const std::vector<std::uint32_t>& bits) {
+        return std::count_if(bits.begin(), bits.end(), [](std::uint32_t b) { return (b & 0xFFFFu) != 0; });
+    };
+    const auto g0 = gradient_bits(eager.replica(0)), g1 = gradient_bits(eager.replica(1));
+    REQUIRE(!g0.empty());
+    CHECK(g0 == g1);
+    CHECK(low_bits_set(g0) == 0);
+    CHECK(gradient_bits(graphed.replica(0)) == g0);
+    CHECK(low_bits_set(gradient_bits(fp32.replica(0))) > 0);
+    CHECK(losses16[0] == losses32[0]);  // the first forward precedes any reduction
+    CHECK(losses16.back() != losses32.back());
+    for (std::size_t i = 0; i < losses16.size(); ++i) {
+        CAPTURE(i, losses16[i], losses32[i]);
+        CHECK(std::abs(losses16[i] - losses32[i]) <= 0.02 * std::abs(losses32[i]));
+    }
 }
 
 // A step that fails drops every replica's graphs: they hold the communicators the failure

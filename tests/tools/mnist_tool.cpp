@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 //! Helper for the MNIST example's tests:
 //!   mnist_tool losses A.jsonl B.jsonl TOL        per-step losses agree to relative TOL (0: bit-equal)
+//!   mnist_tool differ A.jsonl B.jsonl            the runs' first step losses differ (as many steps in each)
 //!   mnist_tool checkpoints A B TOL               every tensor: ||a - b|| <= TOL (||b|| + 1e-3) (0: bit-equal)
 //!   mnist_tool accuracy A.jsonl B.jsonl TOL      the runs' final test accuracies differ by at most TOL
 //!   mnist_tool make-data DIR KIND                writes IDX files to DIR: KIND = good | bad-magic |
@@ -60,6 +61,22 @@ int compare_losses(const std::string& a, const std::string& b, double tol) {
         }
     }
     std::printf("%zu step losses agree (tolerance %g)\n", la.size(), tol);
+    return 0;
+}
+
+// Two runs that must not be the same computation (another precision): as many steps, and the
+// first step's loss differs.
+int losses_differ(const std::string& a, const std::string& b) {
+    const auto la = losses(a), lb = losses(b);
+    if (la.size() != lb.size() || la.empty()) {
+        std::fprintf(stderr, "%zu steps in %s but %zu in %s\n", la.size(), a.c_str(), lb.size(), b.c_str());
+        return 1;
+    }
+    if (la[0] == lb[0]) {
+        std::fprintf(stderr, "step 1: both runs have loss %.17g; they should differ\n", la[0]);
+        return 1;
+    }
+    std::printf("step 1: loss %.17g vs %.17g differ\n", la[0], lb[0]);
     return 0;
 }
 
@@ -241,6 +258,7 @@ int main(int argc, char** argv) {
     try {
         const std::vector<std::string> a(argv + 1, argv + argc);
         if (a.size() == 4 && a[0] == "losses") return compare_losses(a[1], a[2], std::stod(a[3]));
+        if (a.size() == 3 && a[0] == "differ") return losses_differ(a[1], a[2]);
         if (a.size() == 4 && a[0] == "checkpoints") return compare_checkpoints(a[1], a[2], std::stod(a[3]));
         if (a.size() == 4 && a[0] == "accuracy") return compare_accuracy(a[1], a[2], std::stod(a[3]));
         if (a.size() == 3 && a[0] == "make-data") return make_data(a[1], a[2]);

@@ -44,6 +44,16 @@ public:
     //! Starts summing `data` over all ranks: the result is there for the replica's work after
     //! `join()`. Communicators that complete a collective in the call (the host's) finish it here.
     virtual void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) { all_reduce_sum(data, site); }
+    //! Starts summing bfloat16 values (their bits in `data`) over all ranks, as the float
+    //! overload (a gradient bucket all-reduced in bf16: DataParallelOptions::gradient_precision).
+    //! Only stream-ordered groups on CUDA can; others throw NotImplemented.
+    virtual void start_all_reduce_sum_bf16(DeviceSpan<std::uint16_t> data, CollectiveSite site) {
+        (void)data;
+        (void)site;
+        throw NotImplemented(
+            "this replica group cannot all-reduce bfloat16 gradients (CUDA replica groups can); "
+            "leave DataParallelOptions::gradient_precision at Precision::fp32");
+    }
     //! Orders the replica's later work after every collective started so far.
     virtual void join() {}
     //! True when collectives are enqueued on the replica's streams rather than completed in the

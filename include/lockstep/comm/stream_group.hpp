@@ -150,6 +150,9 @@ public:
     void start_all_reduce_sum(DeviceSpan<float> data, CollectiveSite site) override {
         run(data, Request::started_all_reduce(), site, DType::f32);
     }
+    void start_all_reduce_sum_bf16(DeviceSpan<std::uint16_t> data, CollectiveSite site) override {
+        run(data, Request::started_all_reduce(), site, DType::bf16);
+    }
     void barrier(CollectiveSite site) override {
         st_->check_usable();
         st_->rendezvous.count_collective(rank_);

@@ -121,6 +121,35 @@ constexpr bool allows_tf32(Math m, ProductOf of) noexcept {
     return m == Math::tf32 || (m == Math::pytorch_default && of == ProductOf::convolution);
 }
 
+// Note [precision]
+// What a replica's matrix products store their inputs in, as PyTorch's autocast(bfloat16) does for
+// convolutions and linear layers:
+// - `fp32`, the default: the inputs as they are, rounded only as the math mode allows (Note [math
+//   modes]).
+// - `bf16`: every product of a convolution or linear layer, forward and backward, takes its two
+//   operands rounded to bfloat16 (to nearest, ties to even: 8 significant bits) and accumulates in
+//   fp32 into an fp32 result; on CUDA one cublasGemmEx (CUDA_R_16BF inputs, CUBLAS_COMPUTE_32F)
+//   on tensor cores, whatever the math mode says. Everything else stays fp32: the parameters (the
+//   master weights the optimizer updates and checkpoints keep), gradients and their all-reduce,
+//   batch-norm statistics, activations, losses.
+// The host backend has no bf16 products and refuses the mode (UsageError) rather than computing
+// something else under its name. Every replica of a DataParallel runs the same precision
+// (DataParallelOptions::precision), so replicas stay bit-identical.
+
+//! What matrix products round their inputs to (Note [precision]).
+enum class Precision : unsigned char {
+    fp32,  //!< products in fp32 (or TF32, as the math mode allows)
+    bf16,  //!< convolution and linear products on bfloat16 inputs, fp32 accumulation and results
+};
+
+constexpr std::string_view to_string(Precision p) noexcept {
+    switch (p) {
+        case Precision::fp32: return "fp32";
+        case Precision::bf16: return "bf16";
+    }
+    return "unknown";
+}
+
 //! The backend's part of an execution context (see Note [execution context]); each backend
 //! specializes it beside its operations.
 template <BackendTag B>

@@ -52,6 +52,9 @@ namespace lockstep::kernels::cuda_ops {
 // - Math (Note [math modes]): strict fp32 sets CUDNN_FMA_MATH (no tensor cores); a mode that
 //   allows TF32 for convolutions sets CUDNN_DEFAULT_MATH, which lets cuDNN use TF32, as PyTorch
 //   does with torch.backends.cudnn.allow_tf32.
+// - Precision (Note [precision]): bf16 convolutions run im2col + cublasGemmEx on bfloat16
+//   operands, not cuDNN (whose bf16 convolutions take and give bf16 tensors, where lockstep's
+//   activations are fp32).
 // - Workspace: the replica's one LayerWorkspace (Note [one layer workspace]), grown to the largest
 //   need of its layers.
 // - Sums: the weight gradient accumulates (beta = 1), as every backend's conv2d_backward does;

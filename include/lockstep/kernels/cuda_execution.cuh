@@ -47,6 +47,8 @@ struct Execution<Cuda> {
     DeviceWaits waits;
     // How its convolutions and linear layers may round (Note [math modes] in core/backend.hpp).
     Math math = Math::pytorch_default;
+    // What its convolutions and linear layers round their products' inputs to (Note [precision]).
+    Precision precision = Precision::fp32;
 };
 
 }  // namespace lockstep

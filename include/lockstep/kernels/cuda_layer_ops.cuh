@@ -47,10 +47,22 @@ public:
         }
         return buffer_.data();
     }
+    //! At least `elements` bfloat16 values on `device` (Note [precision]: a product's operands
+    //! rounded for cuBLAS), a second buffer grown and freed as the first.
+    __nv_bfloat16* bf16_at_least(std::int64_t elements, int device) {
+        if (elements <= 0) return narrow_.data();
+        if (narrow_.numel() < elements || narrow_.device() != Device::cuda(device)) {
+            narrow_ = T_<__nv_bfloat16>();
+            narrow_ = T_<__nv_bfloat16>(Shape{elements}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
+        }
+        return narrow_.data();
+    }
     //! Where the buffer lies (a captured step's identity: it holds the address; Note [captured
     //! steps] in parallel/step.hpp). A buffer grown in place of another may lie where that one
     //! did: it is then at least as large, so a graph made with the old one still fits.
     const void* address() const noexcept { return buffer_.data(); }
+    //! Where the bfloat16 buffer lies (the same identity for it).
+    const void* bf16_address() const noexcept { return narrow_.data(); }
     //! Floats held now: the largest need so far.
     std::int64_t floats() const noexcept { return buffer_.numel(); }
     //! `n` rounded up to the alignment.
@@ -58,6 +70,7 @@ public:
 
 private:
     T_<float> buffer_;
+    T_<__nv_bfloat16> narrow_;
 };
 
 namespace layer_detail {
@@ -70,7 +83,13 @@ namespace lk = device::layer_kernels;
 //! stream's order.
 struct LayerRun : device::DeviceRun {
     explicit LayerRun(const Ex& ex)
-        : device_guard(ex.device), stream_guard(ex.stream, ex.device, ex.stream_owner), blas(ex.blas), math(ex.math) {
+        : device_guard(ex.device),
+          stream_guard(ex.stream, ex.device, ex.stream_owner),
+          blas(ex.blas),
+          math(ex.math),
+          precision(ex.precision),
+          layer_workspace(ex.layer_workspace),
+          ordinal(ex.device) {
         LOCKSTEP_CHECK_AS(UsageError, ex.blas != nullptr,
                           "a CUDA layer operation ran without its replica's cuBLAS handle; "
                           "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
@@ -80,8 +99,10 @@ struct LayerRun : device::DeviceRun {
     }
 
     //! One cuBLAS SGEMM as `call` says (gemm_layers.cuh: Note [convolution on CUDA]), in the math
-    //! the replica's mode allows the layer it serves (Note [math modes]).
+    //! the replica's mode allows the layer it serves (Note [math modes]); in bf16 precision one
+    //! GEMM on the operands rounded to bfloat16 (Note [precision]).
     void gemm(const lk::GemmCall& c) {
+        if (precision == Precision::bf16) return gemm_bf16(c);
         LOCKSTEP_CUBLAS_CHECK(
             cublasSetMathMode(blas, allows_tf32(math, c.of) ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
         const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -93,10 +114,46 @@ struct LayerRun : device::DeviceRun {
                                                             c.ldb, c.stride_b, &c.beta, c.c, c.ldc, c.stride_c, c.batch));
     }
 
+    //! Elements an operand of `rows` x `cols` (column-major, leading dimension `ld`) spans over
+    //! `batch` matrices `stride` apart: what its bfloat16 copy holds, gaps included.
+    static std::int64_t span_of(int rows, int cols, int ld, long long stride, int batch) {
+        const std::int64_t one = std::int64_t{ld} * (cols - 1) + rows;
+        return batch > 1 ? std::int64_t{stride} * (batch - 1) + one : one;
+    }
+
+    //! `c` on bfloat16 copies of its operands (rounded to nearest by lk::to_bf16, in the replica's
+    //! workspace), accumulated in fp32 into its fp32 result with alpha and beta as given.
+    void gemm_bf16(const lk::GemmCall& c) {
+        LOCKSTEP_CHECK_AS(UsageError, layer_workspace != nullptr,
+                          "a bf16 product on CUDA ran without its replica's layer workspace; "
+                          "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
+        const std::int64_t na = span_of(c.trans_a ? c.k : c.m, c.trans_a ? c.m : c.k, c.lda, c.stride_a, c.batch),
+                           nb = span_of(c.trans_b ? c.n : c.k, c.trans_b ? c.k : c.n, c.ldb, c.stride_b, c.batch);
+        // The second operand at a 256-byte boundary, as the first (cuBLAS's fastest kernels want
+        // 16-byte aligned operands).
+        const std::int64_t at_b = (na + 127) / 128 * 128;
+        __nv_bfloat16* a16 = layer_workspace->bf16_at_least(at_b + nb, ordinal);
+        __nv_bfloat16* b16 = a16 + at_b;
+        lk::to_bf16(*this, c.a, a16, na);
+        lk::to_bf16(*this, c.b, b16, nb);
+        LOCKSTEP_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
+        const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+        if (c.batch == 1)
+            LOCKSTEP_CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, c.m, c.n, c.k, &c.alpha, a16, CUDA_R_16BF, c.lda, b16, CUDA_R_16BF,
+                                               c.ldb, &c.beta, c.c, CUDA_R_32F, c.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        else
+            LOCKSTEP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+                blas, ta, tb, c.m, c.n, c.k, &c.alpha, a16, CUDA_R_16BF, c.lda, c.stride_a, b16, CUDA_R_16BF, c.ldb, c.stride_b,
+                &c.beta, c.c, CUDA_R_32F, c.ldc, c.stride_c, c.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+
     cuda::DeviceGuard device_guard;
     cuda::StreamGuard stream_guard;
     cublasHandle_t blas;
     Math math;
+    Precision precision;
+    LayerWorkspace* layer_workspace;
+    int ordinal;
 };
 
 //! The replica's convolution workspace, or UsageError for an execution made without one.
@@ -238,6 +295,25 @@ struct LayerOps {
         device::layer_kernels::add(run, acc.data(), x.data(), acc.numel());
     }
 
+    //! dst = src rounded to bfloat16 (Note [precision]; a gradient bucket's bf16 all-reduce),
+    //! `dst` holding the bf16 bits.
+    static void to_bf16(const Ex& ex, const T_<float>& src, T_<std::uint16_t>& dst) {
+        layer_detail::check_on(ex, src, "to_bf16's source");
+        layer_detail::check_on(ex, dst, "to_bf16's destination");
+        layer_detail::check_numel(dst, src.numel(), "to_bf16", "the destination");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::to_bf16(run, src.data(), reinterpret_cast<__nv_bfloat16*>(dst.data()), src.numel());
+    }
+
+    //! dst = src's bfloat16 bits widened to fp32 (exact).
+    static void from_bf16(const Ex& ex, const T_<std::uint16_t>& src, T_<float>& dst) {
+        layer_detail::check_on(ex, src, "from_bf16's source");
+        layer_detail::check_on(ex, dst, "from_bf16's destination");
+        layer_detail::check_numel(dst, src.numel(), "from_bf16", "the destination");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::from_bf16(run, reinterpret_cast<const __nv_bfloat16*>(src.data()), dst.data(), src.numel());
+    }
+
     //! acc[index] += sum(t^2) in fp64, on the device.
     static void add_sum_squares(const Ex& ex, const T_<float>& t, T_<double>& acc, std::int64_t index = 0) {
         layer_detail::check_on(ex, t, "add_sum_squares's tensor");
@@ -273,7 +349,8 @@ struct LayerOps {
         layer_detail::check_numel(y, c.N * c.O * c.P, "conv2d_forward", "y");
         layer_detail::LayerRun run(ex);
 #if LOCKSTEP_WITH_CUDNN
-        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 &&  // Note [cuDNN convolutions]
+        if (ex.cudnn != nullptr && ex.precision == Precision::fp32 && c.N > 0 && c.O > 0 &&
+            c.C > 0 &&  // Note [cuDNN convolutions]
             ex.cudnn->forward(ex.stream, c, ex.math, x.data(), weight.data(), y.data(), workspace_bytes(ex))) {
             if (bias != nullptr) device::layer_kernels::bias_act(run, y.data(), c.N, c.O, c.P, bias->data(), false, nullptr);
             return;
@@ -296,7 +373,8 @@ struct LayerOps {
         layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
         layer_detail::LayerRun run(ex);
 #if LOCKSTEP_WITH_CUDNN
-        if (ex.cudnn != nullptr && c.N > 0 && c.O > 0 && c.C > 0 &&  // Note [cuDNN convolutions]
+        if (ex.cudnn != nullptr && ex.precision == Precision::fp32 && c.N > 0 && c.O > 0 &&
+            c.C > 0 &&  // Note [cuDNN convolutions]
             ex.cudnn->backward(ex.stream, c, ex.math, x.data(), dy.data(), weight.data(), weight_grad.data(), dx.data(),
                                workspace_bytes(ex))) {
             if (bias_grad != nullptr) device::layer_kernels::channel_sums(run, dy.data(), c.N, c.O, c.P, bias_grad->data());

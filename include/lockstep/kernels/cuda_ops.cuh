@@ -158,6 +158,8 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 
     //! A replica's step can be captured as a CUDA graph and launched again (Note [graphs]).
     static constexpr bool graphs = true;
+    //! Convolutions and linear layers can run their products on bfloat16 (Note [precision]).
+    static constexpr bool bf16_products = true;
     using GraphCache = cuda::GraphCache;
     //! Launches `cache`'s graph for `key` on the replica's stream, capturing `record` first when
     //! it holds none; returns whether it captured.
@@ -166,11 +168,14 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
         return cache.launch(key, ex.stream, std::forward<Record>(record));
     }
     //! Appends to `key` what a captured step holds of the replica beyond its module and its step's
-    //! tensors: its device and where its convolutions' workspace lies.
+    //! tensors: its device, where its convolutions' workspaces lie, its math mode and precision.
     static void add_graph_key(const Ex& ex, GraphCache::Key& key) {
         key.push_back(ex.device);
         const void* ws = ex.layer_workspace != nullptr ? ex.layer_workspace->address() : nullptr;
+        const void* ws16 = ex.layer_workspace != nullptr ? ex.layer_workspace->bf16_address() : nullptr;
         key.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(ws)));
+        key.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(ws16)));
+        key.push_back(static_cast<std::int64_t>(ex.precision) * 16 + static_cast<std::int64_t>(ex.math));
     }
 
     //! `replicas` replicas over the visible GPUs, round-robin: one per GPU, or all on the one GPU

@@ -73,6 +73,8 @@ struct Ops<Host> {
     //! The host runs every step eagerly: no graphs (DataParallel refuses
     //! DataParallelOptions::graphs on it; Note [captured steps] in parallel/step.hpp).
     static constexpr bool graphs = false;
+    //! No bf16 products on the host (Note [precision]): DataParallel refuses Precision::bf16.
+    static constexpr bool bf16_products = false;
     struct GraphCache {
         using Key = std::vector<std::int64_t>;
         explicit GraphCache(std::size_t = 8) noexcept {}

@@ -73,7 +73,7 @@ struct Core {
         // Every process refuses alike (comm::agreed_failure): none waits for one that left.
         if (core->procs) {
             comm::check_alike(*core->procs, comm::ProcessGroup::control, "DataParallel across processes", check);
-            check_same_math(*core->procs, options.math);
+            check_same_math(*core->procs, options.math, options.precision, options.gradient_precision);
         } else {
             check();
         }
@@ -96,6 +96,17 @@ private:
                        o.clip_grad_norm.value_or(0), "; leave it unset to not clip");
         LOCKSTEP_CHECK(to_string(o.math) != "unknown", "DataParallelOptions::math is not a lockstep::Math (",
                        static_cast<int>(o.math), "); use Math::pytorch_default, Math::strict_fp32 or Math::tf32");
+        LOCKSTEP_CHECK(to_string(o.precision) != "unknown", "DataParallelOptions::precision is not a lockstep::Precision (",
+                       static_cast<int>(o.precision), "); use Precision::fp32 or Precision::bf16");
+        LOCKSTEP_CHECK_AS(UsageError, o.precision == Precision::fp32 || K::bf16_products,
+                          "DataParallelOptions::precision = bf16: the ", backend::name,
+                          " backend has no bf16 products (Note [precision]); use Precision::fp32 on it, or the CUDA backend");
+        LOCKSTEP_CHECK(to_string(o.gradient_precision) != "unknown",
+                       "DataParallelOptions::gradient_precision is not a lockstep::Precision (",
+                       static_cast<int>(o.gradient_precision), "); use Precision::fp32 or Precision::bf16");
+        LOCKSTEP_CHECK_AS(UsageError, o.gradient_precision == Precision::fp32 || K::bf16_products,
+                          "DataParallelOptions::gradient_precision = bf16: the ", backend::name,
+                          " backend has no bf16 all-reduce; use Precision::fp32 on it, or the CUDA backend");
         LOCKSTEP_CHECK_AS(UsageError, !o.graphs || K::graphs, "DataParallelOptions::graphs: the ", backend::name,
                           " backend runs every step eagerly (graphs are CUDA's); leave graphs off on it");
         LOCKSTEP_CHECK_AS(UsageError, o.graph_capacity > 0,
@@ -106,19 +117,27 @@ private:
         return o;
     }
 
-    // Every process learns every process's math mode; all throw alike unless they are one
-    // (replicas in different modes would round differently: Note [math modes]).
-    static void check_same_math(comm::ProcessGroup& procs, Math mine) {
+    // Every process learns every process's math mode and precisions; all throw alike unless they
+    // are one (replicas in different modes would round differently: Note [math modes], Note
+    // [precision]; buckets all-reduced in different types would not meet).
+    static void check_same_math(comm::ProcessGroup& procs, Math math, Precision precision, Precision gradients) {
         const auto P = static_cast<std::size_t>(procs.size());
         std::vector<double> modes(P, 0.0);
-        modes[static_cast<std::size_t>(procs.rank())] = static_cast<double>(mine);
+        modes[static_cast<std::size_t>(procs.rank())] =
+            static_cast<double>(math) + 16.0 * static_cast<double>(precision) + 256.0 * static_cast<double>(gradients);
         procs.channel(comm::ProcessGroup::control)
             .all_reduce_sum(DeviceSpan<double>::host(modes), comm::CollectiveSite::control(comm::Exchange::math_modes));
         if (std::all_of(modes.begin(), modes.end(), [&](double m) { return m == modes[0]; })) return;
         std::string each;
-        for (const double m : modes) each += std::string(to_string(static_cast<Math>(m))) + ", ";
+        for (const double m : modes) {
+            const auto code = static_cast<int>(m);
+            each += std::string(to_string(static_cast<Math>(code % 16))) + "/" +
+                    std::string(to_string(static_cast<Precision>(code / 16 % 16))) + "/" +
+                    std::string(to_string(static_cast<Precision>(code / 256))) + ", ";
+        }
         throw UsageError("DataParallel across " + std::to_string(P) + " processes: they run different math modes (" + each +
-                         "by process); give every process the same DataParallelOptions::math");
+                         "by process, math/precision/gradient_precision); give every process the same DataParallelOptions::math, "
+                         "::precision and ::gradient_precision");
     }
 
     static std::vector<Device> check_devices(const std::vector<Device>& devices, bool graphs) {

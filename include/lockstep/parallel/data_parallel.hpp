@@ -366,13 +366,14 @@ private:
         rep.ctx.comm = rep.layer_comm;
         rep.ctx.exec = core.resources[ur]->execution();
         rep.ctx.exec.math = core.options.math;
+        if constexpr (K::bf16_products) rep.ctx.exec.precision = core.options.precision;
         core.bind(r, rep.ctx.exec);
         rep.totals = Tensor<double, backend>(Shape{2}, MemoryFormat::nchw, core.devices[ur]);
         rep.norm_sq = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, core.devices[ur]);
         nn::for_each_parameter(rep.module, [&](const std::string& name, const auto&) { rep.param_names.push_back(name); });
         rep.finite_check = Tensor<double, backend>(Shape{static_cast<std::int64_t>(rep.param_names.size()) + 2},
                                                    MemoryFormat::nchw, core.devices[ur]);
-        rep.build_buckets(core.devices[ur], core.options.bucket_bytes);
+        rep.build_buckets(core.devices[ur], core.options.bucket_bytes, core.options.gradient_precision == Precision::bf16);
         if (core.options.graphs) rep.graphs.emplace(core.options.graph_capacity);
         rep.make_buffer_copies();
     }

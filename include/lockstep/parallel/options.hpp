@@ -38,6 +38,16 @@ struct DataParallelOptions {
     //! `Math::strict_fp32` for fp32 everywhere, `Math::tf32` for TF32 everywhere. The host
     //! backend computes every mode in strict fp32.
     Math math = Math::pytorch_default;
+    //! What convolutions and linear layers round their products' inputs to (Note [precision] in
+    //! core/backend.hpp): `Precision::bf16` multiplies bfloat16 operands with fp32 accumulation,
+    //! as PyTorch's autocast(bfloat16) does, and keeps parameters, gradients, their all-reduce,
+    //! batch-norm statistics and checkpoints in fp32. CUDA only (the host backend refuses it).
+    Precision precision = Precision::fp32;
+    //! What the gradient buckets are all-reduced in: fp32 (the default), or bf16, rounded from
+    //! the fp32 gradients before the sum and widened back after it (half the bytes on the wire;
+    //! each replica's gradient loses its bits below bf16's 8, and the sum is rounded to bf16).
+    //! Independent of `precision`. CUDA only (the host backend refuses it).
+    Precision gradient_precision = Precision::fp32;
     //! Run each replica's training step as CUDA graphs (Note [captured steps] in
     //! parallel/step.hpp): forward, loss, backward and every collective of the step in one
     //! launch, clipping and the optimizer's update in a second, the commit point between them.

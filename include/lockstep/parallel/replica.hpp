@@ -67,6 +67,9 @@ struct Bucket {
     std::vector<std::size_t> visit_index;  // each parameter's place in visit order (its name)
     Tensor<float, B> flat;                 // the gradients, all-reduced as one (Note [gradients in their buckets])
     Tensor<float, B> values;               // the parameters' values, laid out as `flat`
+    // `flat` rounded to bfloat16 (their bits), what is all-reduced when gradients are reduced
+    // in bf16 (DataParallelOptions::gradient_precision); empty otherwise.
+    Tensor<std::uint16_t, B> narrow;
     int pending = 0;
     bool launched = false;
 };
@@ -157,6 +160,8 @@ struct Replica {
     SerialWorker worker;
     std::optional<StepGraphs<backend>> graphs;  // with DataParallelOptions::graphs
     bool overlap = true;
+    // Buckets all-reduced in bf16 (DataParallelOptions::gradient_precision).
+    bool bf16_gradients = false;
     std::atomic<std::size_t> reduced{0};  // buckets all-reduced in this step so far
     std::size_t reduced_during_backward = 0;
 
@@ -246,10 +251,20 @@ struct Replica {
         if (grad_comm->stream_ordered()) {
             // Enqueued by this thread, here, on every rank: one order everywhere; read after
             // join() in finish_buckets (Note [gradient buckets]).
-            grad_comm->start_all_reduce_sum(DeviceSpan(b.flat), comm::CollectiveSite::bucket(index));
+            if (bf16_gradients) {  // rounded on the compute stream, before the collective's event
+                if constexpr (K::bf16_products) {
+                    K::to_bf16(ctx.exec, b.flat, b.narrow);
+                    grad_comm->start_all_reduce_sum_bf16(DeviceSpan(b.narrow), comm::CollectiveSite::bucket(index));
+                }
+            } else {
+                grad_comm->start_all_reduce_sum(DeviceSpan(b.flat), comm::CollectiveSite::bucket(index));
+            }
             reduced.fetch_add(1, std::memory_order_release);
             return;
         }
+        LOCKSTEP_CHECK_AS(NotImplemented, !bf16_gradients,
+                          "gradients all-reduced in bf16 need a stream-ordered (CUDA) replica group; leave "
+                          "DataParallelOptions::gradient_precision at Precision::fp32");
         auto job = [this, index] {
             auto& bb = buckets[index];
             grad_comm->all_reduce_sum(DeviceSpan(bb.flat), comm::CollectiveSite::bucket(index));
@@ -267,6 +282,9 @@ struct Replica {
             if (!buckets[i].launched) launch(i);
         if (grad_comm->stream_ordered()) grad_comm->join();
         worker.wait();
+        if constexpr (K::bf16_products)
+            if (bf16_gradients)
+                for (auto& b : buckets) K::from_bf16(ctx.exec, b.narrow, b.flat);  // after join(): the sums
         // A gradient replaced after its bucket was launched missed the all-reduce: this
         // replica would step with its own gradient alone.
         for (auto& b : buckets)
@@ -327,7 +345,8 @@ struct Replica {
 
     // Note [gradient buckets] and [gradients in their buckets]: buckets in reverse visit order,
     // parameters inside a bucket in visit order.
-    void build_buckets(const Device& device, std::size_t bucket_bytes) {
+    void build_buckets(const Device& device, std::size_t bucket_bytes, bool bf16 = false) {
+        bf16_gradients = bf16;
         std::vector<nn::Parameter<backend>*> params;
         nn::for_each_parameter(module, [&](const std::string&, nn::Parameter<backend>& p) { params.push_back(&p); });
         Bucket<backend> current;
@@ -345,6 +364,7 @@ struct Replica {
             }
             current.flat = Tensor<float, backend>(Shape{end}, MemoryFormat::nchw, device);
             current.values = Tensor<float, backend>(Shape{end}, MemoryFormat::nchw, device);  // padding zero
+            if (bf16_gradients) current.narrow = Tensor<std::uint16_t, backend>(Shape{end}, MemoryFormat::nchw, device);
             for (auto* p : current.params) slots[p] = {buckets.size(), false};
             buckets.push_back(std::move(current));
             current = Bucket<backend>{};

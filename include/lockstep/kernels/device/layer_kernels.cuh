@@ -105,6 +105,57 @@ struct Add {
     }
 };
 
+struct NarrowParams {
+    const float* x = nullptr;
+    __nv_bfloat16* y = nullptr;
+    std::int64_t n = 0;
+};
+
+//! y = x rounded to bfloat16, to nearest with ties to even (Note [precision]): NaN stays NaN,
+//! infinities stay, a value beyond bf16's range becomes an infinity.
+template <int V>
+struct ToBf16 {
+    using Params = NarrowParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t vectors = p.n / V;
+        for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
+            const auto v = load_pack<V>(p.x + i * V);
+            Pack<__nv_bfloat16, V> o;
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) o.v[e] = from_float<__nv_bfloat16>(v.v[e]);
+            store_pack<V>(p.y + i * V, o);
+        }
+        const std::int64_t tail = vectors * V + first_index(w);
+        if (V > 1 && tail < p.n) p.y[tail] = from_float<__nv_bfloat16>(p.x[tail]);
+    }
+};
+
+struct WidenParams {
+    const __nv_bfloat16* x = nullptr;
+    float* y = nullptr;
+    std::int64_t n = 0;
+};
+
+//! y = x widened to fp32 (exact).
+template <int V>
+struct FromBf16 {
+    using Params = WidenParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t vectors = p.n / V;
+        for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
+            const auto v = load_pack<V>(p.x + i * V);
+            Pack<float, V> o;
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) o.v[e] = to_float(v.v[e]);
+            store_pack<V>(p.y + i * V, o);
+        }
+        const std::int64_t tail = vectors * V + first_index(w);
+        if (V > 1 && tail < p.n) p.y[tail] = to_float(p.x[tail]);
+    }
+};
+
 // ---- ReLU (maps) --------------------------------------------------------------------------------
 
 struct ReluParams {
@@ -470,6 +521,27 @@ void add(Run& run, T* acc, const T* x, std::int64_t n) {
         run.template map<Add<T, V>>(a, map_grid(vector_items(n, V), run.info()));
     else
         run.template map<Add<T, 1>>(a, map_grid(n, run.info()));
+}
+
+//! y[0, n) = x[0, n) rounded to bfloat16 (Note [precision]): 4 floats read as one 16-byte vector
+//! and 4 bf16 written as one 8-byte vector where the pointers allow.
+template <class Run>
+void to_bf16(Run& run, const float* x, __nv_bfloat16* y, std::int64_t n) {
+    NarrowParams a{x, y, n};
+    if (all_aligned(16, {x}) && all_aligned(8, {y}))
+        run.template map<ToBf16<4>>(a, map_grid(vector_items(n, 4), run.info()));
+    else
+        run.template map<ToBf16<1>>(a, map_grid(n, run.info()));
+}
+
+//! y[0, n) = x[0, n) widened to fp32, 4 at a time where the pointers allow.
+template <class Run>
+void from_bf16(Run& run, const __nv_bfloat16* x, float* y, std::int64_t n) {
+    WidenParams a{x, y, n};
+    if (all_aligned(8, {x}) && all_aligned(16, {y}))
+        run.template map<FromBf16<4>>(a, map_grid(vector_items(n, 4), run.info()));
+    else
+        run.template map<FromBf16<1>>(a, map_grid(n, run.info()));
 }
 
 //! x = max(x, 0) in place (NaN kept); mask (may be null) = x > 0.
