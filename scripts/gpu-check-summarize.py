@@ -9,7 +9,7 @@ Markdown. Standard library only (it runs on the GPU machine's python3).
     gpu-check-summarize.py example --tol-loss 1e-4 --tol-acc 0.005 --steps 10 --run ROLE LABEL JSONL LOG RC ...
     gpu-check-summarize.py parity JSONL ERRLOG RC --example LABEL LOG RC ...
     gpu-check-summarize.py train [--torch JSONL ERRLOG RC] --lockstep BATCH JSONL LOG RC ... [--graphs BATCH JSONL LOG RC]
-    gpu-check-summarize.py bf16 [--torch JSONL ERRLOG RC] --train BATCH JSONL LOG RC --accuracy LOG RC [--goal 0.90]
+    gpu-check-summarize.py bf16 [--torch JSONL ERRLOG RC] --train BATCH JSONL LOG RC --accuracy LOG RC [--goal 0.90] [--cut 1]
     gpu-check-summarize.py train-step LOG RC
     gpu-check-summarize.py syncbn BENCH_JSON TORCH_JSONL
     gpu-check-summarize.py table TSV          (the final table, for a terminal)
@@ -414,7 +414,10 @@ def judge_bf16(args):
     batch, rc = int(batch), int(rc)
     name = "training img/s, batch %d, bf16" % batch
     ours, n = lockstep_median(path)
-    if ours is None:
+    budget = "not run (budget)"
+    if ours is None and rc in TIMED_OUT and args.cut:
+        emit(name, budget, "stopped by the run's budget (exit %d)" % rc)
+    elif ours is None:
         emit(name, "FAIL", "the example gave no step rates (exit %d): %s" % (rc, tail_line(read(log))[:160]))
     else:
         detail = "lockstep %s (1 replica, --precision bf16, median of %d steps)" % (si(ours), n)
@@ -430,12 +433,15 @@ def judge_bf16(args):
         else:
             emit(name, "measured", "%s; PyTorch gave nothing (%s)" % (detail, torch_text or "no line for this batch"))
     log, rc = args.accuracy
+    rc = int(rc)
     name = "bf16 accuracy, 2 epochs"
     acc = accuracy_of(read(log))
-    if acc is None:
-        emit(name, "FAIL", "no test accuracy (exit %s): %s" % (rc, tail_line(read(log))[:160]))
+    if acc is None and rc in TIMED_OUT and args.cut:
+        emit(name, budget, "stopped by the run's budget (exit %d)" % rc)
+    elif acc is None or rc != 0:
+        emit(name, "FAIL", "exit %d: %s" % (rc, tail_line(read(log))[:160]))
     else:
-        emit(name, "pass" if acc >= args.goal else "FAIL", "test accuracy %.4f (goal >= %.2f; --precision bf16, batch 64)" %
+        emit(name, "pass" if acc >= args.goal else "FAIL", "test accuracy %.4f (goal >= %.2f; --precision bf16 --gradient-precision bf16, 2 replicas, batch 64)" %
              (acc, args.goal))
 
 
@@ -719,7 +725,7 @@ def self_test():
                                                                                               ("bf16", 25000.0))))
         acc_log = put("acc16.log", "test accuracy 0.9071 | replicas 1 | backend cuda | 1876 steps\n")
         ns = argparse.Namespace(torch=[tj16, put("t16.err", ""), "0"], train=["256", r1, l1, "0"], accuracy=[acc_log, "0"],
-                                goal=0.90)
+                                goal=0.90, cut=0)
         r = rows_of(judge_bf16, ns)
         check(r[0][:2] == ["training img/s, batch 256, bf16", "measured"] and "vs_torch 2.00" in r[0][2] and
               "vs_torch 0.50" in r[0][2], "bf16: vs bf16 autocast and defaults: %s" % (r[:1],))
@@ -728,6 +734,13 @@ def self_test():
         check(rows_of(judge_bf16, ns)[1][1] == "FAIL", "bf16: accuracy below the goal fails")
         ns.accuracy = [put("acc16c.log", "mnist: boom\n"), "2"]
         check(rows_of(judge_bf16, ns)[1][1] == "FAIL", "bf16: no accuracy fails")
+        ns.accuracy = [put("acc16d.log", "test accuracy 0.9100 | replicas 1\n"), "3"]
+        check(rows_of(judge_bf16, ns)[1][1] == "FAIL", "bf16: an accuracy with a failed exit fails")
+        ns.accuracy = [put("acc16e.log", ""), "124"]
+        ns.train = ["256", put("none16.jsonl", ""), put("none16.log", ""), "124"]
+        ns.cut = 1
+        r = rows_of(judge_bf16, ns)
+        check([x[1] for x in r] == ["not run (budget)", "not run (budget)"], "bf16: cut by the budget: %s" % (r,))
 
         # summary
         tsv = put("s.tsv", "step\tresult\tdetail\nbuild\tok\t60 s\ntest_gpu_core\tpass\t3 passed, 0 failed\n"
@@ -772,6 +785,7 @@ def main(argv=None):
     s.add_argument("--train", nargs=4, required=True, metavar=("BATCH", "JSONL", "LOG", "RC"))
     s.add_argument("--accuracy", nargs=2, required=True, metavar=("LOG", "RC"))
     s.add_argument("--goal", type=float, default=0.90)
+    s.add_argument("--cut", type=int, default=0)
     s = sub.add_parser("train-step")
     s.add_argument("log"); s.add_argument("rc", type=int); s.add_argument("--cut", type=int, default=0)
     s = sub.add_parser("syncbn")

@@ -13,6 +13,10 @@ namespace lockstep::host_cuda {
 //! before creating streams on the devices it removes; false for a count out of range.
 bool set_device_count(int count);
 
+//! The compute capability every device reports (cudaGetDeviceProperties, cudaDeviceGetAttribute;
+//! default 9.0, an H200), until reset(); false for one below 5.0.
+bool set_compute_capability(int major, int minor);
+
 //! The "capacity" cudaMalloc counts against on `device` (default 8 GiB); false for a bad device.
 bool set_memory_capacity(int device, std::size_t bytes);
 

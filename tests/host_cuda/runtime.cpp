@@ -99,6 +99,7 @@ State& state() {
 std::atomic<cudaError_t> sticky_errors[max_devices];
 std::atomic<unsigned> delay_cap_us{200};
 std::atomic<int> devices_in_use{0};
+std::atomic<int> compute_capability{90};  // major * 10 + minor, as every device reports it
 thread_local int current = 0;
 thread_local cudaError_t last_error = cudaSuccess;
 
@@ -569,6 +570,12 @@ bool set_device_count(int count) {
     return true;
 }
 
+bool set_compute_capability(int major, int minor) {
+    if (major < 5 || major > 12 || minor < 0 || minor > 9) return false;
+    compute_capability.store(major * 10 + minor);
+    return true;
+}
+
 bool set_memory_capacity(int device, std::size_t bytes) {
     if (device < 0 || device >= max_devices) return false;
     State& st = state();
@@ -631,6 +638,7 @@ void reset() {
         st.inject = Injections{};
         for (Device& d : st.devices) d.capacity = default_capacity;
     }
+    compute_capability.store(90);
     reset_captures();
     for (auto& e : sticky_errors) e.store(cudaSuccess);
     last_error = cudaSuccess;
@@ -806,8 +814,8 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
     prop->maxGridSize[1] = 65535;
     prop->maxGridSize[2] = 65535;
     prop->totalConstMem = 65536;
-    prop->major = 9;
-    prop->minor = 0;
+    prop->major = compute_capability.load() / 10;
+    prop->minor = compute_capability.load() % 10;
     prop->textureAlignment = 512;
     prop->texturePitchAlignment = 32;
     prop->multiProcessorCount = sm_count;
@@ -851,8 +859,8 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
         case cudaDevAttrMaxRegistersPerBlock: *value = 65536; break;
         case cudaDevAttrMaxRegistersPerMultiprocessor: *value = 65536; break;
         case cudaDevAttrMultiProcessorCount: *value = sm_count; break;
-        case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
-        case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+        case cudaDevAttrComputeCapabilityMajor: *value = compute_capability.load() / 10; break;
+        case cudaDevAttrComputeCapabilityMinor: *value = compute_capability.load() % 10; break;
         case cudaDevAttrL2CacheSize: *value = l2_bytes; break;
         case cudaDevAttrMaxThreadsPerMultiProcessor: *value = 2048; break;
         case cudaDevAttrMaxBlocksPerMultiprocessor: *value = 32; break;

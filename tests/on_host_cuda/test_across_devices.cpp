@@ -430,11 +430,10 @@ TEST_CASE("captured steps train as eager steps do, bit for bit, across shapes an
 }
 
 // bf16 products (Note [precision]) in a whole DataParallel: the replicas stay bit-identical, a
-// captured step gives the eager step's bits (the workspace's bf16 buffer is part of a graph's
-// key), the rounding reaches training (the losses differ from fp32's from the first step, by
-// little), and everything the step keeps is fp32: parameters, gradients, optimizer state, the
-// checkpoint's tensors. Mutation-checked: with the products left in fp32 the first loss equals
-// fp32's.
+// captured step gives the eager step's bits across batch sizes, the rounding reaches training
+// (the losses differ from fp32's from the first step, by little), and the master weights stay
+// fp32 values (their low bits set), as do the checkpoint's tensors. Mutation-checked: with the
+// products left in fp32 the first loss equals fp32's.
 TEST_CASE("bf16 products train with bit-identical replicas, captured as eagerly, and keep fp32 state", "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
@@ -474,6 +473,10 @@ TEST_CASE("bf16 products train with bit-identical replicas, captured as eagerly,
         CAPTURE(i, losses16[i], losses32[i]);
         CHECK(std::abs(losses16[i] - losses32[i]) <= 0.02 * std::abs(losses32[i]));
     }
+    // The master weights are fp32 values, not bf16 ones: the updates' low bits are kept.
+    const auto weights = replica_values(eager.replica(0));
+    CHECK(std::count_if(weights.begin(), weights.end(),
+                        [](float v) { return (std::bit_cast<std::uint32_t>(v) & 0xFFFFu) != 0; }) > 0);
     const auto ck = eager.checkpoint(sgd_eager);
     for (const auto& name : ck.names()) {
         CAPTURE(name);
@@ -481,11 +484,80 @@ TEST_CASE("bf16 products train with bit-identical replicas, captured as eagerly,
     }
 }
 
+// bf16 products need bf16 tensor cores (compute capability 8.0): on an older GPU DataParallel
+// refuses Precision::bf16 at construction, and a layer run directly in bf16 refuses its product,
+// both naming the device; bf16 gradient all-reduces need no tensor cores and are taken.
+TEST_CASE("bf16 products are refused on a GPU older than compute capability 8.0, naming it", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    REQUIRE(host_cuda::set_compute_capability(7, 5));
+    auto o = options(std::chrono::seconds(5));
+    o.precision = Precision::bf16;
+    CHECK_THROWS_AS((DataParallel<Small<Cuda>>(make_small<Cuda>(), two, o)), UsageError);
+    CHECK_THROWS_WITH((DataParallel<Small<Cuda>>(make_small<Cuda>(), two, o)),
+                      Catch::Contains("DataParallelOptions::precision: bf16 needs a GPU of compute capability 8.0 or newer") &&
+                          Catch::Contains("cuda:0 is 7.5"));
+    o.precision = Precision::fp32;
+    o.gradient_precision = Precision::bf16;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05});
+    const auto a = make_batch(10, 97);
+    CHECK_NOTHROW(dp.train_step(a.x.to<Cuda>(Device::cuda(0)), a.labels, nn::SoftmaxCrossEntropy{}, sgd));
+    {
+        kernels::Ops<Cuda>::ReplicaResources res(Device::cuda(1));
+        const auto entered = res.enter();
+        nn::Context<Cuda> ctx;
+        ctx.exec = res.execution();
+        ctx.exec.precision = Precision::bf16;
+        nn::Generator g(3);
+        nn::Linear<Cuda> lin(4, 3, true, g);
+        CHECK_THROWS_WITH(lin.forward(ctx, Tensor<float, Cuda>(Shape{2, 4}, MemoryFormat::nchw, Device::cuda(1))),
+                          Catch::Contains("Precision::bf16 products: bf16 needs a GPU of compute capability 8.0") &&
+                              Catch::Contains("cuda:1 is 7.5"));
+    }
+    REQUIRE(host_cuda::set_compute_capability(9, 0));
+}
+
+// A captured step holds the bf16 buffer's address (Note [precision]): a linear model uses no fp32
+// workspace, so a larger batch grows the bf16 buffer alone, and the first batch size's graph,
+// whose buffer is gone, must not be launched again. Mutation-checked: without the bf16 buffer's
+// address in the key (Ops<Cuda>::add_graph_key) the old graph launches on the freed buffer and the
+// step fails.
+TEST_CASE("a captured bf16 step is keyed by its bf16 buffer, which a larger batch grows alone", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    using Lin = nn::Sequential<nn::Flatten<Cuda>, nn::Linear<Cuda>>;
+    const auto make_lin = [] {
+        nn::Generator g(9);
+        return Lin(nn::Flatten<Cuda>(), nn::Linear<Cuda>(2 * 10 * 10, 7, true, g));
+    };
+    auto o = options(std::chrono::seconds(10));
+    o.precision = Precision::bf16;
+    DataParallel<Lin> eager(make_lin(), two, o);
+    o.graphs = true;
+    DataParallel<Lin> graphed(make_lin(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05}), sgd_graphed({.lr = 0.05});
+    const auto a = make_batch(10, 95), b = make_batch(40, 96);
+    const auto xa = a.x.to<Cuda>(Device::cuda(0)), xb = b.x.to<Cuda>(Device::cuda(0));
+    const auto step = [&](const Tensor<float, Cuda>& x, const std::vector<std::int64_t>& labels) {
+        const auto e = eager.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        const auto g = graphed.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+        CHECK(g.loss == e.loss);
+    };
+    for (int i = 0; i < 3; ++i) step(xa, a.labels);  // eager, captured, launched
+    REQUIRE(graphed.captured_graphs(0) == 2);
+    for (int i = 0; i < 3; ++i) step(xb, b.labels);  // the bf16 buffer grows at the first of these
+    for (int i = 0; i < 3; ++i) step(xa, a.labels);  // a new key: eager, captured, launched
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+    CHECK(graphed.captured_graphs(0) == 4);
+}
+
 // Gradient buckets all-reduced in bf16 (DataParallelOptions::gradient_precision): each bucket is
 // rounded to bf16, summed, and widened back, so after a step every gradient element is a bf16
 // value (its low 16 bits zero), the same on both replicas, where fp32 buckets hold values that are
-// not; captured steps give the eager bits; training tracks fp32's. Mutation-checked: without the
-// widening after join() the gradients are the unreduced fp32 ones (low bits set).
+// not, and the fp32 sums to bf16's rounding; captured steps give the eager bits; training tracks
+// fp32's. Mutation-checked: without the widening after join() the gradients are the unreduced
+// fp32 ones (low bits set); with the all-reduce skipped, the first step's gradients miss the sums.
 TEST_CASE("gradients all-reduced in bf16 are bf16 sums on every replica, captured as eagerly", "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
@@ -500,6 +572,14 @@ TEST_CASE("gradients all-reduced in bf16 are bf16 sums on every replica, capture
         sgd_graphed({.lr = 0.05, .momentum = 0.9});
     const auto a = make_batch(10, 91);
     const auto xa = a.x.to<Cuda>(Device::cuda(0));
+    const auto gradients = [](const Small<Cuda>& m) {
+        std::vector<std::vector<float>> out;
+        nn::for_each_parameter(m, [&](const std::string&, const nn::Parameter<Cuda>& p) {
+            const auto h = p.grad.to_host();
+            out.emplace_back(h.data(), h.data() + h.numel());
+        });
+        return out;
+    };
     std::vector<double> losses32, losses16;
     for (int i = 0; i < 5; ++i) {
         const auto f = fp32.train_step(xa, a.labels, nn::SoftmaxCrossEntropy{}, sgd32);
@@ -508,6 +588,23 @@ TEST_CASE("gradients all-reduced in bf16 are bf16 sums on every replica, capture
         CHECK(g.loss == e.loss);
         losses32.push_back(f.loss);
         losses16.push_back(e.loss);
+        if (i > 0) continue;
+        // The first step's gradients are the fp32 sums to bf16's rounding: each replica's
+        // gradient and the sum rounded once each (relative 2^-8), normwise per parameter. A
+        // bucket left unreduced, or one replica's alone, misses by its peer's share.
+        const auto g16 = gradients(eager.replica(0)), g32 = gradients(fp32.replica(0));
+        REQUIRE(g16.size() == g32.size());
+        for (std::size_t t = 0; t < g16.size(); ++t) {
+            double d2 = 0, n2 = 0;
+            for (std::size_t k = 0; k < g16[t].size(); ++k) {
+                d2 += (static_cast<double>(g16[t][k]) - g32[t][k]) * (static_cast<double>(g16[t][k]) - g32[t][k]);
+                n2 += static_cast<double>(g32[t][k]) * g32[t][k];
+            }
+            CAPTURE(t, std::sqrt(d2 / n2));
+            // Plus 1e-6: the conv bias's gradient is zero but for rounding noise (batch norm
+            // cancels it), where nothing relative holds.
+            CHECK(std::sqrt(d2) <= std::ldexp(3.0, -8) * std::sqrt(n2) + 1e-6);
+        }
     }
     check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
     CHECK(graphed.graph_launches(0) >= 6);

@@ -128,13 +128,16 @@ constexpr bool allows_tf32(Math m, ProductOf of) noexcept {
 //   modes]).
 // - `bf16`: every product of a convolution or linear layer, forward and backward, takes its two
 //   operands rounded to bfloat16 (to nearest, ties to even: 8 significant bits) and accumulates in
-//   fp32 into an fp32 result; on CUDA one cublasGemmEx (CUDA_R_16BF inputs, CUBLAS_COMPUTE_32F)
-//   on tensor cores, whatever the math mode says. Everything else stays fp32: the parameters (the
-//   master weights the optimizer updates and checkpoints keep), gradients and their all-reduce,
+//   fp32 into an fp32 result; on CUDA one cublasGemmEx or cublasGemmStridedBatchedEx (CUDA_R_16BF
+//   inputs, CUBLAS_COMPUTE_32F) on tensor cores, whatever the math mode says, on GPUs of compute
+//   capability 8.0 or newer (older ones are refused, UsageError). Everything else stays fp32: the
+//   parameters (the master weights the optimizer updates and checkpoints keep), gradients,
 //   batch-norm statistics, activations, losses.
-// The host backend has no bf16 products and refuses the mode (UsageError) rather than computing
-// something else under its name. Every replica of a DataParallel runs the same precision
-// (DataParallelOptions::precision), so replicas stay bit-identical.
+// Separately, DataParallelOptions::gradient_precision = bf16 all-reduces the gradient buckets in
+// bf16 (rounded before the sum, widened after it); fp32 by default.
+// The host backend has no bf16 products or all-reduces and refuses both (UsageError) rather than
+// computing something else under their name. Every replica of a DataParallel runs the same
+// precisions, so replicas stay bit-identical.
 
 //! What matrix products round their inputs to (Note [precision]).
 enum class Precision : unsigned char {

@@ -73,4 +73,15 @@ inline device::DeviceInfo device_info(int device) {
     return cached;
 }
 
+//! Throws UsageError unless `device` has bf16 tensor cores (compute capability 8.0 or newer), which
+//! Precision::bf16 multiplies on (Note [precision]); `what` names the option that asked.
+inline void check_bf16_device(int device, const char* what) {
+    int major = 0, minor = 0;
+    LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    LOCKSTEP_CHECK_AS(UsageError, major >= 8, what,
+                      ": bf16 needs a GPU of compute capability 8.0 or newer (bf16 tensor cores); cuda:", device, " is ", major,
+                      ".", minor, "; use Precision::fp32 on it");
+}
+
 }  // namespace lockstep::kernels::cuda_ops

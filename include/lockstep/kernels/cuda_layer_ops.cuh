@@ -121,12 +121,23 @@ struct LayerRun : device::DeviceRun {
         return batch > 1 ? std::int64_t{stride} * (batch - 1) + one : one;
     }
 
+    //! Whether this thread already found `device` able to run bf16 products (asked once per
+    //! device and thread, as device_info).
+    static bool bf16_checked(int device) {
+        static thread_local int checked = -1;
+        if (checked == device) return true;
+        check_bf16_device(device, "Precision::bf16 products");
+        checked = device;
+        return true;
+    }
+
     //! `c` on bfloat16 copies of its operands (rounded to nearest by lk::to_bf16, in the replica's
     //! workspace), accumulated in fp32 into its fp32 result with alpha and beta as given.
     void gemm_bf16(const lk::GemmCall& c) {
         LOCKSTEP_CHECK_AS(UsageError, layer_workspace != nullptr,
                           "a bf16 product on CUDA ran without its replica's layer workspace; "
                           "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
+        bf16_checked(ordinal);  // UsageError on a GPU without bf16 tensor cores
         const std::int64_t na = span_of(c.trans_a ? c.k : c.m, c.trans_a ? c.m : c.k, c.lda, c.stride_a, c.batch),
                            nb = span_of(c.trans_b ? c.n : c.k, c.trans_b ? c.k : c.n, c.ldb, c.stride_b, c.batch);
         // The second operand at a 256-byte boundary, as the first (cuBLAS's fastest kernels want

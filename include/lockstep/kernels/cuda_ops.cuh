@@ -160,6 +160,9 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     static constexpr bool graphs = true;
     //! Convolutions and linear layers can run their products on bfloat16 (Note [precision]).
     static constexpr bool bf16_products = true;
+    //! Throws UsageError unless `device` can run bf16 products (compute capability 8.0 or newer);
+    //! `what` names the option that asked.
+    static void check_bf16(const Device& device, const char* what) { cuda_ops::check_bf16_device(device.index, what); }
     using GraphCache = cuda::GraphCache;
     //! Launches `cache`'s graph for `key` on the replica's stream, capturing `record` first when
     //! it holds none; returns whether it captured.

@@ -69,6 +69,9 @@ struct Core {
         const auto check = [&] {
             core->options = check_options(options);
             core->devices = check_devices(devices, core->options.graphs);
+            if constexpr (K::bf16_products)
+                if (options.precision == Precision::bf16)
+                    for (const auto& d : core->devices) K::check_bf16(d, "DataParallelOptions::precision");
         };
         // Every process refuses alike (comm::agreed_failure): none waits for one that left.
         if (core->procs) {

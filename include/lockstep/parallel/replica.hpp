@@ -255,6 +255,9 @@ struct Replica {
                 if constexpr (K::bf16_products) {
                     K::to_bf16(ctx.exec, b.flat, b.narrow);
                     grad_comm->start_all_reduce_sum_bf16(DeviceSpan(b.narrow), comm::CollectiveSite::bucket(index));
+                } else {
+                    throw NotImplemented("gradients all-reduced in bf16 on the " + std::string(backend::name) +
+                                         " backend; leave DataParallelOptions::gradient_precision at Precision::fp32");
                 }
             } else {
                 grad_comm->start_all_reduce_sum(DeviceSpan(b.flat), comm::CollectiveSite::bucket(index));
@@ -346,6 +349,9 @@ struct Replica {
     // Note [gradient buckets] and [gradients in their buckets]: buckets in reverse visit order,
     // parameters inside a bucket in visit order.
     void build_buckets(const Device& device, std::size_t bucket_bytes, bool bf16 = false) {
+        LOCKSTEP_CHECK_AS(NotImplemented, !bf16 || grad_comm->stream_ordered(),
+                          "gradients all-reduced in bf16 need a stream-ordered (CUDA) replica group; leave "
+                          "DataParallelOptions::gradient_precision at Precision::fp32");
         bf16_gradients = bf16;
         std::vector<nn::Parameter<backend>*> params;
         nn::for_each_parameter(module, [&](const std::string&, nn::Parameter<backend>& p) { params.push_back(&p); });
