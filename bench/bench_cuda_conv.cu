@@ -3,8 +3,10 @@
 //! forward and backward on one replica, through cuDNN (Note [cuDNN convolutions]) and through
 //! im2col + cuBLAS, at batch 64, 256 and 1024, in strict fp32 and in PyTorch's default math.
 //! Reports images/s and, for cuDNN, `vs_im2col`: its images/s over im2col's at the same batch and
-//! math, measured in the same process. Prints "no GPU" and exits 0 where there is none; without
-//! cuDNN in the build only im2col runs.
+//! math, measured in the same process; then bf16 products (Note [precision]: im2col + cuBLAS on
+//! bf16 operands) and `vs_fp32`: their images/s over PyTorch's default math on the engine a
+//! replica would use (cuDNN where it ran, else im2col), in the same process. Prints "no GPU" and
+//! exits 0 where there is none; without cuDNN in the build only im2col runs.
 #include <benchmark/benchmark.h>
 
 #include <lockstep/cuda.cuh>
@@ -24,7 +26,7 @@ namespace {
 
 using namespace lockstep;
 
-// images/s by (engine, math, batch); engine 0: im2col, 1: cuDNN.
+// images/s by (engine, math, batch); engine 0: im2col, 1: cuDNN, 2: bf16 products (math 1 only).
 std::map<std::tuple<int, int, std::int64_t>, double> images_per_s;
 
 void BM_CudaConv(benchmark::State& state) {
@@ -38,6 +40,7 @@ void BM_CudaConv(benchmark::State& state) {
         ctx.exec = res.execution();
         ctx.exec.math = math;
         if (engine == 0) ctx.exec.cudnn = nullptr;
+        if (engine == 2) ctx.exec.precision = Precision::bf16;
         if (engine == 1 && ctx.exec.cudnn == nullptr) {
             state.SkipWithError("no cuDNN in this build (or LOCKSTEP_CUDNN=0)");
             return;
@@ -69,6 +72,10 @@ void BM_CudaConv(benchmark::State& state) {
         images_per_s[{engine, static_cast<int>(state.range(1)), batch}] = ips;
         if (engine == 1 && images_per_s.count({0, static_cast<int>(state.range(1)), batch}) != 0)
             state.counters["vs_im2col"] = ips / images_per_s[{0, static_cast<int>(state.range(1)), batch}];
+        if (engine == 2) {
+            const auto fp32 = images_per_s.count({1, 1, batch}) != 0 ? images_per_s[{1, 1, batch}] : images_per_s[{0, 1, batch}];
+            if (fp32 > 0) state.counters["vs_fp32"] = ips / fp32;
+        }
     } catch (const std::exception& e) {
         state.SkipWithError(e.what());
     }
@@ -79,6 +86,12 @@ BENCHMARK(BM_CudaConv)
     ->ArgsProduct({{0, 1}, {0, 1}, {64, 256, 1024}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+// bf16 products after the fp32 runs they are divided by (their math mode does not matter).
+BENCHMARK(BM_CudaConv)
+    ->ArgNames({"bf16", "tf32", "batch"})
+    ->ArgsProduct({{2}, {1}, {64, 256, 1024}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
@@ -86,20 +99,40 @@ int main(int argc, char** argv) {
     if (const auto done = lockstep::bench::start_gpu_benchmark(lockstep::cuda::device_count(), &argc, argv)) return *done;
     benchmark::RunSpecifiedBenchmarks();
     benchmark::Shutdown();
-    // One line per math: cuDNN over im2col at each batch (the GPU check reports it).
-    for (int m = 0; m < 2; ++m) {
-        std::string line = std::string("conv cuDNN vs im2col, ") + (m == 0 ? "strict_fp32" : "pytorch_default") + ":";
+    // "<label> batch B ratio ..." over the batches where both figures exist (the GPU check reports it).
+    using Key = std::tuple<int, int, std::int64_t>;
+    const auto ratio_line = [](const std::string& label, const auto& numerator, const auto& denominator) {
+        std::string line = label + ":";
         bool any = false;
         for (const std::int64_t b : {64, 256, 1024}) {
-            const auto a = images_per_s.find({0, m, b}), c = images_per_s.find({1, m, b});
-            if (a == images_per_s.end() || c == images_per_s.end()) continue;
+            const auto n = images_per_s.find(numerator(b)), d = images_per_s.find(denominator(b));
+            if (n == images_per_s.end() || d == images_per_s.end()) continue;
             char buf[64];
-            std::snprintf(buf, sizeof buf, " batch %lld %.2f", static_cast<long long>(b), c->second / a->second);
+            std::snprintf(buf, sizeof buf, " batch %lld %.2f", static_cast<long long>(b), n->second / d->second);
             line += buf;
             any = true;
         }
         if (any) std::printf("%s\n", line.c_str());
-    }
+    };
+    // One line per math: cuDNN over im2col.
+    for (int m = 0; m < 2; ++m)
+        ratio_line(
+            std::string("conv cuDNN vs im2col, ") + (m == 0 ? "strict_fp32" : "pytorch_default"),
+            [m](std::int64_t b) {
+                return Key{1, m, b};
+            },
+            [m](std::int64_t b) {
+                return Key{0, m, b};
+            });
+    // bf16 products over PyTorch's default math on the replica's engine.
+    ratio_line(
+        "conv bf16 vs fp32 (pytorch_default, cuDNN where it ran)",
+        [](std::int64_t b) {
+            return Key{2, 1, b};
+        },
+        [](std::int64_t b) {
+            return images_per_s.count({1, 1, b}) != 0 ? Key{1, 1, b} : Key{0, 1, b};
+        });
     if (images_per_s.count({1, 0, 64}) == 0 && images_per_s.count({1, 1, 64}) == 0)
         std::printf("conv cuDNN vs im2col: not run (no cuDNN in this build, or LOCKSTEP_CUDNN off)\n");
     return 0;

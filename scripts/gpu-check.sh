@@ -26,7 +26,8 @@
 #        epochs (2 replicas on cuda:0, gradients all-reduced in bf16 too) to the example's accuracy
 #        (>= 0.90),
 #        bench_cuda_train_step (1, 2 and 4 replicas sharing cuda:0), bench_cuda_conv (the
-#        example's convolutions through cuDNN against im2col + cuBLAS: vs_im2col), and
+#        example's convolutions through cuDNN against im2col + cuBLAS: vs_im2col; bf16 products
+#        against fp32: vs_fp32), and
 #        bench_cuda_graph (a captured step by hand and through DataParallel, vs_eager);
 #     5. bench_cuda_batch_norm against cuDNN and PyTorch's BatchNorm2d
 #        (bench/torch_cuda_batch_norm.py: vs_torch), and bench_cuda_allreduce;
@@ -186,7 +187,7 @@ plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
 plan+=("train|45|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024;training img/s, batch 64, graphs")
 plan+=("bf16|60|step_bf16|training img/s, batch 256, bf16;bf16 accuracy, 2 epochs")
 plan+=("train_step|15|step_train_step|bench_cuda_train_step")
-plan+=("conv|15|step_conv|conv cuDNN vs im2col")
+plan+=("conv|15|step_conv|conv cuDNN vs im2col;conv bf16 vs fp32")
 plan+=("graph|15|step_graph|graph step vs eager;DataParallel graphs vs eager")
 plan+=("syncbn|30|step_syncbn|SyncBN benchmark")
 plan+=("allreduce|15|step_allreduce|rendezvous_overhead")
@@ -463,6 +464,11 @@ step_conv() {
   elif [[ -n $lines ]]; then row "conv cuDNN vs im2col" measured "${lines%;}"
   elif ((rc == 124 || rc == 137)) && ((cut)); then row "conv cuDNN vs im2col" "not run (budget)" "stopped after $lim s"
   else row "conv cuDNN vs im2col" FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_conv.log")"; fi
+  # bf16 products (Note [precision]) over PyTorch's default math on the same engine.
+  lines=$(grep '^conv bf16 vs fp32' "$logs/bench_cuda_conv.log" | tr '\n' ';')
+  if [[ -n $lines ]]; then row "conv bf16 vs fp32" measured "${lines%;}"
+  elif ((rc == 124 || rc == 137)) && ((cut)); then row "conv bf16 vs fp32" "not run (budget)" "stopped after $lim s"
+  else row "conv bf16 vs fp32" FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_conv.log")"; fi
 }
 
 # The example network's forward and backward, eager and as one captured CUDA graph, in one process

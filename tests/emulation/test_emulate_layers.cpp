@@ -178,6 +178,13 @@ std::string where(const dev::DeviceInfo& d, std::int64_t n, int misalign) {
     return "sms=" + std::to_string(d.multiprocessors) + " n=" + std::to_string(n) + " misalign=" + std::to_string(misalign);
 }
 
+//! The bits of `v` rounded to bfloat16, to nearest with ties to even (for a value that is not NaN).
+std::uint16_t bf16_bits(float v) {
+    std::uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 }  // namespace
 
 // ---- elementwise: bit for bit ---------------------------------------------------------------------
@@ -264,8 +271,7 @@ TEST_CASE("emulated rounding to bf16 rounds to nearest with ties to even, and wi
                     std::uint16_t got;
                     std::memcpy(&got, out.p + i, sizeof got);
                     const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-                    const auto want = static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-                    if (nan ? !((got & 0x7FFFu) > 0x7F80u) : got != want) ++wrong;
+                    if (nan ? !((got & 0x7FFFu) > 0x7F80u) : got != bf16_bits(x[static_cast<std::size_t>(i)])) ++wrong;
                 }
                 CHECK(wrong == 0);
                 // And back: every bf16 widens to the float of its bits and 16 zero bits.
@@ -545,6 +551,38 @@ TEST_CASE("emulated convolution (im2col, cuBLAS calls, col2im) matches a direct 
             CHECK(rel_err(BG.vec(), bg_ref, 1.0) < 1e-5);
             CHECK(rel_err(DX.vec(), ref.dx, 1.0) < 1e-5);
         }
+}
+
+// The columns of a bf16 product (Note [precision]) are im2col's, rounded: bit for bit, in both layouts.
+TEST_CASE("emulated im2col into bf16 gives im2col's columns rounded to nearest even, bit for bit", "[emulation][layers]") {
+    const std::uint64_t seed = lockstep::test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    for (const ConvCase& cc : {ConvCase{2, 1, 28, 28, 4, 5, 1, 0, true}, ConvCase{3, 3, 7, 5, 4, 3, 1, 1, true},
+                               ConvCase{2, 4, 9, 8, 3, 3, 2, 1, false}, ConvCase{1, 2, 5, 5, 2, 5, 1, 2, true}})
+        for (const auto& d : {devices[0], devices[2]})
+            for (const bool sample_major : {true, false}) {
+                kernels::ConvGeometry g;
+                g.batch = cc.N, g.in_channels = cc.C, g.height = cc.H, g.width = cc.W, g.out_channels = cc.O, g.kernel = cc.k,
+                g.stride = cc.s, g.padding = cc.pad;
+                INFO("N=" << cc.N << " C=" << cc.C << " " << cc.H << "x" << cc.W << " k=" << cc.k << " s=" << cc.s
+                          << " pad=" << cc.pad << " sample_major=" << sample_major << " sms=" << d.multiprocessors);
+                const lk::ConvPlan plan(g);
+                const auto x = random_floats(static_cast<std::size_t>(cc.N * cc.C * cc.H * cc.W), rng, -300.0f, 300.0f);
+                dev::HostScratch scratch;
+                EmulatedLayerRun run{d, &scratch};
+                Buffer<float> X(x, 0), cols(static_cast<std::size_t>(plan.cols()), 0);
+                Buffer<__nv_bfloat16> cols16(static_cast<std::size_t>(plan.cols()), 0);
+                lk::im2col(run, plan, X.data(), cols.data(), sample_major);
+                lk::im2col_bf16(run, plan, X.data(), cols16.data(), sample_major);
+                std::int64_t wrong = 0;
+                for (std::int64_t i = 0; i < plan.cols(); ++i) {
+                    std::uint16_t got;
+                    std::memcpy(&got, cols16.p + i, sizeof got);
+                    if (got != bf16_bits(cols.p[i])) ++wrong;
+                }
+                CHECK(wrong == 0);
+            }
 }
 
 TEST_CASE("emulated convolution: NHWC is refused on CUDA, bad geometry is a ShapeError", "[emulation][layers]") {

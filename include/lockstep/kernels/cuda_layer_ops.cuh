@@ -137,16 +137,26 @@ struct LayerRun : device::DeviceRun {
         LOCKSTEP_CHECK_AS(UsageError, layer_workspace != nullptr,
                           "a bf16 product on CUDA ran without its replica's layer workspace; "
                           "run it with the execution of a replica's resources (kernels::Ops<Cuda>::ReplicaResources)");
-        bf16_checked(ordinal);  // UsageError on a GPU without bf16 tensor cores
         const std::int64_t na = span_of(c.trans_a ? c.k : c.m, c.trans_a ? c.m : c.k, c.lda, c.stride_a, c.batch),
                            nb = span_of(c.trans_b ? c.n : c.k, c.trans_b ? c.k : c.n, c.ldb, c.stride_b, c.batch);
         // The second operand at a 256-byte boundary, as the first (cuBLAS's fastest kernels want
         // 16-byte aligned operands).
-        const std::int64_t at_b = (na + 127) / 128 * 128;
+        const std::int64_t at_b = bf16_aligned(na);
         __nv_bfloat16* a16 = layer_workspace->bf16_at_least(at_b + nb, ordinal);
         __nv_bfloat16* b16 = a16 + at_b;
         lk::to_bf16(*this, c.a, a16, na);
         lk::to_bf16(*this, c.b, b16, nb);
+        gemm_on_bf16(c, a16, b16);
+    }
+
+    //! bf16 elements rounded up to 256 bytes: where the next operand starts in the bf16 buffer.
+    static constexpr std::int64_t bf16_aligned(std::int64_t n) noexcept { return (n + 127) / 128 * 128; }
+
+    //! `c` with its operands already rounded to bfloat16 at `a16` and `b16` (laid out as c.a and
+    //! c.b), accumulated in fp32 into its fp32 result; nothing for an empty product.
+    void gemm_on_bf16(const lk::GemmCall& c, const __nv_bfloat16* a16, const __nv_bfloat16* b16) {
+        if (c.m == 0 || c.n == 0 || c.k == 0 || c.batch == 0) return;  // the bf16 paths never hand one
+        bf16_checked(ordinal);
         LOCKSTEP_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
         const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
         if (c.batch == 1)
@@ -367,6 +377,17 @@ struct LayerOps {
             return;
         }
 #endif
+        if (ex.precision == Precision::bf16 && c.N > 0 && c.O > 0 && c.K > 0 && c.P > 0) {
+            // Note [precision]: the columns written in bf16 by im2col itself, the weight rounded once.
+            namespace lk = device::layer_kernels;
+            const std::int64_t at_w = layer_detail::LayerRun::bf16_aligned(c.cols());
+            __nv_bfloat16* cols16 = workspace(ex).bf16_at_least(at_w + c.O * c.K, ex.device);
+            lk::im2col_bf16(run, c, x.data(), cols16, /*sample_major=*/true);
+            lk::to_bf16(run, weight.data(), cols16 + at_w, c.O * c.K);
+            run.gemm_on_bf16(lk::conv_forward_gemm(c, nullptr, nullptr, y.data()), cols16, cols16 + at_w);
+            if (bias != nullptr) lk::bias_act(run, y.data(), c.N, c.O, c.P, bias->data(), false, nullptr);
+            return;
+        }
         float* cols = workspace(ex).at_least(device::layer_kernels::conv_forward_buffers(c).cols, ex.device);
         device::layer_kernels::conv2d_forward(run, c, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr, y.data(),
                                               cols);
@@ -392,6 +413,27 @@ struct LayerOps {
             return;
         }
 #endif
+        if (ex.precision == Precision::bf16 && c.N > 0 && c.O > 0 && c.K > 0 && c.P > 0) {
+            // Note [precision]: the columns in bf16 from im2col itself; dy channel-major in fp32,
+            // then rounded, with the weight; dcols in fp32 for col2im.
+            namespace lk = device::layer_kernels;
+            using Run = layer_detail::LayerRun;
+            const std::int64_t dyt_n = c.N * c.O * c.P, at_dcols = LayerWorkspace::aligned(dyt_n);
+            float* dyt = workspace(ex).at_least(at_dcols + c.cols(), ex.device);
+            float* dcols = dyt + at_dcols;
+            const std::int64_t at_dyt16 = Run::bf16_aligned(c.cols()), at_w16 = at_dyt16 + Run::bf16_aligned(dyt_n);
+            __nv_bfloat16* cols16 = workspace(ex).bf16_at_least(at_w16 + c.O * c.K, ex.device);
+            __nv_bfloat16 *dyt16 = cols16 + at_dyt16, *w16 = cols16 + at_w16;
+            lk::channel_major(run, dy.data(), dyt, c.N, c.O, c.P);
+            lk::to_bf16(run, dyt, dyt16, dyt_n);
+            lk::im2col_bf16(run, c, x.data(), cols16, /*sample_major=*/false);
+            run.gemm_on_bf16(lk::conv_weight_grad_gemm(c, nullptr, nullptr, weight_grad.data()), cols16, dyt16);
+            if (bias_grad != nullptr) lk::channel_sums(run, dy.data(), c.N, c.O, c.P, bias_grad->data());
+            lk::to_bf16(run, weight.data(), w16, c.O * c.K);
+            run.gemm_on_bf16(lk::conv_input_grad_gemm(c, nullptr, nullptr, dcols), dyt16, w16);
+            lk::col2im(run, c, dcols, dx.data(), /*sample_major=*/false);
+            return;
+        }
         const auto sizes = device::layer_kernels::conv_backward_buffers(c);
         const std::int64_t at_dcols = LayerWorkspace::aligned(sizes.cols),
                            at_dyt = at_dcols + LayerWorkspace::aligned(sizes.dcols);

@@ -105,54 +105,31 @@ struct Add {
     }
 };
 
-struct NarrowParams {
-    const float* x = nullptr;
-    __nv_bfloat16* y = nullptr;
+template <class From, class To>
+struct ConvertParams {
+    const From* x = nullptr;
+    To* y = nullptr;
     std::int64_t n = 0;
 };
 
-//! y = x rounded to bfloat16, to nearest with ties to even (Note [precision]): NaN stays NaN,
-//! infinities stay, a value beyond bf16's range becomes an infinity.
-template <int V>
-struct ToBf16 {
-    using Params = NarrowParams;
+//! y = x in the other storage type (Note [precision]): fp32 to bfloat16 rounds to nearest with
+//! ties to even (NaN stays NaN, infinities stay, a value beyond bf16's range becomes an infinity);
+//! bfloat16 to fp32 is exact.
+template <class From, class To, int V>
+struct Convert {
+    using Params = ConvertParams<From, To>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         const std::int64_t vectors = p.n / V;
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
             const auto v = load_pack<V>(p.x + i * V);
-            Pack<__nv_bfloat16, V> o;
+            Pack<To, V> o;
             LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) o.v[e] = from_float<__nv_bfloat16>(v.v[e]);
+            for (int e = 0; e < V; ++e) o.v[e] = from_float<To>(to_float(v.v[e]));
             store_pack<V>(p.y + i * V, o);
         }
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.y[tail] = from_float<__nv_bfloat16>(p.x[tail]);
-    }
-};
-
-struct WidenParams {
-    const __nv_bfloat16* x = nullptr;
-    float* y = nullptr;
-    std::int64_t n = 0;
-};
-
-//! y = x widened to fp32 (exact).
-template <int V>
-struct FromBf16 {
-    using Params = WidenParams;
-    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
-    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const std::int64_t vectors = p.n / V;
-        for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
-            const auto v = load_pack<V>(p.x + i * V);
-            Pack<float, V> o;
-            LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) o.v[e] = to_float(v.v[e]);
-            store_pack<V>(p.y + i * V, o);
-        }
-        const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.y[tail] = to_float(p.x[tail]);
+        if (V > 1 && tail < p.n) p.y[tail] = from_float<To>(to_float(p.x[tail]));
     }
 };
 
@@ -523,25 +500,27 @@ void add(Run& run, T* acc, const T* x, std::int64_t n) {
         run.template map<Add<T, 1>>(a, map_grid(n, run.info()));
 }
 
-//! y[0, n) = x[0, n) rounded to bfloat16 (Note [precision]): 4 floats read as one 16-byte vector
-//! and 4 bf16 written as one 8-byte vector where the pointers allow.
-template <class Run>
-void to_bf16(Run& run, const float* x, __nv_bfloat16* y, std::int64_t n) {
-    NarrowParams a{x, y, n};
-    if (all_aligned(16, {x}) && all_aligned(8, {y}))
-        run.template map<ToBf16<4>>(a, map_grid(vector_items(n, 4), run.info()));
+//! y[0, n) = x[0, n) converted between fp32 and bfloat16 (Convert), 4 elements at a time (a
+//! 16-byte vector of fp32, an 8-byte one of bf16) where the pointers allow.
+template <class Run, class From, class To>
+void convert(Run& run, const From* x, To* y, std::int64_t n) {
+    ConvertParams<From, To> a{x, y, n};
+    if (all_aligned(4 * sizeof(From), {x}) && all_aligned(4 * sizeof(To), {y}))
+        run.template map<Convert<From, To, 4>>(a, map_grid(vector_items(n, 4), run.info()));
     else
-        run.template map<ToBf16<1>>(a, map_grid(n, run.info()));
+        run.template map<Convert<From, To, 1>>(a, map_grid(n, run.info()));
 }
 
-//! y[0, n) = x[0, n) widened to fp32, 4 at a time where the pointers allow.
+//! y[0, n) = x[0, n) rounded to bfloat16 (Note [precision]).
+template <class Run>
+void to_bf16(Run& run, const float* x, __nv_bfloat16* y, std::int64_t n) {
+    convert(run, x, y, n);
+}
+
+//! y[0, n) = x[0, n) widened to fp32 (exact).
 template <class Run>
 void from_bf16(Run& run, const __nv_bfloat16* x, float* y, std::int64_t n) {
-    WidenParams a{x, y, n};
-    if (all_aligned(8, {x}) && all_aligned(16, {y}))
-        run.template map<FromBf16<4>>(a, map_grid(vector_items(n, 4), run.info()));
-    else
-        run.template map<FromBf16<1>>(a, map_grid(n, run.info()));
+    convert(run, x, y, n);
 }
 
 //! x = max(x, 0) in place (NaN kept); mask (may be null) = x > 0.
