@@ -22,8 +22,9 @@ namespace lockstep::kernels::cuda_ops {
 
 // Note [one layer workspace]
 // A convolution on CUDA needs its shard's im2col columns, their gradient and a channel-major dy
-// (Note [convolution on CUDA]): floats in proportion to the batch, for the length of one call.
-// They live in the replica's one LayerWorkspace (owned by its ReplicaResources, reached through
+// (Note [convolution on CUDA]): floats in proportion to the batch, for the length of one call (in
+// bf16 precision the columns, dy's copy and the weight are bf16, in the workspace's second buffer:
+// Note [precision]). They live in the replica's one LayerWorkspace (owned by its ReplicaResources, reached through
 // Execution<Cuda>::layer_workspace), not in each layer: a network's convolutions run one after
 // the other on the replica's stream, so each may reuse what the previous one wrote, and the
 // replica holds the largest layer's need once instead of every layer's. The workspace grows when a
@@ -153,9 +154,14 @@ struct LayerRun : device::DeviceRun {
     static constexpr std::int64_t bf16_aligned(std::int64_t n) noexcept { return (n + 127) / 128 * 128; }
 
     //! `c` with its operands already rounded to bfloat16 at `a16` and `b16` (laid out as c.a and
-    //! c.b), accumulated in fp32 into its fp32 result; nothing for an empty product.
+    //! c.b), accumulated in fp32 into its fp32 result; an empty product as lk::gemm does it
+    //! (nothing, or C = 0 for an empty inner dimension with beta 0).
     void gemm_on_bf16(const lk::GemmCall& c, const __nv_bfloat16* a16, const __nv_bfloat16* b16) {
-        if (c.m == 0 || c.n == 0 || c.k == 0 || c.batch == 0) return;  // the bf16 paths never hand one
+        if (c.m == 0 || c.n == 0 || c.batch == 0) return;
+        if (c.k == 0) {
+            if (c.beta == 0.0f) lk::fill(*this, c.c, std::int64_t{c.m} * c.n * c.batch, 0.0f);
+            return;
+        }
         bf16_checked(ordinal);
         LOCKSTEP_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
         const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
