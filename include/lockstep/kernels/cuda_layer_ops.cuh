@@ -24,13 +24,13 @@ namespace lockstep::kernels::cuda_ops {
 // A convolution on CUDA needs its shard's im2col columns, their gradient and a channel-major dy
 // (Note [convolution on CUDA]): floats in proportion to the batch, for the length of one call (in
 // bf16 precision the columns, dy's copy and the weight are bf16, in the workspace's second buffer:
-// Note [precision]). They live in the replica's one LayerWorkspace (owned by its ReplicaResources, reached through
-// Execution<Cuda>::layer_workspace), not in each layer: a network's convolutions run one after
-// the other on the replica's stream, so each may reuse what the previous one wrote, and the
-// replica holds the largest layer's need once instead of every layer's. The workspace grows when a
-// larger need comes (the old allocation is freed in the stream's order, after the work that read
-// it) and never shrinks. An execution, and so its workspace, serves one thread at a time, as its
-// stream does.
+// Note [precision]). They live in the replica's one LayerWorkspace (owned by its ReplicaResources,
+// reached through Execution<Cuda>::layer_workspace), not in each layer: a network's convolutions
+// run one after the other on the replica's stream, so each may reuse what the previous one wrote,
+// and the replica holds the largest layer's need once instead of every layer's. The workspace grows
+// when a larger need comes (the old allocation is freed in the stream's order, after the work that
+// read it) and never shrinks. An execution, and so its workspace, serves one thread at a time, as
+// its stream does.
 
 //! A replica's buffer for its convolutions (Note [one layer workspace]).
 class LayerWorkspace {
@@ -122,14 +122,13 @@ struct LayerRun : device::DeviceRun {
         return batch > 1 ? std::int64_t{stride} * (batch - 1) + one : one;
     }
 
-    //! Whether this thread already found `device` able to run bf16 products (asked once per
-    //! device and thread, as device_info).
-    static bool bf16_checked(int device) {
+    //! UsageError unless `device` can run bf16 products (asked once per device and thread, as
+    //! device_info).
+    static void check_bf16_once(int device) {
         static thread_local int checked = -1;
-        if (checked == device) return true;
+        if (checked == device) return;
         check_bf16_device(device, "Precision::bf16 products");
         checked = device;
-        return true;
     }
 
     //! `c` on bfloat16 copies of its operands (rounded to nearest by lk::to_bf16, in the replica's
@@ -162,7 +161,7 @@ struct LayerRun : device::DeviceRun {
             if (c.beta == 0.0f) lk::fill(*this, c.c, std::int64_t{c.m} * c.n * c.batch, 0.0f);
             return;
         }
-        bf16_checked(ordinal);
+        check_bf16_once(ordinal);
         LOCKSTEP_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
         const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
         if (c.batch == 1)

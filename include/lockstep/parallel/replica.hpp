@@ -256,8 +256,7 @@ struct Replica {
                     K::to_bf16(ctx.exec, b.flat, b.narrow);
                     grad_comm->start_all_reduce_sum_bf16(DeviceSpan(b.narrow), comm::CollectiveSite::bucket(index));
                 } else {
-                    throw NotImplemented("gradients all-reduced in bf16 on the " + std::string(backend::name) +
-                                         " backend; leave DataParallelOptions::gradient_precision at Precision::fp32");
+                    throw NotImplemented("gradients all-reduced in bf16 on the " + std::string(backend::name) + " backend");
                 }
             } else {
                 grad_comm->start_all_reduce_sum(DeviceSpan(b.flat), comm::CollectiveSite::bucket(index));
@@ -265,10 +264,7 @@ struct Replica {
             reduced.fetch_add(1, std::memory_order_release);
             return;
         }
-        LOCKSTEP_CHECK_AS(NotImplemented, !bf16_gradients,
-                          "gradients all-reduced in bf16 need a stream-ordered (CUDA) replica group; leave "
-                          "DataParallelOptions::gradient_precision at Precision::fp32");
-        auto job = [this, index] {
+        auto job = [this, index] {  // fp32 buckets only: build_buckets refuses bf16 ones here
             auto& bb = buckets[index];
             grad_comm->all_reduce_sum(DeviceSpan(bb.flat), comm::CollectiveSite::bucket(index));
             reduced.fetch_add(1, std::memory_order_release);
