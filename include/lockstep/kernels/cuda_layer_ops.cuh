@@ -40,24 +40,10 @@ public:
 
     //! At least `floats` floats on `device`, grown when needed; call it while a LayerRun lives
     //! (the allocation and any free are on the replica's stream).
-    float* at_least(std::int64_t floats, int device) {
-        if (floats <= 0) return buffer_.data();
-        if (buffer_.numel() < floats || buffer_.device() != Device::cuda(device)) {
-            buffer_ = T_<float>();  // freed first (in stream order): the pool may hand its memory to the new one
-            buffer_ = T_<float>(Shape{floats}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
-        }
-        return buffer_.data();
-    }
+    float* at_least(std::int64_t floats, int device) { return grown(buffer_, floats, device); }
     //! At least `elements` bfloat16 values on `device` (Note [precision]: a product's operands
     //! rounded for cuBLAS), a second buffer grown and freed as the first.
-    __nv_bfloat16* bf16_at_least(std::int64_t elements, int device) {
-        if (elements <= 0) return narrow_.data();
-        if (narrow_.numel() < elements || narrow_.device() != Device::cuda(device)) {
-            narrow_ = T_<__nv_bfloat16>();
-            narrow_ = T_<__nv_bfloat16>(Shape{elements}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
-        }
-        return narrow_.data();
-    }
+    __nv_bfloat16* bf16_at_least(std::int64_t elements, int device) { return grown(narrow_, elements, device); }
     //! Where the buffer lies (a captured step's identity: it holds the address; Note [captured
     //! steps] in parallel/step.hpp). A buffer grown in place of another may lie where that one
     //! did: it is then at least as large, so a graph made with the old one still fits.
@@ -70,6 +56,17 @@ public:
     static constexpr std::int64_t aligned(std::int64_t n) noexcept { return (n + align - 1) / align * align; }
 
 private:
+    //! `buffer`, replaced by one of at least `n` elements on `device` when it is smaller or elsewhere.
+    template <class T>
+    static T* grown(T_<T>& buffer, std::int64_t n, int device) {
+        if (n <= 0) return buffer.data();
+        if (buffer.numel() < n || buffer.device() != Device::cuda(device)) {
+            buffer = T_<T>();  // freed first (in stream order): the pool may hand its memory to the new one
+            buffer = T_<T>(Shape{n}, MemoryFormat::nchw, Device::cuda(device), uninitialized);
+        }
+        return buffer.data();
+    }
+
     T_<float> buffer_;
     T_<__nv_bfloat16> narrow_;
 };
