@@ -12,7 +12,7 @@ except ImportError:
     print("torch_cuda_batch_norm: no PyTorch in this python3", file=sys.stderr)
     sys.exit(3)
 
-SHAPES = [(64, 64, 28), (32, 256, 14), (64, 128, 28), (256, 64, 56), (128, 256, 28)]
+SHAPES = [(64, 64, 28), (32, 256, 14), (64, 128, 28), (256, 64, 56), (128, 256, 28), (256, 1024, 7)]
 
 
 def time_case(n, c, hw, nhwc, bf16, iters=50):

@@ -30,8 +30,8 @@ using kernels::BnGeometry;
 using kernels::device::DeviceRun;
 
 // ---- batch norm: every pass, for fp32, fp16 and bf16 storage -----------------------------------
-// Each tensor pass dispatches to channels-last, channels-first with 16-byte vectors and
-// channels-first with scalars; the per-channel kernels (shift, finish count, eval constants,
+// Each tensor pass dispatches to channels-last and channels-first in windows of every width (16,
+// 8 and 4 bytes, and one element: Note [channels-first windows]); the per-channel kernels (shift, finish count, eval constants,
 // parameter gradients) have no storage type.
 template <class T>
 void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::uint8_t* /*no ReLU mask*/, double* payload,

@@ -13,9 +13,24 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../test_support.hpp"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define LOCKSTEP_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOCKSTEP_TEST_ASAN 1
+#endif
+#endif
+#ifndef LOCKSTEP_TEST_ASAN
+#define LOCKSTEP_TEST_ASAN 0
+#endif
+#if LOCKSTEP_TEST_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
 
 using namespace lockstep;
 namespace bk = lockstep::kernels::device::bn_kernels;
@@ -66,19 +81,52 @@ struct Case {
     }
 };
 
-// A device-like buffer of T starting `misalign` elements past a 16-byte boundary.
+// A device-like buffer of T starting `misalign` elements past a 16-byte boundary, with guard bytes
+// on both sides that no kernel may write (checked by guards_intact) nor, under AddressSanitizer,
+// read (they are poisoned, to ASan's 8-byte granules: a vector load past the tensor's end is
+// reported).
 template <class T>
 struct Buffer {
+    static constexpr unsigned char guard = 0xa5;
+    static constexpr std::uintptr_t lead = 32;  // guard bytes at least, before the tensor
     std::vector<unsigned char> bytes;
     T* p = nullptr;
     std::size_t n = 0;
-    Buffer(std::size_t count, int misalign) : bytes((count + 64) * sizeof(T) + 64), n(count) {
+    Buffer(std::size_t count, int misalign) : bytes((count + 64) * sizeof(T) + 64, guard), n(count) {
         auto base = reinterpret_cast<std::uintptr_t>(bytes.data());
-        base = (base + 15) / 16 * 16 + static_cast<std::uintptr_t>(misalign) * sizeof(T);
+        base = (base + 15) / 16 * 16 + lead + static_cast<std::uintptr_t>(misalign) * sizeof(T);
         p = reinterpret_cast<T*>(base);
+        poison(true);
+    }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    ~Buffer() { poison(false); }
+    void poison([[maybe_unused]] bool on) {
+#if LOCKSTEP_TEST_ASAN
+        unsigned char* const first = reinterpret_cast<unsigned char*>(p);
+        unsigned char* const last = reinterpret_cast<unsigned char*>(p + n);
+        unsigned char* const end = bytes.data() + bytes.size();
+        if (on) {
+            ASAN_POISON_MEMORY_REGION(bytes.data(), static_cast<std::size_t>(first - bytes.data()));
+            ASAN_POISON_MEMORY_REGION(last, static_cast<std::size_t>(end - last));
+        } else {
+            ASAN_UNPOISON_MEMORY_REGION(bytes.data(), bytes.size());
+        }
+#endif
     }
     T* data() { return n == 0 ? nullptr : p; }
     float get(std::size_t i) const { return dev::to_float(p[i]); }
+    //! Whether every byte outside the n elements still holds the guard.
+    bool guards_intact() {
+        poison(false);
+        const auto* first = reinterpret_cast<const unsigned char*>(p);
+        const auto* last = reinterpret_cast<const unsigned char*>(p + n);
+        bool intact = true;
+        for (const unsigned char* b = bytes.data(); b != bytes.data() + bytes.size(); ++b)
+            if ((b < first || b >= last) && *b != guard) intact = false;
+        poison(true);
+        return intact;
+    }
 };
 
 kernels::BnGeometry geometry_of(const Case& k) {
@@ -227,6 +275,7 @@ void run_case(const Case& k) {
     }
     const std::vector<float> hyv(hy.data(), hy.data() + hy.numel());
     require_close([&](std::size_t i) { return y.get(i); }, hyv, 1e-5, unit_roundoff<T>(), 1.0, "y");
+    REQUIRE(y.guards_intact());
     if (k.relu) {
         // Note [ReLU mask from x]: backward passes dy exactly where this forward's y > 0 (in the
         // forward's fp32, before the store in T), channel by channel: with dy = 1 its sum of dy
@@ -255,6 +304,7 @@ void run_case(const Case& k) {
             const float v = kernels::bn::normalize(xf[i], folded[c], folded[2 * C + c], folded[3 * C + c]);
             REQUIRE((dx.get(i) != 0.0f) == (v > 0.0f));
         }
+        REQUIRE(dx.guards_intact());
     }
 
     // Backward, from the host's constants so each pass is compared alone.
@@ -283,6 +333,7 @@ void run_case(const Case& k) {
     for (std::size_t i = 0; i < count; ++i) dxterm = std::max(dxterm, std::abs(static_cast<double>(dyf[i])) * 4);
     require_close([&](std::size_t i) { return x.get(i); }, std::vector<float>(hdx.data(), hdx.data() + hdx.numel()), 1e-5,
                   unit_roundoff<T>(), dxterm, "dx");
+    REQUIRE(x.guards_intact());
 }
 
 template <class T>
@@ -291,8 +342,11 @@ void run_shapes() {
     // C = 36 and 132: channels-last takes vectors of nhwc_vec channels (132: a last tile of one lane);
     // 34: only the 16-bit backward sums take vectors (of nhwc_sums_vec).
     for (const std::int64_t C : {1, 3, 33, 34, 36, 132, 257})
-        // 14 x 14 and 3 x 6: planes of a whole number of 8-byte and 4-byte vectors, not 16-byte ones.
-        for (const auto& hw : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 5}, {14, 14}, {3, 6}, {28, 28}})
+        // Channels-first (Note [channels-first windows]): 28 x 28 planes are whole 16-byte vectors;
+        // 14 x 14 whole 8-byte ones for 16-bit types; 7 x 5 and 7 x 7 take 16-byte windows; 3 x 6
+        // whole 8-byte vectors of fp32 and 8-byte windows of 16-bit types; 3 x 3 4-byte windows of
+        // 16-bit types and 8-byte ones of fp32.
+        for (const auto& hw : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 5}, {7, 7}, {14, 14}, {3, 6}, {3, 3}, {28, 28}})
             for (const bool nhwc : {false, true}) {
                 Case k;
                 k.C = C;
@@ -350,6 +404,81 @@ TEST_CASE("emulated SyncBatchNorm kernels: 2-D input, small batches, options", "
     run_case<float>(k);
     k.nhwc = true;
     run_case<float>(k);
+}
+
+TEST_CASE("channels-first windows: the widths chosen, and each plane's elements once", "[emulation][syncbn]") {
+    alignas(16) static const unsigned char storage[32] = {};
+    const void* aligned = storage;
+    const void* off4 = storage + 4;  // 4-byte aligned only
+    const auto width = [](auto tag, std::int64_t P, const void* p) {
+        using T = decltype(tag);
+        return bk::vector_width<T>(kernels::BnGeometry{2, 3, P, false}, {p});
+    };
+    // fp32: whole 16-byte vectors, whole 8-byte ones, 16-byte windows (7 x 7), 8-byte windows (3 x 3).
+    CHECK(width(float{}, 784, aligned) == 4);
+    CHECK(width(float{}, 18, aligned) == 2);
+    CHECK(width(float{}, 49, aligned) == 4);
+    CHECK(width(float{}, 9, aligned) == 2);
+    CHECK(width(float{}, 3, aligned) == 1);
+    CHECK(width(float{}, 49, off4) == 1);
+    // bf16: whole 16-byte vectors, whole 8-byte ones (14 x 14), 16-byte windows for any odd plane of
+    // at least 32, 4-byte windows of 3 x 3, whole 4-byte vectors of a plane of 2.
+    CHECK(width(__nv_bfloat16{}, 784, aligned) == 8);
+    CHECK(width(__nv_bfloat16{}, 196, aligned) == 4);
+    CHECK(width(__nv_bfloat16{}, 49, aligned) == 8);
+    CHECK(width(__nv_bfloat16{}, 35, aligned) == 8);
+    CHECK(width(__nv_bfloat16{}, 9, aligned) == 2);
+    CHECK(width(__nv_bfloat16{}, 2, aligned) == 2);
+    CHECK(width(__nv_bfloat16{}, 3, aligned) == 1);
+    CHECK(width(__nv_bfloat16{}, 49, off4) == 2);  // 4-byte windows where the tensor is 4-byte aligned
+
+    // Every item's window is aligned, inside the tensor where it has elements, and together a
+    // channel's items name each of its N P elements exactly once.
+    const auto cover = [](auto v, std::int64_t N, std::int64_t C, std::int64_t P) {
+        constexpr int V = decltype(v)::value;
+        const kernels::BnGeometry g{N, C, P, false};
+        dev::Grid grid;
+        const bk::Span s = bk::plan(g, V, dev::DeviceInfo{1, 0}, grid);
+        CAPTURE(V, N, C, P);
+        REQUIRE(s.items == static_cast<unsigned int>(N * bk::windows_per_plane(P, V)));
+        std::vector<int> seen(static_cast<std::size_t>(N * C * P), 0);
+        for (std::int64_t c = 0; c < C; ++c)
+            for (unsigned int j = 0; j < s.items; ++j) {
+                const bk::Window w = s.template window<V>(j, c);
+                REQUIRE(w.at % V == 0);
+                for (int e = w.lo; e < w.hi; ++e) {
+                    const std::int64_t i = w.at + e;
+                    REQUIRE(i >= 0);
+                    REQUIRE(i < N * C * P);
+                    REQUIRE((i / P) % C == c);
+                    ++seen[static_cast<std::size_t>(i)];
+                }
+            }
+        for (const int n : seen) REQUIRE(n == 1);
+    };
+    // Offsets past 2^32 elements: the last item of the last channel ends the tensor.
+    {
+        const std::int64_t N = 100000, C = 1024, P = 49;
+        const kernels::BnGeometry g{N, C, P, false};
+        dev::Grid grid;
+        const bk::Span s = bk::plan(g, 8, dev::DeviceInfo{132, 60 << 20}, grid);
+        std::int64_t last = -1;
+        for (unsigned int j = s.items - bk::windows_per_plane(P, 8); j < s.items; ++j) {
+            const bk::Window w = s.window<8>(j, C - 1);
+            if (w.hi > w.lo) last = w.at + w.hi;
+        }
+        CHECK(last == N * C * P);
+        const bk::Window first = s.window<8>(static_cast<unsigned int>((N - 1) * bk::windows_per_plane(P, 8)), C - 1);
+        CHECK(first.at + first.lo == (N * C - 1) * P);
+    }
+    for (const std::int64_t P : {1, 2, 3, 7, 9, 18, 35, 49, 64, 196})
+        for (const std::int64_t C : {1, 3, 8})
+            for (const std::int64_t N : {1, 5}) {
+                cover(std::integral_constant<int, 8>{}, N, C, P);
+                cover(std::integral_constant<int, 4>{}, N, C, P);
+                cover(std::integral_constant<int, 2>{}, N, C, P);
+                cover(std::integral_constant<int, 1>{}, N, C, P);
+            }
 }
 
 TEST_CASE("emulated batch-norm launch plans stay inside the grid and the scratch", "[emulation][syncbn]") {

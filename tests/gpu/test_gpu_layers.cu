@@ -348,10 +348,13 @@ void bn_against_fp64(Shape shape, bool nhwc, nn::Context<Cuda>& ctx, std::mt1993
 }
 
 template <class T>
-void bn_reduced_precision(const char* name, MemoryFormat f, bool relu, double unit, nn::Context<Cuda>& ctx, std::mt19937& rng) {
+void bn_reduced_precision(const char* name, MemoryFormat f, bool relu, double unit, std::int64_t hw, nn::Context<Cuda>& ctx,
+                          std::mt19937& rng) {
     // fp16/bf16 storage against fp32 on the same (rounded) values: y and dx differ by the
     // rounding of the output (unit roundoff `unit`) plus fp32 noise.
-    const std::int64_t N = 8, C = 16, H = 14, W = 14;
+    const std::int64_t N = 8, C = 16, H = hw, W = hw;
+    const std::string what = std::string("SyncBatchNorm ") + name + (relu ? " + ReLU " : " ") + to_string(f) + " " +
+                             std::to_string(H) + "x" + std::to_string(W);
     auto x32 = random_host(Shape{N, C, H, W}, rng, f, 2.0f);
     auto dy32 = random_host(Shape{N, C, H, W}, rng, f);
     Tensor<T, Host> x16(Shape{N, C, H, W}, f), dy16(Shape{N, C, H, W}, f);
@@ -373,12 +376,9 @@ void bn_reduced_precision(const char* name, MemoryFormat f, bool relu, double un
         yv[static_cast<std::size_t>(i)] = kernels::device::to_float(h16[i]);
         dv[static_cast<std::size_t>(i)] = kernels::device::to_float(g16[i]);
     }
-    expect_close(yv, values(y32), 2 * unit + 1e-5,
-                 std::string("SyncBatchNorm ") + name + (relu ? " + ReLU " : " ") + to_string(f) + " y vs fp32");
-    expect_close(dv, values(dx32), 2 * unit + 1e-5,
-                 std::string("SyncBatchNorm ") + name + (relu ? " + ReLU " : " ") + to_string(f) + " dx vs fp32");
-    expect_close(values(b.running_mean), values(a.running_mean), 1e-6,
-                 std::string("SyncBatchNorm ") + name + (relu ? " + ReLU " : " ") + to_string(f) + " running mean");
+    expect_close(yv, values(y32), 2 * unit + 1e-5, what + " y vs fp32");
+    expect_close(dv, values(dx32), 2 * unit + 1e-5, what + " dx vs fp32");
+    expect_close(values(b.running_mean), values(a.running_mean), 1e-6, what + " running mean");
 }
 
 }  // namespace
@@ -577,8 +577,11 @@ int main() {
         }
         for (const auto f : {MemoryFormat::nchw, MemoryFormat::nhwc})
             for (const bool relu : {false, true}) {  // with ReLU: the mask found from x (Note [ReLU mask from x])
-                bn_reduced_precision<__half>("fp16", f, relu, 1.0 / 2048, ctx, rng);
-                bn_reduced_precision<__nv_bfloat16>("bf16", f, relu, 1.0 / 256, ctx, rng);
+                // 14 x 14: whole 8-byte vectors; 7 x 7: 16-byte windows (Note [channels-first windows]).
+                for (const std::int64_t hw : {14, 7}) {
+                    bn_reduced_precision<__half>("fp16", f, relu, 1.0 / 2048, hw, ctx, rng);
+                    bn_reduced_precision<__nv_bfloat16>("bf16", f, relu, 1.0 / 256, hw, ctx, rng);
+                }
             }
 
         // ---- the MNIST network: 5 SGD steps on both backends from the same initial values ----

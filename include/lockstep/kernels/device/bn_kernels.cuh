@@ -29,12 +29,11 @@ namespace lockstep::kernels::device::bn_kernels {
 // statistics; the dx kernel's prologue turns the all-reduced backward payload into the three
 // per-channel constants of `bn::backward_constants`.
 // Grids (Note [kernels proven on the host]):
-// - channels-first (NCHW, P > 1): grid (chunks, C), blocks of 256 threads; a channel's N*P values
-//   are split into `chunks` contiguous ranges of items, an item being the widest vector of 16, 8
-//   or 4 bytes of which every plane is a whole number and to which the pointers are aligned, else
-//   one element (bn_passes.cuh: vector_width). Many blocks
-//   per channel keep every multiprocessor busy when C is small (one block per channel would leave
-//   most of an H200 idle at C = 64).
+// - channels-first (NCHW, P > 1): grid (chunks, C), blocks of 256 threads; a channel's N planes
+//   of P values are split into `chunks` contiguous ranges of items, an item being one aligned
+//   window of V elements (Note [channels-first windows]; V from bn_passes.cuh: vector_width). Many
+//   blocks per channel keep every multiprocessor busy when C is small (one block per channel would
+//   leave most of an H200 idle at C = 64).
 // - channels-last (NHWC, 2-D input, P = 1): grid (chunks, tiles of 32 V channels), blocks of 32
 //   lanes x 8 rows, a lane taking V consecutive channels (V = nhwc_vec where it fits, else 1: Note
 //   [channels-last vectors]; a warp reads 32 V consecutive values); a chunk is a range of rows,
@@ -78,13 +77,53 @@ struct SumsV {
     }
 };
 
-//! Where a launch's items are: a channel's run of N*P values split into chunks (channels-first),
+// Note [channels-first windows]
+// A channels-first item is a window of V elements aligned to V, loaded and stored as one vector.
+// Where P is a multiple of V (and the tensor is aligned, as vector_width requires), a plane is
+// exactly P / V windows. Where it is not (7 x 7 planes; 3 x 6 planes of fp16/bf16), plane (n, c)
+// starts at element s = (n C + c) P, anywhere in a window: it covers the windows from the one
+// holding s to the one holding s + P - 1, at most (P + 2V - 2) / V of them, and every plane gets
+// that many items. Item k of the plane is the window at floor(s / V) V + k V, of which the plane's
+// elements are [lo, hi) (none for the items past its last window). A window wholly inside the
+// plane is one vector access; one that the plane only partly covers (its first and last) reads and
+// writes the plane's own elements one by one, so no pass touches another channel's values (the dx
+// pass may run in place while the neighbouring channel's blocks write theirs) or anything past the
+// tensor. The passes sum and write exactly the plane's elements either way.
+
+//! Channels-first: the window of item j of a channel (Note [channels-first windows]).
+struct Window {
+    std::int64_t at = 0;  // its first element, a multiple of V
+    int lo = 0, hi = 0;   // the plane's elements are at + lo .. at + hi - 1 (none where hi <= lo)
+    LOCKSTEP_HD bool has(int e) const { return e >= lo && e < hi; }
+};
+
+//! V elements of the window from `p`: one vector where the plane covers it, else the plane's own
+//! elements (the others are zero and unused).
+template <int V, class T>
+LOCKSTEP_HD inline Pack<T, V> load_window(const T* p, const Window& w) {
+    if (w.lo == 0 && w.hi == V) return load_pack<V>(p + w.at);
+    Pack<T, V> r;
+    LOCKSTEP_UNROLL
+    for (int e = 0; e < V; ++e) r.v[e] = w.has(e) ? p[w.at + e] : from_float<T>(0.0f);
+    return r;
+}
+
+//! Stores the plane's elements of `v` into the window at `p`: one vector where the plane covers it.
+template <int V, class T>
+LOCKSTEP_HD inline void store_window(T* p, const Window& w, const Pack<T, V>& v) {
+    if (w.lo == 0 && w.hi == V) return store_pack<V>(p + w.at, v);
+    LOCKSTEP_UNROLL
+    for (int e = 0; e < V; ++e)
+        if (w.has(e)) p[w.at + e] = v.v[e];
+}
+
+//! Where a launch's items are: a channel's N planes of windows split into chunks (channels-first),
 //! or the rows of C values split into chunks (channels-last).
 struct Span {
     std::int64_t N = 0, C = 0, P = 1;
-    unsigned int items = 0;        // per channel (channels-first, in vectors) or rows (channels-last)
+    unsigned int items = 0;        // per channel (channels-first, in windows) or rows (channels-last)
     unsigned int chunk_items = 0;  // items per chunk (grid x)
-    Divider per_plane;             // channels-first: items per (n, c) plane
+    Divider per_plane;             // channels-first: windows per (n, c) plane
     bool reverse = false;          // blocks visit chunks and groups back to front (Note [reverse order])
 
     //! The chunk and group a block works on (its own, or mirrored under `reverse`).
@@ -95,12 +134,16 @@ struct Span {
         const unsigned int e = begin(w) + chunk_items;
         return e < items ? e : items;
     }
-    //! Channels-first: the element offset of item j (vectors of V) of channel c.
+    //! Channels-first: the window of item j of channel c (Note [channels-first windows]).
     template <int V>
-    LOCKSTEP_HD std::int64_t offset(unsigned int j, std::int64_t c) const {
+    LOCKSTEP_HD Window window(unsigned int j, std::int64_t c) const {
+        static_assert(V > 0 && (V & (V - 1)) == 0, "a window is a power of two of elements");
         const unsigned int n = per_plane.div(j);
-        const unsigned int v = j - n * per_plane.d;
-        return (static_cast<std::int64_t>(n) * C + c) * P + static_cast<std::int64_t>(v) * V;
+        const unsigned int k = j - n * per_plane.d;
+        const std::int64_t start = (static_cast<std::int64_t>(n) * C + c) * P;
+        const std::int64_t at = (start & ~static_cast<std::int64_t>(V - 1)) + static_cast<std::int64_t>(k) * V;
+        const std::int64_t lo = start - at, hi = start + P - at;  // lo < V; hi > -V (k < per_plane)
+        return {at, lo > 0 ? static_cast<int>(lo) : 0, hi < V ? static_cast<int>(hi) : V};
     }
 };
 
@@ -156,9 +199,11 @@ struct StatsChannelsFirst {
         float s = 0, q = 0;
         int pending = 0;
         for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
-            const auto v = load_pack<V>(p.x + p.span.template offset<V>(j, c));
+            const Window win = p.span.template window<V>(j, c);
+            const auto v = load_window<V>(p.x, win);
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
+                if (!win.has(e)) continue;
                 const float d = to_float(v.v[e]) - k;
                 s += d;
                 q += d * d;
@@ -359,15 +404,15 @@ struct NormalizeChannelsFirst {
         const std::int64_t c = p.span.group(w);
         const ChannelConstants k = normalize_constants_of(p, c, p.span.chunk(w) == 0 && w.t == 0);
         for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
-            const std::int64_t off = p.span.template offset<V>(j, c);
-            const auto in = load_pack<V>(p.x + off);
+            const Window win = p.span.template window<V>(j, c);
+            const auto in = load_window<V>(p.x, win);
             Pack<T, V> out;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 const float v = bn::normalize(to_float(in.v[e]), k.hi, k.scale, k.shift);
                 out.v[e] = from_float<T>(p.relu ? relu(v) : v);
             }
-            store_pack<V>(p.y + off, out);
+            store_window<V>(p.y, win, out);
         }
     }
 };
@@ -432,11 +477,12 @@ struct BackwardSumsChannelsFirst {
         float a = 0, b = 0;
         int pending = 0;
         for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
-            const std::int64_t off = p.span.template offset<V>(j, c);
-            const auto x = load_pack<V>(p.x + off);
-            const auto g = load_pack<V>(p.dy + off);
+            const Window win = p.span.template window<V>(j, c);
+            const auto x = load_window<V>(p.x, win);
+            const auto g = load_window<V>(p.dy, win);
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
+                if (!win.has(e)) continue;
                 const float xv = to_float(x.v[e]);
                 const float d = m.gate(p.relu, xv, to_float(g.v[e]));
                 a += d;
@@ -572,15 +618,15 @@ struct DxChannelsFirst {
         const std::int64_t c = p.span.group(w);
         const DxConstants k = dx_constants_of(p, c);
         for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
-            const std::int64_t off = p.span.template offset<V>(j, c);
-            const auto x = load_pack<V>(p.x + off);
-            const auto g = load_pack<V>(p.dy + off);
+            const Window win = p.span.template window<V>(j, c);
+            const auto x = load_window<V>(p.x, win);
+            const auto g = load_window<V>(p.dy, win);
             Pack<T, V> out;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
                 out.v[e] = k.template dx<T>(p.relu, to_float(x.v[e]), to_float(g.v[e]));
             }
-            store_pack<V>(p.dx + off, out);
+            store_window<V>(p.dx, win, out);
         }
     }
 };

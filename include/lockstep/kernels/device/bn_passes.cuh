@@ -20,24 +20,36 @@ namespace lockstep::kernels::device::bn_kernels {
 
 // ---- launch configurations -------------------------------------------------------------------
 
-//! The elements a pass's thread loads as one vector: channels-first, the widest of 16, 8 or 4
-//! bytes of which every plane is a whole number (so 14 x 14 planes of bf16 still take 8-byte
-//! vectors); channels-last, `channels_last_width` channels where C is a multiple of it (Note
-//! [channels-last vectors]); in both, only where every pointer is aligned to the vector; else 1.
+//! The elements a pass's thread loads as one vector, only where every pointer is aligned to it;
+//! else 1. Channels-last: `channels_last_width` channels where C is a multiple of it (Note
+//! [channels-last vectors]). Channels-first (Note [channels-first windows]): the widest vector of 16
+//! or 8 bytes of which every plane is a whole number (14 x 14 planes of bf16 take 8-byte vectors);
+//! else windows of the widest vector of at least 4 bytes of which a plane holds at least
+//! `min_windows` (7 x 7 planes take 16-byte windows); else 4-byte vectors where planes are whole
+//! numbers of them.
+inline constexpr std::int64_t min_windows = 4;
+
 template <class T>
 inline int vector_width(const BnGeometry& g, std::initializer_list<const void*> pointers, int channels_last_width = nhwc_vec) {
-    const auto fits = [&](int V) {
-        if ((g.channels_last ? g.channels : g.inner) % V != 0) return false;
+    const auto aligned = [&](int V) {
         for (const void* q : pointers)
             if (q != nullptr && reinterpret_cast<std::uintptr_t>(q) % (sizeof(T) * static_cast<std::size_t>(V)) != 0)
                 return false;
         return true;
     };
-    if (g.channels_last) return fits(channels_last_width) ? channels_last_width : 1;
-    for (int V = vec16<T>; V > 1 && V * static_cast<int>(sizeof(T)) >= 4; V /= 2)
-        if (fits(V)) return V;
+    if (g.channels_last) return g.channels % channels_last_width == 0 && aligned(channels_last_width) ? channels_last_width : 1;
+    constexpr int bytes = static_cast<int>(sizeof(T));
+    for (int V = vec16<T>; V > 1 && V * bytes >= 8; V /= 2)  // whole vectors of 16 or 8 bytes
+        if (g.inner % V == 0 && aligned(V)) return V;
+    for (int V = vec16<T>; V > 1 && V * bytes >= 4; V /= 2)  // windows
+        if (g.inner >= min_windows * V && aligned(V)) return V;
+    if (bytes == 2 && g.inner % 2 == 0 && aligned(2)) return 2;  // whole vectors of 4 bytes (small even planes)
     return 1;
 }
+
+//! Channels-first: the windows of V elements every (n, c) plane of P elements gets (Note
+//! [channels-first windows]).
+inline std::int64_t windows_per_plane(std::int64_t P, int V) { return P % V == 0 ? P / V : (P + 2 * V - 2) / V; }
 
 //! Calls `f(std::integral_constant<int, V>{})` for a channels-first width V that vector_width
 //! gives (a kernel template instantiated for each).
@@ -67,11 +79,12 @@ inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid,
     LOCKSTEP_CHECK_AS(ShapeError, groups <= scratch_counters, "SyncBatchNorm on CUDA handles at most ",
                       static_cast<std::int64_t>(scratch_counters) * per_group, " channels in ",
                       g.channels_last ? "channels-last" : "channels-first", " layout, got ", g.channels);
-    const std::int64_t items = g.channels_last ? g.rows() : g.per_channel() / V;
+    const std::int64_t per_plane = g.channels_last ? 1 : windows_per_plane(g.inner, V);
+    const std::int64_t items = g.channels_last ? g.rows() : g.batch * per_plane;
     LOCKSTEP_CHECK_AS(ShapeError, items < int_limit, "SyncBatchNorm on CUDA handles fewer than 2^31 ",
-                      g.channels_last ? "rows" : "values per channel", ", got ", items);
+                      g.channels_last ? "rows" : "vectors per channel", ", got ", items);
     s.items = static_cast<unsigned int>(items);
-    if (!g.channels_last) s.per_plane = Divider(static_cast<unsigned int>(g.inner / V));
+    if (!g.channels_last) s.per_plane = Divider(static_cast<unsigned int>(per_plane));
     grid.threads = threads;
     grid.y = static_cast<int>(groups);
     if (items == 0 || groups == 0) {
