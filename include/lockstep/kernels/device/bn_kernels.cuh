@@ -95,13 +95,18 @@ struct Window {
     std::int64_t at = 0;  // its first element, a multiple of V
     int lo = 0, hi = 0;   // the plane's elements are at + lo .. at + hi - 1 (none where hi <= lo)
     LOCKSTEP_HD bool has(int e) const { return e >= lo && e < hi; }
+    //! Whether the plane covers the whole window (one vector access).
+    template <int V>
+    LOCKSTEP_HD bool whole() const {
+        return lo == 0 && hi == V;
+    }
 };
 
 //! V elements of the window from `p`: one vector where the plane covers it, else the plane's own
 //! elements (the others are zero and unused).
 template <int V, class T>
 LOCKSTEP_HD inline Pack<T, V> load_window(const T* p, const Window& w) {
-    if (w.lo == 0 && w.hi == V) return load_pack<V>(p + w.at);
+    if (w.template whole<V>()) return load_pack<V>(p + w.at);
     Pack<T, V> r;
     LOCKSTEP_UNROLL
     for (int e = 0; e < V; ++e) r.v[e] = w.has(e) ? p[w.at + e] : from_float<T>(0.0f);
@@ -111,7 +116,7 @@ LOCKSTEP_HD inline Pack<T, V> load_window(const T* p, const Window& w) {
 //! Stores the plane's elements of `v` into the window at `p`: one vector where the plane covers it.
 template <int V, class T>
 LOCKSTEP_HD inline void store_window(T* p, const Window& w, const Pack<T, V>& v) {
-    if (w.lo == 0 && w.hi == V) return store_pack<V>(p + w.at, v);
+    if (w.template whole<V>()) return store_pack<V>(p + w.at, v);
     LOCKSTEP_UNROLL
     for (int e = 0; e < V; ++e)
         if (w.has(e)) p[w.at + e] = v.v[e];
@@ -198,15 +203,21 @@ struct StatsChannelsFirst {
         Value total;
         float s = 0, q = 0;
         int pending = 0;
+        const auto add = [&](float x) {
+            const float d = x - k;
+            s += d;
+            q += d * d;
+        };
         for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
             const Window win = p.span.template window<V>(j, c);
-            const auto v = load_window<V>(p.x, win);
-            LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) {
-                if (!win.has(e)) continue;
-                const float d = to_float(v.v[e]) - k;
-                s += d;
-                q += d * d;
+            if (win.template whole<V>()) {
+                const auto v = load_pack<V>(p.x + win.at);
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) add(to_float(v.v[e]));
+            } else {  // a plane's first or last window: its own elements alone
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e)
+                    if (win.has(e)) add(to_float(p.x[win.at + e]));
             }
             if (++pending == flush) {
                 total = total + Value{s, q};
@@ -476,17 +487,22 @@ struct BackwardSumsChannelsFirst {
         Value total;
         float a = 0, b = 0;
         int pending = 0;
+        const auto add = [&](float xv, float dy) {
+            const float d = m.gate(p.relu, xv, dy);
+            a += d;
+            b += d * (xv - hi);
+        };
         for (unsigned int j = p.span.begin(w) + static_cast<unsigned int>(w.t); j < p.span.end(w); j += threads) {
             const Window win = p.span.template window<V>(j, c);
-            const auto x = load_window<V>(p.x, win);
-            const auto g = load_window<V>(p.dy, win);
-            LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) {
-                if (!win.has(e)) continue;
-                const float xv = to_float(x.v[e]);
-                const float d = m.gate(p.relu, xv, to_float(g.v[e]));
-                a += d;
-                b += d * (xv - hi);
+            if (win.template whole<V>()) {
+                const auto x = load_pack<V>(p.x + win.at);
+                const auto g = load_pack<V>(p.dy + win.at);
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) add(to_float(x.v[e]), to_float(g.v[e]));
+            } else {  // a plane's first or last window: its own elements alone
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e)
+                    if (win.has(e)) add(to_float(p.x[win.at + e]), to_float(p.dy[win.at + e]));
             }
             if (++pending == flush) {
                 total = total + Value{a, b};
