@@ -106,6 +106,16 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     Ops::copy_many(ex, pieces);
 }
 
+// ---- ReLU and max pooling in bfloat16 storage (Note [activation storage]) -----------------------
+void all_bf16_activation_kernels(DeviceRun& run, __nv_bfloat16* h, std::uint8_t* mask, std::int32_t* index) {
+    namespace lk = kernels::device::layer_kernels;
+    lk::relu_forward(run, h, mask, 1);
+    lk::relu_backward(run, h, mask, h, 1);
+    const kernels::PoolGeometry pool;
+    lk::maxpool_forward(run, pool, h, h, index);
+    lk::maxpool_backward(run, pool, h, index, h);
+}
+
 // ---- the device-local all-reduce of replicas sharing a GPU (comm::CudaGroup's local mode) -------
 void all_group_kernels(std::span<void* const> buffers) {
     comm::NcclApi::rank_sum(0, nullptr, buffers, 1, comm::DType::f32);

@@ -135,19 +135,29 @@ struct Convert {
 
 // ---- ReLU (maps) --------------------------------------------------------------------------------
 
+// Note [activation storage]
+// ReLU and max pooling take fp32 or bfloat16 storage (T). Each compares in fp32 (the exact
+// widening of T) and writes one of its inputs or +0 unchanged, so a bf16 result is the fp32
+// result of the widened input, and no rounding happens; max pooling's backward sums dy in fp32
+// in the host's order and rounds the sum once into T. fp32 storage gives the host's bits.
+
+template <class T = float>
 struct ReluParams {
-    float* x = nullptr;                  // forward: in place
-    const float* dy = nullptr;           // backward
-    float* dx = nullptr;                 // backward
+    T* x = nullptr;                      // forward: in place
+    const T* dy = nullptr;               // backward
+    T* dx = nullptr;                     // backward
     std::uint8_t* mask = nullptr;        // forward: where x > 0 (may be null)
     const std::uint8_t* kept = nullptr;  // backward: the forward's mask
     std::int64_t n = 0;
 };
 
-//! x = max(x, 0) in place (NaN stays NaN), mask = x > 0 where the mask is not null.
-template <int V>
+//! Whether ReLU keeps the value v (positive or NaN; anything else becomes +0).
+LOCKSTEP_HD inline bool relu_keeps(float v) { return v > 0.0f || v != v; }
+
+//! x = max(x, 0) in place (NaN stays NaN, with its bits), mask = x > 0 where the mask is not null.
+template <int V, class T = float>
 struct ReluForward {
-    using Params = ReluParams;
+    using Params = ReluParams<T>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         const std::int64_t vectors = p.n / V;
@@ -156,25 +166,26 @@ struct ReluForward {
             Pack<std::uint8_t, V> m;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                m.v[e] = v.v[e] > 0.0f;
-                v.v[e] = relu(v.v[e]);
+                const float f = to_float(v.v[e]);
+                m.v[e] = f > 0.0f;
+                if (!relu_keeps(f)) v.v[e] = from_float<T>(0.0f);
             }
             store_pack<V>(p.x + i * V, v);
             if (p.mask != nullptr) store_pack<V>(p.mask + i * V, m);
         }
         const std::int64_t tail = vectors * V + first_index(w);
         if (V > 1 && tail < p.n) {
-            const float v = p.x[tail];
-            if (p.mask != nullptr) p.mask[tail] = v > 0.0f;
-            p.x[tail] = relu(v);
+            const float f = to_float(p.x[tail]);
+            if (p.mask != nullptr) p.mask[tail] = f > 0.0f;
+            if (!relu_keeps(f)) p.x[tail] = from_float<T>(0.0f);
         }
     }
 };
 
 //! dx = mask ? dy : 0.
-template <int V>
+template <int V, class T = float>
 struct ReluBackward {
-    using Params = ReluParams;
+    using Params = ReluParams<T>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         const std::int64_t vectors = p.n / V;
@@ -182,11 +193,12 @@ struct ReluBackward {
             auto v = load_pack<V>(p.dy + i * V);
             const auto m = load_pack<V>(p.kept + i * V);
             LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) v.v[e] = m.v[e] != 0 ? v.v[e] : 0.0f;
+            for (int e = 0; e < V; ++e)
+                if (m.v[e] == 0) v.v[e] = from_float<T>(0.0f);
             store_pack<V>(p.dx + i * V, v);
         }
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.dx[tail] = p.kept[tail] != 0 ? p.dy[tail] : 0.0f;
+        if (V > 1 && tail < p.n) p.dx[tail] = p.kept[tail] != 0 ? p.dy[tail] : from_float<T>(0.0f);
     }
 };
 
@@ -261,13 +273,14 @@ struct ChannelMajor {
 
 // ---- max pooling (maps) -------------------------------------------------------------------------
 
+template <class T = float>
 struct PoolParams {
-    const float* x = nullptr;
-    float* y = nullptr;
+    const T* x = nullptr;
+    T* y = nullptr;
     std::int32_t* argmax = nullptr;
-    const float* dy = nullptr;         // backward
+    const T* dy = nullptr;             // backward
     const std::int32_t* at = nullptr;  // backward: the forward's argmax
-    float* dx = nullptr;               // backward
+    T* dx = nullptr;                   // backward
     int H = 0, W = 0, OH = 0, OW = 0, k = 1, s = 1;
     unsigned int items = 0;  // forward: planes * OH * OW; backward: planes * H * W
     Divider cols, rows;      // forward: OW, OH; backward: W, H
@@ -276,9 +289,11 @@ struct PoolParams {
 
 //! y = the maximum of each window, argmax = its index in the plane, with the host's rules: the
 //! window is read in row order from its top-left value, a value wins when greater or NaN (so the
-//! last NaN of the window wins, and of equal values the first).
+//! last NaN of the window wins, and of equal values the first); y is the winning element itself
+//! (Note [activation storage]).
+template <class T = float>
 struct MaxPoolForward {
-    using Params = PoolParams;
+    using Params = PoolParams<T>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items;
@@ -287,20 +302,20 @@ struct MaxPoolForward {
             const unsigned int ow = i - q * p.cols.d;
             const unsigned int plane = p.rows.div(q);
             const unsigned int oh = q - plane * p.rows.d;
-            const float* src = p.x + static_cast<std::int64_t>(plane) * p.H * p.W;
+            const T* src = p.x + static_cast<std::int64_t>(plane) * p.H * p.W;
             const int top = static_cast<int>(oh) * p.s * p.W, left = static_cast<int>(ow) * p.s;
-            float best = src[top + left];
+            float best = to_float(src[top + left]);
             int at = top + left;
             for (int a = 0; a < p.k; ++a)
                 for (int b = 0; b < p.k; ++b) {
                     if (a == 0 && b == 0) continue;
                     const int idx = top + a * p.W + b + left;
-                    const float v = src[idx];
+                    const float v = to_float(src[idx]);
                     const bool take = v > best || v != v;
                     best = take ? v : best;
                     at = take ? idx : at;
                 }
-            p.y[i] = best;
+            p.y[i] = src[at];
             p.argmax[i] = at;
         }
     }
@@ -308,9 +323,11 @@ struct MaxPoolForward {
 
 //! dx = the sum of dy over the windows whose argmax is this element, added in the order of the
 //! windows (the host's scatter order): a gather, bit for bit the host's result, without atomics.
-//! `at` must be the forward's argmax (an index inside each window).
+//! `at` must be the forward's argmax (an index inside each window). The sum is fp32, rounded once
+//! into T.
+template <class T = float>
 struct MaxPoolBackward {
-    using Params = PoolParams;
+    using Params = PoolParams<T>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         for (unsigned int i = static_cast<unsigned int>(first_index(w)); i < p.items;
@@ -332,9 +349,9 @@ struct MaxPoolBackward {
             for (int oh = oh_lo; oh <= oh_hi; ++oh)
                 for (int ow = ow_lo; ow <= ow_hi; ++ow) {
                     const std::int64_t o = base + static_cast<std::int64_t>(oh) * p.OW + ow;
-                    if (p.at[o] == self) sum += p.dy[o];
+                    if (p.at[o] == self) sum += to_float(p.dy[o]);
                 }
-            p.dx[i] = sum;
+            p.dx[i] = from_float<T>(sum);
         }
     }
 };
@@ -523,26 +540,29 @@ void from_bf16(Run& run, const __nv_bfloat16* x, float* y, std::int64_t n) {
     convert(run, x, y, n);
 }
 
-//! x = max(x, 0) in place (NaN kept); mask (may be null) = x > 0.
-template <class Run>
-void relu_forward(Run& run, float* x, std::uint8_t* mask, std::int64_t n) {
-    ReluParams r;
+//! x = max(x, 0) in place (NaN kept); mask (may be null) = x > 0. T: float or __nv_bfloat16 (Note
+//! [activation storage]), 16 bytes a vector where aligned.
+template <class Run, class T>
+void relu_forward(Run& run, T* x, std::uint8_t* mask, std::int64_t n) {
+    constexpr int V = vec16<T>;
+    ReluParams<T> r;
     r.x = x, r.mask = mask, r.n = n;
-    if (all_aligned(16, {x}) && all_aligned(4, {mask}))
-        run.template map<ReluForward<4>>(r, map_grid(vector_items(n, 4), run.info()));
+    if (all_aligned(16, {x}) && all_aligned(static_cast<std::size_t>(V), {mask}))
+        run.template map<ReluForward<V, T>>(r, map_grid(vector_items(n, V), run.info()));
     else
-        run.template map<ReluForward<1>>(r, map_grid(n, run.info()));
+        run.template map<ReluForward<1, T>>(r, map_grid(n, run.info()));
 }
 
 //! dx = mask ? dy : 0.
-template <class Run>
-void relu_backward(Run& run, const float* dy, const std::uint8_t* mask, float* dx, std::int64_t n) {
-    ReluParams r;
+template <class Run, class T>
+void relu_backward(Run& run, const T* dy, const std::uint8_t* mask, T* dx, std::int64_t n) {
+    constexpr int V = vec16<T>;
+    ReluParams<T> r;
     r.dy = dy, r.kept = mask, r.dx = dx, r.n = n;
-    if (all_aligned(16, {dy, dx}) && all_aligned(4, {mask}))
-        run.template map<ReluBackward<4>>(r, map_grid(vector_items(n, 4), run.info()));
+    if (all_aligned(16, {dy, dx}) && all_aligned(static_cast<std::size_t>(V), {mask}))
+        run.template map<ReluBackward<V, T>>(r, map_grid(vector_items(n, V), run.info()));
     else
-        run.template map<ReluBackward<1>>(r, map_grid(n, run.info()));
+        run.template map<ReluBackward<1, T>>(r, map_grid(n, run.info()));
 }
 
 //! The (N, C, P) items of a map in vectors of V.
@@ -607,38 +627,38 @@ void add_sum_squares(Run& run, const float* x, std::int64_t n, double* acc) {
 }
 
 //! Max pooling forward over an NCHW shard (y, argmax: (N, C, OH, OW)).
-template <class Run>
-void maxpool_forward(Run& run, const PoolGeometry& g, const float* x, float* y, std::int32_t* argmax) {
+template <class Run, class T>
+void maxpool_forward(Run& run, const PoolGeometry& g, const T* x, T* y, std::int32_t* argmax) {
     LOCKSTEP_CHECK_AS(ShapeError, g.kernel >= 1 && g.stride >= 1 && g.height >= g.kernel && g.width >= g.kernel,
                       "max pooling needs kernel >= 1, stride >= 1 and a kernel no larger than the input; got kernel ", g.kernel,
                       ", stride ", g.stride, " on ", g.height, "x", g.width);
     const std::int64_t planes = g.batch * g.channels, OH = g.out_height(), OW = g.out_width();
     check_index_space(planes * g.height * g.width, "max pooling");
-    PoolParams p;
+    PoolParams<T> p;
     p.x = x, p.y = y, p.argmax = argmax;
     p.H = static_cast<int>(g.height), p.W = static_cast<int>(g.width), p.OH = static_cast<int>(OH), p.OW = static_cast<int>(OW);
     p.k = static_cast<int>(g.kernel), p.s = static_cast<int>(g.stride);
     p.items = static_cast<unsigned int>(planes * OH * OW);
     p.cols = divider(OW), p.rows = divider(OH);
-    run.template map<MaxPoolForward>(p, map_grid(p.items, run.info()));
+    run.template map<MaxPoolForward<T>>(p, map_grid(p.items, run.info()));
 }
 
 //! Max pooling backward: dx (N, C, H, W) from dy and the forward's argmax (a gather).
-template <class Run>
-void maxpool_backward(Run& run, const PoolGeometry& g, const float* dy, const std::int32_t* argmax, float* dx) {
+template <class Run, class T>
+void maxpool_backward(Run& run, const PoolGeometry& g, const T* dy, const std::int32_t* argmax, T* dx) {
     LOCKSTEP_CHECK_AS(ShapeError, g.kernel >= 1 && g.stride >= 1 && g.height >= g.kernel && g.width >= g.kernel,
                       "max pooling needs kernel >= 1, stride >= 1 and a kernel no larger than the input; got kernel ", g.kernel,
                       ", stride ", g.stride, " on ", g.height, "x", g.width);
     const std::int64_t planes = g.batch * g.channels;
     check_index_space(planes * g.height * g.width, "max pooling");
-    PoolParams p;
+    PoolParams<T> p;
     p.dy = dy, p.at = argmax, p.dx = dx;
     p.H = static_cast<int>(g.height), p.W = static_cast<int>(g.width);
     p.OH = static_cast<int>(g.out_height()), p.OW = static_cast<int>(g.out_width());
     p.k = static_cast<int>(g.kernel), p.s = static_cast<int>(g.stride);
     p.items = static_cast<unsigned int>(planes * g.height * g.width);
     p.cols = divider(g.width), p.rows = divider(g.height), p.stride = divider(g.stride);
-    run.template map<MaxPoolBackward>(p, map_grid(p.items, run.info()));
+    run.template map<MaxPoolBackward<T>>(p, map_grid(p.items, run.info()));
 }
 
 //! dst (C, N, P) = src (N, C, P).
