@@ -289,45 +289,78 @@ TEST_CASE("emulated rounding to bf16 rounds to nearest with ties to even, and wi
             }
 }
 
+namespace {
+
+//! Calls f(device, n, x_misalign, mask_misalign) for every map case of the ReLU tests: both
+//! vector paths and an aligned tensor whose mask is not aligned to the tensor's vector.
+template <class F>
+void for_each_relu_case(F&& f) {
+    for (const auto& d : devices)
+        for (const std::int64_t n : sizes)
+            for (const auto& [xm, mm] : {std::pair{0, 0}, std::pair{1, 1}, std::pair{4, 4}, std::pair{0, 4}}) {
+                INFO(where(d, n, xm) << " mask misalign=" << mm);
+                f(d, n, xm, mm);
+            }
+}
+
+//! Calls f(geometry, device, in, out) for every max-pooling case: overlapping windows (k > s),
+//! a kernel of 1, an empty batch, a window as large as the plane.
+template <class F>
+void for_each_pool_case(F&& f) {
+    struct Shape4 {
+        std::int64_t N, C, H, W, k, s;
+    };
+    for (const Shape4& sh : {Shape4{2, 3, 28, 28, 2, 2}, Shape4{3, 2, 7, 5, 3, 1}, Shape4{1, 5, 9, 9, 3, 2},
+                             Shape4{2, 1, 4, 6, 4, 4}, Shape4{0, 3, 8, 8, 2, 2}, Shape4{1, 1, 1, 1, 1, 1}})
+        for (const auto& d : devices) {
+            kernels::PoolGeometry g;
+            g.batch = sh.N, g.channels = sh.C, g.height = sh.H, g.width = sh.W, g.kernel = sh.k, g.stride = sh.s;
+            const std::int64_t in = g.batch * g.channels * g.height * g.width,
+                               out = g.batch * g.channels * g.out_height() * g.out_width();
+            INFO("N=" << sh.N << " C=" << sh.C << " " << sh.H << "x" << sh.W << " k=" << sh.k << " s=" << sh.s
+                      << " sms=" << d.multiprocessors);
+            f(g, d, in, out);
+        }
+}
+
+}  // namespace
+
 TEST_CASE("emulated ReLU forward and backward equal the host bit for bit, NaN and masks included", "[emulation][layers]") {
     const std::uint64_t seed = lockstep::test::fresh_seed();
     CAPTURE(seed);
     std::mt19937_64 rng(seed);
     const Execution<Host> ex;
-    for (const auto& d : devices)
-        for (const std::int64_t n : sizes)
-            for (const int misalign : {0, 1}) {
-                INFO(where(d, n, misalign));
-                dev::HostScratch scratch;
-                EmulatedLayerRun run{d, &scratch};
-                auto a = random_floats(static_cast<std::size_t>(n), rng);
-                if (n > 3) {
-                    a[1] = std::numeric_limits<float>::quiet_NaN();
-                    a[2] = -0.0f;
-                    a[3] = 0.0f;
-                }
-                const auto dy = random_floats(static_cast<std::size_t>(n), rng);
+    for_each_relu_case([&](const dev::DeviceInfo& d, std::int64_t n, int misalign, int mask_misalign) {
+        dev::HostScratch scratch;
+        EmulatedLayerRun run{d, &scratch};
+        auto a = random_floats(static_cast<std::size_t>(n), rng);
+        if (n > 3) {
+            a[1] = std::numeric_limits<float>::quiet_NaN();
+            a[2] = -0.0f;
+            a[3] = 0.0f;
+        }
+        const auto dy = random_floats(static_cast<std::size_t>(n), rng);
 
-                Buffer<float> x(a, misalign);
-                Buffer<std::uint8_t> mask(static_cast<std::size_t>(n), misalign);
-                std::memset(mask.p, 7, static_cast<std::size_t>(n));
-                lk::relu_forward(run, x.data(), mask.data(), n);
-                auto hx = host_tensor(a);
-                Tensor<std::uint8_t, Host> hmask(Shape{n});
-                HostOps::relu_forward(ex, hx, &hmask);
-                CHECK(same_bits(x.vec(), values_of(hx)));
-                CHECK(same_bits(mask.vec(), values_of(hmask)));
+        Buffer<float> x(a, misalign);
+        Buffer<std::uint8_t> mask(static_cast<std::size_t>(n), mask_misalign);
+        std::memset(mask.p, 7, static_cast<std::size_t>(n));
+        lk::relu_forward(run, x.data(), mask.data(), n);
+        auto hx = host_tensor(a);
+        Tensor<std::uint8_t, Host> hmask(Shape{n});
+        HostOps::relu_forward(ex, hx, &hmask);
+        CHECK(same_bits(x.vec(), values_of(hx)));
+        CHECK(same_bits(mask.vec(), values_of(hmask)));
 
-                Buffer<float> x2(a, misalign);
-                lk::relu_forward(run, x2.data(), nullptr, n);
-                CHECK(same_bits(x2.vec(), values_of(hx)));
+        Buffer<float> x2(a, misalign);
+        lk::relu_forward(run, x2.data(), nullptr, n);
+        CHECK(same_bits(x2.vec(), values_of(hx)));
 
-                Buffer<float> g(dy, misalign), dx(static_cast<std::size_t>(n), misalign);
-                lk::relu_backward(run, g.data(), mask.data(), dx.data(), n);
-                auto hdx = host_tensor(std::vector<float>(static_cast<std::size_t>(n), 9.0f));
-                HostOps::relu_backward(ex, host_tensor(dy), hmask, hdx);
-                CHECK(same_bits(dx.vec(), values_of(hdx)));
-            }
+        Buffer<float> g(dy, misalign), dx(std::vector<float>(static_cast<std::size_t>(n), 9.0f), misalign);
+        lk::relu_backward(run, g.data(), mask.data(), dx.data(), n);  // writes every element, zeros included
+        auto hdx = host_tensor(std::vector<float>(static_cast<std::size_t>(n), 9.0f));
+        HostOps::relu_backward(ex, host_tensor(dy), hmask, hdx);
+        CHECK(same_bits(dx.vec(), values_of(hdx)));
+    });
 }
 
 TEST_CASE("emulated SGD equals the host's update bit for bit in every mode", "[emulation][layers]") {
@@ -421,43 +454,32 @@ TEST_CASE("emulated max pooling equals the host bit for bit, overlapping windows
     CAPTURE(seed);
     std::mt19937_64 rng(seed);
     const Execution<Host> ex;
-    struct Shape4 {
-        std::int64_t N, C, H, W, k, s;
-    };
-    for (const Shape4& sh : {Shape4{2, 3, 28, 28, 2, 2}, Shape4{3, 2, 7, 5, 3, 1}, Shape4{1, 5, 9, 9, 3, 2},
-                             Shape4{2, 1, 4, 6, 4, 4}, Shape4{0, 3, 8, 8, 2, 2}, Shape4{1, 1, 1, 1, 1, 1}})
-        for (const auto& d : devices) {
-            kernels::PoolGeometry g;
-            g.batch = sh.N, g.channels = sh.C, g.height = sh.H, g.width = sh.W, g.kernel = sh.k, g.stride = sh.s;
-            const std::int64_t in = g.batch * g.channels * g.height * g.width,
-                               out = g.batch * g.channels * g.out_height() * g.out_width();
-            INFO("N=" << sh.N << " C=" << sh.C << " " << sh.H << "x" << sh.W << " k=" << sh.k << " s=" << sh.s
-                      << " sms=" << d.multiprocessors);
-            dev::HostScratch scratch;
-            EmulatedLayerRun run{d, &scratch};
-            // Few distinct values, so windows hold ties; some NaN.
-            std::uniform_int_distribution<int> pick(-3, 3);
-            std::vector<float> x(static_cast<std::size_t>(in));
-            for (float& v : x) v = static_cast<float>(pick(rng));
-            for (std::size_t i = 5; i < x.size(); i += 37) x[i] = std::numeric_limits<float>::quiet_NaN();
-            const auto dy = random_floats(static_cast<std::size_t>(out), rng);
+    for_each_pool_case([&](const kernels::PoolGeometry& g, const dev::DeviceInfo& d, std::int64_t in, std::int64_t out) {
+        dev::HostScratch scratch;
+        EmulatedLayerRun run{d, &scratch};
+        // Few distinct values, so windows hold ties; some NaN.
+        std::uniform_int_distribution<int> pick(-3, 3);
+        std::vector<float> x(static_cast<std::size_t>(in));
+        for (float& v : x) v = static_cast<float>(pick(rng));
+        for (std::size_t i = 5; i < x.size(); i += 37) x[i] = std::numeric_limits<float>::quiet_NaN();
+        const auto dy = random_floats(static_cast<std::size_t>(out), rng);
 
-            Buffer<float> dx_(x, 0), y(static_cast<std::size_t>(out), 0);
-            Buffer<std::int32_t> at(static_cast<std::size_t>(out), 0);
-            lk::maxpool_forward(run, g, dx_.data(), y.data(), at.data());
-            auto hy = Tensor<float, Host>(Shape{out});
-            auto hat = Tensor<std::int32_t, Host>(Shape{out});
-            HostOps::maxpool_forward(ex, g, host_tensor(x), hy, hat);
-            CHECK(same_bits(y.vec(), values_of(hy)));
-            CHECK(same_bits(at.vec(), values_of(hat)));
+        Buffer<float> dx_(x, 0), y(static_cast<std::size_t>(out), 0);
+        Buffer<std::int32_t> at(static_cast<std::size_t>(out), 0);
+        lk::maxpool_forward(run, g, dx_.data(), y.data(), at.data());
+        auto hy = Tensor<float, Host>(Shape{out});
+        auto hat = Tensor<std::int32_t, Host>(Shape{out});
+        HostOps::maxpool_forward(ex, g, host_tensor(x), hy, hat);
+        CHECK(same_bits(y.vec(), values_of(hy)));
+        CHECK(same_bits(at.vec(), values_of(hat)));
 
-            Buffer<float> gdy(dy, 0), gdx(static_cast<std::size_t>(in), 0);
-            std::fill(gdx.p, gdx.p + in, 123.0f);  // every element is written, not accumulated into
-            lk::maxpool_backward(run, g, gdy.data(), at.data(), gdx.data());
-            auto hdx = Tensor<float, Host>(Shape{in});
-            HostOps::maxpool_backward(ex, g, host_tensor(dy), hat, hdx);
-            CHECK(same_bits(gdx.vec(), values_of(hdx)));
-        }
+        Buffer<float> gdy(dy, 0), gdx(static_cast<std::size_t>(in), 0);
+        std::fill(gdx.p, gdx.p + in, 123.0f);  // every element is written, not accumulated into
+        lk::maxpool_backward(run, g, gdy.data(), at.data(), gdx.data());
+        auto hdx = Tensor<float, Host>(Shape{in});
+        HostOps::maxpool_backward(ex, g, host_tensor(dy), hat, hdx);
+        CHECK(same_bits(gdx.vec(), values_of(hdx)));
+    });
 }
 
 namespace {
@@ -501,42 +523,39 @@ TEST_CASE("emulated ReLU in bfloat16 storage: the fp32 ReLU of the widened input
     CAPTURE(seed);
     std::mt19937_64 rng(seed);
     const Execution<Host> ex;
-    for (const auto& d : devices)
-        for (const std::int64_t n : sizes)
-            for (const int misalign : {0, 1, 4}) {  // 4: 8-byte aligned only, the scalar path for 16-byte vectors
-                INFO(where(d, n, misalign));
-                dev::HostScratch scratch;
-                EmulatedLayerRun run{d, &scratch};
-                auto a = rounded(random_floats(static_cast<std::size_t>(n), rng));
-                if (n > 4) {
-                    a[1] = from_bits(0x7fc5);  // a NaN with a payload
-                    a[2] = from_bits(0x8000);  // -0
-                    a[3] = from_bits(0x0000);
-                    a[4] = from_bits(0x0001);  // the smallest subnormal
-                }
-                const auto dy = rounded(random_floats(static_cast<std::size_t>(n), rng));
+    for_each_relu_case([&](const dev::DeviceInfo& d, std::int64_t n, int misalign, int mask_misalign) {
+        dev::HostScratch scratch;
+        EmulatedLayerRun run{d, &scratch};
+        auto a = rounded(random_floats(static_cast<std::size_t>(n), rng));
+        if (n > 4) {
+            a[1] = from_bits(0x7fc5);  // a NaN with a payload
+            a[2] = from_bits(0x8000);  // -0
+            a[3] = from_bits(0x0000);
+            a[4] = from_bits(0x0001);  // the smallest subnormal
+        }
+        const auto dy = rounded(random_floats(static_cast<std::size_t>(n), rng));
 
-                Buffer<bf16> x(a, misalign);
-                Buffer<std::uint8_t> mask(static_cast<std::size_t>(n), misalign);
-                std::memset(mask.p, 7, static_cast<std::size_t>(n));
-                lk::relu_forward(run, x.data(), mask.data(), n);
-                auto hx = host_tensor(widened(a));
-                Tensor<std::uint8_t, Host> hmask(Shape{n});
-                HostOps::relu_forward(ex, hx, &hmask);
-                CHECK(same_widened(x.vec(), values_of(hx)));
-                CHECK(same_bits(mask.vec(), values_of(hmask)));
-                if (n > 4) CHECK(bits_of(x.p[1]) == 0x7fc5);  // the NaN itself, not a rounded one
+        Buffer<bf16> x(a, misalign);
+        Buffer<std::uint8_t> mask(static_cast<std::size_t>(n), mask_misalign);
+        std::memset(mask.p, 7, static_cast<std::size_t>(n));
+        lk::relu_forward(run, x.data(), mask.data(), n);
+        auto hx = host_tensor(widened(a));
+        Tensor<std::uint8_t, Host> hmask(Shape{n});
+        HostOps::relu_forward(ex, hx, &hmask);
+        CHECK(same_widened(x.vec(), values_of(hx)));
+        CHECK(same_bits(mask.vec(), values_of(hmask)));
+        if (n > 4) CHECK(bits_of(x.p[1]) == 0x7fc5);  // the NaN itself, not a rounded one
 
-                Buffer<bf16> x2(a, misalign);
-                lk::relu_forward(run, x2.data(), static_cast<std::uint8_t*>(nullptr), n);
-                CHECK(same_widened(x2.vec(), values_of(hx)));
+        Buffer<bf16> x2(a, misalign);
+        lk::relu_forward(run, x2.data(), nullptr, n);
+        CHECK(same_widened(x2.vec(), values_of(hx)));
 
-                Buffer<bf16> g(dy, misalign), dx(static_cast<std::size_t>(n), misalign);
-                lk::relu_backward(run, g.data(), mask.data(), dx.data(), n);
-                auto hdx = host_tensor(std::vector<float>(static_cast<std::size_t>(n), 9.0f));
-                HostOps::relu_backward(ex, host_tensor(widened(dy)), hmask, hdx);
-                CHECK(same_widened(dx.vec(), values_of(hdx)));
-            }
+        Buffer<bf16> g(dy, misalign), dx(rounded(std::vector<float>(static_cast<std::size_t>(n), 9.0f)), misalign);
+        lk::relu_backward(run, g.data(), mask.data(), dx.data(), n);  // writes every element, zeros included
+        auto hdx = host_tensor(std::vector<float>(static_cast<std::size_t>(n), 9.0f));
+        HostOps::relu_backward(ex, host_tensor(widened(dy)), hmask, hdx);
+        CHECK(same_widened(dx.vec(), values_of(hdx)));
+    });
 }
 
 TEST_CASE("emulated max pooling in bfloat16 storage: the winning element itself, dx rounded once from fp32 sums",
@@ -545,54 +564,43 @@ TEST_CASE("emulated max pooling in bfloat16 storage: the winning element itself,
     CAPTURE(seed);
     std::mt19937_64 rng(seed);
     const Execution<Host> ex;
-    struct Shape4 {
-        std::int64_t N, C, H, W, k, s;
-    };
-    for (const Shape4& sh :
-         {Shape4{2, 3, 28, 28, 2, 2}, Shape4{3, 2, 7, 5, 3, 1}, Shape4{1, 5, 9, 9, 3, 2}, Shape4{0, 3, 8, 8, 2, 2}})
-        for (const auto& d : devices) {
-            kernels::PoolGeometry g;
-            g.batch = sh.N, g.channels = sh.C, g.height = sh.H, g.width = sh.W, g.kernel = sh.k, g.stride = sh.s;
-            const std::int64_t in = g.batch * g.channels * g.height * g.width,
-                               out = g.batch * g.channels * g.out_height() * g.out_width();
-            INFO("N=" << sh.N << " C=" << sh.C << " " << sh.H << "x" << sh.W << " k=" << sh.k << " s=" << sh.s
-                      << " sms=" << d.multiprocessors);
-            dev::HostScratch scratch;
-            EmulatedLayerRun run{d, &scratch};
-            // Few distinct values (ties), -0 beside +0, and NaNs with payloads.
-            std::uniform_int_distribution<int> pick(-3, 3);
-            std::vector<bf16> x(static_cast<std::size_t>(in));
-            for (bf16& v : x) v = dev::from_float<bf16>(static_cast<float>(pick(rng)) * 0.375f);
-            for (std::size_t i = 3; i < x.size(); i += 29) x[i] = dev::from_float<bf16>(-0.0f);
-            for (std::size_t i = 5; i < x.size(); i += 37) x[i] = from_bits(static_cast<std::uint16_t>(0x7fc0u | (i & 0x3fu)));
-            const auto dy = rounded(random_floats(static_cast<std::size_t>(out), rng));
+    for_each_pool_case([&](const kernels::PoolGeometry& g, const dev::DeviceInfo& d, std::int64_t in, std::int64_t out) {
+        dev::HostScratch scratch;
+        EmulatedLayerRun run{d, &scratch};
+        // Few distinct values (ties), -0 beside +0, and NaNs with payloads.
+        std::uniform_int_distribution<int> pick(-3, 3);
+        std::vector<bf16> x(static_cast<std::size_t>(in));
+        for (bf16& v : x) v = dev::from_float<bf16>(static_cast<float>(pick(rng)) * 0.375f);
+        for (std::size_t i = 3; i < x.size(); i += 29) x[i] = dev::from_float<bf16>(-0.0f);
+        for (std::size_t i = 5; i < x.size(); i += 37) x[i] = from_bits(static_cast<std::uint16_t>(0x7fc0u | (i & 0x3fu)));
+        const auto dy = rounded(random_floats(static_cast<std::size_t>(out), rng));
 
-            Buffer<bf16> bx(x, 0), y(static_cast<std::size_t>(out), 0);
-            Buffer<std::int32_t> at(static_cast<std::size_t>(out), 0);
-            lk::maxpool_forward(run, g, bx.data(), y.data(), at.data());
-            auto hy = Tensor<float, Host>(Shape{out});
-            auto hat = Tensor<std::int32_t, Host>(Shape{out});
-            HostOps::maxpool_forward(ex, g, host_tensor(widened(x)), hy, hat);
-            CHECK(same_widened(y.vec(), values_of(hy)));
-            CHECK(same_bits(at.vec(), values_of(hat)));
-            const std::int64_t plane = g.height * g.width, out_plane = g.out_height() * g.out_width();
-            bool winners = true;
-            for (std::int64_t o = 0; o < out; ++o)
-                winners = winners && bits_of(y.p[o]) == bits_of(x[static_cast<std::size_t>(o / out_plane * plane + at.p[o])]);
-            CHECK(winners);
+        Buffer<bf16> bx(x, 0), y(static_cast<std::size_t>(out), 0);
+        Buffer<std::int32_t> at(static_cast<std::size_t>(out), 0);
+        lk::maxpool_forward(run, g, bx.data(), y.data(), at.data());
+        auto hy = Tensor<float, Host>(Shape{out});
+        auto hat = Tensor<std::int32_t, Host>(Shape{out});
+        HostOps::maxpool_forward(ex, g, host_tensor(widened(x)), hy, hat);
+        CHECK(same_widened(y.vec(), values_of(hy)));
+        CHECK(same_bits(at.vec(), values_of(hat)));
+        const std::int64_t plane = g.height * g.width, out_plane = g.out_height() * g.out_width();
+        bool winners = true;
+        for (std::int64_t o = 0; o < out; ++o)
+            winners = winners && bits_of(y.p[o]) == bits_of(x[static_cast<std::size_t>(o / out_plane * plane + at.p[o])]);
+        CHECK(winners);
 
-            Buffer<bf16> gdy(dy, 0), gdx(static_cast<std::size_t>(in), 0);
-            std::fill(gdx.p, gdx.p + in, dev::from_float<bf16>(123.0f));  // every element is written, not accumulated into
-            lk::maxpool_backward(run, g, gdy.data(), at.data(), gdx.data());
-            auto hdx = Tensor<float, Host>(Shape{in});
-            HostOps::maxpool_backward(ex, g, host_tensor(widened(dy)), hat, hdx);
-            std::vector<std::uint16_t> got(static_cast<std::size_t>(in)), want(got.size());
-            for (std::int64_t i = 0; i < in; ++i) {
-                got[static_cast<std::size_t>(i)] = bits_of(gdx.p[i]);
-                want[static_cast<std::size_t>(i)] = bits_of(dev::from_float<bf16>(hdx[i]));
-            }
-            CHECK(same_bits(got, want));
+        Buffer<bf16> gdy(dy, 0), gdx(static_cast<std::size_t>(in), 0);
+        std::fill(gdx.p, gdx.p + in, dev::from_float<bf16>(123.0f));  // every element is written, not accumulated into
+        lk::maxpool_backward(run, g, gdy.data(), at.data(), gdx.data());
+        auto hdx = Tensor<float, Host>(Shape{in});
+        HostOps::maxpool_backward(ex, g, host_tensor(widened(dy)), hat, hdx);
+        std::vector<std::uint16_t> got(static_cast<std::size_t>(in)), want(got.size());
+        for (std::int64_t i = 0; i < in; ++i) {
+            got[static_cast<std::size_t>(i)] = bits_of(gdx.p[i]);
+            want[static_cast<std::size_t>(i)] = bits_of(dev::from_float<bf16>(hdx[i]));
         }
+        CHECK(same_bits(got, want));
+    });
 }
 
 // ---- convolution and linear layers: the cuBLAS calls against fp64 references ---------------------
