@@ -304,18 +304,21 @@ struct MaxPoolForward {
             const unsigned int oh = q - plane * p.rows.d;
             const T* src = p.x + static_cast<std::int64_t>(plane) * p.H * p.W;
             const int top = static_cast<int>(oh) * p.s * p.W, left = static_cast<int>(ow) * p.s;
-            float best = to_float(src[top + left]);
+            T winner = src[top + left];
+            float best = to_float(winner);
             int at = top + left;
             for (int a = 0; a < p.k; ++a)
                 for (int b = 0; b < p.k; ++b) {
                     if (a == 0 && b == 0) continue;
                     const int idx = top + a * p.W + b + left;
-                    const float v = to_float(src[idx]);
+                    const T raw = src[idx];
+                    const float v = to_float(raw);
                     const bool take = v > best || v != v;
+                    winner = take ? raw : winner;
                     best = take ? v : best;
                     at = take ? idx : at;
                 }
-            p.y[i] = src[at];
+            p.y[i] = winner;
             p.argmax[i] = at;
         }
     }
