@@ -5,6 +5,9 @@
 #include <lockstep/lockstep.hpp>
 
 #include <algorithm>
+#include <limits>
+#include <cmath>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -191,6 +194,108 @@ TEST_CASE("A tensor view uses memory it does not own, and copies of it own their
     CHECK_THROWS_AS(Tensor<float>::view(storage, -1, Shape{1}), ShapeError);
     CHECK_THROWS_AS(Tensor<float>::view(nullptr, Shape{2}, Device::host(0)), InvalidArgument);
     CHECK(Tensor<float>::view(nullptr, Shape{0}, Device::host(0)).empty());
+}
+
+namespace {
+
+// The bf16 nearest to `f` found by distance, independently of BFloat16::round's carry: the two
+// bf16 values around f (the truncation and the next one away from zero) compared in fp64 (exact
+// for float operands), a tie to the even one; past the largest finite value the next one is
+// infinity, at 2^128 for the comparison; every NaN is 0x7FFF.
+std::uint16_t nearest_bf16(float f) {
+    if (std::isnan(f)) return 0x7fff;
+    const auto x = std::bit_cast<std::uint32_t>(f);
+    const auto lo = static_cast<std::uint16_t>(x >> 16);
+    if ((x & 0xffffu) == 0) return lo;  // representable (infinities too)
+    const auto hi = static_cast<std::uint16_t>(lo + 1);
+    const double lo_v = BFloat16{lo}.widen();
+    const double hi_v = (hi & 0x7fffu) == 0x7f80u ? std::copysign(std::ldexp(1.0, 128), f) : double(BFloat16{hi}.widen());
+    const double d_lo = std::abs(double(f) - lo_v), d_hi = std::abs(hi_v - double(f));
+    if (d_lo != d_hi) return d_lo < d_hi ? lo : hi;
+    return (lo & 1u) == 0 ? lo : hi;
+}
+
+}  // namespace
+
+TEST_CASE("BFloat16 rounds to nearest, ties to even, as the fp64 distance says, and widens exactly", "[core]") {
+    // Every upper half with the lower halves that decide rounding: exact, just above, below, at
+    // and just past the tie, and the largest (NaN payloads in the lower half included).
+    std::int64_t checked = 0, mismatched = 0;
+    for (std::uint32_t upper = 0; upper <= 0xffffu; ++upper)
+        for (const std::uint32_t lower : {0x0u, 0x1u, 0x7fffu, 0x8000u, 0x8001u, 0xfffeu, 0xffffu, 0x1234u, 0xc000u}) {
+            const float f = std::bit_cast<float>(upper << 16 | lower);
+            const std::uint16_t got = BFloat16::round(f).bits, want = nearest_bf16(f);
+            ++checked;
+            if (got != want && ++mismatched <= 5)
+                FAIL_CHECK("round(" << std::hex << (upper << 16 | lower) << ") gave " << got << ", nearest is " << want);
+        }
+    CHECK(checked == 65536 * 9);
+    CHECK(mismatched == 0);
+
+    // A coarse sweep over every bit pattern besides.
+    for (std::uint64_t b = 0; b <= 0xffffffffu; b += 65521) {
+        const float f = std::bit_cast<float>(static_cast<std::uint32_t>(b));
+        if (BFloat16::round(f).bits != nearest_bf16(f)) FAIL_CHECK("round(" << std::hex << b << ")");
+    }
+
+    // Widening is exact, and rounding a widened value gives it back (NaNs become the one NaN).
+    for (std::uint32_t bits = 0; bits <= 0xffffu; ++bits) {
+        const BFloat16 v{static_cast<std::uint16_t>(bits)};
+        const float w = v.widen();
+        CHECK(std::bit_cast<std::uint32_t>(w) == bits << 16);
+        if (std::isnan(w))
+            CHECK(BFloat16::round(w).bits == 0x7fff);
+        else
+            CHECK(BFloat16::round(w) == v);
+    }
+
+    // The named cases.
+    CHECK(BFloat16::round(1.0f).bits == 0x3f80);
+    CHECK(BFloat16::round(-0.0f).bits == 0x8000);
+    CHECK(BFloat16::round(std::bit_cast<float>(0x3f808000u)).bits == 0x3f80);  // tie, even below
+    CHECK(BFloat16::round(std::bit_cast<float>(0x3f818000u)).bits == 0x3f82);  // tie, even above
+    CHECK(BFloat16::round(std::numeric_limits<float>::max()).bits == 0x7f80);  // past the largest finite: infinity
+    CHECK(BFloat16::round(-std::numeric_limits<float>::infinity()).bits == 0xff80);
+    CHECK(BFloat16::round(std::bit_cast<float>(0xffc12345u)).bits == 0x7fff);  // any NaN: the one NaN
+    CHECK(BFloat16::round(std::numeric_limits<float>::denorm_min()).bits == 0x0000);
+    CHECK(BFloat16::round(std::bit_cast<float>(0x00008000u + 0x10000u)).bits == 0x0002);  // subnormal tie, odd: up
+}
+
+TEST_CASE("An Activation holds fp32 or bf16, refuses the other type by name, reshapes and views", "[core]") {
+    Tensor<float> t(Shape{2, 3});
+    t[4] = 1.5f;
+    Activation<Host> a(std::move(t));
+    CHECK(a.precision() == Precision::fp32);
+    CHECK(a.is_fp32());
+    CHECK(a.shape() == Shape{2, 3});
+    CHECK(a.get<float>()[4] == 1.5f);
+    try {
+        (void)a.get<BFloat16>();
+        FAIL("get<BFloat16> of an fp32 activation did not throw");
+    } catch (const UsageError& e) {
+        CHECK_THAT(e.what(), Catch::Contains("stored in fp32, not bf16"));
+    }
+
+    Tensor<BFloat16> h(Shape{2, 2, 1, 3});
+    h[5] = BFloat16::round(-2.0f);
+    Activation<Host> b(std::move(h));
+    CHECK(b.precision() == Precision::bf16);
+    CHECK_THROWS_AS(b.get<float>(), UsageError);
+    auto flat = std::move(b).reshaped(Shape{2, 6});
+    CHECK(flat.precision() == Precision::bf16);
+    CHECK(flat.shape() == Shape{2, 6});
+    CHECK(flat.get<BFloat16>()[5].widen() == -2.0f);
+
+    // A view reads the tensor's memory; a copy of it owns its own.
+    const Tensor<float>& held = a.get<float>();
+    const auto v = Activation<Host>::view_of(held);
+    CHECK(v.get<float>().is_view());
+    CHECK(v.get<float>().views(held, 0));
+    Activation<Host> copy = v;
+    CHECK_FALSE(copy.get<float>().is_view());
+    CHECK(copy.get<float>()[4] == 1.5f);
+    auto taken = std::move(copy).take<float>();
+    CHECK(taken[4] == 1.5f);
 }
 
 #if defined(__linux__)

@@ -128,6 +128,187 @@ TEST_CASE("ReLU, MaxPool2d and Flatten gradients match finite differences", "[nn
     check_gradients(flat, x, gen, 1e-3, 1e-5);
 }
 
+namespace {
+
+// A layer of the activation protocol that stores its output in bf16, as a convolution does under
+// Precision::bf16: y = bf16(2x); dx = 2 dy in fp32 (Sequential rounds it to what it was given).
+// It records the precisions it was given.
+struct TwiceToBf16 {
+    using backend = Host;
+    template <class V>
+    void visit(V&&) {}
+    Tensor<float> forward(const nn::Context<>& ctx, Tensor<float> x) {
+        return nn::widened(ctx, forward(ctx, Activation<Host>(std::move(x))));
+    }
+    Tensor<float> backward(const nn::Context<>& ctx, const Tensor<float>& dy) {
+        return backward(ctx, Activation<Host>::view_of(dy)).take<float>();
+    }
+    Activation<Host> forward(const nn::Context<>& ctx, Activation<Host> x) {
+        given = x.precision();
+        auto wide = nn::widened(ctx, std::move(x));
+        Tensor<BFloat16> y(wide.shape(), wide.format());
+        for (std::int64_t i = 0; i < y.numel(); ++i) y[i] = BFloat16::round(2.0f * wide[i]);
+        return Activation<Host>(std::move(y));
+    }
+    Activation<Host> backward(const nn::Context<>& ctx, const Activation<Host>& dy) {
+        dy_given = dy.precision();
+        auto dx = nn::converted(ctx, dy, Precision::fp32).take<float>();
+        for (float& v : dx.span()) v *= 2.0f;
+        return Activation<Host>(std::move(dx));
+    }
+    Precision given = Precision::fp32, dy_given = Precision::fp32;
+};
+
+// The identity on the activation protocol, recording the precisions it was given.
+struct Probe {
+    using backend = Host;
+    template <class V>
+    void visit(V&&) {}
+    Tensor<float> forward(const nn::Context<>&, Tensor<float> x) { return x; }
+    Tensor<float> backward(const nn::Context<>&, const Tensor<float>& dy) { return dy; }
+    Activation<Host> forward(const nn::Context<>&, Activation<Host> x) {
+        given = x.precision();
+        return x;
+    }
+    Activation<Host> backward(const nn::Context<>&, const Activation<Host>& dy) {
+        dy_given = dy.precision();
+        return dy;
+    }
+    Precision given = Precision::fp32, dy_given = Precision::fp32;
+};
+
+static_assert(nn::HasActivationPath<TwiceToBf16> && nn::HasActivationPath<Probe>);
+static_assert(nn::HasActivationPath<nn::Flatten<Host>>, "Flatten keeps the type on every backend");
+static_assert(!nn::HasActivationPath<nn::ReLU<Host>> && !nn::HasActivationPath<nn::MaxPool2d<Host>>,
+              "the host has no bf16 activation kernels: Sequential widens for its ReLU and pooling");
+static_assert(!nn::HasActivationPath<nn::Linear<Host>> && !nn::HasActivationPath<nn::Conv2d<Host>> &&
+              !nn::HasActivationPath<nn::SyncBatchNorm<Host>>);
+
+Tensor<float> rounded_to_bf16(const Tensor<float>& t) {
+    Tensor<float> r = t;
+    for (float& v : r.span()) v = BFloat16::round(v).widen();
+    return r;
+}
+
+}  // namespace
+
+TEST_CASE("Sequential passes bf16 activations to layers that take them and widens them for the rest", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    nn::Generator g(seed);
+    nn::Context<> ctx;
+    const auto x = random_tensor(Shape{3, 2, 4, 4}, gen);
+    const auto dy = random_tensor(Shape{3, 5}, gen);
+
+    // bf16 out of the first layer; the inner Sequential's probe sees it, Flatten keeps it, the
+    // next probe sees it, pooling and ReLU (fp32 only on the host) get it widened, then Linear.
+    nn::Sequential net(TwiceToBf16{}, nn::Sequential(Probe{}, nn::MaxPool2d<>(2), Probe{}), nn::Flatten<>{}, Probe{},
+                       nn::ReLU<>{}, Probe{}, nn::Linear<>(8, 5, true, g));
+    auto y = net.forward(ctx, x);
+    auto& inner = net.get<1>();
+    CHECK(net.get<0>().given == Precision::fp32);
+    CHECK(inner.get<0>().given == Precision::bf16);
+    CHECK(inner.get<2>().given == Precision::fp32);  // the host's pooling gave fp32
+    CHECK(net.get<3>().given == Precision::fp32);
+    CHECK(net.get<5>().given == Precision::fp32);
+
+    // The same chain by hand in fp32 on the rounded values: every bit equal.
+    nn::MaxPool2d<> pool(2);
+    nn::Flatten<> flat;
+    nn::ReLU<> relu;
+    nn::Linear<> fc = net.get<6>();
+    Tensor<float> twice = x;
+    for (float& v : twice.span()) v *= 2.0f;
+    const auto r = rounded_to_bf16(twice);
+    const auto want = fc.forward(ctx, relu.forward(ctx, flat.forward(ctx, pool.forward(ctx, r))));
+    REQUIRE(y.shape() == want.shape());
+    for (std::int64_t i = 0; i < y.numel(); ++i) REQUIRE(y[i] == want[i]);
+
+    // Backward: each dx in the precision its layer was given; the pooling's dx (fp32) rounded to
+    // bf16 for the probe before it, which was given bf16.
+    nn::zero_grad(net);
+    nn::zero_grad(fc);
+    const auto dx = net.backward(ctx, dy);
+    CHECK(net.get<5>().dy_given == Precision::fp32);
+    CHECK(inner.get<2>().dy_given == Precision::fp32);
+    CHECK(inner.get<0>().dy_given == Precision::bf16);
+    CHECK(net.get<0>().dy_given == Precision::bf16);
+    const auto dpool = pool.backward(ctx, flat.backward(ctx, relu.backward(ctx, fc.backward(ctx, dy))));
+    auto want_dx = rounded_to_bf16(dpool);
+    for (float& v : want_dx.span()) v *= 2.0f;
+    REQUIRE(dx.shape() == x.shape());
+    for (std::int64_t i = 0; i < dx.numel(); ++i) REQUIRE(dx[i] == want_dx[i]);
+    for (std::int64_t i = 0; i < fc.weight.grad.numel(); ++i) REQUIRE(net.get<6>().weight.grad[i] == fc.weight.grad[i]);
+
+    // Through the activation protocol the output keeps its precision, and a dy of the other
+    // precision is converted to the output's first.
+    nn::Sequential head(TwiceToBf16{}, nn::Flatten<>{}, Probe{});
+    auto out = head.forward(ctx, Activation<Host>(Tensor<float>(x)));
+    CHECK(out.precision() == Precision::bf16);
+    CHECK(out.shape() == Shape{3, 32});
+    const auto back = head.backward(ctx, Activation<Host>(random_tensor(Shape{3, 32}, gen)));
+    CHECK(head.get<2>().dy_given == Precision::bf16);
+    CHECK(back.precision() == Precision::fp32);
+    CHECK(back.shape() == x.shape());
+}
+
+TEST_CASE("Sequential of fp32 layers alone gives the fp32 protocol's bits through either protocol", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    nn::Generator g(seed);
+    nn::Context<> ctx;
+    nn::Sequential net(nn::Conv2d<>(2, 3, 3, {.stride = 1, .padding = 1}, g), nn::ReLU<>{}, nn::MaxPool2d<>(2), nn::Flatten<>{},
+                       nn::Linear<>(12, 4, true, g));
+    auto twin = net;
+    const auto x = random_tensor(Shape{2, 2, 4, 4}, gen);
+    const auto dy = random_tensor(Shape{2, 4}, gen);
+    const auto y = net.forward(ctx, x);
+    const auto dx = net.backward(ctx, dy);
+    auto ya = twin.forward(ctx, Activation<Host>(Tensor<float>(x)));
+    REQUIRE(ya.precision() == Precision::fp32);
+    const auto dxa = twin.backward(ctx, Activation<Host>(Tensor<float>(dy)));
+    REQUIRE(dxa.precision() == Precision::fp32);
+    for (std::int64_t i = 0; i < y.numel(); ++i) REQUIRE(y[i] == ya.get<float>()[i]);
+    for (std::int64_t i = 0; i < dx.numel(); ++i) REQUIRE(dx[i] == dxa.get<float>()[i]);
+    // By hand, layer by layer.
+    nn::Conv2d<> conv = net.get<0>();
+    nn::ReLU<> relu;
+    nn::MaxPool2d<> pool(2);
+    nn::Flatten<> flat;
+    nn::Linear<> fc = net.get<4>();
+    const auto want = fc.forward(ctx, flat.forward(ctx, pool.forward(ctx, relu.forward(ctx, conv.forward(ctx, x)))));
+    for (std::int64_t i = 0; i < y.numel(); ++i) REQUIRE(y[i] == want[i]);
+    const auto want_dx = conv.backward(ctx, relu.backward(ctx, pool.backward(ctx, flat.backward(ctx, fc.backward(ctx, dy)))));
+    for (std::int64_t i = 0; i < dx.numel(); ++i) REQUIRE(dx[i] == want_dx[i]);
+}
+
+TEST_CASE("A bf16 activation reaching a host layer without the activation protocol is widened exactly", "[nn]") {
+    nn::Context<> ctx;
+    Tensor<BFloat16> h(Shape{1, 4});
+    const float values[] = {1.0f, -3.5f, 0.0078125f, -0.0f};
+    for (int i = 0; i < 4; ++i) h[i] = BFloat16::round(values[i]);
+    nn::ReLU<> relu;
+    auto y = nn::forward_any(relu, ctx, Activation<Host>(std::move(h)));
+    REQUIRE(y.precision() == Precision::fp32);
+    CHECK(y.get<float>()[0] == 1.0f);
+    CHECK(y.get<float>()[1] == 0.0f);
+    CHECK(y.get<float>()[2] == 0.0078125f);
+    // dy in bf16 to a layer of the fp32 protocol: widened; dx rounded back to the input's type.
+    Tensor<BFloat16> d(Shape{1, 4});
+    for (int i = 0; i < 4; ++i) d[i] = BFloat16::round(0.5f + static_cast<float>(i));
+    const auto dx = nn::backward_any(relu, ctx, Activation<Host>(std::move(d)), Precision::bf16);
+    REQUIRE(dx.precision() == Precision::bf16);
+    CHECK(dx.get<BFloat16>()[0].widen() == 0.5f);
+    CHECK(dx.get<BFloat16>()[1].widen() == 0.0f);
+    CHECK(dx.get<BFloat16>()[2].widen() == 2.5f);
+    CHECK(dx.get<BFloat16>()[3].widen() == 0.0f);
+    // Converting checks the element counts on the host too.
+    Tensor<BFloat16> wrong(Shape{3});
+    CHECK_THROWS_AS(kernels::Ops<Host>::to_bf16(ctx.exec, Tensor<float>(Shape{4}), wrong), ShapeError);
+}
+
 TEST_CASE("SoftmaxCrossEntropy: value and gradient of the mean over the global batch", "[nn]") {
     const auto seed = test::fresh_seed();
     CAPTURE(seed);

@@ -2,7 +2,9 @@
 //! lockstep's umbrella header for the host backend. Reaches no CUDA header.
 #pragma once
 
+#include "lockstep/core/activation.hpp"
 #include "lockstep/core/backend.hpp"
+#include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/device_watch.hpp"

@@ -6,6 +6,7 @@
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/activation_precision.hpp"
 #include "lockstep/nn/checkpoint.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/conv2d.hpp"

@@ -27,6 +27,11 @@ template class nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::ReL
                               nn::Linear<Cuda>>;
 template class DataParallel<mnist::Net<Cuda>>;
 
+// The layers that keep their input's type take activations stored in bf16 on CUDA (Note
+// [activation precision]); Sequential passes them on as they are.
+static_assert(nn::HasActivationPath<nn::ReLU<Cuda>> && nn::HasActivationPath<nn::MaxPool2d<Cuda>> &&
+              nn::HasActivationPath<nn::Flatten<Cuda>> && nn::HasActivationPath<nn::SyncBatchNorm<Cuda>>);
+
 //! Calls what a CUDA training loop calls (never run).
 void instantiate_cuda_training(nn::Generator& gen, const Tensor<float, Cuda>& x, const Tensor<float, Cuda>& y,
                                const std::vector<std::int64_t>& labels) {

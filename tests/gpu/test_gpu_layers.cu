@@ -381,6 +381,119 @@ void bn_reduced_precision(const char* name, MemoryFormat f, bool relu, double un
     expect_close(values(b.running_mean), values(a.running_mean), 1e-6, what + " running mean");
 }
 
+// ---- activations stored in bf16 (Note [activation precision]) ----
+
+Tensor<BFloat16, Host> rounded_bf16(const Tensor<float, Host>& x) {
+    Tensor<BFloat16, Host> r(x.shape(), x.format());
+    for (std::int64_t i = 0; i < x.numel(); ++i) r[i] = BFloat16::round(x[i]);
+    return r;
+}
+Tensor<float, Host> widened_host(const Tensor<BFloat16, Host>& x) {
+    Tensor<float, Host> w(x.shape(), x.format());
+    for (std::int64_t i = 0; i < x.numel(); ++i) w[i] = x[i].widen();
+    return w;
+}
+// Whether a bf16 result holds exactly the bits of `want` rounded once.
+bool same_bits(const Tensor<BFloat16, Host>& got, const Tensor<float, Host>& want) {
+    if (got.shape() != want.shape()) return false;
+    for (std::int64_t i = 0; i < got.numel(); ++i)
+        if (!(got[i] == BFloat16::round(want[i]))) return false;
+    return true;
+}
+bool same_bits(const Tensor<float, Host>& got, const Tensor<float, Host>& want) {
+    if (got.shape() != want.shape()) return false;
+    for (std::int64_t i = 0; i < got.numel(); ++i)
+        if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) return false;
+    return true;
+}
+
+// CUDA's conversions give the host's BFloat16 bits (ties, NaN, infinities, subnormals), and each
+// layer that keeps its type, alone and chained in a Sequential, gives in bf16 exactly its fp32
+// result on the same (rounded) values rounded once: ReLU and pooling select, pooling's
+// overlapping windows sum dy in fp32 and round once.
+void bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
+    const Device d = Device::cuda(ctx.exec.device);
+    nn::Context<Host> hctx;
+    {
+        const std::uint32_t bits[] = {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0xff800000u, 0x7fc00001u,
+                                      0x00018000u, 0x80000001u, 0x3f800001u, 0xbf7fffffu, 0x00000000u};
+        Tensor<float, Host> x(Shape{10});
+        for (int i = 0; i < 10; ++i) std::memcpy(&x[i], &bits[i], sizeof(float));
+        Tensor<BFloat16, Cuda> r(Shape{10}, MemoryFormat::nchw, d);
+        kernels::Ops<Cuda>::to_bf16(ctx.exec, x.to<Cuda>(d), r);
+        const auto got = r.to_host();
+        Tensor<float, Cuda> back(Shape{10}, MemoryFormat::nchw, d);
+        kernels::Ops<Cuda>::from_bf16(ctx.exec, r, back);
+        expect(same_bits(got, x) && same_bits(back.to_host(), widened_host(got)),
+               "bf16 activations: CUDA rounds as BFloat16::round and widens exactly (ties, NaN, infinity, subnormals)");
+    }
+    const auto x = rounded_bf16(random_host(Shape{2, 3, 9, 7}, rng));
+    const auto xw = widened_host(x);
+    const auto check_layer = [&](const std::string& name, auto host, auto dev, Shape out) {
+        auto yh = host.forward(hctx, Tensor<float, Host>(xw));
+        auto y = dev.forward(ctx, Activation<Cuda>(x.to<Cuda>(d)));
+        const bool kept = y.precision() == Precision::bf16;
+        expect(kept && same_bits(y.template get<BFloat16>().to_host(), yh) && yh.shape() == out,
+               name + " in bf16: y is the fp32 y on the same values, exactly");
+        const auto dy = rounded_bf16(random_host(yh.shape(), rng));
+        auto dxh = host.backward(hctx, widened_host(dy));
+        auto dx = dev.backward(ctx, Activation<Cuda>(dy.template to<Cuda>(d)));
+        expect(dx.precision() == Precision::bf16 && same_bits(dx.template get<BFloat16>().to_host(), dxh),
+               name + " in bf16: dx is the fp32 dx rounded once");
+    };
+    check_layer("ReLU", nn::ReLU<Host>(), nn::ReLU<Cuda>(), Shape{2, 3, 9, 7});
+    check_layer("MaxPool2d 2", nn::MaxPool2d<Host>(2), nn::MaxPool2d<Cuda>(2), Shape{2, 3, 4, 3});
+    check_layer("MaxPool2d 3 stride 2", nn::MaxPool2d<Host>(3, 2), nn::MaxPool2d<Cuda>(3, 2), Shape{2, 3, 4, 3});
+    check_layer("Flatten", nn::Flatten<Host>(), nn::Flatten<Cuda>(), Shape{2, 189});
+
+    // SyncBatchNorm through the activation protocol: the bits of its bf16 storage path (tested
+    // against fp32 above), in BFloat16.
+    for (const bool relu : {false, true}) {
+        nn::SyncBatchNorm<Cuda> a(3, {.fused_relu = relu}), b(3, {.fused_relu = relu});
+        const auto dy = rounded_bf16(random_host(x.shape(), rng));
+        const auto raw = [&](const Tensor<BFloat16, Host>& t) {
+            Tensor<__nv_bfloat16, Host> r(t.shape(), t.format());
+            for (std::int64_t i = 0; i < t.numel(); ++i) r[i] = __nv_bfloat16_raw{t[i].bits};
+            return r.to<Cuda>(d);
+        };
+        const auto bits_equal = [](const Tensor<BFloat16, Host>& got, const Tensor<__nv_bfloat16, Host>& want) {
+            for (std::int64_t i = 0; i < got.numel(); ++i)
+                if (got[i].bits != static_cast<__nv_bfloat16_raw>(want[i]).x) return false;
+            return got.numel() == want.numel();
+        };
+        auto y = a.forward(ctx, Activation<Cuda>(x.to<Cuda>(d)));
+        auto dx = a.backward(ctx, Activation<Cuda>(dy.to<Cuda>(d)));
+        const auto yw = b.forward<__nv_bfloat16>(ctx, raw(x)).to_host();
+        const auto dxw = b.backward<__nv_bfloat16>(ctx, raw(dy)).to_host();
+        expect(y.precision() == Precision::bf16 && dx.precision() == Precision::bf16 &&
+                   bits_equal(y.get<BFloat16>().to_host(), yw) && bits_equal(dx.get<BFloat16>().to_host(), dxw) &&
+                   same_bits(a.running_mean.to_host(), b.running_mean.to_host()),
+               std::string("SyncBatchNorm") + (relu ? " + ReLU" : "") + " in bf16 activations: its bf16 storage path's bits");
+    }
+
+    // Chained: the bf16 input stays bf16 to the end; its fp32 twin gives the fp32 bits.
+    nn::Sequential<nn::ReLU<Cuda>, nn::MaxPool2d<Cuda>, nn::Flatten<Cuda>> chain(nn::ReLU<Cuda>(), nn::MaxPool2d<Cuda>(3, 2),
+                                                                                 nn::Flatten<Cuda>());
+    auto twin = chain;
+    nn::Sequential<nn::ReLU<Host>, nn::MaxPool2d<Host>, nn::Flatten<Host>> host(nn::ReLU<Host>(), nn::MaxPool2d<Host>(3, 2),
+                                                                                nn::Flatten<Host>());
+    const auto yh = host.forward(hctx, Tensor<float, Host>(xw));
+    auto y = chain.forward(ctx, Activation<Cuda>(x.to<Cuda>(d)));
+    expect(y.precision() == Precision::bf16 && same_bits(y.get<BFloat16>().to_host(), yh),
+           "Sequential<Cuda> of ReLU, pooling and Flatten keeps bf16 from input to output, exactly");
+    const auto dy = random_host(yh.shape(), rng);
+    const auto dxh = host.backward(hctx, widened_host(rounded_bf16(dy)));
+    auto dx = chain.backward(ctx, Activation<Cuda>(dy.to<Cuda>(d)));  // fp32 dy: rounded to the output's type first
+    expect(dx.precision() == Precision::bf16 && same_bits(dx.get<BFloat16>().to_host(), dxh),
+           "Sequential<Cuda> in bf16: an fp32 dy is rounded once, dx is the fp32 dx rounded once");
+    (void)host.forward(hctx, Tensor<float, Host>(xw));
+    const auto dxh32 = host.backward(hctx, dy);
+    const auto y32 = twin.forward(ctx, xw.to<Cuda>(d));
+    const auto dx32 = twin.backward(ctx, dy.to<Cuda>(d));
+    expect(same_bits(y32.to_host(), yh) && same_bits(dx32.to_host(), dxh32),
+           "Sequential<Cuda> in fp32 on the same values: the host's bits");
+}
+
 }  // namespace
 
 int main() {
@@ -504,6 +617,7 @@ int main() {
         }
         rounding_takes_effect(ctx, Rounding::tf32, rng);
         rounding_takes_effect(ctx, Rounding::bf16, rng);
+        bf16_activations(ctx, rng);
 
         // ---- the losses ----
         {

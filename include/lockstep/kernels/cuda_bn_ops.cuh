@@ -15,13 +15,17 @@ template <>
 inline constexpr bool bn_storage<Cuda, __half> = true;
 template <>
 inline constexpr bool bn_storage<Cuda, __nv_bfloat16> = true;
+//! lockstep's own bf16 type, an activation stored in bf16 (Note [activation precision]): the same
+//! kernels as __nv_bfloat16.
+template <>
+inline constexpr bool bn_storage<Cuda, BFloat16> = true;
 }  // namespace lockstep::kernels
 
 namespace lockstep::kernels::cuda_ops {
 
 //! The batch-norm part of `Ops<Cuda>` (see Note [backend operations]); everything runs on
 //! `ex.stream`, and nothing waits for the device. Templates on the storage type T (float, __half,
-//! __nv_bfloat16): statistics, parameters and running statistics stay fp32/fp64.
+//! __nv_bfloat16, lockstep::BFloat16): statistics, parameters and running statistics stay fp32/fp64.
 struct BatchNormOps {
     //! Forward payload [S | Q | n] (2C+1) of the local batch about the running mean `shift` (null:
     //! zero); leaves the shift in `k` for the normalize kernel's finish.
@@ -32,7 +36,7 @@ struct BatchNormOps {
         if (k.shift.numel() != g.channels || k.shift.device() != x.device())
             k.shift = T_<float>(Shape{g.channels}, MemoryFormat::nchw, x.device());
         auto run = runner(ex);
-        device::bn_kernels::local_stats(run, x.data(), g, shift != nullptr ? shift->data() : nullptr, payload.data(),
+        device::bn_kernels::local_stats(run, on_device(x.data()), g, shift != nullptr ? shift->data() : nullptr, payload.data(),
                                         k.shift.data());
     }
 
@@ -79,8 +83,8 @@ struct BatchNormOps {
                           "bn_normalize on CUDA keeps no ReLU mask (Ops<Cuda>::bn_keeps_relu_mask is false); pass none");
         auto run = runner(ex);
         if (!k.pending) {
-            device::bn_kernels::forward_normalize(run, x.data(), y.data(), g, nullptr, nullptr, nullptr, k.stats.data(),
-                                                  k.folded.data(), relu);
+            device::bn_kernels::forward_normalize(run, on_device(x.data()), on_device(y.data()), g, nullptr, nullptr, nullptr,
+                                                  k.stats.data(), k.folded.data(), relu);
             return;
         }
         const auto& p = *k.pending;
@@ -97,8 +101,8 @@ struct BatchNormOps {
         f.cumulative = !p.momentum.has_value();
         f.momentum = p.momentum.value_or(0.0);
         k.pending.reset();
-        device::bn_kernels::forward_normalize(run, x.data(), y.data(), g, &f, p.weight, p.bias, k.stats.data(), k.folded.data(),
-                                              relu);
+        device::bn_kernels::forward_normalize(run, on_device(x.data()), on_device(y.data()), g, &f, p.weight, p.bias,
+                                              k.stats.data(), k.folded.data(), relu);
     }
     //! Backward payload [sum(dy) | sum(dy * (x - mean))] (2C) of the local batch; with `relu`, dy
     //! counts only where the fused ReLU's output was positive, found from x (no mask: null).
@@ -107,7 +111,8 @@ struct BatchNormOps {
                                  const BnGeometry& g, const BnConstants<Cuda>& k, T_<double>& payload) {
         check_on(ex, dy.device(), "SyncBatchNorm's dy");
         auto run = runner(ex);
-        device::bn_kernels::backward_sums(run, x.data(), dy.data(), relu, g, k.folded.data(), payload.data());
+        device::bn_kernels::backward_sums(run, on_device(x.data()), on_device(dy.data()), relu, g, k.folded.data(),
+                                          payload.data());
     }
 
     //! weight_grad += sum(dy * xhat), bias_grad += sum(dy) from the local backward payload.
@@ -124,8 +129,9 @@ struct BatchNormOps {
     static void bn_backward_dx(const Ex& ex, const T_<double>& payload, const BnConstants<Cuda>& k, const T_<float>* weight,
                                T_<T>& x_to_dx, const T_<T>& dy, bool relu, const T_<std::uint8_t>*, const BnGeometry& g) {
         auto run = runner(ex);
-        device::bn_kernels::backward_dx(run, x_to_dx.data(), dy.data(), relu, x_to_dx.data(), g, payload.data(), k.stats.data(),
-                                        k.folded.data(), weight != nullptr ? weight->data() : nullptr);
+        device::bn_kernels::backward_dx(run, on_device(x_to_dx.data()), on_device(dy.data()), relu, on_device(x_to_dx.data()), g,
+                                        payload.data(), k.stats.data(), k.folded.data(),
+                                        weight != nullptr ? weight->data() : nullptr);
     }
 
 private:

@@ -4,14 +4,17 @@
 #pragma once
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <concepts>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "lockstep/core/backend.hpp"
+#include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/cuda_runtime.cuh"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -46,6 +49,24 @@ inline const char* cublas_status_name(cublasStatus_t s) {
     } while (0)
 
 namespace lockstep::kernels::cuda_ops {
+
+//! A tensor element that holds bfloat16 bits: lockstep's portable type (Note [bfloat16 storage]) or
+//! raw 16 bits (a gradient bucket's all-reduce copy); the kernels read both as __nv_bfloat16.
+template <class T>
+concept bf16_bits = std::same_as<T, BFloat16> || std::same_as<T, std::uint16_t>;
+
+//! What an activation between layers is stored in (Note [activation precision]).
+template <class T>
+concept activation_storage = std::same_as<T, float> || std::same_as<T, BFloat16>;
+
+//! A tensor's storage as the kernels' element type: BFloat16 as __nv_bfloat16 (the same bits),
+//! every other type as it is.
+template <class T>
+T* on_device(T* p) noexcept {
+    return p;
+}
+inline __nv_bfloat16* on_device(BFloat16* p) noexcept { return reinterpret_cast<__nv_bfloat16*>(p); }
+inline const __nv_bfloat16* on_device(const BFloat16* p) noexcept { return reinterpret_cast<const __nv_bfloat16*>(p); }
 
 using Ex = Execution<Cuda>;
 template <class T>

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -318,9 +319,10 @@ struct LayerOps {
         device::layer_kernels::add(run, acc.data(), x.data(), acc.numel());
     }
 
-    //! dst = src rounded to bfloat16 (Note [precision]; a gradient bucket's bf16 all-reduce),
-    //! `dst` holding the bf16 bits.
-    static void to_bf16(const Ex& ex, const T_<float>& src, T_<std::uint16_t>& dst) {
+    //! dst = src rounded to bfloat16 (Note [precision]; a gradient bucket's bf16 all-reduce, an
+    //! activation stored in bf16), `dst` holding the bf16 bits: lockstep::BFloat16 or raw 16 bits.
+    template <bf16_bits Bits>
+    static void to_bf16(const Ex& ex, const T_<float>& src, T_<Bits>& dst) {
         layer_detail::check_on(ex, src, "to_bf16's source");
         layer_detail::check_on(ex, dst, "to_bf16's destination");
         layer_detail::check_numel(dst, src.numel(), "to_bf16", "the destination");
@@ -329,7 +331,8 @@ struct LayerOps {
     }
 
     //! dst = src's bfloat16 bits widened to fp32 (exact).
-    static void from_bf16(const Ex& ex, const T_<std::uint16_t>& src, T_<float>& dst) {
+    template <bf16_bits Bits>
+    static void from_bf16(const Ex& ex, const T_<Bits>& src, T_<float>& dst) {
         layer_detail::check_on(ex, src, "from_bf16's source");
         layer_detail::check_on(ex, dst, "from_bf16's destination");
         layer_detail::check_numel(dst, src.numel(), "from_bf16", "the destination");
@@ -477,25 +480,28 @@ struct LayerOps {
     }
 
     //! x = max(x, 0) in place (NaN stays NaN); `mask` (may be null) records where x > 0.
-    static void relu_forward(const Ex& ex, T_<float>& x, T_<std::uint8_t>* mask) {
+    template <activation_storage T>
+    static void relu_forward(const Ex& ex, T_<T>& x, T_<std::uint8_t>* mask) {
         layer_detail::check_on(ex, x, "relu_forward's tensor");
         if (mask != nullptr) layer_detail::check_numel(*mask, x.numel(), "relu_forward", "the mask");
         layer_detail::LayerRun run(ex);
-        device::layer_kernels::relu_forward(run, x.data(), mask != nullptr ? mask->data() : nullptr, x.numel());
+        device::layer_kernels::relu_forward(run, on_device(x.data()), mask != nullptr ? mask->data() : nullptr, x.numel());
     }
 
     //! dx = mask ? dy : 0.
-    static void relu_backward(const Ex& ex, const T_<float>& dy, const T_<std::uint8_t>& mask, T_<float>& dx) {
+    template <activation_storage T>
+    static void relu_backward(const Ex& ex, const T_<T>& dy, const T_<std::uint8_t>& mask, T_<T>& dx) {
         layer_detail::check_on(ex, dy, "relu_backward's dy");
         layer_detail::check_numel(mask, dy.numel(), "relu_backward", "the mask");
         layer_detail::check_numel(dx, dy.numel(), "relu_backward", "dx");
         layer_detail::LayerRun run(ex);
-        device::layer_kernels::relu_backward(run, dy.data(), mask.data(), dx.data(), dy.numel());
+        device::layer_kernels::relu_backward(run, on_device(dy.data()), mask.data(), on_device(dx.data()), dy.numel());
     }
 
     //! y = the maximum of each window (NaN wins: the last NaN of the window in row order),
     //! argmax = its index in the plane, as the host.
-    static void maxpool_forward(const Ex& ex, const PoolGeometry& g, const T_<float>& x, T_<float>& y, T_<std::int32_t>& argmax) {
+    template <activation_storage T>
+    static void maxpool_forward(const Ex& ex, const PoolGeometry& g, const T_<T>& x, T_<T>& y, T_<std::int32_t>& argmax) {
         layer_detail::check_on(ex, x, "maxpool_forward's input");
         const std::int64_t planes = g.batch * g.channels;
         layer_detail::check_numel(x, planes * g.height * g.width, "maxpool_forward", "x");
@@ -504,17 +510,18 @@ struct LayerOps {
             layer_detail::check_numel(argmax, y.numel(), "maxpool_forward", "argmax");
         }
         layer_detail::LayerRun run(ex);
-        device::layer_kernels::maxpool_forward(run, g, x.data(), y.data(), argmax.data());
+        device::layer_kernels::maxpool_forward(run, g, on_device(x.data()), on_device(y.data()), argmax.data());
     }
 
     //! dx = dy gathered from the windows whose maximum each element was (deterministic, no atomics).
-    static void maxpool_backward(const Ex& ex, const PoolGeometry& g, const T_<float>& dy, const T_<std::int32_t>& argmax,
-                                 T_<float>& dx) {
+    template <activation_storage T>
+    static void maxpool_backward(const Ex& ex, const PoolGeometry& g, const T_<T>& dy, const T_<std::int32_t>& argmax,
+                                 T_<T>& dx) {
         layer_detail::check_on(ex, dy, "maxpool_backward's dy");
         layer_detail::check_numel(argmax, dy.numel(), "maxpool_backward", "argmax");
         layer_detail::check_numel(dx, g.batch * g.channels * g.height * g.width, "maxpool_backward", "dx");
         layer_detail::LayerRun run(ex);
-        device::layer_kernels::maxpool_backward(run, g, dy.data(), argmax.data(), dx.data());
+        device::layer_kernels::maxpool_backward(run, g, on_device(dy.data()), argmax.data(), on_device(dx.data()));
     }
 
     // ---- losses and optimizer -----------------------------------------------------------------

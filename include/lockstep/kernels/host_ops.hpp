@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -75,6 +76,9 @@ struct Ops<Host> {
     static constexpr bool graphs = false;
     //! No bf16 products on the host (Note [precision]): DataParallel refuses Precision::bf16.
     static constexpr bool bf16_products = false;
+    //! No layer runs on activations stored in bf16 on the host: nn::Sequential widens them for it
+    //! (Note [activation precision]).
+    static constexpr bool bf16_activations = false;
     struct GraphCache {
         using Key = std::vector<std::int64_t>;
         explicit GraphCache(std::size_t = 8) noexcept {}
@@ -114,6 +118,22 @@ struct Ops<Host> {
     template <class T>
     static void add(const Ex&, T_<T>& acc, const T_<T>& x) {
         for (std::int64_t i = 0; i < acc.numel(); ++i) acc[i] += x[i];
+    }
+
+    //! dst = src rounded to bfloat16 (Note [bfloat16 storage]): an activation stored in bf16.
+    static void to_bf16(const Ex&, const T_<float>& src, T_<BFloat16>& dst) {
+        check_same_count(src.numel(), dst.numel(), "to_bf16");
+        const float* s = src.data();
+        BFloat16* d = dst.data();
+        for (std::int64_t i = 0; i < src.numel(); ++i) d[i] = BFloat16::round(s[i]);
+    }
+
+    //! dst = src widened to fp32 (exact).
+    static void from_bf16(const Ex&, const T_<BFloat16>& src, T_<float>& dst) {
+        check_same_count(src.numel(), dst.numel(), "from_bf16");
+        const BFloat16* s = src.data();
+        float* d = dst.data();
+        for (std::int64_t i = 0; i < src.numel(); ++i) d[i] = s[i].widen();
     }
 
     //! Element `i` of `t`, on the host.
@@ -613,6 +633,11 @@ private:
     }
 
     static std::int64_t channels_of(const BnConstants<Host>& k) { return k.folded.numel() / 4; }
+
+    static void check_same_count(std::int64_t src, std::int64_t dst, const char* op) {
+        LOCKSTEP_CHECK_AS(ShapeError, src == dst, op, ": the source has ", src, " elements but the destination ", dst,
+                          "; give both the same shape");
+    }
 
     // A fused ReLU's backward on the host reads the forward's mask (bn_keeps_relu_mask).
     static void check_relu_mask(bool relu, const T_<std::uint8_t>* mask, std::int64_t n, const char* op) {

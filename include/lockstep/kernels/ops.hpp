@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "lockstep/core/backend.hpp"
+#include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/batch_norm_math.hpp"  // the batch-norm payload layout layers and backends share
 
@@ -175,6 +176,10 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
     { K::read(ex, cd, 0) } -> std::same_as<double>;
     { K::to_vector(ex, cd) } -> std::same_as<std::vector<double>>;
     K::add_sum_squares(ex, cf, d, 0);
+    // Activations stored in bf16 (Note [activation precision]).
+    K::to_bf16(ex, cf, std::declval<Tensor<BFloat16, B>&>());
+    K::from_bf16(ex, std::declval<const Tensor<BFloat16, B>&>(), f);
+    { K::bf16_activations } -> std::convertible_to<bool>;
     K::clip_to_norm(ex, f, cd, 1.0);
     // Layers, losses, the optimizer.
     K::conv2d_forward(ex, ConvGeometry{}, cf, cf, &cf, f, conv);

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/core/activation.hpp"
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -30,6 +31,9 @@ namespace lockstep::nn {
 //   v.module("conv1", conv1);                     // a child module (names compose: conv1.weight)
 // Training or evaluation mode travels in the Context, so modules need no train()/eval() of
 // their own; DataParallel::train()/eval() set it for every replica.
+// A module may also offer the activation protocol (forward and backward on `Activation<B>`, a
+// tensor stored in fp32 or bf16; Note [activation precision]); nn::Sequential chains its children
+// through it, so activations stay in bf16 between the layers that can take them.
 
 namespace detail {
 
@@ -63,6 +67,24 @@ concept HasBackward = HasBackend<M> &&
     { m.backward(ctx, dy) } -> std::same_as<Tensor<float, typename M::backend>>;
 };
 
+//! The activation protocol's forward (Note [activation precision] in core/activation.hpp).
+template <class M>
+concept HasActivationForward = HasBackend<M> &&
+    requires(M& m, const Context<typename M::backend>& ctx, Activation<typename M::backend> x) {
+    { m.forward(ctx, std::move(x)) } -> std::same_as<Activation<typename M::backend>>;
+};
+
+//! The activation protocol's backward.
+template <class M>
+concept HasActivationBackward = HasBackend<M> &&
+    requires(M& m, const Context<typename M::backend>& ctx, const Activation<typename M::backend>& dy) {
+    { m.backward(ctx, dy) } -> std::same_as<Activation<typename M::backend>>;
+};
+
+//! A module that takes activations stored in fp32 or bf16, besides the fp32 protocol.
+template <class M>
+concept HasActivationPath = HasActivationForward<M> && HasActivationBackward<M>;
+
 template <class M>
 concept HasVisit = requires(M& m, detail::ArchetypeVisitor v) {
     m.visit(v);
@@ -86,6 +108,10 @@ constexpr bool check_module() {
     static_assert(HasVisit<M>,
                   "lockstep: a module needs `template <class V> void visit(V&& v)` calling v.parameter(name, p), "
                   "v.buffer(name, t) and v.module(name, child) for what it holds");
+    static_assert(HasActivationForward<M> == HasActivationBackward<M>,
+                  "lockstep: a module offers both halves of the activation protocol or neither: `Activation<backend> "
+                  "forward(const Context<backend>&, Activation<backend>)` and `Activation<backend> backward(const "
+                  "Context<backend>&, const Activation<backend>&)` (Note [activation precision])");
     static_assert(std::copy_constructible<M>,
                   "lockstep: a module must be copy-constructible (copies are the replicas); hold tensors by value");
     return true;

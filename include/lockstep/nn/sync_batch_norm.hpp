@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/core/activation.hpp"
+#include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/device_span.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -101,7 +103,8 @@ public:
 
     //! Takes `x` by value: it is kept for backward, so pass an rvalue to avoid a copy. fp32 on
     //! every backend; on CUDA also fp16 and bf16 storage (`Tensor<__half, Cuda>`,
-    //! `Tensor<__nv_bfloat16, Cuda>`), with fp32 math, statistics and parameters.
+    //! `Tensor<__nv_bfloat16, Cuda>`, `Tensor<BFloat16, Cuda>`), with fp32 math, statistics and
+    //! parameters.
     template <class T = float>
     requires kernels::bn_storage<B, T> Tensor<T, B> forward(const Context<B>& ctx, Tensor<T, B> x) {
         const auto g = geometry(x);
@@ -173,6 +176,17 @@ public:
         K::bn_backward_dx(ctx.exec, backward_payload_, constants_, affine_weight(), dx, dy, relu, mask, g);
         relu_mask_ = Tensor<std::uint8_t, B>();
         return dx;
+    }
+
+    //! The activation protocol where the backend normalizes bf16 storage (Note [activation
+    //! precision]): y and dx in the type of x and dy; statistics and parameters in fp32/fp64.
+    Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires kernels::bn_storage<B, BFloat16> {
+        if (x.is_fp32()) return Activation<B>(forward<float>(ctx, std::move(x).template take<float>()));
+        return Activation<B>(forward<BFloat16>(ctx, std::move(x).template take<BFloat16>()));
+    }
+    Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires kernels::bn_storage<B, BFloat16> {
+        if (dy.is_fp32()) return Activation<B>(backward<float>(ctx, dy.template get<float>()));
+        return Activation<B>(backward<BFloat16>(ctx, dy.template get<BFloat16>()));
     }
 
 private:
