@@ -284,6 +284,49 @@ TEST_CASE("Sequential of fp32 layers alone gives the fp32 protocol's bits throug
     for (std::int64_t i = 0; i < dx.numel(); ++i) REQUIRE(dx[i] == want_dx[i]);
 }
 
+TEST_CASE("An ActivationTrail keeps Sequential's precision rules for a hand-written chain", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    nn::Context<> ctx;
+    TwiceToBf16 twice;
+    Probe probe;
+    nn::ReLU<> relu;
+    nn::ActivationTrail<Host> trail;
+    const auto x = random_tensor(Shape{2, 5}, gen);
+    auto a = trail.forward(twice, ctx, Activation<Host>(Tensor<float>(x)));
+    a = trail.forward(probe, ctx, std::move(a));
+    a = trail.forward(relu, ctx, std::move(a));
+    CHECK(probe.given == Precision::bf16);
+    REQUIRE(a.precision() == Precision::fp32);  // the host's ReLU gave fp32
+    const auto dy = random_tensor(Shape{2, 5}, gen);
+    auto g = trail.backward(relu, ctx, Activation<Host>(Tensor<float>(dy)));
+    CHECK(g.precision() == Precision::bf16);  // ReLU was given bf16: its dx rounded back
+    g = trail.backward(probe, ctx, g);
+    CHECK(probe.dy_given == Precision::bf16);
+    g = trail.backward(twice, ctx, g);
+    CHECK(twice.dy_given == Precision::bf16);
+    REQUIRE(g.precision() == Precision::fp32);
+    // dx = 2 bf16(relu'(2x) dy), as the chain by hand.
+    for (std::int64_t i = 0; i < x.numel(); ++i) {
+        const float r = BFloat16::round(2.0f * x[i]).widen();
+        const float want = 2.0f * BFloat16::round(r > 0.0f ? dy[i] : 0.0f).widen();
+        REQUIRE(g.get<float>()[i] == want);
+    }
+    // A dy of the other precision is converted to what the layer gave.
+    auto b = trail.forward(twice, ctx, Activation<Host>(Tensor<float>(x)));
+    REQUIRE(b.precision() == Precision::bf16);
+    (void)trail.backward(twice, ctx, Activation<Host>(Tensor<float>(dy)));
+    CHECK(twice.dy_given == Precision::bf16);
+    // More backwards than forwards: a typed error, not a read past the record.
+    try {
+        (void)trail.backward(twice, ctx, Activation<Host>(Tensor<float>(dy)));
+        FAIL("a backward with no forward recorded did not throw");
+    } catch (const UsageError& e) {
+        CHECK_THAT(e.what(), Catch::Contains("no forward recorded"));
+    }
+}
+
 TEST_CASE("A bf16 activation reaching a host layer without the activation protocol is widened exactly", "[nn]") {
     nn::Context<> ctx;
     Tensor<BFloat16> h(Shape{1, 4});

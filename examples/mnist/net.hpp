@@ -37,18 +37,30 @@ struct Net {
     nn::Linear<B> fc1;  // + ReLU
     nn::Linear<B> fc2;
 
+    // The layers pass activations in the precision each gives (Note [activation precision]):
+    // under Precision::bf16 on CUDA every activation between layers is stored in bf16; the logits
+    // are widened for the loss.
     Tensor<float, B> forward(const nn::Context<B>& ctx, Tensor<float, B> x) {
-        x = bn1.forward(ctx, conv1.forward(ctx, std::move(x)));
-        x = bn2.forward(ctx, conv2.forward(ctx, std::move(x)));
-        x = flatten.forward(ctx, pool.forward(ctx, std::move(x)));
-        return fc2.forward(ctx, fc1.forward(ctx, std::move(x)));
+        trail_.clear();
+        auto a = trail_.forward(conv1, ctx, lockstep::Activation<B>(std::move(x)));
+        a = trail_.forward(bn1, ctx, std::move(a));
+        a = trail_.forward(conv2, ctx, std::move(a));
+        a = trail_.forward(bn2, ctx, std::move(a));
+        a = trail_.forward(pool, ctx, std::move(a));
+        a = trail_.forward(flatten, ctx, std::move(a));
+        a = trail_.forward(fc1, ctx, std::move(a));
+        return nn::widened(ctx, trail_.forward(fc2, ctx, std::move(a)));
     }
 
     Tensor<float, B> backward(const nn::Context<B>& ctx, const Tensor<float, B>& dy) {
-        auto g = fc1.backward(ctx, fc2.backward(ctx, dy));
-        g = pool.backward(ctx, flatten.backward(ctx, g));
-        g = conv2.backward(ctx, bn2.backward(ctx, g));
-        return conv1.backward(ctx, bn1.backward(ctx, g));
+        auto g = trail_.backward(fc2, ctx, lockstep::Activation<B>::view_of(dy));
+        g = trail_.backward(fc1, ctx, g);
+        g = trail_.backward(flatten, ctx, g);
+        g = trail_.backward(pool, ctx, g);
+        g = trail_.backward(bn2, ctx, g);
+        g = trail_.backward(conv2, ctx, g);
+        g = trail_.backward(bn1, ctx, g);
+        return nn::widened(ctx, trail_.backward(conv1, ctx, g));
     }
 
     template <class V>
@@ -60,6 +72,9 @@ struct Net {
         v.module("fc1", fc1);
         v.module("fc2", fc2);
     }
+
+private:
+    nn::ActivationTrail<B> trail_;  // what each layer was given and gave, for backward
 };
 
 }  // namespace mnist

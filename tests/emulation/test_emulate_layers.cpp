@@ -697,7 +697,8 @@ TEST_CASE("emulated convolution (im2col, cuBLAS calls, col2im) matches a direct 
 }
 
 // The columns of a bf16 product (Note [precision]) are im2col's, rounded: bit for bit, in both layouts.
-TEST_CASE("emulated im2col into bf16 gives im2col's columns rounded to nearest even, bit for bit", "[emulation][layers]") {
+TEST_CASE("emulated im2col into bf16 gives im2col's columns rounded to nearest even, from fp32 or bf16 input",
+          "[emulation][layers]") {
     const std::uint64_t seed = lockstep::test::fresh_seed();
     CAPTURE(seed);
     std::mt19937_64 rng(seed);
@@ -725,6 +726,25 @@ TEST_CASE("emulated im2col into bf16 gives im2col's columns rounded to nearest e
                     if (got != bf16_bits(cols.p[i])) ++wrong;
                 }
                 CHECK(wrong == 0);
+
+                // From an input stored in bf16 (Note [activation precision]): the columns of the
+                // widened input, each element its own bits.
+                Buffer<__nv_bfloat16> X16(x.size(), 1), from16(static_cast<std::size_t>(plan.cols()), 0);
+                std::vector<float> wide(x.size());
+                for (std::size_t i = 0; i < x.size(); ++i) {
+                    X16.p[i] = __float2bfloat16_rn(x[i]);
+                    wide[i] = __bfloat162float(X16.p[i]);
+                }
+                Buffer<float> W(wide, 0), cols_wide(static_cast<std::size_t>(plan.cols()), 0);
+                lk::im2col_bf16(run, plan, X16.data(), from16.data(), sample_major);
+                lk::im2col(run, plan, W.data(), cols_wide.data(), sample_major);
+                std::int64_t wrong16 = 0;
+                for (std::int64_t i = 0; i < plan.cols(); ++i) {
+                    std::uint16_t got;
+                    std::memcpy(&got, from16.p + i, sizeof got);
+                    if (got != bf16_bits(cols_wide.p[i]) || __bfloat162float(from16.p[i]) != cols_wide.p[i]) ++wrong16;
+                }
+                CHECK(wrong16 == 0);
             }
 }
 

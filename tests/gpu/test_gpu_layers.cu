@@ -494,6 +494,93 @@ void bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
            "Sequential<Cuda> in fp32 on the same values: the host's bits");
 }
 
+// A linear or convolution layer through the activation protocol under Precision::bf16 gives its
+// fp32 protocol's results (the same bf16 products, tested against fp64 above) with y and a bf16
+// input's dx rounded once: x of either type, dy of either type. `make` gives two layers with the
+// same parameters.
+template <class Make>
+void product_layer_bf16_activations(const std::string& name, Make make, Shape in, Shape out, nn::Context<Cuda> ctx,
+                                    std::mt19937& rng) {
+    const Device d = Device::cuda(ctx.exec.device);
+    ctx.exec.precision = Precision::bf16;
+    for (const bool x_bf16 : {false, true})
+        for (const bool dy_bf16 : {false, true}) {
+            const std::string what =
+                name + ", bf16 activations, x in " + (x_bf16 ? "bf16" : "fp32") + ", dy in " + (dy_bf16 ? "bf16" : "fp32");
+            auto [a, b] = make();
+            const auto x16 = rounded_bf16(random_host(in, rng));
+            const auto x32 = x_bf16 ? widened_host(x16) : random_host(in, rng);
+            const auto dy16 = rounded_bf16(random_host(out, rng));
+            const auto dy32 = dy_bf16 ? widened_host(dy16) : random_host(out, rng);
+            // The fp32 protocol on the same values (its products in bf16 too).
+            const auto y_want = b.forward(ctx, x32.template to<Cuda>(d)).to_host();
+            const auto dx_want = b.backward(ctx, dy32.template to<Cuda>(d)).to_host();
+            auto y =
+                a.forward(ctx, x_bf16 ? Activation<Cuda>(x16.template to<Cuda>(d)) : Activation<Cuda>(x32.template to<Cuda>(d)));
+            auto dx = a.backward(
+                ctx, dy_bf16 ? Activation<Cuda>(dy16.template to<Cuda>(d)) : Activation<Cuda>(dy32.template to<Cuda>(d)));
+            const bool y_ok = y.precision() == Precision::bf16 && same_bits(y.template get<BFloat16>().to_host(), y_want);
+            const bool dx_ok =
+                x_bf16 ? dx.precision() == Precision::bf16 && same_bits(dx.template get<BFloat16>().to_host(), dx_want)
+                       : dx.precision() == Precision::fp32 && same_bits(dx.template get<float>().to_host(), dx_want);
+            bool grads_ok = true;
+            const auto ga = gradients_of<Cuda>(a), gb = gradients_of<Cuda>(b);
+            for (std::size_t i = 0; i < ga.size(); ++i)
+                grads_ok = grads_ok && ga[i].size() == gb[i].size() &&
+                           std::memcmp(ga[i].data(), gb[i].data(), ga[i].size() * sizeof(float)) == 0;
+            expect(y_ok, what + ": y is the fp32 protocol's y rounded once");
+            expect(dx_ok, what + ": dx is the fp32 protocol's, in x's type");
+            expect(grads_ok && !ga.empty(), what + ": the parameter gradients are the fp32 protocol's, bit for bit");
+        }
+}
+
+void linear_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
+    const Device d = Device::cuda(ctx.exec.device);
+    for (const bool relu : {false, true})
+        product_layer_bf16_activations(
+            std::string("Linear 37->19") + (relu ? " + ReLU" : ""),
+            [&] {
+                nn::Generator g1(11), g2(11);
+                return std::pair{nn::Linear<Cuda>(37, 19, {.fused_relu = relu}, g1),
+                                 nn::Linear<Cuda>(37, 19, {.fused_relu = relu}, g2)};
+            },
+            Shape{6, 37}, Shape{6, 19}, ctx, rng);
+    product_layer_bf16_activations(
+        "Conv2d 3->5 k3 p1",
+        [&] {
+            nn::Generator g1(13), g2(13);
+            return std::pair{nn::Conv2d<Cuda>(3, 5, 3, {.padding = 1}, g1), nn::Conv2d<Cuda>(3, 5, 3, {.padding = 1}, g2)};
+        },
+        Shape{2, 3, 7, 6}, Shape{2, 5, 7, 6}, ctx, rng);
+    product_layer_bf16_activations(
+        "Conv2d 4->3 k3 s2 no bias",
+        [&] {
+            nn::Generator g1(17), g2(17);
+            return std::pair{nn::Conv2d<Cuda>(4, 3, 3, {.stride = 2, .bias = false}, g1),
+                             nn::Conv2d<Cuda>(4, 3, 3, {.stride = 2, .bias = false}, g2)};
+        },
+        Shape{3, 4, 9, 8}, Shape{3, 3, 4, 3}, ctx, rng);
+
+    // Under fp32: a bf16 input widened, y in fp32.
+    ctx.exec.precision = Precision::fp32;
+    nn::Generator g1(5), g2(5);
+    nn::Linear<Cuda> a(8, 3, true, g1), b(8, 3, true, g2);
+    const auto x16 = rounded_bf16(random_host(Shape{4, 8}, rng));
+    auto y = a.forward(ctx, Activation<Cuda>(x16.to<Cuda>(d)));
+    const auto y_want = b.forward(ctx, widened_host(x16).to<Cuda>(d)).to_host();
+    expect(y.precision() == Precision::fp32 && same_bits(y.get<float>().to_host(), y_want),
+           "Linear under Precision::fp32 takes a bf16 input widened and gives fp32");
+    // The fp32 protocol's backward after a bf16 forward gives fp32 dx.
+    ctx.exec.precision = Precision::bf16;
+    (void)a.forward(ctx, Activation<Cuda>(x16.to<Cuda>(d)));
+    const auto dy = random_host(Shape{4, 3}, rng);
+    const auto dx = a.backward(ctx, dy.to<Cuda>(d));
+    (void)b.forward(ctx, widened_host(x16).to<Cuda>(d));
+    const auto dx_want = b.backward(ctx, dy.to<Cuda>(d)).to_host();
+    expect(same_bits(widened_host(rounded_bf16(dx_want)), dx.to_host()),
+           "Linear: the fp32 protocol's backward after a bf16 forward gives the bf16 dx widened");
+}
+
 }  // namespace
 
 int main() {
@@ -618,6 +705,7 @@ int main() {
         rounding_takes_effect(ctx, Rounding::tf32, rng);
         rounding_takes_effect(ctx, Rounding::bf16, rng);
         bf16_activations(ctx, rng);
+        linear_bf16_activations(ctx, rng);
 
         // ---- the losses ----
         {

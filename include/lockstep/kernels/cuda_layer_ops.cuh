@@ -383,14 +383,7 @@ struct LayerOps {
         }
 #endif
         if (ex.precision == Precision::bf16 && c.N > 0 && c.O > 0 && c.K > 0 && c.P > 0) {
-            // Note [precision]: the columns written in bf16 by im2col itself, the weight rounded once.
-            namespace lk = device::layer_kernels;
-            const std::int64_t at_w = layer_detail::LayerRun::bf16_aligned(c.cols());
-            __nv_bfloat16* cols16 = workspace(ex).bf16_at_least(at_w + c.O * c.K, ex.device);
-            lk::im2col_bf16(run, c, x.data(), cols16, /*sample_major=*/true);
-            lk::to_bf16(run, weight.data(), cols16 + at_w, c.O * c.K);
-            run.gemm_on_bf16(lk::conv_forward_gemm(c, nullptr, nullptr, y.data()), cols16, cols16 + at_w);
-            if (bias != nullptr) lk::bias_act(run, y.data(), c.N, c.O, c.P, bias->data(), false, nullptr);
+            conv_forward_on_bf16(run, ex, c, x.data(), weight, bias, y.data());
             return;
         }
         float* cols = workspace(ex).at_least(device::layer_kernels::conv_forward_buffers(c).cols, ex.device);
@@ -419,24 +412,7 @@ struct LayerOps {
         }
 #endif
         if (ex.precision == Precision::bf16 && c.N > 0 && c.O > 0 && c.K > 0 && c.P > 0) {
-            // Note [precision]: the columns in bf16 from im2col itself; dy channel-major in fp32,
-            // then rounded, with the weight; dcols in fp32 for col2im.
-            namespace lk = device::layer_kernels;
-            using Run = layer_detail::LayerRun;
-            const std::int64_t dyt_n = c.N * c.O * c.P, at_dcols = LayerWorkspace::aligned(dyt_n);
-            float* dyt = workspace(ex).at_least(at_dcols + c.cols(), ex.device);
-            float* dcols = dyt + at_dcols;
-            const std::int64_t at_dyt16 = Run::bf16_aligned(c.cols()), at_w16 = at_dyt16 + Run::bf16_aligned(dyt_n);
-            __nv_bfloat16* cols16 = workspace(ex).bf16_at_least(at_w16 + c.O * c.K, ex.device);
-            __nv_bfloat16 *dyt16 = cols16 + at_dyt16, *w16 = cols16 + at_w16;
-            lk::channel_major(run, dy.data(), dyt, c.N, c.O, c.P);
-            lk::to_bf16(run, dyt, dyt16, dyt_n);
-            lk::im2col_bf16(run, c, x.data(), cols16, /*sample_major=*/false);
-            run.gemm_on_bf16(lk::conv_weight_grad_gemm(c, nullptr, nullptr, weight_grad.data()), cols16, dyt16);
-            if (bias_grad != nullptr) lk::channel_sums(run, dy.data(), c.N, c.O, c.P, bias_grad->data());
-            lk::to_bf16(run, weight.data(), w16, c.O * c.K);
-            run.gemm_on_bf16(lk::conv_input_grad_gemm(c, nullptr, nullptr, dcols), dyt16, w16);
-            lk::col2im(run, c, dcols, dx.data(), /*sample_major=*/false);
+            conv_backward_on_bf16(run, ex, c, x.data(), dy.data(), weight, weight_grad, bias_grad, dx.data());
             return;
         }
         const auto sizes = device::layer_kernels::conv_backward_buffers(c);
@@ -447,6 +423,61 @@ struct LayerOps {
         float* dyt = cols + at_dyt;
         device::layer_kernels::conv2d_backward(run, c, x.data(), dy.data(), weight.data(), weight_grad.data(),
                                                bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data(), cols, dcols, dyt);
+    }
+
+    //! The bf16 form of conv2d_forward (Note [activation precision]): y stored in bf16, from x in
+    //! fp32 or stored in bf16, the products on bf16 operands (Note [precision]) accumulated in fp32,
+    //! the bias added in fp32 before the one rounding. Under Precision::bf16 only.
+    template <activation_storage X>
+    static void conv2d_forward(const Ex& ex, const ConvGeometry& g, const T_<X>& x, const T_<float>& weight,
+                               const T_<float>* bias, T_<BFloat16>& y, ConvScratch&) {
+        const device::layer_kernels::ConvPlan c(g);
+        check_conv(ex, c, x, weight, bias, "conv2d_forward");
+        layer_detail::check_numel(y, c.N * c.O * c.P, "conv2d_forward", "y");
+        check_bf16_activations(ex, "conv2d_forward");
+        if (y.numel() == 0) return;
+        layer_detail::LayerRun run(ex);
+        T_<float> y32(Shape{y.numel()}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
+        conv_forward_on_bf16(run, ex, c, on_device(x.data()), weight, bias, y32.data());
+        device::layer_kernels::to_bf16(run, y32.data(), on_device(y.data()), y.numel());
+    }
+
+    //! The bf16 form of conv2d_backward (Note [activation precision]): x and dx in one type, dy in
+    //! either, at least one of them bf16; the products on bf16 operands, the bias gradient summed
+    //! in fp32, dx rounded once where it is bf16. Under Precision::bf16 only.
+    template <activation_storage X, activation_storage D>
+    requires(!(std::same_as<X, float> && std::same_as<D, float>)) static void conv2d_backward(
+        const Ex& ex, const ConvGeometry& g, const T_<X>& x, const T_<D>& dy, const T_<float>& weight, T_<float>& weight_grad,
+        T_<float>* bias_grad, T_<X>& dx, ConvScratch&) {
+        const device::layer_kernels::ConvPlan c(g);
+        check_conv(ex, c, x, weight, bias_grad, "conv2d_backward");
+        layer_detail::check_on(ex, dy, "conv2d_backward's dy");
+        layer_detail::check_numel(dy, c.N * c.O * c.P, "conv2d_backward", "dy");
+        layer_detail::check_numel(weight_grad, c.O * c.K, "conv2d_backward", "the weight gradient");
+        layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
+        check_bf16_activations(ex, "conv2d_backward");
+        if (c.N == 0) return;
+        layer_detail::LayerRun run(ex);
+        const Device here = Device::cuda(ex.device);
+        // dy widened where it is bf16: its channel-major copy and the bias's sums read fp32.
+        T_<float> dy_wide, dx_wide;
+        const float* dy32 = nullptr;
+        if constexpr (std::same_as<D, float>) {
+            dy32 = dy.data();
+        } else {
+            dy_wide = T_<float>(Shape{dy.numel()}, MemoryFormat::nchw, here, uninitialized);
+            device::layer_kernels::from_bf16(run, on_device(dy.data()), dy_wide.data(), dy.numel());
+            dy32 = dy_wide.data();
+        }
+        float* dx32 = nullptr;
+        if constexpr (std::same_as<X, float>) {
+            dx32 = dx.data();
+        } else {
+            dx_wide = T_<float>(Shape{dx.numel()}, MemoryFormat::nchw, here, uninitialized);
+            dx32 = dx_wide.data();
+        }
+        conv_backward_on_bf16(run, ex, c, on_device(x.data()), dy32, weight, weight_grad, bias_grad, dx32);
+        if constexpr (!std::same_as<X, float>) device::layer_kernels::to_bf16(run, dx32, on_device(dx.data()), dx.numel());
     }
 
     //! y (N, out) = x (N, in) weight^T + bias (`bias` may be null); with `relu`, y = max(0, y) and
@@ -477,6 +508,86 @@ struct LayerOps {
         device::layer_kernels::linear_backward(run, N, in, out, x.data(), dy.data(), mask != nullptr ? mask->data() : nullptr,
                                                masked.data(), weight.data(), weight_grad.data(),
                                                bias_grad != nullptr ? bias_grad->data() : nullptr, dx.data());
+    }
+
+    //! The bf16 form of linear_forward (Note [activation precision]): y in bf16, from x (fp32 or
+    //! bf16) and the weight rounded to bf16, accumulated in fp32, the bias and ReLU added in fp32
+    //! (the mask from the fp32 value) before the one rounding.
+    template <activation_storage X>
+    static void linear_forward(const Ex& ex, const T_<X>& x, const T_<float>& weight, const T_<float>* bias, T_<BFloat16>& y,
+                               bool relu, T_<std::uint8_t>* mask) {
+        const auto [N, in, out] = linear_sizes(ex, x, weight, bias, "linear_forward");
+        layer_detail::check_numel(y, N * out, "linear_forward", "y");
+        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_forward", "the mask");
+        check_bf16_activations(ex, "linear_forward");
+        if (N == 0 || out == 0) return;
+        layer_detail::LayerRun run(ex);
+        using Run = layer_detail::LayerRun;
+        const std::int64_t at_x = Run::bf16_aligned(out * in);
+        __nv_bfloat16* w16 = workspace(ex).bf16_at_least(at_x + (std::same_as<X, float> ? N * in : 0), ex.device);
+        device::layer_kernels::to_bf16(run, weight.data(), w16, out * in);
+        const __nv_bfloat16* x16 = bf16_operand(run, x.data(), N * in, w16 + at_x);
+        T_<float> y32(Shape{N * out}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
+        run.gemm_on_bf16(device::layer_kernels::linear_forward_gemm(N, in, out, nullptr, nullptr, y32.data()), w16, x16);
+        if (bias != nullptr || relu)
+            device::layer_kernels::bias_act(run, y32.data(), N, out, 1, bias != nullptr ? bias->data() : nullptr, relu,
+                                            mask != nullptr ? mask->data() : nullptr);
+        device::layer_kernels::to_bf16(run, y32.data(), on_device(y.data()), N * out);
+    }
+
+    //! The bf16 form of linear_backward (Note [activation precision]): x and dx in one type, dy in
+    //! either, at least one of them bf16. The products take bf16 operands (x and dy as they are
+    //! where they are bf16, else rounded; the weight rounded) and accumulate in fp32; the bias
+    //! gradient sums dy in fp32; dx is rounded once where it is bf16.
+    template <activation_storage X, activation_storage D>
+    requires(!(std::same_as<X, float> &&
+               std::same_as<D, float>)) static void linear_backward(const Ex& ex, const T_<X>& x, const T_<D>& dy,
+                                                                    const T_<std::uint8_t>* mask, const T_<float>& weight,
+                                                                    T_<float>& weight_grad, T_<float>* bias_grad, T_<X>& dx) {
+        const auto [N, in, out] = linear_sizes(ex, x, weight, bias_grad, "linear_backward");
+        layer_detail::check_on(ex, dy, "linear_backward's dy");
+        layer_detail::check_numel(dy, N * out, "linear_backward", "dy");
+        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_backward", "the mask");
+        layer_detail::check_numel(weight_grad, out * in, "linear_backward", "the weight gradient");
+        layer_detail::check_numel(dx, N * in, "linear_backward", "dx");
+        check_bf16_activations(ex, "linear_backward");
+        layer_detail::LayerRun run(ex);
+        using Run = layer_detail::LayerRun;
+        const Device here = Device::cuda(ex.device);
+        // g = dy where the mask is set, in dy's type.
+        T_<D> masked;
+        const D* g = dy.data();
+        if (mask != nullptr && N * out > 0) {
+            masked = T_<D>(Shape{N * out}, MemoryFormat::nchw, here, uninitialized);
+            device::layer_kernels::relu_backward(run, on_device(dy.data()), mask->data(), on_device(masked.data()), N * out);
+            g = masked.data();
+        }
+        if (bias_grad != nullptr && N > 0) {
+            if constexpr (std::same_as<D, float>) {
+                device::layer_kernels::channel_sums(run, g, N, out, 1, bias_grad->data());
+            } else {
+                T_<float> wide(Shape{N * out}, MemoryFormat::nchw, here, uninitialized);
+                device::layer_kernels::from_bf16(run, on_device(g), wide.data(), N * out);
+                device::layer_kernels::channel_sums(run, wide.data(), N, out, 1, bias_grad->data());
+            }
+        }
+        if (N == 0) return;
+        // The operands in bf16: the weight, then dy and x where they are fp32.
+        const std::int64_t at_g = Run::bf16_aligned(out * in),
+                           at_x = at_g + Run::bf16_aligned(std::same_as<D, float> ? N * out : 0);
+        __nv_bfloat16* w16 = workspace(ex).bf16_at_least(at_x + (std::same_as<X, float> ? N * in : 0), ex.device);
+        device::layer_kernels::to_bf16(run, weight.data(), w16, out * in);
+        const __nv_bfloat16* g16 = bf16_operand(run, g, N * out, w16 + at_g);
+        const __nv_bfloat16* x16 = bf16_operand(run, x.data(), N * in, w16 + at_x);
+        run.gemm_on_bf16(device::layer_kernels::linear_weight_grad_gemm(N, in, out, nullptr, nullptr, weight_grad.data()), x16,
+                         g16);
+        if constexpr (std::same_as<X, float>) {
+            run.gemm_on_bf16(device::layer_kernels::linear_input_grad_gemm(N, in, out, nullptr, nullptr, dx.data()), w16, g16);
+        } else {
+            T_<float> dx32(Shape{N * in}, MemoryFormat::nchw, here, uninitialized);
+            run.gemm_on_bf16(device::layer_kernels::linear_input_grad_gemm(N, in, out, nullptr, nullptr, dx32.data()), w16, g16);
+            device::layer_kernels::to_bf16(run, dx32.data(), on_device(dx.data()), N * in);
+        }
     }
 
     //! x = max(x, 0) in place (NaN stays NaN); `mask` (may be null) records where x > 0.
@@ -647,7 +758,61 @@ private:
     static LayerWorkspace& workspace(const Ex& ex) { return layer_detail::workspace(ex); }
     static layer_detail::WorkspaceBytes workspace_bytes(const Ex& ex) { return {ex}; }
 
-    static void check_conv(const Ex& ex, const device::layer_kernels::ConvPlan& c, const T_<float>& x, const T_<float>& weight,
+    // Note [precision]: a convolution's products on bf16 operands, the columns written in bf16 by
+    // im2col itself (from x in fp32 or bf16, S), the weight rounded once; y in fp32 (c.N, c.O > 0).
+    template <class S>
+    static void conv_forward_on_bf16(layer_detail::LayerRun& run, const Ex& ex, const device::layer_kernels::ConvPlan& c,
+                                     const S* x, const T_<float>& weight, const T_<float>* bias, float* y) {
+        namespace lk = device::layer_kernels;
+        if (c.K == 0 || c.P == 0) {  // no products: the bias alone
+            lk::fill(run, y, c.N * c.O * c.P, 0.0f);
+        } else {
+            const std::int64_t at_w = layer_detail::LayerRun::bf16_aligned(c.cols());
+            __nv_bfloat16* cols16 = workspace(ex).bf16_at_least(at_w + c.O * c.K, ex.device);
+            lk::im2col_bf16(run, c, x, cols16, /*sample_major=*/true);
+            lk::to_bf16(run, weight.data(), cols16 + at_w, c.O * c.K);
+            run.gemm_on_bf16(lk::conv_forward_gemm(c, nullptr, nullptr, y), cols16, cols16 + at_w);
+        }
+        if (bias != nullptr) lk::bias_act(run, y, c.N, c.O, c.P, bias->data(), false, nullptr);
+    }
+
+    // Note [precision]: the columns in bf16 from im2col itself (x in fp32 or bf16, S); dy (fp32)
+    // channel-major, then rounded, with the weight; dcols in fp32 for col2im into dx (fp32).
+    template <class S>
+    static void conv_backward_on_bf16(layer_detail::LayerRun& run, const Ex& ex, const device::layer_kernels::ConvPlan& c,
+                                      const S* x, const float* dy, const T_<float>& weight, T_<float>& weight_grad,
+                                      T_<float>* bias_grad, float* dx) {
+        namespace lk = device::layer_kernels;
+        using Run = layer_detail::LayerRun;
+        if (bias_grad != nullptr) lk::channel_sums(run, dy, c.N, c.O, c.P, bias_grad->data());
+        if (c.O == 0 || c.K == 0 || c.P == 0) {  // no products: nothing reaches x
+            lk::fill(run, dx, c.N * c.C * c.H * c.W, 0.0f);
+            return;
+        }
+        const std::int64_t dyt_n = c.N * c.O * c.P, at_dcols = LayerWorkspace::aligned(dyt_n);
+        float* dyt = workspace(ex).at_least(at_dcols + c.cols(), ex.device);
+        float* dcols = dyt + at_dcols;
+        const std::int64_t at_dyt16 = Run::bf16_aligned(c.cols()), at_w16 = at_dyt16 + Run::bf16_aligned(dyt_n);
+        __nv_bfloat16* cols16 = workspace(ex).bf16_at_least(at_w16 + c.O * c.K, ex.device);
+        __nv_bfloat16 *dyt16 = cols16 + at_dyt16, *w16 = cols16 + at_w16;
+        lk::channel_major(run, dy, dyt, c.N, c.O, c.P);
+        lk::to_bf16(run, dyt, dyt16, dyt_n);
+        lk::im2col_bf16(run, c, x, cols16, /*sample_major=*/false);
+        run.gemm_on_bf16(lk::conv_weight_grad_gemm(c, nullptr, nullptr, weight_grad.data()), cols16, dyt16);
+        lk::to_bf16(run, weight.data(), w16, c.O * c.K);
+        run.gemm_on_bf16(lk::conv_input_grad_gemm(c, nullptr, nullptr, dcols), dyt16, w16);
+        lk::col2im(run, c, dcols, dx, /*sample_major=*/false);
+    }
+
+    // The bf16 forms of the layers run under Precision::bf16 alone (the layers call them so).
+    static void check_bf16_activations(const Ex& ex, const char* op) {
+        LOCKSTEP_CHECK_AS(UsageError, ex.precision == Precision::bf16, op,
+                          " on CUDA with bf16 activations runs under Precision::bf16; the replica's precision is ",
+                          to_string(ex.precision), " (its layers take fp32 activations there)");
+    }
+
+    template <class X>
+    static void check_conv(const Ex& ex, const device::layer_kernels::ConvPlan& c, const T_<X>& x, const T_<float>& weight,
                            const T_<float>* bias, const char* op) {
         layer_detail::check_on(ex, x, "a convolution's input");
         layer_detail::check_on(ex, weight, "a convolution's weight");
@@ -656,10 +821,21 @@ private:
         if (bias != nullptr) layer_detail::check_numel(*bias, c.O, op, "the bias");
     }
 
+    // An operand of a bf16 product: `n` elements at `p`, as they are where they are bf16, else
+    // rounded into `room` (in the replica's workspace).
+    static const __nv_bfloat16* bf16_operand(layer_detail::LayerRun& run, const float* p, std::int64_t n, __nv_bfloat16* room) {
+        device::layer_kernels::to_bf16(run, p, room, n);
+        return room;
+    }
+    static const __nv_bfloat16* bf16_operand(layer_detail::LayerRun&, const BFloat16* p, std::int64_t, __nv_bfloat16*) {
+        return on_device(p);
+    }
+
     struct LinearSizes {
         std::int64_t N, in, out;
     };
-    static LinearSizes linear_sizes(const Ex& ex, const T_<float>& x, const T_<float>& weight, const T_<float>* bias,
+    template <class X>
+    static LinearSizes linear_sizes(const Ex& ex, const T_<X>& x, const T_<float>& weight, const T_<float>* bias,
                                     const char* op) {
         layer_detail::check_on(ex, x, "a linear layer's input");
         layer_detail::check_on(ex, weight, "a linear layer's weight");

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <utility>
+#include <vector>
 
 #include "lockstep/core/activation.hpp"
 #include "lockstep/core/backend.hpp"
 #include "lockstep/core/bfloat16.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/ops.hpp"
 #include "lockstep/nn/context.hpp"
@@ -91,5 +93,40 @@ Activation<typename M::backend> backward_any(M& m, const Context<typename M::bac
         return converted(ctx, Activation<B>(m.backward(ctx, wide)), input);
     }
 }
+
+//! The precisions a hand-written chain of layers passed activations in, so that its backward keeps
+//! Note [activation precision]'s rules as nn::Sequential does: `forward(m, ctx, x)` runs m on x
+//! (through forward_any) and records what m was given and gave; `backward(m, ctx, dy)`, called in
+//! the reverse order, takes dy in what m gave (converting it if needed) and returns dx in what m
+//! was given. A module holds one and calls `clear()` at the start of each forward.
+template <BackendTag B>
+class ActivationTrail {
+public:
+    void clear() noexcept { steps_.clear(); }
+
+    template <class M>
+    Activation<B> forward(M& m, const Context<B>& ctx, Activation<B> x) {
+        const Precision given = x.precision();
+        auto y = forward_any(m, ctx, std::move(x));
+        steps_.push_back({given, y.precision()});
+        return y;
+    }
+
+    template <class M>
+    Activation<B> backward(M& m, const Context<B>& ctx, const Activation<B>& dy) {
+        LOCKSTEP_CHECK_AS(UsageError, !steps_.empty(), "a layer's backward has no forward recorded in its ActivationTrail: ",
+                          "call backward once per forward, in the reverse order");
+        const Step s = steps_.back();
+        steps_.pop_back();
+        if (dy.precision() != s.gave) return backward_any(m, ctx, converted(ctx, dy, s.gave), s.given);
+        return backward_any(m, ctx, dy, s.given);
+    }
+
+private:
+    struct Step {
+        Precision given, gave;
+    };
+    std::vector<Step> steps_;
+};
 
 }  // namespace lockstep::nn

@@ -5,9 +5,12 @@
 #include <cstdint>
 #include <string>
 
+#include "lockstep/core/activation.hpp"
+#include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/ops.hpp"
+#include "lockstep/nn/activation_precision.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/parameter.hpp"
@@ -61,30 +64,58 @@ public:
     std::int64_t out_extent(std::int64_t extent) const { return (extent + 2 * options_.padding - k_) / options_.stride + 1; }
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
-        check_input(x);
-        check_device(weight.value.device(), x.device(), describe() + ": the input");
+        check_input(x.shape(), x.device());
         const auto g = geometry(x.shape(), x.format());
         Tensor<float, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);
         K::conv2d_forward(ctx.exec, g, x, weight.value, options_.bias ? &bias.value : nullptr, y, scratch_);
-        if (ctx.training) saved_x_ = std::move(x);
+        if (ctx.training) saved_x_ = Activation<B>(std::move(x));
         return y;
     }
 
     Tensor<float, B> backward(const Context<B>& ctx, const Tensor<float, B>& dy) {
-        LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 4, describe(),
-                          ": backward called without a training-mode forward before it");
-        const auto g = geometry(saved_x_.shape(), saved_x_.format());
-        const Shape out{g.batch, out_, g.out_height(), g.out_width()};
-        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == out && dy.format() == saved_x_.format(), describe(), ": dy has shape ",
-                          dy.shape(), " ", to_string(dy.format()), " but the forward output had ", out, " ",
-                          to_string(saved_x_.format()));
-        check_device(saved_x_.device(), dy.device(), describe() + ": dy");
-        Tensor<float, B> dx(saved_x_.shape(), saved_x_.format(), saved_x_.device(), uninitialized);
-        K::conv2d_backward(ctx.exec, g, saved_x_, dy, weight.value, weight.grad, options_.bias ? &bias.grad : nullptr, dx,
-                           scratch_);
-        ctx.mark_grad_ready(&weight);
-        if (options_.bias) ctx.mark_grad_ready(&bias);
-        saved_x_ = Tensor<float, B>();
+        if constexpr (K::bf16_activations) {  // a bf16 forward: dx in fp32, as this protocol says
+            if (!saved_x_.is_fp32()) return widened(ctx, backward(ctx, Activation<B>::view_of(dy)));
+        }
+        const auto g = check_dy(dy.shape(), dy.format(), dy.device());
+        const auto& x = saved_x_.template get<float>();
+        Tensor<float, B> dx(x.shape(), x.format(), x.device(), uninitialized);
+        K::conv2d_backward(ctx.exec, g, x, dy, weight.value, weight.grad, options_.bias ? &bias.grad : nullptr, dx, scratch_);
+        finish_backward(ctx);
+        return dx;
+    }
+
+    //! The activation protocol where the backend has bf16 convolutions (Note [activation
+    //! precision]): under Precision::bf16 y is stored in bf16 (the products on bf16 operands, the
+    //! bias in fp32, one rounding), x of either type is kept as given for backward and dx has its
+    //! type; under fp32 the fp32 protocol on x widened.
+    Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
+        if (activation_precision(ctx) == Precision::fp32) return Activation<B>(forward(ctx, widened(ctx, std::move(x))));
+        check_input(x.shape(), x.device());
+        const auto g = geometry(x.shape(), x.format());
+        Tensor<BFloat16, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);
+        const Tensor<float, B>* b = options_.bias ? &bias.value : nullptr;
+        if (x.is_fp32())
+            K::conv2d_forward(ctx.exec, g, x.template get<float>(), weight.value, b, y, scratch_);
+        else
+            K::conv2d_forward(ctx.exec, g, x.template get<BFloat16>(), weight.value, b, y, scratch_);
+        if (ctx.training) saved_x_ = std::move(x);
+        return Activation<B>(std::move(y));
+    }
+
+    Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
+        if (saved_x_.is_fp32() && dy.is_fp32()) return Activation<B>(backward(ctx, dy.template get<float>()));
+        const auto g = check_dy(dy.shape(), dy.format(), dy.device());
+        const auto run = [&]<class X, class D>() {
+            const auto& x = saved_x_.template get<X>();
+            Tensor<X, B> dx(x.shape(), x.format(), x.device(), uninitialized);
+            K::conv2d_backward(ctx.exec, g, x, dy.template get<D>(), weight.value, weight.grad,
+                               options_.bias ? &bias.grad : nullptr, dx, scratch_);
+            return Activation<B>(std::move(dx));
+        };
+        Activation<B> dx = saved_x_.is_fp32() ? run.template operator()<float, BFloat16>()
+                           : dy.is_fp32()     ? run.template operator()<BFloat16, float>()
+                                              : run.template operator()<BFloat16, BFloat16>();
+        finish_backward(ctx);
         return dx;
     }
 
@@ -103,16 +134,35 @@ private:
         return g;
     }
 
-    void check_input(const Tensor<float, B>& x) const {
-        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 4 && x.dim(1) == in_, describe(), ": expected input (N, ", in_,
-                          ", H, W), got shape ", x.shape());
-        LOCKSTEP_CHECK_AS(ShapeError, x.dim(2) + 2 * options_.padding >= k_ && x.dim(3) + 2 * options_.padding >= k_, describe(),
-                          ": input ", x.shape(), " is smaller than the kernel (", k_, ") plus padding");
+    void check_input(const Shape& x, const Device& device) const {
+        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 4 && x[1] == in_, describe(), ": expected input (N, ", in_,
+                          ", H, W), got shape ", x);
+        LOCKSTEP_CHECK_AS(ShapeError, x[2] + 2 * options_.padding >= k_ && x[3] + 2 * options_.padding >= k_, describe(),
+                          ": input ", x, " is smaller than the kernel (", k_, ") plus padding");
+        check_device(weight.value.device(), device, describe() + ": the input");
+    }
+
+    // The forward's geometry, after checking dy against its output.
+    kernels::ConvGeometry check_dy(const Shape& dy, MemoryFormat format, const Device& device) const {
+        LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 4, describe(),
+                          ": backward called without a training-mode forward before it");
+        const auto g = geometry(saved_x_.shape(), saved_x_.format());
+        const Shape out{g.batch, out_, g.out_height(), g.out_width()};
+        LOCKSTEP_CHECK_AS(ShapeError, dy == out && format == saved_x_.format(), describe(), ": dy has shape ", dy, " ",
+                          to_string(format), " but the forward output had ", out, " ", to_string(saved_x_.format()));
+        check_device(saved_x_.device(), device, describe() + ": dy");
+        return g;
+    }
+
+    void finish_backward(const Context<B>& ctx) {
+        ctx.mark_grad_ready(&weight);
+        if (options_.bias) ctx.mark_grad_ready(&bias);
+        saved_x_ = Activation<B>();
     }
 
     std::int64_t in_, out_, k_;
     Conv2dOptions options_;
-    Tensor<float, B> saved_x_;
+    Activation<B> saved_x_;                          // the forward's input, in the type it was given
     typename kernels::Ops<B>::ConvScratch scratch_;  // the backend's per-layer buffers
 };
 

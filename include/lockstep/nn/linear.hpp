@@ -6,9 +6,12 @@
 #include <cstdint>
 #include <string>
 
+#include "lockstep/core/activation.hpp"
+#include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/ops.hpp"
+#include "lockstep/nn/activation_precision.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/parameter.hpp"
@@ -67,39 +70,91 @@ public:
     }
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
-        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && x.dim(1) == in_, describe(), ": expected input (N, ", in_, "), got shape ",
-                          x.shape(), x.rank() == 4 ? "; put a Flatten before it" : "");
-        check_device(weight.value.device(), x.device(), describe() + ": the input");
+        check_input(x.shape(), x.device());
         Tensor<float, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
         if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);
         K::linear_forward(ctx.exec, x, weight.value, has_bias_ ? &bias.value : nullptr, y, relu_,
                           relu_ && ctx.training ? &relu_mask_ : nullptr);
-        if (ctx.training) saved_x_ = std::move(x);
+        if (ctx.training) saved_x_ = Activation<B>(std::move(x));
         return y;
     }
 
     Tensor<float, B> backward(const Context<B>& ctx, const Tensor<float, B>& dy) {
-        LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 2, describe(),
-                          ": backward called without a training-mode forward before it");
-        const std::int64_t N = saved_x_.dim(0);
-        LOCKSTEP_CHECK_AS(ShapeError, dy.shape() == (Shape{N, out_}), describe(), ": dy has shape ", dy.shape(),
-                          " but the forward output had ", Shape{N, out_});
-        check_device(saved_x_.device(), dy.device(), describe() + ": dy");
+        if constexpr (K::bf16_activations) {  // a bf16 forward: dx in fp32, as this protocol says
+            if (!saved_x_.is_fp32()) return widened(ctx, backward(ctx, Activation<B>::view_of(dy)));
+        }
+        const std::int64_t N = check_dy(dy.shape(), dy.device());
         Tensor<float, B> dx(Shape{N, in_}, MemoryFormat::nchw, dy.device(), uninitialized);
-        K::linear_backward(ctx.exec, saved_x_, dy, relu_ ? &relu_mask_ : nullptr, weight.value, weight.grad,
+        K::linear_backward(ctx.exec, saved_x_.template get<float>(), dy, relu_ ? &relu_mask_ : nullptr, weight.value, weight.grad,
                            has_bias_ ? &bias.grad : nullptr, dx);
-        ctx.mark_grad_ready(&weight);
-        if (has_bias_) ctx.mark_grad_ready(&bias);
-        saved_x_ = Tensor<float, B>();
-        relu_mask_ = Tensor<std::uint8_t, B>();
+        finish_backward(ctx);
+        return dx;
+    }
+
+    //! The activation protocol where the backend has bf16 linear layers (Note [activation
+    //! precision]): under Precision::bf16 y is stored in bf16 (the products on bf16 operands, the
+    //! bias and ReLU in fp32, one rounding), x of either type is kept as given for backward and dx
+    //! has its type; under fp32 the fp32 protocol on x widened.
+    Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
+        if (activation_precision(ctx) == Precision::fp32) return Activation<B>(forward(ctx, widened(ctx, std::move(x))));
+        check_input(x.shape(), x.device());
+        Tensor<BFloat16, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
+        if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);
+        Tensor<std::uint8_t, B>* mask = relu_ && ctx.training ? &relu_mask_ : nullptr;
+        const Tensor<float, B>* b = has_bias_ ? &bias.value : nullptr;
+        if (x.is_fp32())
+            K::linear_forward(ctx.exec, x.template get<float>(), weight.value, b, y, relu_, mask);
+        else
+            K::linear_forward(ctx.exec, x.template get<BFloat16>(), weight.value, b, y, relu_, mask);
+        if (ctx.training) saved_x_ = std::move(x);
+        return Activation<B>(std::move(y));
+    }
+
+    Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
+        if (saved_x_.is_fp32() && dy.is_fp32()) return Activation<B>(backward(ctx, dy.template get<float>()));
+        const std::int64_t N = check_dy(dy.shape(), dy.device());
+        const auto run = [&]<class X, class D>() {
+            Tensor<X, B> dx(Shape{N, in_}, MemoryFormat::nchw, dy.device(), uninitialized);
+            K::linear_backward(ctx.exec, saved_x_.template get<X>(), dy.template get<D>(), relu_ ? &relu_mask_ : nullptr,
+                               weight.value, weight.grad, has_bias_ ? &bias.grad : nullptr, dx);
+            return Activation<B>(std::move(dx));
+        };
+        Activation<B> dx = saved_x_.is_fp32() ? run.template operator()<float, BFloat16>()
+                           : dy.is_fp32()     ? run.template operator()<BFloat16, float>()
+                                              : run.template operator()<BFloat16, BFloat16>();
+        finish_backward(ctx);
         return dx;
     }
 
 private:
+    void check_input(const Shape& x, const Device& device) const {
+        LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && x[1] == in_, describe(), ": expected input (N, ", in_, "), got shape ", x,
+                          x.rank() == 4 ? "; put a Flatten before it" : "");
+        check_device(weight.value.device(), device, describe() + ": the input");
+    }
+
+    // The batch of the saved input, after checking dy against the forward's output.
+    std::int64_t check_dy(const Shape& dy, const Device& device) const {
+        LOCKSTEP_CHECK_AS(UsageError, saved_x_.rank() == 2, describe(),
+                          ": backward called without a training-mode forward before it");
+        const std::int64_t N = saved_x_.dim(0);
+        LOCKSTEP_CHECK_AS(ShapeError, dy == (Shape{N, out_}), describe(), ": dy has shape ", dy, " but the forward output had ",
+                          Shape{N, out_});
+        check_device(saved_x_.device(), device, describe() + ": dy");
+        return N;
+    }
+
+    void finish_backward(const Context<B>& ctx) {
+        ctx.mark_grad_ready(&weight);
+        if (has_bias_) ctx.mark_grad_ready(&bias);
+        saved_x_ = Activation<B>();
+        relu_mask_ = Tensor<std::uint8_t, B>();
+    }
+
     std::int64_t in_, out_;
     bool has_bias_;
     bool relu_;
-    Tensor<float, B> saved_x_;
+    Activation<B> saved_x_;              // the forward's input, in the type it was given
     Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu: where the output was positive
 };
 

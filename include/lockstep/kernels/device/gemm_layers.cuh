@@ -34,11 +34,12 @@ namespace lockstep::kernels::device::layer_kernels {
 // NHWC convolutions are not implemented on CUDA (NotImplemented): the layer's user is told to use NCHW.
 
 struct ColsParams {
-    const float* x = nullptr;         // im2col: the input; col2im: -
-    float* cols = nullptr;            // im2col: written (unless cols16 is set)
-    __nv_bfloat16* cols16 = nullptr;  // im2col of a bf16 product (Note [precision]): written, rounded, instead
-    const float* dcols = nullptr;     // col2im: read
-    float* dx = nullptr;              // col2im: written
+    const float* x = nullptr;            // im2col: the input (unless x16 is set); col2im: -
+    const __nv_bfloat16* x16 = nullptr;  // im2col of an input stored in bf16 (Note [activation precision]): read, widened
+    float* cols = nullptr;               // im2col: written (unless cols16 is set)
+    __nv_bfloat16* cols16 = nullptr;     // im2col of a bf16 product (Note [precision]): written, rounded, instead
+    const float* dcols = nullptr;        // col2im: read
+    float* dx = nullptr;                 // col2im: written
     int C = 0, H = 0, W = 0, k = 1, s = 1, pad = 0, OH = 0, OW = 0;
     int N = 0, K = 0, P = 0;
     bool sample_major = true;  // columns [N][K][P] (forward), else [K][N][P] (backward)
@@ -47,8 +48,8 @@ struct ColsParams {
 };
 
 //! cols[(n, (c, i, j), (oh, ow))] = x[n, c, oh s - pad + i, ow s - pad + j], zero outside the image;
-//! one thread per column element, in the columns' memory order; into cols16, rounded to bf16, when
-//! that is set.
+//! one thread per column element, in the columns' memory order; from x16 (widened exactly) when that
+//! is set; into cols16, rounded to bf16, when that is set.
 struct Im2col {
     using Params = ColsParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
@@ -69,7 +70,10 @@ struct Im2col {
             const int ow = static_cast<int>(pp - oh * p.d3.d);
             const int h = static_cast<int>(oh) * p.s - p.pad + a, x = ow * p.s - p.pad + j;
             float v = 0.0f;
-            if (h >= 0 && h < p.H && x >= 0 && x < p.W) v = p.x[((static_cast<std::int64_t>(n) * p.C + c) * p.H + h) * p.W + x];
+            if (h >= 0 && h < p.H && x >= 0 && x < p.W) {
+                const std::int64_t at = ((static_cast<std::int64_t>(n) * p.C + c) * p.H + h) * p.W + x;
+                v = p.x16 != nullptr ? to_float(p.x16[at]) : p.x[at];
+            }
             if (p.cols16 != nullptr)
                 p.cols16[i] = from_float<__nv_bfloat16>(v);
             else
@@ -255,16 +259,27 @@ inline GemmCall linear_input_grad_gemm(std::int64_t N, std::int64_t in, std::int
 
 // ---- the operations, for any runner (Note [kernel runners]) -------------------------------------
 
-//! im2col's parameters for an NCHW shard, its output not yet set.
-inline ColsParams im2col_params(const ConvPlan& c, const float* x, bool sample_major) {
-    ColsParams p;
-    p.x = x;
+//! The geometry of im2col's parameters (every field but the source and the output).
+inline void fill_im2col_params(const ConvPlan& c, bool sample_major, ColsParams& p) {
     p.C = static_cast<int>(c.C), p.H = static_cast<int>(c.H), p.W = static_cast<int>(c.W), p.k = static_cast<int>(c.k);
     p.s = static_cast<int>(c.s), p.pad = static_cast<int>(c.pad), p.OH = static_cast<int>(c.OH), p.OW = static_cast<int>(c.OW);
     p.N = static_cast<int>(c.N), p.K = static_cast<int>(c.K), p.P = static_cast<int>(c.P);
     p.sample_major = sample_major;
     p.items = static_cast<unsigned int>(c.cols());
     p.d0 = divider(c.P), p.d1 = divider(sample_major ? c.K : c.N), p.d2 = divider(c.k), p.d3 = divider(c.OW);
+}
+
+//! im2col's parameters for an NCHW shard, its output not yet set.
+inline ColsParams im2col_params(const ConvPlan& c, const float* x, bool sample_major) {
+    ColsParams p;
+    p.x = x;
+    fill_im2col_params(c, sample_major, p);
+    return p;
+}
+inline ColsParams im2col_params(const ConvPlan& c, const __nv_bfloat16* x, bool sample_major) {
+    ColsParams p;
+    p.x16 = x;
+    fill_im2col_params(c, sample_major, p);
     return p;
 }
 
@@ -277,9 +292,9 @@ void im2col(Run& run, const ConvPlan& c, const float* x, float* cols, bool sampl
 }
 
 //! The same columns rounded to bfloat16 (a bf16 product's operand, Note [precision]): im2col then
-//! to_bf16 in one pass.
-template <class Run>
-void im2col_bf16(Run& run, const ConvPlan& c, const float* x, __nv_bfloat16* cols16, bool sample_major) {
+//! to_bf16 in one pass; from an input in fp32 or stored in bf16 (S).
+template <class Run, class S>
+void im2col_bf16(Run& run, const ConvPlan& c, const S* x, __nv_bfloat16* cols16, bool sample_major) {
     ColsParams p = im2col_params(c, x, sample_major);
     p.cols16 = cols16;
     run.template map<Im2col>(p, map_grid(p.items, run.info()));
