@@ -220,16 +220,14 @@ std::uint16_t nearest_bf16(float f) {
 TEST_CASE("BFloat16 rounds to nearest, ties to even, as the fp64 distance says, and widens exactly", "[core]") {
     // Every upper half with the lower halves that decide rounding: exact, just above, below, at
     // and just past the tie, and the largest (NaN payloads in the lower half included).
-    std::int64_t checked = 0, mismatched = 0;
+    std::int64_t mismatched = 0;
     for (std::uint32_t upper = 0; upper <= 0xffffu; ++upper)
         for (const std::uint32_t lower : {0x0u, 0x1u, 0x7fffu, 0x8000u, 0x8001u, 0xfffeu, 0xffffu, 0x1234u, 0xc000u}) {
             const float f = std::bit_cast<float>(upper << 16 | lower);
             const std::uint16_t got = BFloat16::round(f).bits, want = nearest_bf16(f);
-            ++checked;
             if (got != want && ++mismatched <= 5)
                 FAIL_CHECK("round(" << std::hex << (upper << 16 | lower) << ") gave " << got << ", nearest is " << want);
         }
-    CHECK(checked == 65536 * 9);
     CHECK(mismatched == 0);
 
     // A coarse sweep over every bit pattern besides.

@@ -440,6 +440,11 @@ void bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
         auto dx = dev.backward(ctx, Activation<Cuda>(dy.template to<Cuda>(d)));
         expect(dx.precision() == Precision::bf16 && same_bits(dx.template get<BFloat16>().to_host(), dxh),
                name + " in bf16: dx is the fp32 dx rounded once");
+        // An fp32 dy is rounded to y's type first: the same dx.
+        (void)dev.forward(ctx, Activation<Cuda>(x.to<Cuda>(d)));
+        auto dx2 = dev.backward(ctx, Activation<Cuda>(widened_host(dy).template to<Cuda>(d)));
+        expect(dx2.precision() == Precision::bf16 && same_bits(dx2.template get<BFloat16>().to_host(), dxh),
+               name + " in bf16: an fp32 dy is taken in y's type, the same dx");
     };
     check_layer("ReLU", nn::ReLU<Host>(), nn::ReLU<Cuda>(), Shape{2, 3, 9, 7});
     check_layer("MaxPool2d 2", nn::MaxPool2d<Host>(2), nn::MaxPool2d<Cuda>(2), Shape{2, 3, 4, 3});
@@ -570,6 +575,13 @@ void linear_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
     const auto y_want = b.forward(ctx, widened_host(x16).to<Cuda>(d)).to_host();
     expect(y.precision() == Precision::fp32 && same_bits(y.get<float>().to_host(), y_want),
            "Linear under Precision::fp32 takes a bf16 input widened and gives fp32");
+    {
+        const auto dy = random_host(Shape{4, 3}, rng);
+        auto dx = a.backward(ctx, Activation<Cuda>(dy.to<Cuda>(d)));
+        const auto dx_want = b.backward(ctx, dy.to<Cuda>(d)).to_host();
+        expect(dx.precision() == Precision::bf16 && same_bits(dx.get<BFloat16>().to_host(), dx_want),
+               "Linear under Precision::fp32: dx of a bf16 input in bf16, the fp32 dx rounded once");
+    }
     // The fp32 protocol's backward after a bf16 forward gives fp32 dx.
     ctx.exec.precision = Precision::bf16;
     (void)a.forward(ctx, Activation<Cuda>(x16.to<Cuda>(d)));
@@ -579,6 +591,94 @@ void linear_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
     const auto dx_want = b.backward(ctx, dy.to<Cuda>(d)).to_host();
     expect(same_bits(widened_host(rounded_bf16(dx_want)), dx.to_host()),
            "Linear: the fp32 protocol's backward after a bf16 forward gives the bf16 dx widened");
+    {
+        nn::Generator g3(7), g4(7);
+        nn::Conv2d<Cuda> c(2, 3, 3, {.padding = 1}, g3), e(2, 3, 3, {.padding = 1}, g4);
+        const auto xc = rounded_bf16(random_host(Shape{2, 2, 5, 5}, rng));
+        (void)c.forward(ctx, Activation<Cuda>(xc.to<Cuda>(d)));
+        const auto dyc = random_host(Shape{2, 3, 5, 5}, rng);
+        const auto dxc = c.backward(ctx, dyc.to<Cuda>(d));
+        (void)e.forward(ctx, widened_host(xc).to<Cuda>(d));
+        const auto dxc_want = e.backward(ctx, dyc.to<Cuda>(d)).to_host();
+        expect(same_bits(widened_host(rounded_bf16(dxc_want)), dxc.to_host()),
+               "Conv2d: the fp32 protocol's backward after a bf16 forward gives the bf16 dx widened");
+    }
+}
+
+// A network of every layer kind in bf16 (Note [activation precision]): each layer outputs bf16
+// under Precision::bf16, a Sequential gives the bits of the same layers chained by hand, its fp32
+// interface widens them, and an evaluation keeps nothing for backward.
+void network_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
+    const Device d = Device::cuda(ctx.exec.device);
+    ctx.exec.precision = Precision::bf16;
+    using Net = nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::MaxPool2d<Cuda>, nn::ReLU<Cuda>, nn::Flatten<Cuda>,
+                               nn::Linear<Cuda>>;
+    nn::Generator g(23);
+    Net net(nn::Conv2d<Cuda>(3, 4, 3, {.padding = 1}, g), nn::SyncBatchNorm<Cuda>(4, {.fused_relu = true}),
+            nn::MaxPool2d<Cuda>(2), nn::ReLU<Cuda>(), nn::Flatten<Cuda>(), nn::Linear<Cuda>(4 * 3 * 3, 5, true, g));
+    Net twin = net;
+    const auto x = random_host(Shape{4, 3, 6, 6}, rng);
+    // By hand, layer by layer through a trail: every output bf16.
+    nn::ActivationTrail<Cuda> trail;
+    bool all_bf16 = true;
+    auto a = trail.forward(net.get<0>(), ctx, Activation<Cuda>(x.to<Cuda>(d)));
+    all_bf16 = all_bf16 && a.precision() == Precision::bf16;
+    a = trail.forward(net.get<1>(), ctx, std::move(a));
+    all_bf16 = all_bf16 && a.precision() == Precision::bf16;
+    a = trail.forward(net.get<2>(), ctx, std::move(a));
+    all_bf16 = all_bf16 && a.precision() == Precision::bf16;
+    a = trail.forward(net.get<3>(), ctx, std::move(a));
+    all_bf16 = all_bf16 && a.precision() == Precision::bf16;
+    a = trail.forward(net.get<4>(), ctx, std::move(a));
+    all_bf16 = all_bf16 && a.precision() == Precision::bf16;
+    a = trail.forward(net.get<5>(), ctx, std::move(a));
+    all_bf16 = all_bf16 && a.precision() == Precision::bf16;
+    expect(all_bf16, "a network of convolution, batch norm, pooling, ReLU, Flatten and linear: every activation bf16");
+    const auto y_hand = a.get<BFloat16>().to_host();
+    const auto dy = random_host(Shape{4, 5}, rng);
+    auto gr = trail.backward(net.get<5>(), ctx, Activation<Cuda>(dy.to<Cuda>(d)));
+    bool grads_bf16 = gr.precision() == Precision::bf16;
+    gr = trail.backward(net.get<4>(), ctx, gr);
+    grads_bf16 = grads_bf16 && gr.precision() == Precision::bf16;
+    gr = trail.backward(net.get<3>(), ctx, gr);
+    grads_bf16 = grads_bf16 && gr.precision() == Precision::bf16;
+    gr = trail.backward(net.get<2>(), ctx, gr);
+    grads_bf16 = grads_bf16 && gr.precision() == Precision::bf16;
+    gr = trail.backward(net.get<1>(), ctx, gr);
+    grads_bf16 = grads_bf16 && gr.precision() == Precision::bf16;
+    gr = trail.backward(net.get<0>(), ctx, gr);
+    expect(grads_bf16 && gr.precision() == Precision::fp32,
+           "the same network's gradients: bf16 between layers, dx of the fp32 input in fp32");
+    const auto dx_hand = gr.get<float>().to_host();
+    // The Sequential's fp32 interface: the same bits, widened.
+    const auto y = twin.forward(ctx, x.to<Cuda>(d)).to_host();
+    const auto dx = twin.backward(ctx, dy.to<Cuda>(d)).to_host();
+    expect(same_bits(widened_host(y_hand), y) && same_bits(dx, dx_hand),
+           "Sequential<Cuda> of every layer kind in bf16: the hand-chained bits, its output widened");
+    bool grads_same = true;
+    const auto ga = gradients_of<Cuda>(net), gb = gradients_of<Cuda>(twin);
+    for (std::size_t i = 0; i < ga.size(); ++i)
+        grads_same = grads_same && std::memcmp(ga[i].data(), gb[i].data(), ga[i].size() * sizeof(float)) == 0;
+    expect(grads_same && ga.size() == 6, "Sequential<Cuda> in bf16: the hand-chained parameter gradients, bit for bit");
+    expect(same_bits(net.get<1>().running_mean.to_host(), twin.get<1>().running_mean.to_host()),
+           "Sequential<Cuda> in bf16: batch norm's running statistics as by hand");
+
+    // Evaluation: bf16 out, from the running statistics; nothing kept, so backward is refused.
+    nn::Context<Cuda> eval = ctx;
+    eval.training = false;
+    auto ye = twin.forward(eval, Activation<Cuda>(x.to<Cuda>(d)));
+    bool refused = false;
+    try {
+        (void)twin.get<5>().backward(ctx, Activation<Cuda>(dy.to<Cuda>(d)));
+    } catch (const UsageError&) {
+        refused = true;
+    }
+    expect(ye.precision() == Precision::bf16 && ye.shape() == (Shape{4, 5}) && refused,
+           "Sequential<Cuda> in bf16 evaluation: bf16 out, nothing kept for backward");
+    // The fp32 interface in evaluation: the same bf16 logits, widened.
+    auto ye32 = twin.forward(eval, x.to<Cuda>(d)).to_host();
+    expect(same_bits(widened_host(ye.get<BFloat16>().to_host()), ye32),
+           "Sequential<Cuda> in bf16 evaluation: the fp32 interface's logits are the bf16 ones widened");
 }
 
 }  // namespace
@@ -706,6 +806,7 @@ int main() {
         rounding_takes_effect(ctx, Rounding::bf16, rng);
         bf16_activations(ctx, rng);
         linear_bf16_activations(ctx, rng);
+        network_bf16_activations(ctx, rng);
 
         // ---- the losses ----
         {

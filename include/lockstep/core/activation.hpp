@@ -20,9 +20,13 @@ namespace lockstep {
 // fp32 protocol of Note [module protocol], the activation protocol:
 //   Activation<B> forward(const Context<B>&, Activation<B> x);
 //   Activation<B> backward(const Context<B>&, const Activation<B>& dy);
-// with these rules, which nn::Sequential keeps for its children:
-// - a gradient has its value's type: dy arrives in the type the layer's forward returned, and
-//   backward returns dx in the type its forward was given;
+// with these rules, which lockstep's layers keep and nn::Sequential (or nn::ActivationTrail, for a
+// hand-written chain) keeps for any children:
+// - a gradient has its value's type: dy arrives in the type the layer's forward returned (a
+//   layer given the other type converts it first), and backward returns dx in the type its
+//   forward was given;
+// - a layer that makes new activations (convolution, linear) outputs bf16 under Precision::bf16
+//   and fp32 otherwise (a bf16 input widened);
 // - a layer that keeps its input's type (ReLU, pooling, Flatten, batch norm) computes in fp32 and
 //   rounds once where its output is bf16 (selections such as ReLU's and pooling's are exact);
 // - where a layer offers only the fp32 protocol, Sequential widens its bf16 input (exactly) and
@@ -41,8 +45,9 @@ public:
     explicit Activation(Tensor<float, B> t) : t_(std::move(t)) {}
     explicit Activation(Tensor<BFloat16, B> t) : t_(std::move(t)) {}
 
-    //! A view of `t`'s memory, for reading only (a dy that a layer's backward takes by reference):
-    //! the caller keeps `t` alive and unchanged while the view lives.
+    //! A view of `t`'s memory, for reading only: pass it only where it is taken by const reference
+    //! (a backward's dy), never to a forward, which may write its input in place or keep it. The
+    //! caller keeps `t` alive and unchanged while the view lives; a copy of the view owns its memory.
     template <class T>
     static Activation view_of(const Tensor<T, B>& t) {
         return Activation(Tensor<T, B>::view(const_cast<T*>(t.data()), t.shape(), t.device(), t.format()));

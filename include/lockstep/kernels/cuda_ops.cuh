@@ -160,8 +160,8 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     static constexpr bool graphs = true;
     //! Convolutions and linear layers can run their products on bfloat16 (Note [precision]).
     static constexpr bool bf16_products = true;
-    //! ReLU, max pooling, linear layers and batch norm take activations stored in bf16 (Note
-    //! [activation precision]).
+    //! Convolutions, linear layers, ReLU, max pooling and batch norm take activations stored in
+    //! bf16 (Note [activation precision]).
     static constexpr bool bf16_activations = true;
     //! Throws UsageError unless `device` can run bf16 products (compute capability 8.0 or newer);
     //! `what` names the option that asked.

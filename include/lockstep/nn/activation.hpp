@@ -10,6 +10,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/ops.hpp"
+#include "lockstep/nn/activation_precision.hpp"
 #include "lockstep/nn/context.hpp"
 
 namespace lockstep::nn {
@@ -31,10 +32,12 @@ public:
     //! The activation protocol where the backend has bf16 activation kernels (Note [activation
     //! precision]): y and dx in the type of x and dy, exact (a selection needs no rounding).
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
+        gave_ = x.precision();
         if (x.is_fp32()) return Activation<B>(run_forward(ctx, std::move(x).template take<float>()));
         return Activation<B>(run_forward(ctx, std::move(x).template take<BFloat16>()));
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
+        if (dy.precision() != gave_) return backward(ctx, converted(ctx, dy, gave_));  // dy in y's type
         if (dy.is_fp32()) return Activation<B>(run_backward(ctx, dy.template get<float>()));
         return Activation<B>(run_backward(ctx, dy.template get<BFloat16>()));
     }
@@ -64,6 +67,7 @@ private:
     }
 
     Tensor<std::uint8_t, B> mask_;
+    Precision gave_ = Precision::fp32;  // the type of the last forward's output
 };
 
 //! Max pooling over square windows (stride = kernel by default), NCHW input.
@@ -87,10 +91,12 @@ public:
     //! The activation protocol where the backend has bf16 pooling kernels (Note [activation
     //! precision]): y and dx in the type of x and dy; y exact, dx summed in fp32, rounded once.
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
+        gave_ = x.precision();
         if (x.is_fp32()) return Activation<B>(run_forward(ctx, x.template get<float>()));
         return Activation<B>(run_forward(ctx, x.template get<BFloat16>()));
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
+        if (dy.precision() != gave_) return backward(ctx, converted(ctx, dy, gave_));  // dy in y's type
         if (dy.is_fp32()) return Activation<B>(run_backward(ctx, dy.template get<float>()));
         return Activation<B>(run_backward(ctx, dy.template get<BFloat16>()));
     }
@@ -133,6 +139,7 @@ private:
     std::int64_t k_, s_;
     Tensor<std::int32_t, B> argmax_;
     Shape input_shape_{};
+    Precision gave_ = Precision::fp32;  // the type of the last forward's output
 };
 
 //! (N, C, H, W) -> (N, C*H*W) in C, H, W order (PyTorch's flatten of an NCHW tensor).
@@ -159,13 +166,14 @@ public:
     Activation<B> forward(const Context<B>&, Activation<B> x) {
         check_input(x.shape(), x.format());
         input_shape_ = x.shape();
+        gave_ = x.precision();
         const Shape out{x.dim(0), x.shape().row_numel()};
         return std::move(x).reshaped(out);
     }
 
-    Activation<B> backward(const Context<B>&, const Activation<B>& dy) {
+    Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) {
         check_dy(dy.shape());
-        Activation<B> dx = dy;
+        Activation<B> dx = converted(ctx, dy, gave_);  // a copy, in the type the forward gave
         return std::move(dx).reshaped(input_shape_);
     }
 
@@ -181,6 +189,7 @@ private:
     }
 
     Shape input_shape_{};
+    Precision gave_ = Precision::fp32;  // the type of the last forward's output
 };
 
 }  // namespace lockstep::nn

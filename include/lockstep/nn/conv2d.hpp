@@ -69,6 +69,7 @@ public:
         Tensor<float, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);
         K::conv2d_forward(ctx.exec, g, x, weight.value, options_.bias ? &bias.value : nullptr, y, scratch_);
         if (ctx.training) saved_x_ = Activation<B>(std::move(x));
+        given_ = Precision::fp32;
         return y;
     }
 
@@ -89,7 +90,13 @@ public:
     //! bias in fp32, one rounding), x of either type is kept as given for backward and dx has its
     //! type; under fp32 the fp32 protocol on x widened.
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
-        if (activation_precision(ctx) == Precision::fp32) return Activation<B>(forward(ctx, widened(ctx, std::move(x))));
+        if (activation_precision(ctx) == Precision::fp32) {
+            const Precision given = x.precision();
+            auto y = Activation<B>(forward(ctx, widened(ctx, std::move(x))));
+            given_ = given;
+            return y;
+        }
+        given_ = x.precision();
         check_input(x.shape(), x.device());
         const auto g = geometry(x.shape(), x.format());
         Tensor<BFloat16, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);
@@ -103,7 +110,10 @@ public:
     }
 
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
-        if (saved_x_.is_fp32() && dy.is_fp32()) return Activation<B>(backward(ctx, dy.template get<float>()));
+        if (saved_x_.is_fp32() && dy.is_fp32()) {  // dx in the type the forward was given
+            const Precision given = given_;
+            return converted(ctx, Activation<B>(backward(ctx, dy.template get<float>())), given);
+        }
         const auto g = check_dy(dy.shape(), dy.format(), dy.device());
         const auto run = [&]<class X, class D>() {
             const auto& x = saved_x_.template get<X>();
@@ -162,6 +172,7 @@ private:
 
     std::int64_t in_, out_, k_;
     Conv2dOptions options_;
+    Precision given_ = Precision::fp32;              // what the last forward was given (its input was widened under fp32)
     Activation<B> saved_x_;                          // the forward's input, in the type it was given
     typename kernels::Ops<B>::ConvScratch scratch_;  // the backend's per-layer buffers
 };

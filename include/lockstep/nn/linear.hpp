@@ -76,6 +76,7 @@ public:
         K::linear_forward(ctx.exec, x, weight.value, has_bias_ ? &bias.value : nullptr, y, relu_,
                           relu_ && ctx.training ? &relu_mask_ : nullptr);
         if (ctx.training) saved_x_ = Activation<B>(std::move(x));
+        given_ = Precision::fp32;
         return y;
     }
 
@@ -96,7 +97,13 @@ public:
     //! bias and ReLU in fp32, one rounding), x of either type is kept as given for backward and dx
     //! has its type; under fp32 the fp32 protocol on x widened.
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
-        if (activation_precision(ctx) == Precision::fp32) return Activation<B>(forward(ctx, widened(ctx, std::move(x))));
+        if (activation_precision(ctx) == Precision::fp32) {
+            const Precision given = x.precision();
+            auto y = Activation<B>(forward(ctx, widened(ctx, std::move(x))));
+            given_ = given;
+            return y;
+        }
+        given_ = x.precision();
         check_input(x.shape(), x.device());
         Tensor<BFloat16, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
         if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);
@@ -111,7 +118,10 @@ public:
     }
 
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
-        if (saved_x_.is_fp32() && dy.is_fp32()) return Activation<B>(backward(ctx, dy.template get<float>()));
+        if (saved_x_.is_fp32() && dy.is_fp32()) {  // dx in the type the forward was given
+            const Precision given = given_;
+            return converted(ctx, Activation<B>(backward(ctx, dy.template get<float>())), given);
+        }
         const std::int64_t N = check_dy(dy.shape(), dy.device());
         const auto run = [&]<class X, class D>() {
             Tensor<X, B> dx(Shape{N, in_}, MemoryFormat::nchw, dy.device(), uninitialized);
@@ -154,6 +164,7 @@ private:
     std::int64_t in_, out_;
     bool has_bias_;
     bool relu_;
+    Precision given_ = Precision::fp32;  // what the last forward was given (its input was widened under fp32)
     Activation<B> saved_x_;              // the forward's input, in the type it was given
     Tensor<std::uint8_t, B> relu_mask_;  // with fused_relu: where the output was positive
 };

@@ -16,6 +16,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/ops.hpp"
+#include "lockstep/nn/activation_precision.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/parameter.hpp"
@@ -185,6 +186,8 @@ public:
         return Activation<B>(forward<BFloat16>(ctx, std::move(x).template take<BFloat16>()));
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires kernels::bn_storage<B, BFloat16> {
+        const Precision gave = saved_size_ == 2 ? Precision::bf16 : Precision::fp32;  // the forward's output type
+        if (saved_size_ != 0 && dy.precision() != gave) return backward(ctx, converted(ctx, dy, gave));
         if (dy.is_fp32()) return Activation<B>(backward<float>(ctx, dy.template get<float>()));
         return Activation<B>(backward<BFloat16>(ctx, dy.template get<BFloat16>()));
     }
