@@ -181,8 +181,9 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"pytorch_default", "strict_fp32", "tf32"}));
     std::string precision = "fp32";
     app.add_option("--precision", precision,
-                   "CUDA: what convolutions and linear layers multiply: fp32 (as --math allows) or bf16 (bfloat16 "
-                   "operands, fp32 accumulation, fp32 weights and batch norm, as PyTorch's autocast)")
+                   "CUDA: what convolutions and linear layers multiply and the layers pass between them: fp32 (as "
+                   "--math allows) or bf16 (bfloat16 operands and activations, fp32 accumulation, fp32 weights and "
+                   "batch-norm statistics, as PyTorch's autocast)")
         ->check(CLI::IsMember({"fp32", "bf16"}));
     std::string gradient_precision = "fp32";
     app.add_option("--gradient-precision", gradient_precision,

@@ -396,11 +396,7 @@ struct LayerOps {
                                 const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx,
                                 ConvScratch&) {
         const device::layer_kernels::ConvPlan c(g);
-        check_conv(ex, c, x, weight, bias_grad, "conv2d_backward");
-        layer_detail::check_on(ex, dy, "conv2d_backward's dy");
-        layer_detail::check_numel(dy, c.N * c.O * c.P, "conv2d_backward", "dy");
-        layer_detail::check_numel(weight_grad, c.O * c.K, "conv2d_backward", "the weight gradient");
-        layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
+        check_conv_backward(ex, c, x, dy, weight, weight_grad, bias_grad, dx);
         layer_detail::LayerRun run(ex);
 #if LOCKSTEP_WITH_CUDNN
         if (ex.cudnn != nullptr && ex.precision == Precision::fp32 && c.N > 0 && c.O > 0 &&
@@ -450,11 +446,7 @@ struct LayerOps {
         const Ex& ex, const ConvGeometry& g, const T_<X>& x, const T_<D>& dy, const T_<float>& weight, T_<float>& weight_grad,
         T_<float>* bias_grad, T_<X>& dx, ConvScratch&) {
         const device::layer_kernels::ConvPlan c(g);
-        check_conv(ex, c, x, weight, bias_grad, "conv2d_backward");
-        layer_detail::check_on(ex, dy, "conv2d_backward's dy");
-        layer_detail::check_numel(dy, c.N * c.O * c.P, "conv2d_backward", "dy");
-        layer_detail::check_numel(weight_grad, c.O * c.K, "conv2d_backward", "the weight gradient");
-        layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
+        check_conv_backward(ex, c, x, dy, weight, weight_grad, bias_grad, dx);
         check_bf16_activations(ex, "conv2d_backward");
         if (c.N == 0) return;
         layer_detail::LayerRun run(ex);
@@ -484,9 +476,7 @@ struct LayerOps {
     //! `mask` (may be null) = (y > 0), as the host.
     static void linear_forward(const Ex& ex, const T_<float>& x, const T_<float>& weight, const T_<float>* bias, T_<float>& y,
                                bool relu, T_<std::uint8_t>* mask) {
-        const auto [N, in, out] = linear_sizes(ex, x, weight, bias, "linear_forward");
-        layer_detail::check_numel(y, N * out, "linear_forward", "y");
-        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_forward", "the mask");
+        const auto [N, in, out] = check_linear_forward(ex, x, weight, bias, y, mask);
         layer_detail::LayerRun run(ex);
         device::layer_kernels::linear_forward(run, N, in, out, x.data(), weight.data(), bias != nullptr ? bias->data() : nullptr,
                                               y.data(), relu, mask != nullptr ? mask->data() : nullptr);
@@ -496,12 +486,7 @@ struct LayerOps {
     //! (may be null) zeroes dy where the fused ReLU's output was not positive.
     static void linear_backward(const Ex& ex, const T_<float>& x, const T_<float>& dy, const T_<std::uint8_t>* mask,
                                 const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad, T_<float>& dx) {
-        const auto [N, in, out] = linear_sizes(ex, x, weight, bias_grad, "linear_backward");
-        layer_detail::check_on(ex, dy, "linear_backward's dy");
-        layer_detail::check_numel(dy, N * out, "linear_backward", "dy");
-        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_backward", "the mask");
-        layer_detail::check_numel(weight_grad, out * in, "linear_backward", "the weight gradient");
-        layer_detail::check_numel(dx, N * in, "linear_backward", "dx");
+        const auto [N, in, out] = check_linear_backward(ex, x, dy, mask, weight, weight_grad, bias_grad, dx);
         layer_detail::LayerRun run(ex);
         T_<float> masked;  // dy where the mask is set, on the replica's stream for this call
         if (mask != nullptr) masked = T_<float>(Shape{N * out}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
@@ -516,9 +501,7 @@ struct LayerOps {
     template <activation_storage X>
     static void linear_forward(const Ex& ex, const T_<X>& x, const T_<float>& weight, const T_<float>* bias, T_<BFloat16>& y,
                                bool relu, T_<std::uint8_t>* mask) {
-        const auto [N, in, out] = linear_sizes(ex, x, weight, bias, "linear_forward");
-        layer_detail::check_numel(y, N * out, "linear_forward", "y");
-        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_forward", "the mask");
+        const auto [N, in, out] = check_linear_forward(ex, x, weight, bias, y, mask);
         check_bf16_activations(ex, "linear_forward");
         if (N == 0 || out == 0) return;
         layer_detail::LayerRun run(ex);
@@ -544,12 +527,7 @@ struct LayerOps {
                std::same_as<D, float>)) static void linear_backward(const Ex& ex, const T_<X>& x, const T_<D>& dy,
                                                                     const T_<std::uint8_t>* mask, const T_<float>& weight,
                                                                     T_<float>& weight_grad, T_<float>* bias_grad, T_<X>& dx) {
-        const auto [N, in, out] = linear_sizes(ex, x, weight, bias_grad, "linear_backward");
-        layer_detail::check_on(ex, dy, "linear_backward's dy");
-        layer_detail::check_numel(dy, N * out, "linear_backward", "dy");
-        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_backward", "the mask");
-        layer_detail::check_numel(weight_grad, out * in, "linear_backward", "the weight gradient");
-        layer_detail::check_numel(dx, N * in, "linear_backward", "dx");
+        const auto [N, in, out] = check_linear_backward(ex, x, dy, mask, weight, weight_grad, bias_grad, dx);
         check_bf16_activations(ex, "linear_backward");
         layer_detail::LayerRun run(ex);
         using Run = layer_detail::LayerRun;
@@ -831,6 +809,17 @@ private:
         return on_device(p);
     }
 
+    template <class X, class D>
+    static void check_conv_backward(const Ex& ex, const device::layer_kernels::ConvPlan& c, const T_<X>& x, const T_<D>& dy,
+                                    const T_<float>& weight, const T_<float>& weight_grad, const T_<float>* bias_grad,
+                                    const T_<X>& dx) {
+        check_conv(ex, c, x, weight, bias_grad, "conv2d_backward");
+        layer_detail::check_on(ex, dy, "conv2d_backward's dy");
+        layer_detail::check_numel(dy, c.N * c.O * c.P, "conv2d_backward", "dy");
+        layer_detail::check_numel(weight_grad, c.O * c.K, "conv2d_backward", "the weight gradient");
+        layer_detail::check_numel(dx, x.numel(), "conv2d_backward", "dx");
+    }
+
     struct LinearSizes {
         std::int64_t N, in, out;
     };
@@ -844,6 +833,29 @@ private:
                           weight.rank());
         if (bias != nullptr) layer_detail::check_numel(*bias, weight.dim(0), op, "the bias");
         return {x.dim(0), x.dim(1), weight.dim(0)};
+    }
+
+    template <class X, class Y>
+    static LinearSizes check_linear_forward(const Ex& ex, const T_<X>& x, const T_<float>& weight, const T_<float>* bias,
+                                            const T_<Y>& y, const T_<std::uint8_t>* mask) {
+        const auto sizes = linear_sizes(ex, x, weight, bias, "linear_forward");
+        layer_detail::check_numel(y, sizes.N * sizes.out, "linear_forward", "y");
+        if (mask != nullptr) layer_detail::check_numel(*mask, sizes.N * sizes.out, "linear_forward", "the mask");
+        return sizes;
+    }
+
+    template <class X, class D>
+    static LinearSizes check_linear_backward(const Ex& ex, const T_<X>& x, const T_<D>& dy, const T_<std::uint8_t>* mask,
+                                             const T_<float>& weight, const T_<float>& weight_grad, const T_<float>* bias_grad,
+                                             const T_<X>& dx) {
+        const auto sizes = linear_sizes(ex, x, weight, bias_grad, "linear_backward");
+        const auto [N, in, out] = sizes;
+        layer_detail::check_on(ex, dy, "linear_backward's dy");
+        layer_detail::check_numel(dy, N * out, "linear_backward", "dy");
+        if (mask != nullptr) layer_detail::check_numel(*mask, N * out, "linear_backward", "the mask");
+        layer_detail::check_numel(weight_grad, out * in, "linear_backward", "the weight gradient");
+        layer_detail::check_numel(dx, N * in, "linear_backward", "dx");
+        return sizes;
     }
 };
 

@@ -94,6 +94,17 @@ Activation<typename M::backend> backward_any(M& m, const Context<typename M::bac
     }
 }
 
+//! `f.template operator()<X, D>()` with X and D the element types (float or BFloat16) that a
+//! layer's saved input `x` and its `dy` hold, one of them bf16: a bf16 backward's dispatch.
+template <BackendTag B, class F>
+Activation<B> with_bf16_types(const Activation<B>& x, const Activation<B>& dy, F&& f) {
+    LOCKSTEP_CHECK_AS(UsageError, !(x.is_fp32() && dy.is_fp32()), "with_bf16_types: x and dy are both fp32; ",
+                      "take the fp32 protocol for them");
+    if (x.is_fp32()) return f.template operator()<float, BFloat16>();
+    if (dy.is_fp32()) return f.template operator()<BFloat16, float>();
+    return f.template operator()<BFloat16, BFloat16>();
+}
+
 //! The precisions a hand-written chain of layers passed activations in, so that its backward keeps
 //! Note [activation precision]'s rules as nn::Sequential does: `forward(m, ctx, x)` runs m on x
 //! (through forward_any) and records what m was given and gave; `backward(m, ctx, dy)`, called in

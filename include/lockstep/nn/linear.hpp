@@ -129,9 +129,7 @@ public:
                                weight.value, weight.grad, has_bias_ ? &bias.grad : nullptr, dx);
             return Activation<B>(std::move(dx));
         };
-        Activation<B> dx = saved_x_.is_fp32() ? run.template operator()<float, BFloat16>()
-                           : dy.is_fp32()     ? run.template operator()<BFloat16, float>()
-                                              : run.template operator()<BFloat16, BFloat16>();
+        Activation<B> dx = with_bf16_types(saved_x_, dy, run);
         finish_backward(ctx);
         return dx;
     }

@@ -39,10 +39,11 @@ struct DataParallelOptions {
     //! backend computes every mode in strict fp32.
     Math math = Math::pytorch_default;
     //! What convolutions and linear layers round their products' inputs to (Note [precision] in
-    //! core/backend.hpp): `Precision::bf16` multiplies bfloat16 operands with fp32 accumulation,
-    //! as PyTorch's autocast(bfloat16) does, and keeps parameters, gradients, batch-norm
-    //! statistics and checkpoints in fp32 (the gradients' all-reduce: `gradient_precision`). CUDA
-    //! only, compute capability 8.0 or newer (refused otherwise).
+    //! core/backend.hpp): `Precision::bf16` multiplies bfloat16 operands with fp32 accumulation
+    //! and stores the activations between layers in bf16 (Note [activation precision]), as
+    //! PyTorch's autocast(bfloat16) does, and keeps parameters, gradients, batch-norm statistics
+    //! and checkpoints in fp32 (the gradients' all-reduce: `gradient_precision`). CUDA only,
+    //! compute capability 8.0 or newer (refused otherwise).
     Precision precision = Precision::fp32;
     //! What the gradient buckets are all-reduced in: fp32 (the default), or bf16, rounded from
     //! the fp32 gradients before the sum and widened back after it (half the bytes on the wire;
