@@ -87,6 +87,16 @@ public:
         return std::move(std::get<Tensor<T, B>>(t_));
     }
 
+    //! `f(tensor)` on the tensor it holds, of whichever type (a layer's dispatch on the type).
+    template <class F>
+    decltype(auto) visit(F&& f) {
+        return std::visit(std::forward<F>(f), t_);
+    }
+    template <class F>
+    decltype(auto) visit(F&& f) const {
+        return std::visit(std::forward<F>(f), t_);
+    }
+
     //! Same storage, new logical shape (as Tensor::reshaped).
     Activation reshaped(Shape s) && {
         return std::visit([&](auto& t) { return Activation(std::move(t).reshaped(s)); }, t_);

@@ -33,13 +33,11 @@ public:
     //! precision]): y and dx in the type of x and dy, exact (a selection needs no rounding).
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
         gave_ = x.precision();
-        if (x.is_fp32()) return Activation<B>(run_forward(ctx, std::move(x).template take<float>()));
-        return Activation<B>(run_forward(ctx, std::move(x).template take<BFloat16>()));
+        return x.visit([&](auto& t) { return Activation<B>(run_forward(ctx, std::move(t))); });
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
         if (dy.precision() != gave_) return backward(ctx, converted(ctx, dy, gave_));  // dy in y's type
-        if (dy.is_fp32()) return Activation<B>(run_backward(ctx, dy.template get<float>()));
-        return Activation<B>(run_backward(ctx, dy.template get<BFloat16>()));
+        return dy.visit([&](const auto& t) { return Activation<B>(run_backward(ctx, t)); });
     }
 
 private:
@@ -92,13 +90,11 @@ public:
     //! precision]): y and dx in the type of x and dy; y exact, dx summed in fp32, rounded once.
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
         gave_ = x.precision();
-        if (x.is_fp32()) return Activation<B>(run_forward(ctx, x.template get<float>()));
-        return Activation<B>(run_forward(ctx, x.template get<BFloat16>()));
+        return x.visit([&](const auto& t) { return Activation<B>(run_forward(ctx, t)); });
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
         if (dy.precision() != gave_) return backward(ctx, converted(ctx, dy, gave_));  // dy in y's type
-        if (dy.is_fp32()) return Activation<B>(run_backward(ctx, dy.template get<float>()));
-        return Activation<B>(run_backward(ctx, dy.template get<BFloat16>()));
+        return dy.visit([&](const auto& t) { return Activation<B>(run_backward(ctx, t)); });
     }
 
 private:

@@ -182,14 +182,12 @@ public:
     //! The activation protocol where the backend normalizes bf16 storage (Note [activation
     //! precision]): y and dx in the type of x and dy; statistics and parameters in fp32/fp64.
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires kernels::bn_storage<B, BFloat16> {
-        if (x.is_fp32()) return Activation<B>(forward<float>(ctx, std::move(x).template take<float>()));
-        return Activation<B>(forward<BFloat16>(ctx, std::move(x).template take<BFloat16>()));
+        return x.visit([&](auto& t) { return Activation<B>(forward(ctx, std::move(t))); });
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires kernels::bn_storage<B, BFloat16> {
         const Precision gave = saved_size_ == 2 ? Precision::bf16 : Precision::fp32;  // the forward's output type
         if (saved_size_ != 0 && dy.precision() != gave) return backward(ctx, converted(ctx, dy, gave));
-        if (dy.is_fp32()) return Activation<B>(backward<float>(ctx, dy.template get<float>()));
-        return Activation<B>(backward<BFloat16>(ctx, dy.template get<BFloat16>()));
+        return dy.visit([&](const auto& t) { return Activation<B>(backward(ctx, t)); });
     }
 
 private:
