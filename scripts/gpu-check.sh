@@ -187,7 +187,7 @@ plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
 plan+=("train|45|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024;training img/s, batch 64, graphs")
 plan+=("bf16|60|step_bf16|training img/s, batch 256, bf16;bf16 accuracy, 2 epochs")
 plan+=("train_step|15|step_train_step|bench_cuda_train_step")
-plan+=("conv|15|step_conv|conv cuDNN vs im2col;conv bf16 vs fp32")
+plan+=("conv|15|step_conv|conv cuDNN vs im2col;conv bf16 vs fp32;conv bf16 cuDNN vs bf16 im2col")
 plan+=("graph|15|step_graph|graph step vs eager;DataParallel graphs vs eager")
 plan+=("syncbn|30|step_syncbn|SyncBN benchmark")
 plan+=("allreduce|15|step_allreduce|rendezvous_overhead")
@@ -469,6 +469,13 @@ step_conv() {
   if [[ -n $lines ]]; then row "conv bf16 vs fp32" measured "${lines%;}"
   elif ((rc == 124 || rc == 137)) && ((cut)); then row "conv bf16 vs fp32" "not run (budget)" "stopped after $lim s"
   else row "conv bf16 vs fp32" FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_conv.log")"; fi
+  # bf16 through cuDNN's bf16 configuration over bf16 through im2col + cuBLAS (Note [cuDNN convolutions]).
+  lines=$(grep '^conv bf16 cuDNN vs bf16 im2col' "$logs/bench_cuda_conv.log" | tr '\n' ';')
+  if [[ -n $lines ]]; then row "conv bf16 cuDNN vs bf16 im2col" measured "${lines%;}"
+  elif grep -q '^conv cuDNN vs im2col: not run' "$logs/bench_cuda_conv.log"; then
+    row "conv bf16 cuDNN vs bf16 im2col" "not run (no cuDNN)" "-"
+  elif ((rc == 124 || rc == 137)) && ((cut)); then row "conv bf16 cuDNN vs bf16 im2col" "not run (budget)" "stopped after $lim s"
+  else row "conv bf16 cuDNN vs bf16 im2col" FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_conv.log")"; fi
 }
 
 # The example network's forward and backward, eager and as one captured CUDA graph, in one process

@@ -106,9 +106,30 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     Ops::copy_many(ex, pieces);
 }
 
+// ---- convolution and linear layers with bf16 activations (Note [activation precision]) ---------
+// Every combination of input and gradient types the typed forms take (im2col from a bf16 input,
+// the bias on bf16 storage, per-channel sums of a bf16 dy, a bf16 gradient added widened).
+void all_bf16_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<BFloat16>& h, T_<std::uint8_t>& mask,
+                            Ops::ConvScratch& scratch) {
+    const kernels::ConvGeometry g;
+    Ops::conv2d_forward(ex, g, f, f, &f, h, scratch);
+    Ops::conv2d_forward(ex, g, h, f, &f, h, scratch);
+    Ops::conv2d_backward(ex, g, f, h, f, f, &f, f, scratch);
+    Ops::conv2d_backward(ex, g, h, f, f, f, &f, h, scratch);
+    Ops::conv2d_backward(ex, g, h, h, f, f, &f, h, scratch);
+    Ops::linear_forward(ex, f, f, &f, h, true, &mask);
+    Ops::linear_forward(ex, h, f, &f, h, false, nullptr);
+    Ops::linear_backward(ex, f, h, &mask, f, f, &f, f);
+    Ops::linear_backward(ex, h, f, nullptr, f, f, &f, h);
+    Ops::linear_backward(ex, h, h, &mask, f, f, &f, h);
+}
+
 // ---- ReLU and max pooling in bfloat16 storage (Note [activation storage]) -----------------------
-void all_bf16_activation_kernels(DeviceRun& run, __nv_bfloat16* h, std::uint8_t* mask, std::int32_t* index) {
+void all_bf16_activation_kernels(DeviceRun& run, __nv_bfloat16* h, float* f, std::uint8_t* mask, std::int32_t* index) {
     namespace lk = kernels::device::layer_kernels;
+    lk::bias_act(run, h, 1, 1, 1, f, false, mask);  // cuDNN's bf16 output and its bias (Note [cuDNN convolutions])
+    lk::add_widened(run, f, h, 1);
+    lk::channel_sums(run, h, 1, 1, 1, f);
     lk::relu_forward(run, h, mask, 1);
     lk::relu_backward(run, h, mask, h, 1);
     const kernels::PoolGeometry pool;

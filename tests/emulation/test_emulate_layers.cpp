@@ -922,6 +922,55 @@ TEST_CASE("emulated per-channel sums cover every channel and stay within the scr
         }
 }
 
+// bf16 storage in the convolution's epilogue and gradients (Note [cuDNN convolutions]): the bias
+// added to a bf16 output is the fp32 bias on the widened value rounded once; a bf16 weight gradient
+// is added widened; a bf16 dy's per-channel sums are those of its widened copy, bit for bit.
+TEST_CASE("emulated bias on bf16 storage, bf16 gradients added widened, and sums of a bf16 dy equal the fp32 ones",
+          "[emulation][layers]") {
+    const std::uint64_t seed = lockstep::test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    struct Case {
+        std::int64_t N, C, P;
+    };
+    for (const Case& sc : {Case{2, 3, 20}, Case{3, 5, 7}, Case{4, 70, 1}, Case{1, 2, 4096}, Case{0, 3, 4}})
+        for (const auto& d : devices)
+            for (const int misalign : {0, 1}) {
+                INFO("N=" << sc.N << " C=" << sc.C << " P=" << sc.P << " sms=" << d.multiprocessors << " misalign=" << misalign);
+                dev::HostScratch scratch;
+                EmulatedLayerRun run{d, &scratch};
+                const auto n = static_cast<std::size_t>(sc.N * sc.C * sc.P);
+                const auto y16 = rounded(random_floats(n, rng));
+                const auto bias = random_floats(static_cast<std::size_t>(sc.C), rng);
+                Buffer<float> b(bias, 0);
+
+                // bias: bf16 in place against fp32 on the widened values, then rounded once
+                Buffer<bf16> y(y16, misalign);
+                Buffer<float> y32(widened(y16), misalign);
+                lk::bias_act(run, y.data(), sc.N, sc.C, sc.P, b.data(), false, nullptr);
+                lk::bias_act(run, y32.data(), sc.N, sc.C, sc.P, b.data(), false, nullptr);
+                CHECK(same_widened(y.vec(), widened(rounded(y32.vec()))));
+
+                // a bf16 gradient added to an fp32 one: the fp32 sum with its widened copy
+                const auto acc0 = random_floats(n, rng);
+                const auto g16 = rounded(random_floats(n, rng));
+                Buffer<float> acc(acc0, misalign), acc_ref(acc0, misalign);
+                Buffer<bf16> g(g16, misalign);
+                Buffer<float> gw(widened(g16), misalign);
+                lk::add_widened(run, acc.data(), g.data(), static_cast<std::int64_t>(n));
+                lk::add(run, acc_ref.data(), gw.data(), static_cast<std::int64_t>(n));
+                CHECK(same_bits(acc.vec(), acc_ref.vec()));
+
+                // per-channel sums of a bf16 dy: the bits of its widened copy's sums
+                const auto s0 = random_floats(static_cast<std::size_t>(sc.C), rng);
+                Buffer<float> s16(s0, 0), s32(s0, 0);
+                lk::channel_sums(run, g.data(), sc.N, sc.C, sc.P, s16.data());
+                lk::channel_sums(run, gw.data(), sc.N, sc.C, sc.P, s32.data());
+                CHECK(same_bits(s16.vec(), s32.vec()));
+                if (sc.N > 0) CHECK_FALSE(same_bits(s16.vec(), s0));  // the sums were added
+            }
+}
+
 // ---- many tensors per launch: SGD and bucket pack/unpack ----------------------------------------
 
 TEST_CASE("emulated SGD over a table of tensors equals the host's per-tensor update bit for bit", "[emulation][layers]") {

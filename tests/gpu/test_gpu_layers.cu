@@ -21,6 +21,9 @@
 
 #include "../../examples/mnist/net.hpp"
 #include "gpu_check.hpp"
+#if defined(LOCKSTEP_HOST_CUDA)
+#include "../host_cuda/host_cuda.hpp"  // the calls cuDNN's double accepted
+#endif
 
 using namespace lockstep;
 
@@ -125,14 +128,16 @@ float round_bf16(float v) {
 }
 
 // Every element of `got` within its bound: `exact` and `mag` (the magnitudes' sum S) in fp64,
-// `terms` products summed per element.
+// `terms` products summed per element; `outputs` roundings of the result (or of a part of it no
+// larger than S) to bf16 on top, each within half a bf16 unit, 2^-8 of a value at most S (1 + 2^-6).
 double expect_rounding(const std::vector<float>& got, const std::vector<double>& exact, const std::vector<double>& mag,
-                       std::int64_t terms, Rounding r, const std::string& what) {
+                       std::int64_t terms, Rounding r, const std::string& what, int outputs = 0) {
     const double g = gamma_of(terms + 1);
     const double input = r == Rounding::tf32   ? std::ldexp(1.0, -9) + std::ldexp(1.0, -20)
                          : r == Rounding::bf16 ? std::ldexp(1.0, -7) + std::ldexp(1.0, -16)
                                                : 0.0;
-    const double strict = g, allowed = 2 * (input * (1 + g) + g);
+    [[maybe_unused]] const double strict = g;  // read on the host CUDA device only
+    const double allowed = 2 * (input * (1 + g) + g) + outputs * std::ldexp(1.0, -8) * (1 + std::ldexp(1.0, -6));
     double worst = 0;  // the largest |got - exact| / S
     bool same_size = got.size() == exact.size() && exact.size() == mag.size() && !got.empty();
     for (std::size_t i = 0; same_size && i < got.size(); ++i) {
@@ -207,18 +212,71 @@ Rounding rounding_of(Math math, Precision precision, ProductOf of) {
 }
 
 // Checks a layer's output, dx and weight gradient against both references (the bf16-rounded
-// one only where the products took bf16 operands).
+// one only where the products took bf16 operands); `outputs`: each result rounded once to bf16
+// (cuDNN's bf16 convolutions: Note [cuDNN convolutions]).
 void expect_layer_rounding(const std::string& name, Rounding r, const std::vector<float>& y, const Reference (&ref)[3],
                            const Reference (&ref16)[3], const std::vector<float>& dx, const std::vector<float>& dw,
-                           const std::int64_t (&terms)[3]) {
+                           const std::int64_t (&terms)[3], int outputs = 0) {
     const std::vector<float>* got[3] = {&y, &dx, &dw};
     const char* part[3] = {" forward", " dx", " weight gradient"};
     for (int i = 0; i < 3; ++i) {
-        expect_rounding(*got[i], ref[i].value, ref[i].mag, terms[i], r, name + part[i]);
+        expect_rounding(*got[i], ref[i].value, ref[i].mag, terms[i], r, name + part[i], outputs);
         if (r == Rounding::bf16)
             expect_rounding(*got[i], ref16[i].value, ref16[i].mag, terms[i], Rounding::strict,
-                            name + part[i] + " against its bf16 operands");
+                            name + part[i] + " against its bf16 operands", outputs);
     }
+}
+
+// Whether a context's bf16 convolutions run cuDNN's bf16 configuration: a cuDNN handle (the
+// shapes of these tests all have deterministic algorithms, which the callers check).
+bool cudnn_bf16(const nn::Context<Cuda>& ctx) {
+#if LOCKSTEP_WITH_CUDNN
+    return ctx.exec.precision == Precision::bf16 && ctx.exec.cudnn != nullptr;
+#else
+    (void)ctx;
+    return false;
+#endif
+}
+
+// How many cuDNN calls the host CUDA device has accepted so far (0 elsewhere): a mark for
+// expect_cudnn_bf16.
+std::size_t cudnn_calls_so_far() {
+#if LOCKSTEP_WITH_CUDNN && defined(LOCKSTEP_HOST_CUDA)
+    return host_cuda::cudnn_calls().size();
+#else
+    return 0;
+#endif
+}
+
+// Where cuDNN ran the bf16 convolution of `g` (cudnn_bf16): its process chose deterministic bf16
+// algorithms for it, and on the host CUDA device the calls since `mark` include a bf16 call of
+// that shape, with tensor-core math, in each direction the layer ran (`directions`, e.g. "fdw").
+void expect_cudnn_bf16(const kernels::ConvGeometry& g, Math math, const std::string& directions, std::size_t mark,
+                       const std::string& what) {
+#if LOCKSTEP_WITH_CUDNN
+    kernels::cuda_ops::CudnnConvolutions::Choice ch;
+    expect(kernels::cuda_ops::CudnnConvolutions::chosen(kernels::device::layer_kernels::ConvPlan(g), math, ch, Precision::bf16) &&
+               ch.usable,
+           what + ": cuDNN chose deterministic bf16 algorithms for it");
+#if defined(LOCKSTEP_HOST_CUDA)
+    const auto calls = host_cuda::cudnn_calls();
+    bool all = true;
+    for (const char d : directions) {
+        bool seen = false;
+        for (std::size_t i = mark; i < calls.size(); ++i) {
+            const auto& c = calls[i];
+            seen = seen || (c.direction == d && c.bf16 && c.math == CUDNN_TENSOR_OP_MATH && c.n == g.batch &&
+                            c.c == g.in_channels && c.o == g.out_channels && c.h == g.height && c.w == g.width);
+        }
+        all = all && seen;
+    }
+    expect(all, what + ": cuDNN's bf16 calls, tensor-core math, ran it in each direction (" + directions + ")");
+#else
+    (void)directions, (void)mark;
+#endif
+#else
+    (void)g, (void)math, (void)directions, (void)mark, (void)what;
+#endif
 }
 
 // Conv2d (bias, padding 1, stride 1) forward and backward in mode `math` and `precision` against fp64.
@@ -233,6 +291,7 @@ void conv_in_mode(Math math, Precision precision, nn::Context<Cuda> ctx, std::mt
     const auto dy = random_host(Shape{N, O, H, W}, rng);
     const auto w = values(conv.weight.value), b = values(conv.bias.value);
     nn::zero_grad(conv);
+    const std::size_t mark = cudnn_calls_so_far();
     const auto y = values(conv.forward(ctx, x.to<Cuda>(Device::cuda(ctx.exec.device))));
     const auto dx = values(conv.backward(ctx, dy.to<Cuda>(Device::cuda(ctx.exec.device))));
     const auto dw = values(conv.weight.grad);
@@ -262,7 +321,12 @@ void conv_in_mode(Math math, Precision precision, nn::Context<Cuda> ctx, std::mt
                 }
     const std::string name =
         std::string("Conv2d ") + std::string(to_string(math)) + " " + std::string(to_string(precision)) + engine;
-    expect_layer_rounding(name, r, y, ref, ref16, dx, dw, {C * k * k, O * k * k, N * H * W});
+    // cuDNN's bf16 configuration rounds y (before the bias), dx and the weight gradient to bf16 once.
+    const bool rounded_out = cudnn_bf16(ctx);
+    expect_layer_rounding(name, r, y, ref, ref16, dx, dw, {C * k * k, O * k * k, N * H * W}, rounded_out ? 1 : 0);
+    if (rounded_out)
+        expect_cudnn_bf16({.batch = N, .in_channels = C, .height = H, .width = W, .out_channels = O, .kernel = k, .padding = pad},
+                          math, "fdw", mark, name);
 }
 
 // Linear (bias) forward and backward in mode `math` and `precision` against fp64.
@@ -550,21 +614,6 @@ void linear_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
                                  nn::Linear<Cuda>(37, 19, {.fused_relu = relu}, g2)};
             },
             Shape{6, 37}, Shape{6, 19}, ctx, rng);
-    product_layer_bf16_activations(
-        "Conv2d 3->5 k3 p1",
-        [&] {
-            nn::Generator g1(13), g2(13);
-            return std::pair{nn::Conv2d<Cuda>(3, 5, 3, {.padding = 1}, g1), nn::Conv2d<Cuda>(3, 5, 3, {.padding = 1}, g2)};
-        },
-        Shape{2, 3, 7, 6}, Shape{2, 5, 7, 6}, ctx, rng);
-    product_layer_bf16_activations(
-        "Conv2d 4->3 k3 s2 no bias",
-        [&] {
-            nn::Generator g1(17), g2(17);
-            return std::pair{nn::Conv2d<Cuda>(4, 3, 3, {.stride = 2, .bias = false}, g1),
-                             nn::Conv2d<Cuda>(4, 3, 3, {.stride = 2, .bias = false}, g2)};
-        },
-        Shape{3, 4, 9, 8}, Shape{3, 3, 4, 3}, ctx, rng);
 
     // Under fp32: a bf16 input widened, y in fp32.
     ctx.exec.precision = Precision::fp32;
@@ -591,24 +640,72 @@ void linear_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
     const auto dx_want = b.backward(ctx, dy.to<Cuda>(d)).to_host();
     expect(same_bits(widened_host(rounded_bf16(dx_want)), dx.to_host()),
            "Linear: the fp32 protocol's backward after a bf16 forward gives the bf16 dx widened");
-    {
-        nn::Generator g3(7), g4(7);
-        nn::Conv2d<Cuda> c(2, 3, 3, {.padding = 1}, g3), e(2, 3, 3, {.padding = 1}, g4);
-        const auto xc = rounded_bf16(random_host(Shape{2, 2, 5, 5}, rng));
+}
+
+// Conv2d's activation protocol under Precision::bf16, in the engine of `ctx` (cuDNN's bf16
+// configuration where the context has a cuDNN handle, else im2col + cuBLAS): the same rules as
+// product_layer_bf16_activations states, whichever engine.
+void conv_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng, const std::string& engine) {
+    const Device d = Device::cuda(ctx.exec.device);
+    ctx.exec.precision = Precision::bf16;
+    const std::size_t mark = cudnn_calls_so_far();
+    product_layer_bf16_activations(
+        "Conv2d 3->5 k3 p1" + engine,
+        [&] {
+            nn::Generator g1(13), g2(13);
+            return std::pair{nn::Conv2d<Cuda>(3, 5, 3, {.padding = 1}, g1), nn::Conv2d<Cuda>(3, 5, 3, {.padding = 1}, g2)};
+        },
+        Shape{2, 3, 7, 6}, Shape{2, 5, 7, 6}, ctx, rng);
+    if (cudnn_bf16(ctx))
+        expect_cudnn_bf16({.batch = 2, .in_channels = 3, .height = 7, .width = 6, .out_channels = 5, .kernel = 3, .padding = 1},
+                          ctx.exec.math, "fdw", mark, "Conv2d 3->5 k3 p1" + engine);
+    product_layer_bf16_activations(
+        "Conv2d 4->3 k3 s2 no bias" + engine,
+        [&] {
+            nn::Generator g1(17), g2(17);
+            return std::pair{nn::Conv2d<Cuda>(4, 3, 3, {.stride = 2, .bias = false}, g1),
+                             nn::Conv2d<Cuda>(4, 3, 3, {.stride = 2, .bias = false}, g2)};
+        },
+        Shape{3, 4, 9, 8}, Shape{3, 3, 4, 3}, ctx, rng);
+    // The fp32 protocol's backward after a bf16 forward gives fp32 dx.
+    nn::Generator g3(7), g4(7);
+    nn::Conv2d<Cuda> c(2, 3, 3, {.padding = 1}, g3), e(2, 3, 3, {.padding = 1}, g4);
+    const auto xc = rounded_bf16(random_host(Shape{2, 2, 5, 5}, rng));
+    (void)c.forward(ctx, Activation<Cuda>(xc.to<Cuda>(d)));
+    const auto dyc = random_host(Shape{2, 3, 5, 5}, rng);
+    const auto dxc = c.backward(ctx, dyc.to<Cuda>(d));
+    (void)e.forward(ctx, widened_host(xc).to<Cuda>(d));
+    const auto dxc_want = e.backward(ctx, dyc.to<Cuda>(d)).to_host();
+    expect(same_bits(widened_host(rounded_bf16(dxc_want)), dxc.to_host()),
+           "Conv2d" + engine + ": the fp32 protocol's backward after a bf16 forward gives the bf16 dx widened");
+
+    // Gradients accumulate: through cuDNN the bf16 weight gradient is added, widened, to the fp32
+    // one (and the bias's sums to the bias gradient), so a second backward on the same inputs
+    // doubles both exactly (the first added them to zero). A path that overwrote would not.
+    if (cudnn_bf16(ctx)) {
+        nn::zero_grad(c);
+        const auto dy16 = rounded_bf16(dyc).to<Cuda>(d);
         (void)c.forward(ctx, Activation<Cuda>(xc.to<Cuda>(d)));
-        const auto dyc = random_host(Shape{2, 3, 5, 5}, rng);
-        const auto dxc = c.backward(ctx, dyc.to<Cuda>(d));
-        (void)e.forward(ctx, widened_host(xc).to<Cuda>(d));
-        const auto dxc_want = e.backward(ctx, dyc.to<Cuda>(d)).to_host();
-        expect(same_bits(widened_host(rounded_bf16(dxc_want)), dxc.to_host()),
-               "Conv2d: the fp32 protocol's backward after a bf16 forward gives the bf16 dx widened");
+        (void)c.backward(ctx, Activation<Cuda>::view_of(dy16));
+        const auto once = gradients_of<Cuda>(c);
+        (void)c.forward(ctx, Activation<Cuda>(xc.to<Cuda>(d)));
+        (void)c.backward(ctx, Activation<Cuda>::view_of(dy16));
+        const auto twice = gradients_of<Cuda>(c);
+        bool doubled = once.size() == 2 && twice.size() == 2;
+        bool nonzero = false;
+        for (std::size_t i = 0; doubled && i < once.size(); ++i)
+            for (std::size_t j = 0; j < once[i].size(); ++j) {
+                doubled = doubled && twice[i][j] == 2.0f * once[i][j];
+                nonzero = nonzero || once[i][j] != 0.0f;
+            }
+        expect(doubled && nonzero, "Conv2d" + engine + " in bf16: a second backward adds its gradients to the first's");
     }
 }
 
 // A network of every layer kind in bf16 (Note [activation precision]): each layer outputs bf16
 // under Precision::bf16, a Sequential gives the bits of the same layers chained by hand, its fp32
 // interface widens them, and an evaluation keeps nothing for backward.
-void network_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
+void network_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng, const std::string& engine) {
     const Device d = Device::cuda(ctx.exec.device);
     ctx.exec.precision = Precision::bf16;
     using Net = nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::MaxPool2d<Cuda>, nn::ReLU<Cuda>, nn::Flatten<Cuda>,
@@ -633,7 +730,9 @@ void network_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
     all_bf16 = all_bf16 && a.precision() == Precision::bf16;
     a = trail.forward(net.get<5>(), ctx, std::move(a));
     all_bf16 = all_bf16 && a.precision() == Precision::bf16;
-    expect(all_bf16, "a network of convolution, batch norm, pooling, ReLU, Flatten and linear: every activation bf16");
+    expect(
+        all_bf16,
+        std::string("a network of convolution, batch norm, pooling, ReLU, Flatten and linear: every activation bf16") + engine);
     const auto y_hand = a.get<BFloat16>().to_host();
     const auto dy = random_host(Shape{4, 5}, rng);
     auto gr = trail.backward(net.get<5>(), ctx, Activation<Cuda>(dy.to<Cuda>(d)));
@@ -648,20 +747,21 @@ void network_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
     grads_bf16 = grads_bf16 && gr.precision() == Precision::bf16;
     gr = trail.backward(net.get<0>(), ctx, gr);
     expect(grads_bf16 && gr.precision() == Precision::fp32,
-           "the same network's gradients: bf16 between layers, dx of the fp32 input in fp32");
+           std::string("the same network's gradients: bf16 between layers, dx of the fp32 input in fp32") + engine);
     const auto dx_hand = gr.get<float>().to_host();
     // The Sequential's fp32 interface: the same bits, widened.
     const auto y = twin.forward(ctx, x.to<Cuda>(d)).to_host();
     const auto dx = twin.backward(ctx, dy.to<Cuda>(d)).to_host();
     expect(same_bits(widened_host(y_hand), y) && same_bits(dx, dx_hand),
-           "Sequential<Cuda> of every layer kind in bf16: the hand-chained bits, its output widened");
+           std::string("Sequential<Cuda> of every layer kind in bf16: the hand-chained bits, its output widened") + engine);
     bool grads_same = true;
     const auto ga = gradients_of<Cuda>(net), gb = gradients_of<Cuda>(twin);
     for (std::size_t i = 0; i < ga.size(); ++i)
         grads_same = grads_same && std::memcmp(ga[i].data(), gb[i].data(), ga[i].size() * sizeof(float)) == 0;
-    expect(grads_same && ga.size() == 6, "Sequential<Cuda> in bf16: the hand-chained parameter gradients, bit for bit");
+    expect(grads_same && ga.size() == 6,
+           std::string("Sequential<Cuda> in bf16: the hand-chained parameter gradients, bit for bit") + engine);
     expect(same_bits(net.get<1>().running_mean.to_host(), twin.get<1>().running_mean.to_host()),
-           "Sequential<Cuda> in bf16: batch norm's running statistics as by hand");
+           std::string("Sequential<Cuda> in bf16: batch norm's running statistics as by hand") + engine);
 
     // Evaluation: bf16 out, from the running statistics; nothing kept, so backward is refused.
     nn::Context<Cuda> eval = ctx;
@@ -674,11 +774,11 @@ void network_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng) {
         refused = true;
     }
     expect(ye.precision() == Precision::bf16 && ye.shape() == (Shape{4, 5}) && refused,
-           "Sequential<Cuda> in bf16 evaluation: bf16 out, nothing kept for backward");
+           std::string("Sequential<Cuda> in bf16 evaluation: bf16 out, nothing kept for backward") + engine);
     // The fp32 interface in evaluation: the same bf16 logits, widened.
     auto ye32 = twin.forward(eval, x.to<Cuda>(d)).to_host();
     expect(same_bits(widened_host(ye.get<BFloat16>().to_host()), ye32),
-           "Sequential<Cuda> in bf16 evaluation: the fp32 interface's logits are the bf16 ones widened");
+           std::string("Sequential<Cuda> in bf16 evaluation: the fp32 interface's logits are the bf16 ones widened") + engine);
 }
 
 }  // namespace
@@ -797,7 +897,7 @@ int main() {
             linear_in_mode(m, Precision::fp32, ctx, rng);
         }
         // bf16 whatever the math mode says (Note [precision]); a context with cuDNN runs its
-        // bf16 convolutions on im2col + cuBLAS too.
+        // bf16 convolutions through cuDNN's bf16 configuration (Note [cuDNN convolutions]).
         for (const Math m : {Math::strict_fp32, Math::tf32}) {
             for (const auto& [engine, ectx] : engines) conv_in_mode(m, Precision::bf16, ectx, rng, engine + " context");
             linear_in_mode(m, Precision::bf16, ctx, rng);
@@ -806,7 +906,10 @@ int main() {
         rounding_takes_effect(ctx, Rounding::bf16, rng);
         bf16_activations(ctx, rng);
         linear_bf16_activations(ctx, rng);
-        network_bf16_activations(ctx, rng);
+        for (const auto& [engine, ectx] : engines) {
+            conv_bf16_activations(ectx, rng, engine);
+            network_bf16_activations(ectx, rng, engine);
+        }
 
         // ---- the losses ----
         {

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
-//! lockstep's host CUDA device: the cuDNN entry points of NCHW fp32 convolutions (forward, backward
-//! data, backward filter), their descriptors and heuristics. A call checks its descriptors
-//! against each other and its operands and workspace against the handle's device, then enqueues
-//! im2col + OpenBLAS on the handle's stream (README.md, "cuDNN").
+//! lockstep's host CUDA device: the cuDNN entry points of NCHW convolutions in fp32 or bfloat16
+//! (forward, backward data, backward filter), their descriptors and heuristics. A call checks its
+//! descriptors against each other and its operands and workspace against the handle's device,
+//! then enqueues im2col + OpenBLAS on the handle's stream (README.md, "cuDNN").
+#include <cuda_bf16.h>
 #include <cudnn.h>
 
 #include <cblas.h>
@@ -29,10 +30,12 @@ struct cudnnContext {
 struct cudnnTensorStruct {
     bool set = false;
     int n = 0, c = 0, h = 0, w = 0;
+    cudnnDataType_t type = CUDNN_DATA_FLOAT;
 };
 struct cudnnFilterStruct {
     bool set = false;
     int k = 0, c = 0, h = 0, w = 0;
+    cudnnDataType_t type = CUDNN_DATA_FLOAT;
 };
 struct cudnnConvolutionStruct {
     bool set = false;
@@ -93,11 +96,17 @@ cudnnStatus_t destroy(const void* p) {
 struct Geometry {
     int N = 0, C = 0, H = 0, W = 0, O = 0, kh = 1, kw = 1, ph = 0, pw = 0, u = 1, v = 1, OH = 0, OW = 0;
     bool tf32 = false;
+    bool bf16 = false;              // every tensor bfloat16 (cuDNN's PSEUDO_BFLOAT16 configuration), else fp32
+    int math = CUDNN_DEFAULT_MATH;  // the convolution descriptor's cudnnMathType_t
     std::int64_t K() const { return std::int64_t{C} * kh * kw; }
     std::int64_t P() const { return std::int64_t{OH} * OW; }
-    std::size_t x_bytes() const { return std::size_t(N) * C * H * W * sizeof(float); }
-    std::size_t y_bytes() const { return std::size_t(N) * O * OH * OW * sizeof(float); }
-    std::size_t w_bytes() const { return std::size_t(O) * C * kh * kw * sizeof(float); }
+    std::size_t element() const { return bf16 ? sizeof(__nv_bfloat16) : sizeof(float); }
+    std::size_t x_count() const { return std::size_t(N) * C * H * W; }
+    std::size_t y_count() const { return std::size_t(N) * O * OH * OW; }
+    std::size_t w_count() const { return std::size_t(O) * C * kh * kw; }
+    std::size_t x_bytes() const { return x_count() * element(); }
+    std::size_t y_bytes() const { return y_count() * element(); }
+    std::size_t w_bytes() const { return w_count() * element(); }
 };
 
 //! The descriptors as one convolution, or an error when they do not fit together.
@@ -106,13 +115,17 @@ cudnnStatus_t geometry(const cudnnTensorStruct* x, const cudnnFilterStruct* w, c
     if (!live(x) || !live(w) || !live(conv) || !live(y)) return CUDNN_STATUS_BAD_PARAM;
     if (!x->set || !w->set || !conv->set || !y->set) return CUDNN_STATUS_BAD_PARAM;
     if (w->c != x->c || y->n != x->n || y->c != w->k) return CUDNN_STATUS_BAD_PARAM;
+    // cuDNN's configurations: every tensor of one type (fp32, or bf16 with fp32 compute).
+    if (x->type != w->type || y->type != x->type) return CUDNN_STATUS_NOT_SUPPORTED;
     g.N = x->n, g.C = x->c, g.H = x->h, g.W = x->w, g.O = w->k, g.kh = w->h, g.kw = w->w;
     g.ph = conv->pad_h, g.pw = conv->pad_w, g.u = conv->u, g.v = conv->v;
     if (g.H + 2 * g.ph < g.kh || g.W + 2 * g.pw < g.kw) return CUDNN_STATUS_BAD_PARAM;
     g.OH = (g.H + 2 * g.ph - g.kh) / g.u + 1;
     g.OW = (g.W + 2 * g.pw - g.kw) / g.v + 1;
     if (y->h != g.OH || y->w != g.OW) return CUDNN_STATUS_BAD_PARAM;
-    g.tf32 = conv->math != CUDNN_FMA_MATH;
+    g.bf16 = x->type == CUDNN_DATA_BFLOAT16;
+    g.math = conv->math;
+    g.tf32 = !g.bf16 && conv->math != CUDNN_FMA_MATH;  // bf16 operands: their products are exact in fp32
     return CUDNN_STATUS_SUCCESS;
 }
 
@@ -253,10 +266,37 @@ std::vector<float> rounded(const float* p, std::size_t n, bool tf32) {
     return out;
 }
 
-//! out = alpha * value + beta * out (beta == 0 ignores out: NaN there does not propagate).
+//! out = alpha * value + beta * out (beta == 0 ignores out: NaN there does not propagate); a
+//! bf16 output is widened, blended in fp32 and rounded once to nearest even.
 void blend(float* out, const float* value, std::size_t n, float alpha, float beta) {
     for (std::size_t i = 0; i < n; ++i) out[i] = alpha * value[i] + (beta == 0.0f ? 0.0f : beta * out[i]);
 }
+void blend(__nv_bfloat16* out, const float* value, std::size_t n, float alpha, float beta) {
+    for (std::size_t i = 0; i < n; ++i)
+        out[i] = __float2bfloat16_rn(alpha * value[i] + (beta == 0.0f ? 0.0f : beta * __bfloat162float(out[i])));
+}
+void blend(void* out, const float* value, std::size_t n, float alpha, float beta, bool bf16) {
+    if (bf16)
+        blend(static_cast<__nv_bfloat16*>(out), value, n, alpha, beta);
+    else
+        blend(static_cast<float*>(out), value, n, alpha, beta);
+}
+
+//! An operand as fp32: its own elements, or a bf16 operand widened (exactly) at the op.
+struct Wide {
+    const float* p = nullptr;
+    std::vector<float> own;
+    Wide(const void* src, std::size_t n, bool bf16) {
+        if (!bf16) {
+            p = static_cast<const float*>(src);
+            return;
+        }
+        own.resize(n);
+        const auto* b = static_cast<const __nv_bfloat16*>(src);
+        for (std::size_t i = 0; i < n; ++i) own[i] = __bfloat162float(b[i]);
+        p = own.data();
+    }
+};
 
 // ---- the calls ----------------------------------------------------------------------------------
 
@@ -269,10 +309,18 @@ struct Admitted {
     std::vector<std::pair<const void*, std::size_t>> ranges;  // the operands and the workspace used
 };
 
-//! The checks every convolution call makes, the operands' pointers first.
+//! Whether [a, a + an) and [b, b + bn) share a byte.
+bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) {
+    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+    return an > 0 && bn > 0 && x < y + bn && y < x + an;
+}
+
+//! The checks every convolution call makes, the operands' pointers first; `operands[output]` is
+//! the one written, which may share no byte with another operand or the workspace (cuDNN would
+//! read what it already overwrote: garbage on a GPU, refused here).
 cudnnStatus_t admit(cudnnHandle_t handle, const Geometry& g, Direction d, int algo, void* work, std::size_t work_bytes,
                     const void* alpha, const void* beta, const std::vector<std::pair<const void*, std::size_t>>& operands,
-                    Admitted& out) {
+                    std::size_t output, Admitted& out) {
     if (alpha == nullptr || beta == nullptr) return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
     for (const auto& operand : operands)
         if (operand.first == nullptr) return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
@@ -284,6 +332,10 @@ cudnnStatus_t admit(cudnnHandle_t handle, const Geometry& g, Direction d, int al
     if (o->memory > 0 && device_of_range(work, o->memory) != handle->device) return CUDNN_STATUS_EXECUTION_FAILED;
     for (const auto& [p, bytes] : operands)
         if (bytes > 0 && device_of_range(p, bytes) != handle->device) return CUDNN_STATUS_EXECUTION_FAILED;
+    const auto& [written, written_bytes] = operands[output];
+    if (overlap(written, written_bytes, work, o->memory)) return CUDNN_STATUS_BAD_PARAM;
+    for (std::size_t i = 0; i < operands.size(); ++i)
+        if (i != output && overlap(written, written_bytes, operands[i].first, operands[i].second)) return CUDNN_STATUS_BAD_PARAM;
     if (current_device() != handle->device || stream_for_work(handle->stream, out.stream) != cudaSuccess)
         return CUDNN_STATUS_EXECUTION_FAILED;
     out.alpha = *static_cast<const float*>(alpha);
@@ -294,7 +346,7 @@ cudnnStatus_t admit(cudnnHandle_t handle, const Geometry& g, Direction d, int al
     if (o->memory > 0) out.ranges.emplace_back(work, o->memory);
     State& st = state();
     std::lock_guard lock(st.m);
-    st.calls.push_back({handle->device, letter(d), algo, g.tf32, work_bytes, g.N, g.C, g.H, g.W, g.O});
+    st.calls.push_back({handle->device, letter(d), algo, g.tf32, work_bytes, g.N, g.C, g.H, g.W, g.O, g.bf16, g.math});
     return CUDNN_STATUS_SUCCESS;
 }
 
@@ -389,9 +441,10 @@ cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t d) { return d
 cudnnStatus_t cudnnSetTensor4dDescriptor(cudnnTensorDescriptor_t d, cudnnTensorFormat_t format, cudnnDataType_t type, int n,
                                          int c, int h, int w) {
     if (!live(d)) return CUDNN_STATUS_BAD_PARAM;
-    if (format != CUDNN_TENSOR_NCHW || type != CUDNN_DATA_FLOAT) return CUDNN_STATUS_NOT_SUPPORTED;
+    if (format != CUDNN_TENSOR_NCHW || (type != CUDNN_DATA_FLOAT && type != CUDNN_DATA_BFLOAT16))
+        return CUDNN_STATUS_NOT_SUPPORTED;
     if (n <= 0 || c <= 0 || h <= 0 || w <= 0) return CUDNN_STATUS_BAD_PARAM;
-    *d = {true, n, c, h, w};
+    *d = {true, n, c, h, w, type};
     return CUDNN_STATUS_SUCCESS;
 }
 
@@ -400,9 +453,10 @@ cudnnStatus_t cudnnDestroyFilterDescriptor(cudnnFilterDescriptor_t d) { return d
 cudnnStatus_t cudnnSetFilter4dDescriptor(cudnnFilterDescriptor_t d, cudnnDataType_t type, cudnnTensorFormat_t format, int k,
                                          int c, int h, int w) {
     if (!live(d)) return CUDNN_STATUS_BAD_PARAM;
-    if (format != CUDNN_TENSOR_NCHW || type != CUDNN_DATA_FLOAT) return CUDNN_STATUS_NOT_SUPPORTED;
+    if (format != CUDNN_TENSOR_NCHW || (type != CUDNN_DATA_FLOAT && type != CUDNN_DATA_BFLOAT16))
+        return CUDNN_STATUS_NOT_SUPPORTED;
     if (k <= 0 || c <= 0 || h <= 0 || w <= 0) return CUDNN_STATUS_BAD_PARAM;
-    *d = {true, k, c, h, w};
+    *d = {true, k, c, h, w, type};
     return CUDNN_STATUS_SUCCESS;
 }
 
@@ -412,7 +466,8 @@ cudnnStatus_t cudnnSetConvolution2dDescriptor(cudnnConvolutionDescriptor_t d, in
                                               int dilation_w, cudnnConvolutionMode_t mode, cudnnDataType_t compute) {
     if (!live(d)) return CUDNN_STATUS_BAD_PARAM;
     if (pad_h < 0 || pad_w < 0 || u <= 0 || v <= 0 || dilation_h <= 0 || dilation_w <= 0) return CUDNN_STATUS_BAD_PARAM;
-    // lockstep's convolutions are cross-correlations in fp32 without dilation: the double does no other.
+    // lockstep's convolutions are cross-correlations with fp32 compute (fp32 or bf16 tensors)
+    // without dilation: the double does no other.
     if (dilation_h != 1 || dilation_w != 1 || mode != CUDNN_CROSS_CORRELATION || compute != CUDNN_DATA_FLOAT)
         return CUDNN_STATUS_NOT_SUPPORTED;
     d->set = true;
@@ -494,25 +549,23 @@ cudnnStatus_t cudnnConvolutionForward(cudnnHandle_t handle, const void* alpha, c
     if (const cudnnStatus_t st = geometry(xDesc, wDesc, convDesc, yDesc, g); st != CUDNN_STATUS_SUCCESS) return st;
     Admitted call;
     if (const cudnnStatus_t st = admit(handle, g, Direction::forward, algo, workSpace, workSpaceSizeInBytes, alpha, beta,
-                                       {{x, g.x_bytes()}, {w, g.w_bytes()}, {y, g.y_bytes()}}, call);
+                                       {{x, g.x_bytes()}, {w, g.w_bytes()}, {y, g.y_bytes()}}, 2, call);
         st != CUDNN_STATUS_SUCCESS)
         return st;
     const float a = call.alpha, b = call.beta;
     float* work = call.work;
-    const auto* xs = static_cast<const float*>(x);
-    const auto* ws = static_cast<const float*>(w);
-    auto* ys = static_cast<float*>(y);
     Op op;
     op.body = [=] {
         const std::int64_t K = g.K(), P = g.P();
-        const auto wr = rounded(ws, std::size_t(g.O) * std::size_t(K), g.tf32);
+        const Wide xs(x, g.x_count(), g.bf16), ws(w, g.w_count(), g.bf16);
+        const auto wr = rounded(ws.p, g.w_count(), g.tf32);
         std::vector<float> own(work == nullptr ? std::size_t(K * P) : 0), out(std::size_t(g.O) * std::size_t(P));
         float* cols = work != nullptr ? work : own.data();  // the algorithm's workspace holds the columns
         for (int n = 0; n < g.N; ++n) {
-            im2col(g, xs + std::int64_t{n} * g.C * g.H * g.W, cols, g.tf32);
+            im2col(g, xs.p + std::int64_t{n} * g.C * g.H * g.W, cols, g.tf32);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g.O, static_cast<int>(P), static_cast<int>(K), 1.0f, wr.data(),
                         static_cast<int>(K), cols, static_cast<int>(P), 0.0f, out.data(), static_cast<int>(P));
-            blend(ys + std::int64_t{n} * g.O * P, out.data(), out.size(), a, b);
+            blend(static_cast<char*>(y) + std::size_t(n) * g.O * P * g.element(), out.data(), out.size(), a, b, g.bf16);
         }
     };
     op.device_ranges = call.ranges;
@@ -529,27 +582,26 @@ cudnnStatus_t cudnnConvolutionBackwardData(cudnnHandle_t handle, const void* alp
     if (const cudnnStatus_t st = geometry(dxDesc, wDesc, convDesc, dyDesc, g); st != CUDNN_STATUS_SUCCESS) return st;
     Admitted call;
     if (const cudnnStatus_t st = admit(handle, g, Direction::backward_data, algo, workSpace, workSpaceSizeInBytes, alpha, beta,
-                                       {{dx, g.x_bytes()}, {w, g.w_bytes()}, {dy, g.y_bytes()}}, call);
+                                       {{dx, g.x_bytes()}, {w, g.w_bytes()}, {dy, g.y_bytes()}}, 0, call);
         st != CUDNN_STATUS_SUCCESS)
         return st;
     const float a = call.alpha, b = call.beta;
     float* work = call.work;
-    const auto* ws = static_cast<const float*>(w);
-    const auto* dys = static_cast<const float*>(dy);
-    auto* dxs = static_cast<float*>(dx);
     Op op;
     op.body = [=] {
         const std::int64_t K = g.K(), P = g.P(), image = std::int64_t{g.C} * g.H * g.W;
-        const auto wr = rounded(ws, std::size_t(g.O) * std::size_t(K), g.tf32);
+        const Wide ws(w, g.w_count(), g.bf16), dys(dy, g.y_count(), g.bf16);
+        const auto wr = rounded(ws.p, g.w_count(), g.tf32);
         std::vector<float> own(work == nullptr ? std::size_t(K * P) : 0), img(static_cast<std::size_t>(image));
         float* dcols = work != nullptr ? work : own.data();
         for (int n = 0; n < g.N; ++n) {
-            const auto dyr = rounded(dys + std::int64_t{n} * g.O * P, std::size_t(g.O) * std::size_t(P), g.tf32);
+            const auto dyr = rounded(dys.p + std::int64_t{n} * g.O * P, std::size_t(g.O) * std::size_t(P), g.tf32);
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(K), static_cast<int>(P), g.O, 1.0f, wr.data(),
                         static_cast<int>(K), dyr.data(), static_cast<int>(P), 0.0f, dcols, static_cast<int>(P));
             std::fill(img.begin(), img.end(), 0.0f);
             col2im(g, dcols, img.data());
-            blend(dxs + n * image, img.data(), img.size(), a, b);
+            blend(static_cast<char*>(dx) + std::size_t(n) * std::size_t(image) * g.element(), img.data(), img.size(), a, b,
+                  g.bf16);
         }
     };
     op.device_ranges = call.ranges;
@@ -566,26 +618,24 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t handle, const void* a
     if (const cudnnStatus_t st = geometry(xDesc, dwDesc, convDesc, dyDesc, g); st != CUDNN_STATUS_SUCCESS) return st;
     Admitted call;
     if (const cudnnStatus_t st = admit(handle, g, Direction::backward_filter, algo, workSpace, workSpaceSizeInBytes, alpha, beta,
-                                       {{x, g.x_bytes()}, {dw, g.w_bytes()}, {dy, g.y_bytes()}}, call);
+                                       {{x, g.x_bytes()}, {dw, g.w_bytes()}, {dy, g.y_bytes()}}, 1, call);
         st != CUDNN_STATUS_SUCCESS)
         return st;
     const float a = call.alpha, b = call.beta;
     float* work = call.work;
-    const auto* xs = static_cast<const float*>(x);
-    const auto* dys = static_cast<const float*>(dy);
-    auto* dws = static_cast<float*>(dw);
     Op op;
     op.body = [=] {
         const std::int64_t K = g.K(), P = g.P();
+        const Wide xs(x, g.x_count(), g.bf16), dys(dy, g.y_count(), g.bf16);
         std::vector<float> own(work == nullptr ? std::size_t(K * P) : 0), acc(std::size_t(g.O) * std::size_t(K), 0.0f);
         float* cols = work != nullptr ? work : own.data();
         for (int n = 0; n < g.N; ++n) {
-            im2col(g, xs + std::int64_t{n} * g.C * g.H * g.W, cols, g.tf32);
-            const auto dyr = rounded(dys + std::int64_t{n} * g.O * P, std::size_t(g.O) * std::size_t(P), g.tf32);
+            im2col(g, xs.p + std::int64_t{n} * g.C * g.H * g.W, cols, g.tf32);
+            const auto dyr = rounded(dys.p + std::int64_t{n} * g.O * P, std::size_t(g.O) * std::size_t(P), g.tf32);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g.O, static_cast<int>(K), static_cast<int>(P), 1.0f, dyr.data(),
                         static_cast<int>(P), cols, static_cast<int>(P), 1.0f, acc.data(), static_cast<int>(K));
         }
-        blend(dws, acc.data(), acc.size(), a, b);
+        blend(dw, acc.data(), acc.size(), a, b, g.bf16);
     };
     op.device_ranges = call.ranges;
     enqueue(call.stream, std::move(op));

@@ -60,7 +60,8 @@ void set_nccl_version(int version);
 
 //! One cuDNN convolution call accepted (cudnn.cpp): the handle's device, the direction ('f'
 //! forward, 'd' backward data, 'w' backward filter), the algorithm, whether the descriptor's math
-//! allowed TF32, the workspace bytes given, and the shape (N, C, H, W, O).
+//! allowed TF32, the workspace bytes given, the shape (N, C, H, W, O), whether its tensors were
+//! bfloat16, and the convolution descriptor's math type (a cudnnMathType_t).
 struct CudnnCall {
     int device = 0;
     char direction = 'f';
@@ -68,6 +69,8 @@ struct CudnnCall {
     bool tf32 = false;
     std::size_t workspace_bytes = 0;
     int n = 0, c = 0, h = 0, w = 0, o = 0;
+    bool bf16 = false;
+    int math = 0;
 };
 //! Every cuDNN convolution call accepted since the last reset(), in the order of the calls.
 std::vector<CudnnCall> cudnn_calls();

@@ -700,6 +700,125 @@ TEST_CASE("host cuDNN: convolutions match a double reference and check descripto
     for (float* p : {dx_, dw_, ddy, dxg, dwg, dyo}) REQUIRE(cudaFree(p) == cudaSuccess);
     REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
 }
+
+// cuDNN's bf16 configuration (bf16 tensors, fp32 compute): each output is the fp32 result on the
+// widened operands rounded once (a weight gradient with beta 1: alpha * sum + the old value,
+// then rounded); bf16 tensors take 2 bytes an element (a block of exactly that size serves);
+// tensors of mixed types are refused, as cuDNN has no such configuration.
+TEST_CASE("host cuDNN: bf16 convolutions round each output once and refuse mixed types") {
+    Fresh fresh;
+    const int N = 2, C = 3, H = 6, W = 5, O = 4, k = 3, pad = 1;
+    const int OH = H, OW = W;
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    cudnnHandle_t h = nullptr;
+    REQUIRE(cudnnCreate(&h) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetStream(h, s) == CUDNN_STATUS_SUCCESS);
+    cudnnTensorDescriptor_t xd = nullptr, yd = nullptr, y32 = nullptr;
+    cudnnFilterDescriptor_t wd = nullptr;
+    cudnnConvolutionDescriptor_t cd = nullptr;
+    REQUIRE(cudnnCreateTensorDescriptor(&xd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateTensorDescriptor(&yd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateTensorDescriptor(&y32) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateFilterDescriptor(&wd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnCreateConvolutionDescriptor(&cd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NCHW, CUDNN_DATA_BFLOAT16, N, C, H, W) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetTensor4dDescriptor(yd, CUDNN_TENSOR_NCHW, CUDNN_DATA_BFLOAT16, N, O, OH, OW) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetTensor4dDescriptor(y32, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, O, OH, OW) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_BFLOAT16, CUDNN_TENSOR_NCHW, O, C, k, k) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetConvolution2dDescriptor(cd, pad, pad, 1, 1, 1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT) ==
+            CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnSetConvolutionMathType(cd, CUDNN_TENSOR_OP_MATH) == CUDNN_STATUS_SUCCESS);
+    CHECK(cudnnSetTensor4dDescriptor(y32, CUDNN_TENSOR_NCHW, CUDNN_DATA_HALF, N, O, OH, OW) == CUDNN_STATUS_NOT_SUPPORTED);
+
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> dist(-1, 1);
+    const auto fill = [&](std::size_t n) {
+        std::vector<__nv_bfloat16> v(n);
+        for (auto& e : v) e = __float2bfloat16_rn(dist(rng));
+        return v;
+    };
+    const auto x = fill(std::size_t(N * C * H * W)), w = fill(std::size_t(O * C * k * k)),
+               dy = fill(std::size_t(N * O * OH * OW));
+    auto dw_old = fill(w.size());
+    const auto upload = [&](const std::vector<__nv_bfloat16>& v) {
+        void* d = nullptr;
+        REQUIRE(cudaMalloc(&d, v.size() * 2) == cudaSuccess);  // exactly the bf16 bytes
+        REQUIRE(cudaMemcpy(d, v.data(), v.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess);
+        return static_cast<__nv_bfloat16*>(d);
+    };
+    __nv_bfloat16 *dx_ = upload(x), *dw_ = upload(w), *ddy = upload(dy), *dyo = upload(dy), *dxg = upload(x),
+                  *dwg = upload(dw_old);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+
+    // The fp32 results on the widened operands, in fp64 (exact products; a sum of a few dozen
+    // terms is within 2^-20 of its fp32 sum), rounded once to bf16.
+    const auto f = [](__nv_bfloat16 v) { return static_cast<double>(__bfloat162float(v)); };
+    std::vector<double> ry(dy.size()), rdx(x.size()), rdw(w.size());
+    for (int n = 0; n < N; ++n)
+        for (int o = 0; o < O; ++o)
+            for (int oh = 0; oh < OH; ++oh)
+                for (int ow = 0; ow < OW; ++ow)
+                    for (int c = 0; c < C; ++c)
+                        for (int i = 0; i < k; ++i)
+                            for (int j = 0; j < k; ++j) {
+                                const int ih = oh - pad + i, iw = ow - pad + j;
+                                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                                const std::size_t yi = std::size_t(((n * O + o) * OH + oh) * OW + ow),
+                                                  xi = std::size_t(((n * C + c) * H + ih) * W + iw),
+                                                  wi = std::size_t(((o * C + c) * k + i) * k + j);
+                                ry[yi] += f(x[xi]) * f(w[wi]);
+                                rdx[xi] += f(dy[yi]) * f(w[wi]);
+                                rdw[wi] += f(dy[yi]) * f(x[xi]);
+                            }
+    for (std::size_t i = 0; i < rdw.size(); ++i) rdw[i] += f(dw_old[i]);  // beta = 1
+
+    const float one = 1.0f, zero = 0.0f;
+    const auto implicit = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM;  // no workspace
+    cudnnConvolutionFwdAlgoPerf_t fp[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+    int n_fwd = 0;
+    CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd, wd, cd, y32, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n_fwd, fp) ==
+          CUDNN_STATUS_NOT_SUPPORTED);  // bf16 x and w with an fp32 y: no such configuration
+    CHECK(cudnnConvolutionForward(h, &one, xd, dx_, wd, dw_, cd, implicit, nullptr, 0, &zero, y32, dyo) ==
+          CUDNN_STATUS_NOT_SUPPORTED);
+    // An output over an input (here dw written over x) would read what it overwrote: refused.
+    CHECK(cudnnConvolutionBackwardFilter(h, &one, xd, dx_, yd, ddy, cd, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, nullptr, 0, &zero,
+                                         wd, dx_) == CUDNN_STATUS_BAD_PARAM);
+    CHECK(hc::cudnn_calls().empty());
+
+    REQUIRE(cudnnConvolutionForward(h, &one, xd, dx_, wd, dw_, cd, implicit, nullptr, 0, &zero, yd, dyo) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnConvolutionBackwardData(h, &one, wd, dw_, yd, ddy, cd, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, nullptr, 0, &zero, xd,
+                                         dxg) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnConvolutionBackwardFilter(h, &one, xd, dx_, yd, ddy, cd, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, nullptr, 0, &one,
+                                           wd, dwg) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    const auto back = [](const __nv_bfloat16* d, std::size_t n) {
+        std::vector<__nv_bfloat16> v(n);
+        REQUIRE(cudaMemcpy(v.data(), d, n * 2, cudaMemcpyDeviceToHost) == cudaSuccess);
+        return v;
+    };
+    // Each output within half a bf16 unit (2^-8 relative) of the reference, plus the fp32 sum's own error.
+    const auto rounded_once = [&](const std::vector<__nv_bfloat16>& got, const std::vector<double>& want) {
+        bool within = got.size() == want.size();
+        for (std::size_t i = 0; within && i < got.size(); ++i)
+            within = std::abs(f(got[i]) - want[i]) <= std::ldexp(std::abs(want[i]), -8) + 1e-5;
+        return within;
+    };
+    CHECK(rounded_once(back(dyo, dy.size()), ry));
+    CHECK(rounded_once(back(dxg, x.size()), rdx));
+    CHECK(rounded_once(back(dwg, w.size()), rdw));
+    const auto calls = hc::cudnn_calls();
+    REQUIRE(calls.size() == 3);
+    CHECK((calls[0].bf16 && calls[1].bf16 && calls[2].bf16 && !calls[0].tf32));
+    CHECK((calls[0].math == CUDNN_TENSOR_OP_MATH && calls[2].math == CUDNN_TENSOR_OP_MATH));
+
+    for (auto* d : {xd, yd, y32}) REQUIRE(cudnnDestroyTensorDescriptor(d) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnDestroyFilterDescriptor(wd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnDestroyConvolutionDescriptor(cd) == CUDNN_STATUS_SUCCESS);
+    REQUIRE(cudnnDestroy(h) == CUDNN_STATUS_SUCCESS);
+    for (auto* p : {dx_, dw_, ddy, dyo, dxg, dwg}) REQUIRE(cudaFree(p) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------

@@ -201,6 +201,34 @@ TEST_CASE("replicas on different devices run the cuDNN algorithms the process ch
         CHECK(algorithms[d].size() == 1);
     }
 }
+
+// The same under Precision::bf16: cuDNN's bf16 configuration has its own choices (the table is
+// keyed by the data type), made once and run by every replica.
+TEST_CASE("replicas on different devices run the bf16 cuDNN algorithms the process chose once", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const auto b = make_batch(18, 25);  // shards of 9: a shape no other case of this process meets
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    auto o = options(std::chrono::seconds(10));
+    o.precision = Precision::bf16;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 2; ++s) CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+    std::map<char, std::set<int>> algorithms;
+    std::set<int> devices;
+    std::size_t calls = 0;
+    for (const auto& c : host_cuda::cudnn_calls())
+        if (c.n == 9) {
+            CHECK(c.bf16);
+            algorithms[c.direction].insert(c.algorithm), devices.insert(c.device), ++calls;
+        }
+    CHECK(calls == 2 * 2 * 3);  // two steps, two replicas, three directions
+    CHECK(devices == std::set<int>{0, 1});
+    for (const char d : {'f', 'd', 'w'}) {
+        CAPTURE(d);
+        CHECK(algorithms[d].size() == 1);
+    }
+}
 #endif
 
 // Issue 27, item 3 (Note [graphs] in core/cuda_runtime.cuh): a replica's forward and backward
@@ -514,6 +542,12 @@ TEST_CASE("bf16 products are refused on a GPU older than compute capability 8.0,
         CHECK_THROWS_WITH(lin.forward(ctx, Tensor<float, Cuda>(Shape{2, 4}, MemoryFormat::nchw, Device::cuda(1))),
                           Catch::Contains("Precision::bf16 products: bf16 needs a GPU of compute capability 8.0") &&
                               Catch::Contains("cuda:1 is 7.5"));
+        // A convolution too, whichever engine runs it (cuDNN's bf16 configuration where built in).
+        nn::Conv2d<Cuda> conv(2, 3, 3, {.padding = 1}, g);
+        CHECK_THROWS_WITH(
+            conv.forward(ctx, Activation<Cuda>(Tensor<float, Cuda>(Shape{2, 2, 5, 5}, MemoryFormat::nchw, Device::cuda(1)))),
+            Catch::Contains("Precision::bf16 products: bf16 needs a GPU of compute capability 8.0") &&
+                Catch::Contains("cuda:1 is 7.5"));
     }
     REQUIRE(host_cuda::set_compute_capability(9, 0));
 }

@@ -130,10 +130,11 @@ constexpr bool allows_tf32(Math m, ProductOf of) noexcept {
 //   operands rounded to bfloat16 (to nearest, ties to even: 8 significant bits) and accumulates in
 //   fp32 into an fp32 result; on CUDA one cublasGemmEx or cublasGemmStridedBatchedEx (CUDA_R_16BF
 //   inputs, CUBLAS_COMPUTE_32F) on tensor cores, whatever the math mode says, on GPUs of compute
-//   capability 8.0 or newer (older ones are refused, UsageError). The activations between layers
-//   are stored in bf16 where the layers take them (Note [activation precision] in
-//   core/activation.hpp). Everything else stays fp32: the parameters (the master weights the
-//   optimizer updates and checkpoints keep), parameter gradients, batch-norm statistics, losses.
+//   capability 8.0 or newer (older ones are refused, UsageError). Convolutions through cuDNN run
+//   its bf16 configuration instead, whose results cuDNN rounds to bf16 (Note [cuDNN convolutions]). The activations between
+//   layers are stored in bf16 where the layers take them (Note [activation precision] in core/activation.hpp). Everything else
+//   stays fp32: the parameters (the master weights the optimizer updates and checkpoints keep), parameter gradients, batch-norm
+//   statistics, losses.
 // Separately, DataParallelOptions::gradient_precision = bf16 all-reduces the gradient buckets in
 // bf16 (rounded before the sum, widened after it); fp32 by default.
 // The host backend has no bf16 products or all-reduces and refuses both (UsageError) rather than

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "lockstep/kernels/cuda_common.cuh"
 #include "lockstep/kernels/device/gemm_layers.cuh"
@@ -52,13 +53,21 @@ namespace lockstep::kernels::cuda_ops {
 // - Math (Note [math modes]): strict fp32 sets CUDNN_FMA_MATH (no tensor cores); a mode that
 //   allows TF32 for convolutions sets CUDNN_DEFAULT_MATH, which lets cuDNN use TF32, as PyTorch
 //   does with torch.backends.cudnn.allow_tf32.
-// - Precision (Note [precision]): bf16 convolutions run im2col + cublasGemmEx on bfloat16
-//   operands, not cuDNN (whose bf16 convolutions take and give bf16 tensors, where lockstep's
-//   activations are fp32).
+// - Precision (Note [precision]): under Precision::bf16 a convolution runs cuDNN's bf16
+//   configuration (x, w and y, or dy and dx, or x, dy and dw in bfloat16, fp32 compute, tensor
+//   cores allowed: CUDNN_TENSOR_OP_MATH) with its own algorithm choices (the table is keyed by the data type too). cuDNN's
+//   legacy API gives every output in the inputs' type, so each is rounded to bf16 once by cuDNN:
+//   y before the bias is added in fp32 (and rounded again where y is stored in bf16), dx where x
+//   was fp32 (then widened), and the weight gradient, which is then added, widened, to the fp32
+//   gradient (as PyTorch's autocast does: its convolution's weight gradient is bf16). The operands
+//   that arrive in fp32 (x, dy, and always the fp32 master weight) are rounded once into the
+//   workspace's bf16 buffer. Shapes without a deterministic bf16 algorithm run im2col + cuBLAS in
+//   bf16 (`conv_forward_on_bf16`), whose outputs are not rounded before the bias and whose weight
+//   gradient accumulates in fp32.
 // - Workspace: the replica's one LayerWorkspace (Note [one layer workspace]), grown to the largest
-//   need of its layers.
-// - Sums: the weight gradient accumulates (beta = 1), as every backend's conv2d_backward does;
-//   y and dx are written (beta = 0).
+//   need of its layers: the algorithms' workspace in its fp32 buffer, bf16 operands in its bf16 one.
+// - Sums: an fp32 weight gradient accumulates (beta = 1), as every backend's conv2d_backward does;
+//   a bf16 one, y and dx are written (beta = 0).
 // - Handle and descriptors: one cuDNN handle per replica, set to the replica's stream at each
 //   call; the descriptors of a shape are made once per replica and kept (a replica serves one
 //   thread at a time, as its stream does).
@@ -141,16 +150,19 @@ public:
         if (handle_ != nullptr) (void)cudnnDestroy(handle_);
     }
 
-    //! The choice for `c` in `math`, made now if the process has none yet; false when the shape
-    //! runs im2col (forward and backward answer the same; this is for tests and diagnostics).
-    bool usable(const device::layer_kernels::ConvPlan& c, Math math) { return shape(c, math).choice.usable; }
+    //! The choice for `c` in `math` and `precision` (fp32 or bf16 tensors), made now if the process
+    //! has none yet; false when the shape runs im2col (forward and backward answer the same).
+    bool usable(const device::layer_kernels::ConvPlan& c, Math math, Precision precision = Precision::fp32) {
+        return shape(c, math, precision).choice.usable;
+    }
 
-    //! y = conv(x, w), on `stream`; `workspace(bytes)` returns at least that many bytes on the device.
-    //! False, with nothing enqueued, for a shape that runs im2col (one lookup: the choice and the descriptors).
-    template <class Workspace>
-    bool forward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* w,
-                 float* y, Workspace&& workspace) {
-        Shape_& s = shape(c, math);
+    //! y = conv(x, w), on `stream`; T: float (in `math`) or __nv_bfloat16 (Precision::bf16);
+    //! `workspace(bytes)` returns at least that many bytes on the device. False, with nothing
+    //! enqueued, for a shape that runs im2col (one lookup: the choice and the descriptors).
+    template <class T, class Workspace>
+    bool forward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const T* x, const T* w, T* y,
+                 Workspace&& workspace) {
+        Shape_& s = shape(c, math, precision_of<T>());
         if (!s.choice.usable) return false;
         LOCKSTEP_CUDNN_CHECK(cudnnSetStream(handle_, stream));
         const float one = 1.0f, zero = 0.0f;
@@ -159,28 +171,30 @@ public:
         return true;
     }
 
-    //! weight_grad += dL/dw, dx = dL/dx, on `stream`; false, with nothing enqueued, where the shape runs im2col.
-    template <class Workspace>
-    bool backward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const float* x, const float* dy,
-                  const float* w, float* weight_grad, float* dx, Workspace&& workspace) {
-        Shape_& s = shape(c, math);
+    //! weight_grad += dL/dw (fp32) or weight_grad = dL/dw (bf16: the caller adds it to its fp32
+    //! gradient), dx = dL/dx, on `stream`; false, with nothing enqueued, where the shape runs im2col.
+    template <class T, class Workspace>
+    bool backward(cudaStream_t stream, const device::layer_kernels::ConvPlan& c, Math math, const T* x, const T* dy, const T* w,
+                  T* weight_grad, T* dx, Workspace&& workspace) {
+        Shape_& s = shape(c, math, precision_of<T>());
         if (!s.choice.usable) return false;
         LOCKSTEP_CUDNN_CHECK(cudnnSetStream(handle_, stream));
         const float one = 1.0f, zero = 0.0f;
+        const float* accumulate = precision_of<T>() == Precision::fp32 ? &one : &zero;
         const std::size_t bytes = std::max(s.filter_bytes, s.data_bytes);
         void* ws = workspace(bytes);
         LOCKSTEP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle_, &one, s.x, x, s.y, dy, s.conv, s.choice.backward_filter, ws,
-                                                            bytes, &one, s.w, weight_grad));
+                                                            bytes, accumulate, s.w, weight_grad));
         LOCKSTEP_CUDNN_CHECK(cudnnConvolutionBackwardData(handle_, &one, s.w, w, s.y, dy, s.conv, s.choice.backward_data, ws,
                                                           bytes, &zero, s.x, dx));
         return true;
     }
 
     //! The process's choice for a shape, if one was made (tests and diagnostics).
-    static bool chosen(const device::layer_kernels::ConvPlan& c, Math math, Choice& out) {
+    static bool chosen(const device::layer_kernels::ConvPlan& c, Math math, Choice& out, Precision precision = Precision::fp32) {
         Table& t = table();
         std::lock_guard lock(t.m);
-        const auto it = t.choices.find(key_of(c, math));
+        const auto it = t.choices.find(key_of(c, math, precision));
         if (it == t.choices.end()) return false;
         out = it->second;
         return true;
@@ -206,7 +220,7 @@ private:
     }
 
     using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                           std::int64_t, bool>;
+                           std::int64_t, bool, bool>;  // the shape, TF32, bf16
 
     // The process's choices, one per shape and math (Note [cuDNN convolutions]).
     struct Table {
@@ -218,9 +232,17 @@ private:
         return *t;
     }
 
-    static bool tf32(Math math) { return allows_tf32(math, ProductOf::convolution); }
-    static Key key_of(const device::layer_kernels::ConvPlan& c, Math math) {
-        return {c.N, c.C, c.H, c.W, c.O, c.k, c.s, c.pad, tf32(math)};
+    template <class T>
+    static constexpr Precision precision_of() {
+        static_assert(std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16>, "cuDNN convolutions take float or bf16");
+        return std::is_same_v<T, float> ? Precision::fp32 : Precision::bf16;
+    }
+    // TF32 is a question for fp32 tensors only: bf16 operands are already rounded.
+    static bool tf32(Math math, Precision precision) {
+        return precision == Precision::fp32 && allows_tf32(math, ProductOf::convolution);
+    }
+    static Key key_of(const device::layer_kernels::ConvPlan& c, Math math, Precision precision) {
+        return {c.N, c.C, c.H, c.W, c.O, c.k, c.s, c.pad, tf32(math, precision), precision == Precision::bf16};
     }
 
     // A shape's descriptors on this replica, its choice and the workspace each direction needs.
@@ -244,12 +266,14 @@ private:
 
     static int dim(std::int64_t v) { return static_cast<int>(v); }  // ConvPlan checked the index space
 
-    Shape_& shape(const device::layer_kernels::ConvPlan& c, Math math) {
-        const Key key = key_of(c, math);
+    Shape_& shape(const device::layer_kernels::ConvPlan& c, Math math, Precision precision) {
+        LOCKSTEP_CHECK_AS(NotImplemented, precision == Precision::fp32 || precision == Precision::bf16, "cuDNN convolutions in ",
+                          to_string(precision), " (fp32 and bf16 only)");
+        const Key key = key_of(c, math, precision);
         if (const auto it = shapes_.find(key); it != shapes_.end()) return it->second;
         Shape_ s;
         try {
-            describe(c, math, s);
+            describe(c, math, precision, s);
             s.choice = choose(key, s);
             if (s.choice.usable) {
                 LOCKSTEP_CUDNN_CHECK(
@@ -270,20 +294,22 @@ private:
         return shapes_.emplace(key, s).first->second;
     }
 
-    void describe(const device::layer_kernels::ConvPlan& c, Math math, Shape_& s) {
+    void describe(const device::layer_kernels::ConvPlan& c, Math math, Precision precision, Shape_& s) {
+        const cudnnDataType_t type = precision == Precision::bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
         LOCKSTEP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&s.x));
         LOCKSTEP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&s.y));
         LOCKSTEP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&s.w));
         LOCKSTEP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&s.conv));
-        LOCKSTEP_CUDNN_CHECK(
-            cudnnSetTensor4dDescriptor(s.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, dim(c.N), dim(c.C), dim(c.H), dim(c.W)));
-        LOCKSTEP_CUDNN_CHECK(
-            cudnnSetTensor4dDescriptor(s.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, dim(c.N), dim(c.O), dim(c.OH), dim(c.OW)));
-        LOCKSTEP_CUDNN_CHECK(
-            cudnnSetFilter4dDescriptor(s.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, dim(c.O), dim(c.C), dim(c.k), dim(c.k)));
+        LOCKSTEP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(s.x, CUDNN_TENSOR_NCHW, type, dim(c.N), dim(c.C), dim(c.H), dim(c.W)));
+        LOCKSTEP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(s.y, CUDNN_TENSOR_NCHW, type, dim(c.N), dim(c.O), dim(c.OH), dim(c.OW)));
+        LOCKSTEP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(s.w, type, CUDNN_TENSOR_NCHW, dim(c.O), dim(c.C), dim(c.k), dim(c.k)));
+        // fp32 compute in both precisions (bf16: cuDNN's PSEUDO_BFLOAT16 configuration)
         LOCKSTEP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(s.conv, dim(c.pad), dim(c.pad), dim(c.s), dim(c.s), 1, 1,
                                                              CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-        LOCKSTEP_CUDNN_CHECK(cudnnSetConvolutionMathType(s.conv, tf32(math) ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
+        const cudnnMathType_t m = precision == Precision::bf16 ? CUDNN_TENSOR_OP_MATH
+                                  : tf32(math, precision)      ? CUDNN_DEFAULT_MATH
+                                                               : CUDNN_FMA_MATH;
+        LOCKSTEP_CUDNN_CHECK(cudnnSetConvolutionMathType(s.conv, m));
     }
 
     // The process's choice for `key`, made here with this replica's handle if there is none yet.

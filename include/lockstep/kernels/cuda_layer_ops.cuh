@@ -383,6 +383,14 @@ struct LayerOps {
         }
 #endif
         if (ex.precision == Precision::bf16 && c.N > 0 && c.O > 0 && c.K > 0 && c.P > 0) {
+#if LOCKSTEP_WITH_CUDNN
+            if (cudnn_bf16(ex, c)) {  // y widened from cuDNN's bf16 y, then the bias in fp32
+                const __nv_bfloat16* y16 = cudnn_forward_bf16(run, ex, c, x.data(), weight, nullptr);
+                device::layer_kernels::from_bf16(run, y16, y.data(), y.numel());
+                if (bias != nullptr) device::layer_kernels::bias_act(run, y.data(), c.N, c.O, c.P, bias->data(), false, nullptr);
+                return;
+            }
+#endif
             conv_forward_on_bf16(run, ex, c, x.data(), weight, bias, y.data());
             return;
         }
@@ -408,6 +416,14 @@ struct LayerOps {
         }
 #endif
         if (ex.precision == Precision::bf16 && c.N > 0 && c.O > 0 && c.K > 0 && c.P > 0) {
+#if LOCKSTEP_WITH_CUDNN
+            if (cudnn_bf16(ex, c)) {  // dx widened from cuDNN's bf16 dx
+                const __nv_bfloat16* dx16 =
+                    cudnn_backward_bf16(run, ex, c, x.data(), dy.data(), weight, weight_grad, bias_grad, nullptr);
+                device::layer_kernels::from_bf16(run, dx16, dx.data(), dx.numel());
+                return;
+            }
+#endif
             conv_backward_on_bf16(run, ex, c, x.data(), dy.data(), weight, weight_grad, bias_grad, dx.data());
             return;
         }
@@ -423,7 +439,8 @@ struct LayerOps {
 
     //! The bf16 form of conv2d_forward (Note [activation precision]): y stored in bf16, from x in
     //! fp32 or stored in bf16, the products on bf16 operands (Note [precision]) accumulated in fp32,
-    //! the bias added in fp32 before the one rounding. Under Precision::bf16 only.
+    //! the bias added in fp32 before the one rounding (through cuDNN, y is rounded by cuDNN before
+    //! the bias too: Note [cuDNN convolutions]). Under Precision::bf16 only.
     template <activation_storage X>
     static void conv2d_forward(const Ex& ex, const ConvGeometry& g, const T_<X>& x, const T_<float>& weight,
                                const T_<float>* bias, T_<BFloat16>& y, ConvScratch&) {
@@ -433,6 +450,14 @@ struct LayerOps {
         check_bf16_activations(ex, "conv2d_forward");
         if (y.numel() == 0) return;
         layer_detail::LayerRun run(ex);
+#if LOCKSTEP_WITH_CUDNN
+        if (cudnn_bf16(ex, c)) {  // cuDNN's bf16 y, then the bias in fp32 and a second rounding
+            __nv_bfloat16* y16 = on_device(y.data());
+            cudnn_forward_bf16(run, ex, c, on_device(x.data()), weight, y16);
+            if (bias != nullptr) device::layer_kernels::bias_act(run, y16, c.N, c.O, c.P, bias->data(), false, nullptr);
+            return;
+        }
+#endif
         T_<float> y32(Shape{y.numel()}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
         conv_forward_on_bf16(run, ex, c, on_device(x.data()), weight, bias, y32.data());
         device::layer_kernels::to_bf16(run, y32.data(), on_device(y.data()), y.numel());
@@ -451,6 +476,19 @@ struct LayerOps {
         if (c.N == 0) return;
         layer_detail::LayerRun run(ex);
         const Device here = Device::cuda(ex.device);
+#if LOCKSTEP_WITH_CUDNN
+        if (cudnn_bf16(ex, c)) {  // dx from cuDNN's bf16 dx
+            if constexpr (std::same_as<X, float>) {
+                const __nv_bfloat16* dx16 =
+                    cudnn_backward_bf16(run, ex, c, x.data(), on_device(dy.data()), weight, weight_grad, bias_grad, nullptr);
+                device::layer_kernels::from_bf16(run, dx16, dx.data(), dx.numel());
+            } else {
+                cudnn_backward_bf16(run, ex, c, on_device(x.data()), on_device(dy.data()), weight, weight_grad, bias_grad,
+                                    on_device(dx.data()));
+            }
+            return;
+        }
+#endif
         // dy widened where it is bf16: its channel-major copy and the bias's sums read fp32.
         T_<float> dy_wide, dx_wide;
         const float* dy32 = nullptr;
@@ -540,15 +578,8 @@ struct LayerOps {
             device::layer_kernels::relu_backward(run, on_device(dy.data()), mask->data(), on_device(masked.data()), N * out);
             g = masked.data();
         }
-        if (bias_grad != nullptr && N > 0) {
-            if constexpr (std::same_as<D, float>) {
-                device::layer_kernels::channel_sums(run, g, N, out, 1, bias_grad->data());
-            } else {
-                T_<float> wide(Shape{N * out}, MemoryFormat::nchw, here, uninitialized);
-                device::layer_kernels::from_bf16(run, on_device(g), wide.data(), N * out);
-                device::layer_kernels::channel_sums(run, wide.data(), N, out, 1, bias_grad->data());
-            }
-        }
+        if (bias_grad != nullptr && N > 0)  // summed in fp64 from dy's own type
+            device::layer_kernels::channel_sums(run, on_device(g), N, out, 1, bias_grad->data());
         if (N == 0) return;
         // The operands in bf16: the weight, then dy and x where they are fp32.
         const std::int64_t at_g = Run::bf16_aligned(out * in),
@@ -782,6 +813,74 @@ private:
         lk::col2im(run, c, dcols, dx, /*sample_major=*/false);
     }
 
+#if LOCKSTEP_WITH_CUDNN
+    // Whether a bf16 convolution of `c` runs cuDNN's bf16 configuration on this replica (Note
+    // [cuDNN convolutions]): a cuDNN handle and a deterministic algorithm for every direction.
+    // A GPU without bf16 tensor cores is refused first, as on the cuBLAS path (UsageError).
+    static bool cudnn_bf16(const Ex& ex, const device::layer_kernels::ConvPlan& c) {
+        if (ex.cudnn == nullptr || c.N <= 0 || c.O <= 0 || c.C <= 0 || c.P <= 0) return false;
+        layer_detail::LayerRun::check_bf16_once(ex.device);
+        return ex.cudnn->usable(c, ex.math, Precision::bf16);
+    }
+
+    // Note [cuDNN convolutions]: cuDNN's bf16 y (into `y16`, or, where it is null, the workspace's
+    // bf16 buffer: the pointer returned) from x (fp32 or bf16, S) and the weight, each rounded
+    // once into the workspace's bf16 buffer where it is fp32. Only where cudnn_bf16 said yes.
+    template <class S>
+    static const __nv_bfloat16* cudnn_forward_bf16(layer_detail::LayerRun& run, const Ex& ex,
+                                                   const device::layer_kernels::ConvPlan& c, const S* x, const T_<float>& weight,
+                                                   __nv_bfloat16* y16) {
+        const std::int64_t nx = c.N * c.C * c.H * c.W, nw = c.O * c.K;
+        const auto room = bf16_rooms<3>(ex, {std::same_as<S, float> ? nx : 0, nw, y16 == nullptr ? c.N * c.O * c.P : 0});
+        const __nv_bfloat16* x16 = bf16_operand(run, x, nx, room[0]);
+        device::layer_kernels::to_bf16(run, weight.data(), room[1], nw);
+        if (y16 == nullptr) y16 = room[2];
+        const bool ran = ex.cudnn->forward(ex.stream, c, ex.math, x16, room[1], y16, workspace_bytes(ex));
+        LOCKSTEP_CHECK_AS(DeviceError, ran, "cuDNN refused a bf16 convolution it had chosen an algorithm for");
+        return y16;
+    }
+
+    // Note [cuDNN convolutions]: weight_grad += cuDNN's bf16 weight gradient widened, bias_grad
+    // (may be null) += the per-channel sums of dy as it is, and cuDNN's bf16 dx into `dx16` (null:
+    // the workspace's bf16 buffer, the pointer returned); x (S) and dy (D) rounded once into the
+    // workspace where they are fp32.
+    template <class S, class D>
+    static const __nv_bfloat16* cudnn_backward_bf16(layer_detail::LayerRun& run, const Ex& ex,
+                                                    const device::layer_kernels::ConvPlan& c, const S* x, const D* dy,
+                                                    const T_<float>& weight, T_<float>& weight_grad, T_<float>* bias_grad,
+                                                    __nv_bfloat16* dx16) {
+        namespace lk = device::layer_kernels;
+        const std::int64_t nx = c.N * c.C * c.H * c.W, ny = c.N * c.O * c.P, nw = c.O * c.K;
+        const auto room = bf16_rooms<5>(
+            ex, {std::same_as<S, float> ? nx : 0, std::same_as<D, float> ? ny : 0, nw, nw, dx16 == nullptr ? nx : 0});
+        if (bias_grad != nullptr) lk::channel_sums(run, dy, c.N, c.O, c.P, bias_grad->data());
+        const __nv_bfloat16* x16 = bf16_operand(run, x, nx, room[0]);
+        const __nv_bfloat16* dy16 = bf16_operand(run, dy, ny, room[1]);
+        lk::to_bf16(run, weight.data(), room[2], nw);
+        if (dx16 == nullptr) dx16 = room[4];
+        const bool ran = ex.cudnn->backward(ex.stream, c, ex.math, x16, dy16, room[2], room[3], dx16, workspace_bytes(ex));
+        LOCKSTEP_CHECK_AS(DeviceError, ran, "cuDNN refused a bf16 convolution it had chosen an algorithm for");
+        lk::add_widened(run, weight_grad.data(), room[3], nw);
+        return dx16;
+    }
+#endif
+
+    // Consecutive regions of the workspace's bf16 buffer, of `sizes[i]` elements each (null where
+    // 0), from one growth of the buffer.
+    template <std::size_t K>
+    static std::array<__nv_bfloat16*, K> bf16_rooms(const Ex& ex, const std::array<std::int64_t, K>& sizes) {
+        std::array<std::int64_t, K> at{};
+        std::int64_t total = 0;
+        for (std::size_t i = 0; i < K; ++i) {
+            at[i] = total;
+            total += layer_detail::LayerRun::bf16_aligned(sizes[i]);
+        }
+        __nv_bfloat16* base = workspace(ex).bf16_at_least(total, ex.device);
+        std::array<__nv_bfloat16*, K> out{};
+        for (std::size_t i = 0; i < K; ++i) out[i] = sizes[i] > 0 ? base + at[i] : nullptr;
+        return out;
+    }
+
     // The bf16 forms of the layers run under Precision::bf16 alone (the layers call them so).
     static void check_bf16_activations(const Ex& ex, const char* op) {
         LOCKSTEP_CHECK_AS(UsageError, ex.precision == Precision::bf16, op,
@@ -807,6 +906,9 @@ private:
     }
     static const __nv_bfloat16* bf16_operand(layer_detail::LayerRun&, const BFloat16* p, std::int64_t, __nv_bfloat16*) {
         return on_device(p);
+    }
+    static const __nv_bfloat16* bf16_operand(layer_detail::LayerRun&, const __nv_bfloat16* p, std::int64_t, __nv_bfloat16*) {
+        return p;
     }
 
     template <class X, class D>

@@ -87,8 +87,9 @@ public:
 
     //! The activation protocol where the backend has bf16 convolutions (Note [activation
     //! precision]): under Precision::bf16 y is stored in bf16 (the products on bf16 operands, the
-    //! bias in fp32, one rounding), x of either type is kept as given for backward and dx has its
-    //! type; under fp32 the fp32 protocol on x widened.
+    //! bias in fp32, rounded once; through cuDNN also rounded before the bias, Note [cuDNN
+    //! convolutions]), x of either type is kept as given for backward and dx has its type; under
+    //! fp32 the fp32 protocol on x widened.
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
         if (activation_precision(ctx) == Precision::fp32) {
             const Precision given = x.precision();

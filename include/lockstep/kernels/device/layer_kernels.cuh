@@ -212,8 +212,9 @@ struct Planes {
     Divider batch;           // N
 };
 
+template <class T = float>
 struct BiasActParams {
-    float* y = nullptr;
+    T* y = nullptr;
     const float* bias = nullptr;   // per channel (may be null)
     std::uint8_t* mask = nullptr;  // v > 0 (may be null)
     bool relu = false;
@@ -221,10 +222,11 @@ struct BiasActParams {
 };
 
 //! y = bias[c] + y, then mask = y > 0 and, with `relu`, y = max(0, y): the host's linear epilogue
-//! and convolution bias, in the same fp32 operations.
-template <int V>
+//! and convolution bias, in the same fp32 operations. T: fp32, or bfloat16 storage (the sum in
+//! fp32 on the widened value, rounded once: Note [precision]).
+template <int V, class T = float>
 struct BiasAct {
-    using Params = BiasActParams;
+    using Params = BiasActParams<T>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.s.items;
@@ -237,13 +239,39 @@ struct BiasAct {
             Pack<std::uint8_t, V> m;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                const float x = p.bias != nullptr ? v.v[e] + b : v.v[e];
+                const float x = p.bias != nullptr ? to_float(v.v[e]) + b : to_float(v.v[e]);
                 m.v[e] = x > 0.0f;
-                v.v[e] = p.relu ? relu(x) : x;
+                v.v[e] = from_float<T>(p.relu ? relu(x) : x);
             }
             store_pack<V>(p.y + off, v);
             if (p.mask != nullptr) store_pack<V>(p.mask + off, m);
         }
+    }
+};
+
+struct AddWidenedParams {
+    float* acc = nullptr;
+    const __nv_bfloat16* x = nullptr;
+    std::int64_t n = 0;
+};
+
+//! acc += x widened (exact), element by element in fp32: a bf16 weight gradient added to the fp32
+//! one (Note [cuDNN convolutions]).
+template <int V>
+struct AddWidened {
+    using Params = AddWidenedParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t vectors = p.n / V;
+        for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
+            auto a = load_pack<V>(p.acc + i * V);
+            const auto b = load_pack<V>(p.x + i * V);
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) a.v[e] += to_float(b.v[e]);
+            store_pack<V>(p.acc + i * V, a);
+        }
+        const std::int64_t tail = vectors * V + first_index(w);
+        if (V > 1 && tail < p.n) p.acc[tail] += to_float(p.x[tail]);
     }
 };
 
@@ -361,10 +389,11 @@ struct MaxPoolBackward {
 
 // ---- per-channel sums (reducing) ----------------------------------------------------------------
 
+template <class T = float>
 struct ChannelSumParams {
-    const float* dy = nullptr;  // (N, C, P)
-    float* out = nullptr;       // += per channel
-    unsigned int items = 0;     // N P per channel (P > 1) or N rows (P = 1)
+    const T* dy = nullptr;   // (N, C, P), fp32 or bfloat16 storage (summed widened)
+    float* out = nullptr;    // += per channel
+    unsigned int items = 0;  // N P per channel (P > 1) or N rows (P = 1)
     int C = 0;
     Divider per_plane;  // P
     Sum1* partials = nullptr;
@@ -372,8 +401,9 @@ struct ChannelSumParams {
 };
 
 //! out[c] += the fp64 sum of dy over N and P, a group per channel (the convolution's bias gradient).
+template <class T = float>
 struct ChannelSumPlanes {
-    using Params = ChannelSumParams;
+    using Params = ChannelSumParams<T>;
     using Value = Sum1;
     static constexpr int threads = layer_kernels::threads, lanes = 1, rows = threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
@@ -383,7 +413,7 @@ struct ChannelSumPlanes {
              j += static_cast<unsigned int>(grid_threads(w))) {
             const unsigned int n = p.per_plane.div(j);
             const unsigned int q = j - n * p.per_plane.d;
-            s += static_cast<double>(p.dy[(static_cast<std::int64_t>(n) * p.C + c) * p.per_plane.d + q]);
+            s += static_cast<double>(to_float(p.dy[(static_cast<std::int64_t>(n) * p.C + c) * p.per_plane.d + q]));
         }
         return {s};
     }
@@ -404,8 +434,9 @@ struct ChannelSumPlanes {
 
 //! out[c] += the fp64 sum of dy's column c over its N rows (the linear layer's bias gradient):
 //! 32 channels a group, a warp reading 32 consecutive values.
+template <class T = float>
 struct ChannelSumRows {
-    using Params = ChannelSumParams;
+    using Params = ChannelSumParams<T>;
     using Value = Sum1;
     static constexpr int threads = layer_kernels::threads, lanes = tile, rows = tile_rows, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
@@ -414,7 +445,7 @@ struct ChannelSumRows {
         double s = 0;
         for (unsigned int r = static_cast<unsigned int>(w.bx * rows + w.t / tile); r < p.items;
              r += static_cast<unsigned int>(w.gx * rows))
-            s += static_cast<double>(p.dy[static_cast<std::int64_t>(r) * p.C + c]);
+            s += static_cast<double>(to_float(p.dy[static_cast<std::int64_t>(r) * p.C + c]));
         return {s};
     }
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
@@ -580,25 +611,36 @@ inline Planes planes_of(std::int64_t N, std::int64_t C, std::int64_t P, int V) {
 }
 
 //! y (N, C, P) = bias[c] + y (bias may be null), mask (may be null) = y > 0, with `relu` y = max(0, y).
-template <class Run>
-void bias_act(Run& run, float* y, std::int64_t N, std::int64_t C, std::int64_t P, const float* bias, bool relu,
-              std::uint8_t* mask) {
-    const int V = P % 4 == 0 && all_aligned(16, {y}) && all_aligned(4, {mask}) ? 4 : 1;
-    BiasActParams b;
+//! T: float, or __nv_bfloat16 storage (computed in fp32, rounded once).
+template <class Run, class T>
+void bias_act(Run& run, T* y, std::int64_t N, std::int64_t C, std::int64_t P, const float* bias, bool relu, std::uint8_t* mask) {
+    const int V = P % 4 == 0 && all_aligned(4 * sizeof(T), {y}) && all_aligned(4, {mask}) ? 4 : 1;
+    BiasActParams<T> b;
     b.y = y, b.bias = bias, b.mask = mask, b.relu = relu;
     b.s = planes_of(N, C, P, V);
     if (V == 4)
-        run.template map<BiasAct<4>>(b, map_grid(b.s.items, run.info()));
+        run.template map<BiasAct<4, T>>(b, map_grid(b.s.items, run.info()));
     else
-        run.template map<BiasAct<1>>(b, map_grid(b.s.items, run.info()));
+        run.template map<BiasAct<1, T>>(b, map_grid(b.s.items, run.info()));
 }
 
-//! out[c] += the sum of dy (N, C, P) over N and P.
+//! acc[0, n) += x[0, n) widened to fp32.
 template <class Run>
-void channel_sums(Run& run, const float* dy, std::int64_t N, std::int64_t C, std::int64_t P, float* out) {
+void add_widened(Run& run, float* acc, const __nv_bfloat16* x, std::int64_t n) {
+    AddWidenedParams a{acc, x, n};
+    if (all_aligned(16, {acc}) && all_aligned(8, {x}))
+        run.template map<AddWidened<4>>(a, map_grid(vector_items(n, 4), run.info()));
+    else
+        run.template map<AddWidened<1>>(a, map_grid(n, run.info()));
+}
+
+//! out[c] += the sum of dy (N, C, P) over N and P, in fp64, rounded once into out's fp32 sum. dy:
+//! fp32, or bfloat16 storage read widened (the sums of a bf16 dy and of its widened copy are the same).
+template <class Run, class T>
+void channel_sums(Run& run, const T* dy, std::int64_t N, std::int64_t C, std::int64_t P, float* out) {
     check_index_space(N * P, "a per-channel sum");
     const Scratch scratch = run.scratch();
-    ChannelSumParams s;
+    ChannelSumParams<T> s;
     s.dy = dy, s.out = out, s.C = static_cast<int>(std::min<std::int64_t>(C, index_limit));
     s.items = static_cast<unsigned int>(P == 1 ? N : N * P);
     s.per_plane = divider(P);
@@ -606,11 +648,11 @@ void channel_sums(Run& run, const float* dy, std::int64_t N, std::int64_t C, std
     if (P == 1) {
         const Grid g = reduce_grid(N, (C + tile - 1) / tile, tile_rows, tile, 4, sizeof(Sum1), run.info());
         s.partials = scratch.template partials_as<Sum1>(std::int64_t{g.x} * g.y * tile);
-        run.template reduce<ChannelSumRows>(s, g);
+        run.template reduce<ChannelSumRows<T>>(s, g);
     } else {
         const Grid g = reduce_grid(N * P, C, threads, 1, 4, sizeof(Sum1), run.info());
         s.partials = scratch.template partials_as<Sum1>(std::int64_t{g.x} * g.y);
-        run.template reduce<ChannelSumPlanes>(s, g);
+        run.template reduce<ChannelSumPlanes<T>>(s, g);
     }
 }
 
