@@ -697,7 +697,7 @@ TEST_CASE("emulated convolution (im2col, cuBLAS calls, col2im) matches a direct 
 }
 
 // The columns of a bf16 product (Note [precision]) are im2col's, rounded: bit for bit, in both layouts.
-TEST_CASE("emulated im2col into bf16 gives im2col's columns rounded to nearest even, from fp32 or bf16 input",
+TEST_CASE("emulated im2col and col2im into bf16 give their fp32 results rounded to nearest even, from fp32 or bf16 input",
           "[emulation][layers]") {
     const std::uint64_t seed = lockstep::test::fresh_seed();
     CAPTURE(seed);
@@ -745,6 +745,20 @@ TEST_CASE("emulated im2col into bf16 gives im2col's columns rounded to nearest e
                     if (got != bf16_bits(cols_wide.p[i]) || __bfloat162float(from16.p[i]) != cols_wide.p[i]) ++wrong16;
                 }
                 CHECK(wrong16 == 0);
+
+                // col2im into bf16: each of col2im's fp32 sums rounded once.
+                const auto dcols = random_floats(static_cast<std::size_t>(plan.cols()), rng);
+                Buffer<float> D(dcols, 0), dx32(x.size(), 0);
+                Buffer<__nv_bfloat16> dx16(x.size(), 1);
+                lk::col2im(run, plan, D.data(), dx32.data(), sample_major);
+                lk::col2im(run, plan, D.data(), dx16.data(), sample_major);
+                std::int64_t wrong_dx = 0;
+                for (std::size_t i = 0; i < x.size(); ++i) {
+                    std::uint16_t got;
+                    std::memcpy(&got, dx16.p + i, sizeof got);
+                    if (got != bf16_bits(dx32.p[i])) ++wrong_dx;
+                }
+                CHECK(wrong_dx == 0);
             }
 }
 
@@ -922,9 +936,12 @@ TEST_CASE("emulated per-channel sums cover every channel and stay within the scr
         }
 }
 
-// bf16 storage in the convolution's epilogue and gradients (Note [cuDNN convolutions]): the bias
-// added to a bf16 output is the fp32 bias on the widened value rounded once; a bf16 weight gradient
-// is added widened; a bf16 dy's per-channel sums are those of its widened copy, bit for bit.
+// bf16 storage in the layers' epilogues and gradients (Note [cuDNN convolutions], Note
+// [precision]): the bias added to a bf16 output is the fp32 bias on the widened value rounded
+// once, and from an fp32 source (the fused epilogue) the fp32 epilogue rounded once, its mask the
+// fp32 one; a bf16 weight gradient is added widened; a bf16 dy's per-channel sums are those of its
+// widened copy; its channel-major copy in bf16 is the fp32 one rounded (from fp32) or the same
+// bits (from bf16); all bit for bit.
 TEST_CASE("emulated bias on bf16 storage, bf16 gradients added widened, and sums of a bf16 dy equal the fp32 ones",
           "[emulation][layers]") {
     const std::uint64_t seed = lockstep::test::fresh_seed();
@@ -968,6 +985,34 @@ TEST_CASE("emulated bias on bf16 storage, bf16 gradients added widened, and sums
                 lk::channel_sums(run, gw.data(), sc.N, sc.C, sc.P, s32.data());
                 CHECK(same_bits(s16.vec(), s32.vec()));
                 if (sc.N > 0) CHECK_FALSE(same_bits(s16.vec(), s0));  // the sums were added
+
+                // the fused epilogue: from fp32 into bf16, with and without ReLU and its mask
+                for (const bool relu : {false, true}) {
+                    const auto src = random_floats(n, rng);
+                    Buffer<float> S(src, misalign), ref(src, misalign);
+                    Buffer<bf16> out(n, misalign);
+                    Buffer<std::uint8_t> m16(n, 0), m32(n, 0);
+                    lk::bias_act(run, out.data(), sc.N, sc.C, sc.P, b.data(), relu, m16.data(), S.data());
+                    lk::bias_act(run, ref.data(), sc.N, sc.C, sc.P, b.data(), relu, m32.data());
+                    CHECK(same_widened(out.vec(), widened(rounded(ref.vec()))));
+                    CHECK(same_bits(m16.vec(), m32.vec()));
+                    CHECK(same_bits(S.vec(), src));  // the source is read only
+                }
+
+                // channel-major copies into bf16: from fp32 rounded, from bf16 the same bits
+                Buffer<bf16> t16(n, misalign), tt16(n, misalign);
+                Buffer<float> t32(n, misalign);
+                lk::channel_major(run, gw.data(), t16.data(), sc.N, sc.C, sc.P);
+                lk::channel_major(run, gw.data(), t32.data(), sc.N, sc.C, sc.P);
+                lk::channel_major(run, g.data(), tt16.data(), sc.N, sc.C, sc.P);
+                CHECK(same_widened(t16.vec(), t32.vec()));  // gw holds bf16 values: exact either way
+                CHECK(same_widened(tt16.vec(), t32.vec()));
+                const auto r = random_floats(n, rng);
+                Buffer<float> R(r, misalign), R32(n, misalign);
+                Buffer<bf16> R16(n, misalign);
+                lk::channel_major(run, R.data(), R16.data(), sc.N, sc.C, sc.P);
+                lk::channel_major(run, R.data(), R32.data(), sc.N, sc.C, sc.P);
+                CHECK(same_widened(R16.vec(), widened(rounded(R32.vec()))));
             }
 }
 

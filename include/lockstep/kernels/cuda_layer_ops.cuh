@@ -459,8 +459,10 @@ struct LayerOps {
         }
 #endif
         T_<float> y32(Shape{y.numel()}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
-        conv_forward_on_bf16(run, ex, c, on_device(x.data()), weight, bias, y32.data());
-        device::layer_kernels::to_bf16(run, y32.data(), on_device(y.data()), y.numel());
+        conv_forward_on_bf16(run, ex, c, on_device(x.data()), weight, nullptr, y32.data());
+        // the bias and the rounding in one pass: y = round(y32 + bias)
+        device::layer_kernels::bias_act(run, on_device(y.data()), c.N, c.O, c.P, bias != nullptr ? bias->data() : nullptr, false,
+                                        nullptr, y32.data());
     }
 
     //! The bf16 form of conv2d_backward (Note [activation precision]): x and dx in one type, dy in
@@ -475,7 +477,6 @@ struct LayerOps {
         check_bf16_activations(ex, "conv2d_backward");
         if (c.N == 0) return;
         layer_detail::LayerRun run(ex);
-        const Device here = Device::cuda(ex.device);
 #if LOCKSTEP_WITH_CUDNN
         if (cudnn_bf16(ex, c)) {  // dx from cuDNN's bf16 dx
             if constexpr (std::same_as<X, float>) {
@@ -489,25 +490,9 @@ struct LayerOps {
             return;
         }
 #endif
-        // dy widened where it is bf16: its channel-major copy and the bias's sums read fp32.
-        T_<float> dy_wide, dx_wide;
-        const float* dy32 = nullptr;
-        if constexpr (std::same_as<D, float>) {
-            dy32 = dy.data();
-        } else {
-            dy_wide = T_<float>(Shape{dy.numel()}, MemoryFormat::nchw, here, uninitialized);
-            device::layer_kernels::from_bf16(run, on_device(dy.data()), dy_wide.data(), dy.numel());
-            dy32 = dy_wide.data();
-        }
-        float* dx32 = nullptr;
-        if constexpr (std::same_as<X, float>) {
-            dx32 = dx.data();
-        } else {
-            dx_wide = T_<float>(Shape{dx.numel()}, MemoryFormat::nchw, here, uninitialized);
-            dx32 = dx_wide.data();
-        }
-        conv_backward_on_bf16(run, ex, c, on_device(x.data()), dy32, weight, weight_grad, bias_grad, dx32);
-        if constexpr (!std::same_as<X, float>) device::layer_kernels::to_bf16(run, dx32, on_device(dx.data()), dx.numel());
+        // dy read in its own type (the bias's sums, its channel-major bf16 copy), dx written in x's.
+        conv_backward_on_bf16(run, ex, c, on_device(x.data()), on_device(dy.data()), weight, weight_grad, bias_grad,
+                              on_device(dx.data()));
     }
 
     //! y (N, out) = x (N, in) weight^T + bias (`bias` may be null); with `relu`, y = max(0, y) and
@@ -550,10 +535,11 @@ struct LayerOps {
         const __nv_bfloat16* x16 = bf16_operand(run, x.data(), N * in, w16 + at_x);
         T_<float> y32(Shape{N * out}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
         run.gemm_on_bf16(device::layer_kernels::linear_forward_gemm(N, in, out, nullptr, nullptr, y32.data()), w16, x16);
-        if (bias != nullptr || relu)
-            device::layer_kernels::bias_act(run, y32.data(), N, out, 1, bias != nullptr ? bias->data() : nullptr, relu,
-                                            mask != nullptr ? mask->data() : nullptr);
-        device::layer_kernels::to_bf16(run, y32.data(), on_device(y.data()), N * out);
+        if (bias != nullptr || relu)  // the epilogue and the rounding in one pass
+            device::layer_kernels::bias_act(run, on_device(y.data()), N, out, 1, bias != nullptr ? bias->data() : nullptr, relu,
+                                            mask != nullptr ? mask->data() : nullptr, y32.data());
+        else
+            device::layer_kernels::to_bf16(run, y32.data(), on_device(y.data()), N * out);
     }
 
     //! The bf16 form of linear_backward (Note [activation precision]): x and dx in one type, dy in
@@ -785,27 +771,25 @@ private:
         if (bias != nullptr) lk::bias_act(run, y, c.N, c.O, c.P, bias->data(), false, nullptr);
     }
 
-    // Note [precision]: the columns in bf16 from im2col itself (x in fp32 or bf16, S); dy (fp32)
-    // channel-major, then rounded, with the weight; dcols in fp32 for col2im into dx (fp32).
-    template <class S>
+    // Note [precision]: the columns in bf16 from im2col itself (x in fp32 or bf16, S); dy (fp32 or
+    // bf16, D) laid out channel-major in bf16 in one pass (rounded where it is fp32), its sums for
+    // the bias read in its own type; the weight rounded once; dcols in fp32 for col2im, which
+    // writes dx in its type (TX: fp32, or bf16 rounded once).
+    template <class S, class D, class TX>
     static void conv_backward_on_bf16(layer_detail::LayerRun& run, const Ex& ex, const device::layer_kernels::ConvPlan& c,
-                                      const S* x, const float* dy, const T_<float>& weight, T_<float>& weight_grad,
-                                      T_<float>* bias_grad, float* dx) {
+                                      const S* x, const D* dy, const T_<float>& weight, T_<float>& weight_grad,
+                                      T_<float>* bias_grad, TX* dx) {
         namespace lk = device::layer_kernels;
-        using Run = layer_detail::LayerRun;
         if (bias_grad != nullptr) lk::channel_sums(run, dy, c.N, c.O, c.P, bias_grad->data());
         if (c.O == 0 || c.K == 0 || c.P == 0) {  // no products: nothing reaches x
-            lk::fill(run, dx, c.N * c.C * c.H * c.W, 0.0f);
+            lk::fill(run, dx, c.N * c.C * c.H * c.W, device::from_float<TX>(0.0f));
             return;
         }
-        const std::int64_t dyt_n = c.N * c.O * c.P, at_dcols = LayerWorkspace::aligned(dyt_n);
-        float* dyt = workspace(ex).at_least(at_dcols + c.cols(), ex.device);
-        float* dcols = dyt + at_dcols;
-        const std::int64_t at_dyt16 = Run::bf16_aligned(c.cols()), at_w16 = at_dyt16 + Run::bf16_aligned(dyt_n);
-        __nv_bfloat16* cols16 = workspace(ex).bf16_at_least(at_w16 + c.O * c.K, ex.device);
-        __nv_bfloat16 *dyt16 = cols16 + at_dyt16, *w16 = cols16 + at_w16;
-        lk::channel_major(run, dy, dyt, c.N, c.O, c.P);
-        lk::to_bf16(run, dyt, dyt16, dyt_n);
+        const std::int64_t dyt_n = c.N * c.O * c.P;
+        float* dcols = workspace(ex).at_least(c.cols(), ex.device);
+        const auto room = bf16_rooms<3>(ex, {c.cols(), dyt_n, c.O * c.K});
+        __nv_bfloat16 *cols16 = room[0], *dyt16 = room[1], *w16 = room[2];
+        lk::channel_major(run, dy, dyt16, c.N, c.O, c.P);
         lk::im2col_bf16(run, c, x, cols16, /*sample_major=*/false);
         run.gemm_on_bf16(lk::conv_weight_grad_gemm(c, nullptr, nullptr, weight_grad.data()), cols16, dyt16);
         lk::to_bf16(run, weight.data(), w16, c.O * c.K);

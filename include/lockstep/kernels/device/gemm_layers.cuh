@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/kernels/device/grid.cuh"
@@ -39,7 +40,8 @@ struct ColsParams {
     float* cols = nullptr;               // im2col: written (unless cols16 is set)
     __nv_bfloat16* cols16 = nullptr;     // im2col of a bf16 product (Note [precision]): written, rounded, instead
     const float* dcols = nullptr;        // col2im: read
-    float* dx = nullptr;                 // col2im: written
+    float* dx = nullptr;                 // col2im: written (unless dx16 is set)
+    __nv_bfloat16* dx16 = nullptr;       // col2im into a bf16 dx (Note [activation precision]): written, rounded, instead
     int C = 0, H = 0, W = 0, k = 1, s = 1, pad = 0, OH = 0, OW = 0;
     int N = 0, K = 0, P = 0;
     bool sample_major = true;  // columns [N][K][P] (forward), else [K][N][P] (backward)
@@ -83,7 +85,8 @@ struct Im2col {
 };
 
 //! dx[n, c, h, x] = the sum of the column entries read from (h, x), added in the host's col2im
-//! order ((i, j) ascending): a gather, bit for bit the host's scatter, without atomics.
+//! order ((i, j) ascending): a gather, bit for bit the host's scatter, without atomics; into dx16,
+//! the sum rounded once to bf16, when that is set.
 struct Col2im {
     using Params = ColsParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
@@ -113,7 +116,10 @@ struct Col2im {
                     sum += p.dcols[col + static_cast<std::int64_t>(oh) * p.OW + ow];
                 }
             }
-            p.dx[i] = sum;
+            if (p.dx16 != nullptr)
+                p.dx16[i] = from_float<__nv_bfloat16>(sum);
+            else
+                p.dx[i] = sum;
         }
     }
 };
@@ -300,11 +306,17 @@ void im2col_bf16(Run& run, const ConvPlan& c, const S* x, __nv_bfloat16* cols16,
     run.template map<Im2col>(p, map_grid(p.items, run.info()));
 }
 
-//! dx (N, C, H, W) = the adjoint of im2col of `dcols` ([N][K][P] when `sample_major`, else [K][N][P]).
-template <class Run>
-void col2im(Run& run, const ConvPlan& c, const float* dcols, float* dx, bool sample_major) {
+//! dx (N, C, H, W) = the adjoint of im2col of `dcols` ([N][K][P] when `sample_major`, else [K][N][P]);
+//! T: float, or __nv_bfloat16 (each sum rounded once).
+template <class Run, class T>
+void col2im(Run& run, const ConvPlan& c, const float* dcols, T* dx, bool sample_major) {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16>, "col2im writes fp32 or bf16");
     ColsParams p;
-    p.dcols = dcols, p.dx = dx;
+    p.dcols = dcols;
+    if constexpr (std::is_same_v<T, float>)
+        p.dx = dx;
+    else
+        p.dx16 = dx;
     p.C = static_cast<int>(c.C), p.H = static_cast<int>(c.H), p.W = static_cast<int>(c.W), p.k = static_cast<int>(c.k);
     p.s = static_cast<int>(c.s), p.pad = static_cast<int>(c.pad), p.OH = static_cast<int>(c.OH), p.OW = static_cast<int>(c.OW);
     p.N = static_cast<int>(c.N), p.K = static_cast<int>(c.K), p.P = static_cast<int>(c.P);

@@ -215,15 +215,17 @@ struct Planes {
 template <class T = float>
 struct BiasActParams {
     T* y = nullptr;
+    const float* src = nullptr;    // where set, the values (fp32) read instead of y's: y is written only
     const float* bias = nullptr;   // per channel (may be null)
     std::uint8_t* mask = nullptr;  // v > 0 (may be null)
     bool relu = false;
     Planes s;
 };
 
-//! y = bias[c] + y, then mask = y > 0 and, with `relu`, y = max(0, y): the host's linear epilogue
-//! and convolution bias, in the same fp32 operations. T: fp32, or bfloat16 storage (the sum in
-//! fp32 on the widened value, rounded once: Note [precision]).
+//! y = bias[c] + y (or + src, where set), then mask = y > 0 and, with `relu`, y = max(0, y): the
+//! host's linear epilogue and convolution bias, in the same fp32 operations. T: fp32, or bfloat16
+//! storage (the sum in fp32 on the widened value, or on src's fp32 value, rounded once: Note
+//! [precision]); with src, a bf16 output's epilogue and rounding are one pass.
 template <int V, class T = float>
 struct BiasAct {
     using Params = BiasActParams<T>;
@@ -235,11 +237,19 @@ struct BiasAct {
             const unsigned int c = plane - p.s.channels.div(plane) * p.s.channels.d;
             const float b = p.bias != nullptr ? p.bias[c] : 0.0f;
             const std::int64_t off = static_cast<std::int64_t>(j) * V;
-            auto v = load_pack<V>(p.y + off);
+            Pack<float, V> in;
+            if (p.src != nullptr) {
+                in = load_pack<V>(p.src + off);
+            } else {
+                const auto t = load_pack<V>(p.y + off);
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) in.v[e] = to_float(t.v[e]);
+            }
+            Pack<T, V> v;
             Pack<std::uint8_t, V> m;
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
-                const float x = p.bias != nullptr ? to_float(v.v[e]) + b : to_float(v.v[e]);
+                const float x = p.bias != nullptr ? in.v[e] + b : in.v[e];
                 m.v[e] = x > 0.0f;
                 v.v[e] = from_float<T>(p.relu ? relu(x) : x);
             }
@@ -275,16 +285,19 @@ struct AddWidened {
     }
 };
 
+template <class From = float, class To = float>
 struct ChannelMajorParams {
-    const float* src = nullptr;  // (N, C, P)
-    float* dst = nullptr;        // (C, N, P)
+    const From* src = nullptr;  // (N, C, P)
+    To* dst = nullptr;          // (C, N, P)
     Planes s;
 };
 
-//! dst (C, N, P) = src (N, C, P): the convolution's dy laid out for one GEMM over the shard.
-template <int V>
+//! dst (C, N, P) = src (N, C, P): the convolution's dy laid out for one GEMM over the shard; from
+//! fp32 into bf16 rounded to nearest even on the way (a bf16 product's operand, Note
+//! [precision]); a bf16 source copied bit for bit.
+template <int V, class From = float, class To = float>
 struct ChannelMajor {
-    using Params = ChannelMajorParams;
+    using Params = ChannelMajorParams<From, To>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         for (unsigned int j = static_cast<unsigned int>(first_index(w)); j < p.s.items;
@@ -294,7 +307,15 @@ struct ChannelMajor {
             const unsigned int c = p.s.batch.div(plane);
             const unsigned int n = plane - c * p.s.batch.d;
             const std::int64_t src = (static_cast<std::int64_t>(n) * p.s.channels.d + c) * p.s.per_plane.d + q;
-            store_pack<V>(p.dst + static_cast<std::int64_t>(j) * V, load_pack<V>(p.src + src * V));
+            if constexpr (std::is_same_v<From, To>) {
+                store_pack<V>(p.dst + static_cast<std::int64_t>(j) * V, load_pack<V>(p.src + src * V));
+            } else {
+                const auto v = load_pack<V>(p.src + src * V);
+                Pack<To, V> o;
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) o.v[e] = from_float<To>(to_float(v.v[e]));
+                store_pack<V>(p.dst + static_cast<std::int64_t>(j) * V, o);
+            }
         }
     }
 };
@@ -610,13 +631,15 @@ inline Planes planes_of(std::int64_t N, std::int64_t C, std::int64_t P, int V) {
     return s;
 }
 
-//! y (N, C, P) = bias[c] + y (bias may be null), mask (may be null) = y > 0, with `relu` y = max(0, y).
-//! T: float, or __nv_bfloat16 storage (computed in fp32, rounded once).
+//! y (N, C, P) = bias[c] + y (bias may be null), mask (may be null) = y > 0, with `relu` y = max(0, y);
+//! with `src`, bias[c] + src instead of + y, y written only. T: float, or __nv_bfloat16 storage
+//! (computed in fp32, rounded once).
 template <class Run, class T>
-void bias_act(Run& run, T* y, std::int64_t N, std::int64_t C, std::int64_t P, const float* bias, bool relu, std::uint8_t* mask) {
-    const int V = P % 4 == 0 && all_aligned(4 * sizeof(T), {y}) && all_aligned(4, {mask}) ? 4 : 1;
+void bias_act(Run& run, T* y, std::int64_t N, std::int64_t C, std::int64_t P, const float* bias, bool relu, std::uint8_t* mask,
+              const float* src = nullptr) {
+    const int V = P % 4 == 0 && all_aligned(4 * sizeof(T), {y}) && all_aligned(16, {src}) && all_aligned(4, {mask}) ? 4 : 1;
     BiasActParams<T> b;
-    b.y = y, b.bias = bias, b.mask = mask, b.relu = relu;
+    b.y = y, b.src = src, b.bias = bias, b.mask = mask, b.relu = relu;
     b.s = planes_of(N, C, P, V);
     if (V == 4)
         run.template map<BiasAct<4, T>>(b, map_grid(b.s.items, run.info()));
@@ -706,17 +729,19 @@ void maxpool_backward(Run& run, const PoolGeometry& g, const T* dy, const std::i
     run.template map<MaxPoolBackward<T>>(p, map_grid(p.items, run.info()));
 }
 
-//! dst (C, N, P) = src (N, C, P).
-template <class Run>
-void channel_major(Run& run, const float* src, float* dst, std::int64_t N, std::int64_t C, std::int64_t P) {
-    const int V = P % 4 == 0 && all_aligned(16, {src, dst}) ? 4 : 1;
-    ChannelMajorParams t;
+//! dst (C, N, P) = src (N, C, P); From, To: float, or __nv_bfloat16 (fp32 to bf16 rounds; bf16 to
+//! bf16 copies).
+template <class Run, class From, class To>
+void channel_major(Run& run, const From* src, To* dst, std::int64_t N, std::int64_t C, std::int64_t P) {
+    static_assert(!(std::is_same_v<From, __nv_bfloat16> && std::is_same_v<To, float>), "channel_major does not widen");
+    const int V = P % 4 == 0 && all_aligned(4 * sizeof(From), {src}) && all_aligned(4 * sizeof(To), {dst}) ? 4 : 1;
+    ChannelMajorParams<From, To> t;
     t.src = src, t.dst = dst;
     t.s = planes_of(N, C, P, V);
     if (V == 4)
-        run.template map<ChannelMajor<4>>(t, map_grid(t.s.items, run.info()));
+        run.template map<ChannelMajor<4, From, To>>(t, map_grid(t.s.items, run.info()));
     else
-        run.template map<ChannelMajor<1>>(t, map_grid(t.s.items, run.info()));
+        run.template map<ChannelMajor<1, From, To>>(t, map_grid(t.s.items, run.info()));
 }
 
 }  // namespace lockstep::kernels::device::layer_kernels
