@@ -177,6 +177,36 @@ TEST_CASE("two communicators per device without NCCL's launch-order rule deadloc
 }
 
 #if LOCKSTEP_WITH_CUDNN
+namespace {
+// Two steps of Small on two devices at `batch` (shards a shape no other case of this process
+// meets) in `precision`: every convolution call of that shard size was cuDNN's in that precision,
+// on both devices, and each direction ran one algorithm.
+void expect_one_cudnn_choice(std::int64_t batch, std::uint64_t seed, Precision precision) {
+    const auto b = make_batch(batch, seed);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    auto o = options(std::chrono::seconds(10));
+    o.precision = precision;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < 2; ++s) CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
+    std::map<char, std::set<int>> algorithms;
+    std::set<int> devices;
+    std::size_t calls = 0, in_precision = 0;
+    for (const auto& c : host_cuda::cudnn_calls())
+        if (c.n == batch / 2) {
+            algorithms[c.direction].insert(c.algorithm), devices.insert(c.device), ++calls;
+            if (c.bf16 == (precision == Precision::bf16)) ++in_precision;
+        }
+    CHECK(calls == 2 * 2 * 3);  // two steps, two replicas, three directions
+    CHECK(in_precision == calls);
+    CHECK(devices == std::set<int>{0, 1});
+    for (const char d : {'f', 'd', 'w'}) {
+        CAPTURE(d);
+        CHECK(algorithms[d].size() == 1);
+    }
+}
+}  // namespace
+
 // Issue 27 (Note [cuDNN convolutions]): each replica asking cuDNN's heuristics for itself would run
 // different algorithms where its GPU ranks them differently (the double rotates its ranking by
 // device), and replicas would no longer be bit-identical. The process chooses once per shape,
@@ -184,22 +214,7 @@ TEST_CASE("two communicators per device without NCCL's launch-order rule deadloc
 TEST_CASE("replicas on different devices run the cuDNN algorithms the process chose once", "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
-    const auto b = make_batch(14, 24);  // shards of 7: a shape no other case of this process meets
-    const auto x = b.x.to<Cuda>(Device::cuda(0));
-    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, options(std::chrono::seconds(10)));
-    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
-    for (int s = 0; s < 2; ++s) CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
-    std::map<char, std::set<int>> algorithms;
-    std::set<int> devices;
-    std::size_t calls = 0;
-    for (const auto& c : host_cuda::cudnn_calls())
-        if (c.n == 7) algorithms[c.direction].insert(c.algorithm), devices.insert(c.device), ++calls;
-    CHECK(calls == 2 * 2 * 3);  // two steps, two replicas, three directions
-    CHECK(devices == std::set<int>{0, 1});
-    for (const char d : {'f', 'd', 'w'}) {
-        CAPTURE(d);
-        CHECK(algorithms[d].size() == 1);
-    }
+    expect_one_cudnn_choice(14, 24, Precision::fp32);  // shards of 7
 }
 
 // The same under Precision::bf16: cuDNN's bf16 configuration has its own choices (the table is
@@ -207,27 +222,7 @@ TEST_CASE("replicas on different devices run the cuDNN algorithms the process ch
 TEST_CASE("replicas on different devices run the bf16 cuDNN algorithms the process chose once", "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
-    const auto b = make_batch(18, 25);  // shards of 9: a shape no other case of this process meets
-    const auto x = b.x.to<Cuda>(Device::cuda(0));
-    auto o = options(std::chrono::seconds(10));
-    o.precision = Precision::bf16;
-    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, o);
-    nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
-    for (int s = 0; s < 2; ++s) CHECK_NOTHROW(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
-    std::map<char, std::set<int>> algorithms;
-    std::set<int> devices;
-    std::size_t calls = 0;
-    for (const auto& c : host_cuda::cudnn_calls())
-        if (c.n == 9) {
-            CHECK(c.bf16);
-            algorithms[c.direction].insert(c.algorithm), devices.insert(c.device), ++calls;
-        }
-    CHECK(calls == 2 * 2 * 3);  // two steps, two replicas, three directions
-    CHECK(devices == std::set<int>{0, 1});
-    for (const char d : {'f', 'd', 'w'}) {
-        CAPTURE(d);
-        CHECK(algorithms[d].size() == 1);
-    }
+    expect_one_cudnn_choice(18, 25, Precision::bf16);  // shards of 9
 }
 #endif
 

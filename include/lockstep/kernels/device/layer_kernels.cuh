@@ -79,29 +79,36 @@ struct Scale {
     }
 };
 
-template <class T>
+template <class T, class S = T>
 struct AddParams {
     T* acc = nullptr;
-    const T* x = nullptr;
+    const S* x = nullptr;
     std::int64_t n = 0;
 };
 
-//! acc += x, element by element.
-template <class T, int V>
+//! acc += x, element by element; x of acc's type, or bfloat16 widened exactly into fp32 (S: a bf16
+//! weight gradient added to the fp32 one, Note [cuDNN convolutions]).
+template <class T, int V, class S = T>
 struct Add {
-    using Params = AddParams<T>;
+    using Params = AddParams<T, S>;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static T widened(S v) {
+        if constexpr (std::is_same_v<S, T>)
+            return v;
+        else
+            return to_float(v);
+    }
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         const std::int64_t vectors = p.n / V;
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
             auto a = load_pack<V>(p.acc + i * V);
             const auto b = load_pack<V>(p.x + i * V);
             LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) a.v[e] += b.v[e];
+            for (int e = 0; e < V; ++e) a.v[e] += widened(b.v[e]);
             store_pack<V>(p.acc + i * V, a);
         }
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.acc[tail] += p.x[tail];
+        if (V > 1 && tail < p.n) p.acc[tail] += widened(p.x[tail]);
     }
 };
 
@@ -256,32 +263,6 @@ struct BiasAct {
             store_pack<V>(p.y + off, v);
             if (p.mask != nullptr) store_pack<V>(p.mask + off, m);
         }
-    }
-};
-
-struct AddWidenedParams {
-    float* acc = nullptr;
-    const __nv_bfloat16* x = nullptr;
-    std::int64_t n = 0;
-};
-
-//! acc += x widened (exact), element by element in fp32: a bf16 weight gradient added to the fp32
-//! one (Note [cuDNN convolutions]).
-template <int V>
-struct AddWidened {
-    using Params = AddWidenedParams;
-    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
-    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const std::int64_t vectors = p.n / V;
-        for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) {
-            auto a = load_pack<V>(p.acc + i * V);
-            const auto b = load_pack<V>(p.x + i * V);
-            LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) a.v[e] += to_float(b.v[e]);
-            store_pack<V>(p.acc + i * V, a);
-        }
-        const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.acc[tail] += to_float(p.x[tail]);
     }
 };
 
@@ -650,11 +631,11 @@ void bias_act(Run& run, T* y, std::int64_t N, std::int64_t C, std::int64_t P, co
 //! acc[0, n) += x[0, n) widened to fp32.
 template <class Run>
 void add_widened(Run& run, float* acc, const __nv_bfloat16* x, std::int64_t n) {
-    AddWidenedParams a{acc, x, n};
+    AddParams<float, __nv_bfloat16> a{acc, x, n};
     if (all_aligned(16, {acc}) && all_aligned(8, {x}))
-        run.template map<AddWidened<4>>(a, map_grid(vector_items(n, 4), run.info()));
+        run.template map<Add<float, 4, __nv_bfloat16>>(a, map_grid(vector_items(n, 4), run.info()));
     else
-        run.template map<AddWidened<1>>(a, map_grid(n, run.info()));
+        run.template map<Add<float, 1, __nv_bfloat16>>(a, map_grid(n, run.info()));
 }
 
 //! out[c] += the sum of dy (N, C, P) over N and P, in fp64, rounded once into out's fp32 sum. dy:
