@@ -55,8 +55,9 @@ namespace lockstep::kernels::cuda_ops {
 //   does with torch.backends.cudnn.allow_tf32.
 // - Precision (Note [precision]): under Precision::bf16 a convolution runs cuDNN's bf16
 //   configuration (x, w and y, or dy and dx, or x, dy and dw in bfloat16, fp32 compute, tensor
-//   cores allowed: CUDNN_TENSOR_OP_MATH) with its own algorithm choices (the table is keyed by the data type too). cuDNN's
-//   legacy API gives every output in the inputs' type, so each is rounded to bf16 once by cuDNN:
+//   cores allowed: CUDNN_TENSOR_OP_MATH) with its own algorithm choices (the table is keyed by
+//   the data type too). cuDNN's legacy API gives every output in the inputs' type, so each is
+//   rounded to bf16 once by cuDNN:
 //   y before the bias is added in fp32 (and rounded again where y is stored in bf16), dx where x
 //   was fp32 (then widened), and the weight gradient, which is then added, widened, to the fp32
 //   gradient (as PyTorch's autocast does: its convolution's weight gradient is bf16). The operands
