@@ -24,14 +24,13 @@ namespace lockstep::kernels::cuda_ops {
 // Note [one layer workspace]
 // A convolution on CUDA needs its shard's im2col columns, their gradient and a channel-major dy
 // (Note [convolution on CUDA]): floats in proportion to the batch, for the length of one call (in
-// bf16 precision the columns, dy's copy and the weight are bf16, in the workspace's second buffer:
-// Note [precision]). They live in the replica's one LayerWorkspace (owned by its ReplicaResources,
-// reached through Execution<Cuda>::layer_workspace), not in each layer: a network's convolutions
-// run one after the other on the replica's stream, so each may reuse what the previous one wrote,
-// and the replica holds the largest layer's need once instead of every layer's. The workspace grows
-// when a larger need comes (the old allocation is freed in the stream's order, after the work that
-// read it) and never shrinks. An execution, and so its workspace, serves one thread at a time, as
-// its stream does.
+// bf16 precision the columns, dy's copy and the weight are bf16, in the workspace's second buffer,
+// and the first holds a bf16 output's fp32 sums before their rounding: Note [precision]). They live in the replica's one
+// LayerWorkspace (owned by its ReplicaResources, reached through Execution<Cuda>::layer_workspace), not in each layer: a
+// network's convolutions run one after the other on the replica's stream, so each may reuse what the previous one wrote, and the
+// replica holds the largest layer's need once instead of every layer's. The workspace grows when a larger need comes (the old
+// allocation is freed in the stream's order, after the work that read it) and never shrinks. An execution, and so its workspace,
+// serves one thread at a time, as its stream does.
 
 //! A replica's buffer for its convolutions (Note [one layer workspace]).
 class LayerWorkspace {
@@ -458,11 +457,12 @@ struct LayerOps {
             return;
         }
 #endif
-        T_<float> y32(Shape{y.numel()}, MemoryFormat::nchw, Device::cuda(ex.device), uninitialized);
-        conv_forward_on_bf16(run, ex, c, on_device(x.data()), weight, nullptr, y32.data());
-        // the bias and the rounding in one pass: y = round(y32 + bias)
+        // y in fp32 in the workspace's fp32 buffer (the products' operands are in its bf16 one),
+        // then the bias and the rounding in one pass: y = round(y32 + bias)
+        float* y32 = workspace(ex).at_least(y.numel(), ex.device);
+        conv_forward_on_bf16(run, ex, c, on_device(x.data()), weight, nullptr, y32);
         device::layer_kernels::bias_act(run, on_device(y.data()), c.N, c.O, c.P, bias != nullptr ? bias->data() : nullptr, false,
-                                        nullptr, y32.data());
+                                        nullptr, y32);
     }
 
     //! The bf16 form of conv2d_backward (Note [activation precision]): x and dx in one type, dy in
