@@ -656,6 +656,32 @@ TEST_CASE("clone makes an independent deep copy for a device of the module's bac
     CHECK_THROWS_WITH(nn::clone(a, Device::cuda(0)), Catch::Contains("cannot clone a host module onto device cuda:0"));
 }
 
+// Note [layer ids]: ids drawn at construction depend on what was built before; number_layers
+// gives the ids of a layer's place in the module instead, depth first, the same for two models
+// built apart, and messages name such a layer by its place.
+TEST_CASE("number_layers gives layers the ids of their place in the module, whatever was built before", "[nn]") {
+    using Inner = nn::Sequential<nn::ReLU<>, nn::SyncBatchNorm<>>;
+    const auto make = [] {
+        return nn::Sequential(nn::SyncBatchNorm<>(2), Inner(nn::ReLU<>(), nn::SyncBatchNorm<>(2)), nn::SyncBatchNorm<>(2));
+    };
+    auto a = make();
+    (void)nn::SyncBatchNorm<>(3);  // built in between, as another model would be
+    auto b = make();
+    const auto ids = [](const auto& m) {
+        return std::vector<std::uint64_t>{m.template get<0>().layer_id(), m.template get<1>().template get<1>().layer_id(),
+                                          m.template get<2>().layer_id()};
+    };
+    CHECK(ids(a) != ids(b));
+    nn::number_layers(a);
+    nn::number_layers(b);
+    const auto first = nn::detail::placed_layer_ids;
+    CHECK(ids(a) == std::vector<std::uint64_t>{first, first + 1, first + 2});
+    CHECK(ids(b) == ids(a));
+    CHECK(nn::clone(a, Device::host(1)).get<2>().layer_id() == first + 2);  // copies keep them
+    CHECK(comm::CollectiveSite::layer(first + 1, 1).str() == "layer #2 of the model's communicating layers (backward)");
+    CHECK(comm::CollectiveSite::layer(7, 0).str() == "layer 7 (forward)");
+}
+
 // ---- independent references: direct fp64 loops written here, not the layers' own code ----
 
 namespace {

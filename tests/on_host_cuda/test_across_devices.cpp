@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <bit>
 #include <chrono>
 #include <cstdlib>
@@ -29,6 +30,7 @@
 
 #include "../gpu/small_model.hpp"
 #include "../host_cuda/host_cuda.hpp"
+#include "../thread_processes.hpp"
 
 using namespace lockstep;
 using Clock = std::chrono::steady_clock;
@@ -898,4 +900,219 @@ TEST_CASE("an update that cannot be captured fails its step before any replica l
     CHECK_NOTHROW(step());
     CHECK_THROWS_AS(step(), UsageError);
     CHECK(dp.graph_launches(0) == 0);
+}
+
+// ---- across processes ----------------------------------------------------------------------------
+// Processes as threads of this one (thread_processes.hpp), each with its own DataParallel on a
+// device of its own, as under mpirun with one GPU a process: the stream groups span the processes
+// (Note [stream groups across processes]), their NCCL cliques made from a unique id process 0
+// broadcasts. Catch's assertions are made on the test's thread, from what each process recorded.
+
+namespace {
+
+//! Process p's rows of `b`, split over P processes of one replica each, on `device`.
+std::pair<Tensor<float, Cuda>, std::vector<std::int64_t>> rows_of(const gpu_test::Batch& b, int P, int p, Device device) {
+    const auto s = parallel::shard_ranges(b.x.dim(0), P)[static_cast<std::size_t>(p)];
+    const std::int64_t per = b.x.numel() / b.x.dim(0);
+    Tensor<float, Host> x(b.x.shape().with(0, s.count));
+    std::copy(b.x.span().begin() + s.begin * per, b.x.span().begin() + (s.begin + s.count) * per, x.span().begin());
+    return {x.to<Cuda>(device), std::vector<std::int64_t>(b.labels.begin() + s.begin, b.labels.begin() + s.begin + s.count)};
+}
+
+//! What a process (or the one-process reference) saw: each step's loss, and its replica 0's
+//! parameters and buffers after each step.
+struct Run {
+    std::vector<double> losses;
+    std::vector<std::vector<float>> values;
+    std::uint64_t captured = 0, launches = 0;
+};
+
+//! The batches the case below trains on: 3 rows (shards of 2 and 1), then 4 (2 and 2), then 3.
+std::vector<gpu_test::Batch> across_batches() {
+    std::vector<gpu_test::Batch> out;
+    const auto three = make_batch(3, 131), four = make_batch(4, 132);
+    for (const bool big : {false, false, true, true, false, false, false}) out.push_back(big ? four : three);
+    return out;
+}
+
+DataParallelOptions across_options() {
+    auto o = options(std::chrono::seconds(10));
+    o.clip_grad_norm = 0.5;
+    o.check_finite = true;
+    return o;
+}
+
+//! Trains across 2 processes of one device each; `errors` gets each process's failure.
+std::vector<Run> train_across(DataParallelOptions o, const std::vector<gpu_test::Batch>& batches,
+                              std::vector<std::exception_ptr>& errors) {
+    std::vector<Run> runs(2);
+    errors = test::as_processes(
+        2,
+        [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+            auto mine = o;
+            mine.process_group = std::move(procs);
+            const Device device = Device::cuda(p);
+            // Each process builds its model, as a process of its own would; here process 1 also builds
+            // a layer first, so their layers drew different ids (Note [layer ids]).
+            if (p == 1) (void)make_small<Cuda>();
+            DataParallel<Small<Cuda>> dp(make_small<Cuda>(), {device}, mine);
+            nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+            auto& run = runs[static_cast<std::size_t>(p)];
+            for (const auto& b : batches) {
+                const auto [x, labels] = rows_of(b, 2, p, device);
+                run.losses.push_back(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+                run.values.push_back(replica_values(dp.replica(0)));
+            }
+            run.captured = dp.captured_graphs(0);
+            run.launches = dp.graph_launches(0);
+        },
+        [](int) {}, std::chrono::seconds(10));
+    return runs;
+}
+
+}  // namespace
+
+// DataParallel<Cuda> across two processes of one GPU each trains as one process of two GPUs, bit
+// for bit, eagerly and with graphs (Note [captured steps]). Process 1's shard grows from 1 row to
+// 2, so only its im2col workspace moves and only its key of the 3-row batch changes: back at 3
+// rows process 0 would launch its kept graph while process 1 runs eagerly, and the processes vote
+// together so that a capture's or an eager step's rendezvous (which checks each collective's tag
+// with the other process) never waits for a process that launched. Mutation-checked: each
+// process voting alone fails: a process that launched waits for its step's results until the
+// timeout, its collectives never met. Each process builds its own model, and the layers' ids come
+// from their place in it (Note [layer ids]): without nn::number_layers the processes' ids differ
+// and the first SyncBatchNorm collective is a CollectiveMismatch.
+TEST_CASE("two processes of one GPU each train as one process of two GPUs, eagerly and captured", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    // im2col convolutions, whose workspace grows with the shard (read once per process: ctest runs
+    // each case in its own).
+    ::setenv("LOCKSTEP_CUDNN", "0", 1);
+    const auto batches = across_batches();
+    Run want;
+    {
+        DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two, across_options());
+        nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+        for (const auto& b : batches) {
+            want.losses.push_back(dp.train_step(b.x.to<Cuda>(Device::cuda(0)), b.labels, nn::SoftmaxCrossEntropy{}, sgd).loss);
+            want.values.push_back(replica_values(dp.replica(0)));
+        }
+    }
+    for (const bool graphs : {false, true}) {
+        CAPTURE(graphs);
+        auto o = across_options();
+        o.graphs = graphs;
+        std::vector<std::exception_ptr> errors;
+        const auto runs = train_across(o, batches, errors);
+        for (const auto& e : errors) {
+            if (e) CHECK_THROWS_WITH(std::rethrow_exception(e), "no error");
+            REQUIRE_FALSE(e);
+        }
+        for (int p = 0; p < 2; ++p) {
+            CAPTURE(p);
+            const auto& run = runs[static_cast<std::size_t>(p)];
+            CHECK(run.losses == want.losses);
+            REQUIRE(run.values.size() == want.values.size());
+            for (std::size_t s = 0; s < want.values.size(); ++s) {
+                CAPTURE(s);
+                CHECK(run.values[s] == want.values[s]);
+            }
+            // (a): eager at steps 0, 2 and 4 (new keys: process 1's at 4), captured at 1, 3 and 5,
+            // launched at 1, 3, 5 and 6; (b): eager at 0, then captured and launched at 1 to 6.
+            CHECK(run.captured == (graphs ? 4u : 0u));
+            CHECK(run.launches == (graphs ? 4u + 6u : 0u));
+        }
+    }
+    ::unsetenv("LOCKSTEP_CUDNN");
+}
+
+// A failure in one process's launch of graph (a) (an NCCL error in its second collective) is a
+// failed step in both processes, as an eager one is (Note [commit point]): with check_finite it
+// is seen before the commit barrier, so neither process applies the step, and a DataParallel
+// across processes ends there: the next step fails too, in both. Mutation-checked: without
+// check_finite the failure is seen after the update, and both processes hold a diverged model.
+TEST_CASE("a captured step that fails in one process fails in both, and neither applies it", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = across_options();
+    o.graphs = true;
+    o.timeout = std::chrono::seconds(5);
+    const auto prototype = make_small<Cuda>();
+    const auto batch = make_batch(10, 141);
+    struct Seen {
+        std::vector<float> before, after;
+        std::string first, failed, next;
+        std::uint64_t launches = 0, launches_after = 0;
+        bool diverged = true;
+    };
+    std::vector<Seen> seen(2);
+    std::barrier sync(2);
+    const auto errors = test::as_processes(
+        2,
+        [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+            auto mine = o;
+            mine.process_group = std::move(procs);
+            const Device device = Device::cuda(p);
+            DataParallel<Small<Cuda>> dp(prototype, {device}, mine);
+            nn::Sgd<Cuda> sgd({.lr = 0.05, .momentum = 0.9});
+            const auto [x, labels] = rows_of(batch, 2, p, device);
+            const auto step = [&, &x = x, &labels = labels]() -> std::string {
+                try {
+                    (void)dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
+                    return "";
+                } catch (const std::exception& e) {
+                    return std::string("threw: ") + e.what();
+                }
+            };
+            auto& me = seen[static_cast<std::size_t>(p)];
+            for (int i = 0; i < 3; ++i) me.first += step();  // eagerly, captured, launched
+            me.launches = dp.graph_launches(0);
+            me.before = replica_values(dp.replica(0));
+            sync.arrive_and_wait();
+            if (p == 0) host_cuda::fail_nccl(1, 2);  // process 1's rank, in the launch of (a)
+            sync.arrive_and_wait();
+            me.failed += step();
+            me.after = replica_values(dp.replica(0));
+            me.launches_after = dp.graph_launches(0);
+            me.diverged = dp.diverged();
+            sync.arrive_and_wait();
+            if (p == 0) host_cuda::fail_nccl(1, 0);
+            sync.arrive_and_wait();
+            me.next = step();
+        },
+        [](int) {}, std::chrono::seconds(5));
+    for (const auto& e : errors) REQUIRE_FALSE(e);
+    for (int p = 0; p < 2; ++p) {
+        CAPTURE(p);
+        const auto& me = seen[static_cast<std::size_t>(p)];
+        CHECK(me.first.empty());
+        CHECK(me.launches == 2 + 2);  // (a) and (b), each captured and launched at step 1, launched at 2
+        CHECK_THAT(me.failed, Catch::StartsWith("threw: "));
+        CHECK(me.launches_after == me.launches + 1);  // the failure came in the launch of (a); (b) never ran
+        CHECK_FALSE(me.diverged);
+        CHECK(me.after == me.before);
+        CHECK_THAT(me.next, Catch::StartsWith("threw: "));
+    }
+}
+
+// Processes that differ in DataParallelOptions::graphs would meet a vote with an eager collective:
+// every process refuses alike at construction, naming the option.
+TEST_CASE("processes that differ in graphs are refused alike", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const auto errors = test::as_processes(
+        2,
+        [&](int p, std::shared_ptr<comm::ProcessGroup> procs) {
+            auto o = across_options();
+            o.process_group = std::move(procs);
+            o.graphs = p == 1;
+            DataParallel<Small<Cuda>> dp(make_small<Cuda>(), {Device::cuda(p)}, o);
+        },
+        [](int) {}, std::chrono::seconds(5));
+    for (const auto& e : errors) {
+        REQUIRE(e);
+        CHECK_THROWS_AS(std::rethrow_exception(e), UsageError);
+        CHECK_THROWS_WITH(std::rethrow_exception(e),
+                          Catch::Contains("they differ in DataParallelOptions::graphs (off, on, by process)"));
+    }
 }

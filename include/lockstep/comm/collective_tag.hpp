@@ -40,6 +40,7 @@ enum class Exchange : std::uint32_t {
     setup_failures,         // which processes failed to set up
     setup_failure_message,  // the first failing process's message
     math_modes,             // DataParallel: each process's math mode
+    graph_votes,            // DataParallel with graphs: each process's vote on a step's graph (a)
 };
 
 //! What `Exchange` `e` exchanges, for messages.
@@ -54,6 +55,7 @@ constexpr const char* to_string(Exchange e) {
         case Exchange::setup_failures: return "setup failures";
         case Exchange::setup_failure_message: return "a setup failure's message";
         case Exchange::math_modes: return "the processes' math modes";
+        case Exchange::graph_votes: return "the processes' votes on a captured step";
     }
     return "?";
 }
@@ -68,7 +70,11 @@ struct CollectiveSite {
 
     //! A collective of the user's own (e.g. a direct all-reduce between `ReplicaPool` jobs).
     static constexpr CollectiveSite user(std::uint64_t id = 0) { return {Kind::user, id, 0}; }
-    //! Collective `part` of the layer whose id is `layer_id` (see `nn::detail::next_layer_id`).
+    //! The first layer id DataParallel gives by a layer's place in the module (Note [layer ids] in
+    //! nn/site.hpp); ids below it were drawn at construction.
+    static constexpr std::uint64_t placed_layers = std::uint64_t{1} << 40;
+
+    //! Collective `part` of the layer whose id is `layer_id` (Note [layer ids] in nn/site.hpp).
     static constexpr CollectiveSite layer(std::uint64_t layer_id, std::uint32_t part) { return {Kind::layer, layer_id, part}; }
     //! The all-reduce of gradient bucket `index`.
     static constexpr CollectiveSite bucket(std::uint64_t index) { return {Kind::bucket, index, 0}; }
@@ -82,9 +88,11 @@ struct CollectiveSite {
     friend constexpr bool operator==(const CollectiveSite&, const CollectiveSite&) = default;
 
     std::string str() const {
-        const std::string n = std::to_string(id);
+        std::string n = std::to_string(id);
         switch (kind) {
             case Kind::layer:
+                if (id >= placed_layers)
+                    n = "#" + std::to_string(id - placed_layers + 1) + " of the model's communicating layers";
                 return part == 0   ? "layer " + n + " (forward)"
                        : part == 1 ? "layer " + n + " (backward)"
                                    : "layer " + n + " (collective " + std::to_string(part) + ")";
@@ -94,7 +102,8 @@ struct CollectiveSite {
                 return part == 0   ? "the commit barrier"
                        : part == 1 ? "the barrier after the optimizer step"
                        : part == 2 ? "the replicas' agreement on a captured step"
-                                   : "the end of the replicas' captures of a step";
+                       : part == 3 ? "the end of the replicas' captures of a step"
+                                   : "the replicas' reading of the processes' agreement on a captured step";
             case Kind::control:
                 return std::string("the exchange of ") + to_string(static_cast<Exchange>(part)) + " between processes";
             default: return "user site " + n;

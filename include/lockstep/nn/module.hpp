@@ -16,6 +16,7 @@
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/parameter.hpp"
+#include "lockstep/nn/site.hpp"
 
 namespace lockstep::nn {
 
@@ -31,6 +32,8 @@ namespace lockstep::nn {
 //   v.module("conv1", conv1);                     // a child module (names compose: conv1.weight)
 // Training or evaluation mode travels in the Context, so modules need no train()/eval() of
 // their own; DataParallel::train()/eval() set it for every replica.
+// A layer that makes collectives (SyncBatchNorm) also offers `set_layer_id(std::uint64_t)`, by which
+// DataParallel numbers such layers by their place in the module (Note [layer ids] in nn/site.hpp).
 // A module may also offer the activation protocol (forward and backward on `Activation<B>`, a
 // tensor stored in fp32 or bf16; Note [activation precision]); nn::Sequential chains its children
 // through it, so activations stay in bf16 between the layers that can take them.
@@ -165,6 +168,37 @@ void walk(M& module, OnParam&& on_param, OnBuffer&& on_buffer, std::string_view 
         std::string(prefix), on_param, on_buffer};
     // `visit` only lists members; the walker hands them on as const when the module is const.
     const_cast<Plain&>(module).visit(w);
+}
+
+namespace detail {
+
+// Gives each module that communicates (one with `set_layer_id`) the next id, depth first.
+struct LayerNumbering {
+    std::uint64_t next = placed_layer_ids;
+    template <class P>
+    void parameter(std::string_view, P&) {}
+    template <class T>
+    void buffer(std::string_view, T&) {}
+    template <class M>
+    void module(std::string_view, M& child) {
+        number(child);
+    }
+    template <class M>
+    void number(M& m) {
+        if constexpr (requires { m.set_layer_id(std::uint64_t{}); }) m.set_layer_id(next++);
+        m.visit(*this);
+    }
+};
+
+}  // namespace detail
+
+//! Gives every layer of `module` that communicates an id by its place in the module tree (depth
+//! first, in the order `visit` lists the modules), the same on every process that builds the same
+//! model whatever else it built (Note [layer ids]). DataParallel does this to each replica.
+template <class M>
+void number_layers(M& module) {
+    detail::LayerNumbering n;
+    n.number(module);
 }
 
 //! Calls `f(name, Parameter&)` for every parameter (const references on a const module).

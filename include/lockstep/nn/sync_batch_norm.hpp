@@ -89,6 +89,11 @@ public:
         return "SyncBatchNorm(" + std::to_string(channels_) + (options_.fused_relu ? ", fused_relu" : "") + ")";
     }
 
+    //! The id this layer's collectives carry (Note [layer ids]): drawn at construction, given by
+    //! its place in the module where DataParallel numbers its replicas' layers.
+    void set_layer_id(std::uint64_t id) noexcept { layer_id_ = id; }
+    std::uint64_t layer_id() const noexcept { return layer_id_; }
+
     template <class V>
     void visit(V&& v) {
         if (options_.affine) {

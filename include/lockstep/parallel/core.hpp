@@ -46,8 +46,10 @@ struct Core {
     // Bumped by every call that failed, and by load and resync: replicas drop the graphs of an
     // older epoch before their next step (Note [captured steps] in parallel/step.hpp).
     std::atomic<std::uint64_t> graph_epoch{0};
-    // Each replica's vote on running a step as graph (a), read after a barrier (Note [captured steps]).
+    // Each replica's vote on running a step as graph (a), read after a barrier; across processes,
+    // the decision of all processes, which replica 0 writes (Note [captured steps]).
     std::unique_ptr<std::atomic<int>[]> graph_votes;
+    std::atomic<int> graph_decision{0};
     std::vector<std::unique_ptr<Replica<Module>>> replicas;  // destroyed first: they use the groups and resources
 
     comm::Collectives& layer(int r) { return layer_group->communicator(r); }
@@ -76,7 +78,7 @@ struct Core {
         // Every process refuses alike (comm::agreed_failure): none waits for one that left.
         if (core->procs) {
             comm::check_alike(*core->procs, comm::ProcessGroup::control, "DataParallel across processes", check);
-            check_same_math(*core->procs, options.math, options.precision, options.gradient_precision);
+            check_same_modes(*core->procs, options);
         } else {
             check();
         }
@@ -114,33 +116,40 @@ private:
                           " backend runs every step eagerly (graphs are CUDA's); leave graphs off on it");
         LOCKSTEP_CHECK_AS(UsageError, o.graph_capacity > 0,
                           "DataParallelOptions::graph_capacity must be at least 1 (leave graphs off to capture nothing)");
-        LOCKSTEP_CHECK_AS(NotImplemented, !o.graphs || o.process_group == nullptr,
-                          "DataParallelOptions::graphs across processes is not implemented: leave graphs off when "
-                          "DataParallelOptions::process_group is set");
         return o;
     }
 
-    // Every process learns every process's math mode and precisions; all throw alike unless they
-    // are one (replicas in different modes would round differently: Note [math modes], Note
-    // [precision]; buckets all-reduced in different types would not meet).
-    static void check_same_math(comm::ProcessGroup& procs, Math math, Precision precision, Precision gradients) {
+    // Every process learns every process's math mode, precisions and whether it captures its
+    // steps; all throw alike unless they are one (replicas in different modes would round
+    // differently: Note [math modes], Note [precision]; buckets all-reduced in different types
+    // would not meet; a process voting on a captured step would meet another's eager collective:
+    // Note [captured steps]).
+    static void check_same_modes(comm::ProcessGroup& procs, const DataParallelOptions& o) {
         const auto P = static_cast<std::size_t>(procs.size());
         std::vector<double> modes(P, 0.0);
-        modes[static_cast<std::size_t>(procs.rank())] =
-            static_cast<double>(math) + 16.0 * static_cast<double>(precision) + 256.0 * static_cast<double>(gradients);
+        modes[static_cast<std::size_t>(procs.rank())] = static_cast<double>(o.math) + 16.0 * static_cast<double>(o.precision) +
+                                                        256.0 * static_cast<double>(o.gradient_precision) +
+                                                        4096.0 * (o.graphs ? 1.0 : 0.0);
         procs.channel(comm::ProcessGroup::control)
             .all_reduce_sum(DeviceSpan<double>::host(modes), comm::CollectiveSite::control(comm::Exchange::math_modes));
+        const auto math = [](double m) { return static_cast<int>(m) % 4096; };
+        if (std::any_of(modes.begin(), modes.end(), [&](double m) { return math(m) != math(modes[0]); })) {
+            std::string each;
+            for (const double m : modes) {
+                const int code = math(m);
+                each += std::string(to_string(static_cast<Math>(code % 16))) + "/" +
+                        std::string(to_string(static_cast<Precision>(code / 16 % 16))) + "/" +
+                        std::string(to_string(static_cast<Precision>(code / 256))) + ", ";
+            }
+            throw UsageError("DataParallel across " + std::to_string(P) + " processes: they run different math modes (" + each +
+                             "by process, math/precision/gradient_precision); give every process the same "
+                             "DataParallelOptions::math, ::precision and ::gradient_precision");
+        }
         if (std::all_of(modes.begin(), modes.end(), [&](double m) { return m == modes[0]; })) return;
         std::string each;
-        for (const double m : modes) {
-            const auto code = static_cast<int>(m);
-            each += std::string(to_string(static_cast<Math>(code % 16))) + "/" +
-                    std::string(to_string(static_cast<Precision>(code / 16 % 16))) + "/" +
-                    std::string(to_string(static_cast<Precision>(code / 256))) + ", ";
-        }
-        throw UsageError("DataParallel across " + std::to_string(P) + " processes: they run different math modes (" + each +
-                         "by process, math/precision/gradient_precision); give every process the same DataParallelOptions::math, "
-                         "::precision and ::gradient_precision");
+        for (const double m : modes) each += m >= 4096.0 ? "on, " : "off, ";
+        throw UsageError("DataParallel across " + std::to_string(P) + " processes: they differ in DataParallelOptions::graphs (" +
+                         each + "by process); turn graphs on in every process or in none");
     }
 
     static std::vector<Device> check_devices(const std::vector<Device>& devices, bool graphs) {

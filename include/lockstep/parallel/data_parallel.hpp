@@ -354,7 +354,8 @@ private:
         if (!caller.read(
                 [&] {
                     clone.emplace(nn::clone(prototype, core.devices[ur]));
-                    K::mark_inputs_read(ex);  // the caller may change its prototype once constructed
+                    nn::number_layers(*clone);  // ids alike in every process (Note [layer ids])
+                    K::mark_inputs_read(ex);    // the caller may change its prototype once constructed
                 },
                 [ex] { K::wait_inputs_read(ex); }))
             throw parallel::detail::caller_gone();

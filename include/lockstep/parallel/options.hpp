@@ -54,8 +54,9 @@ struct DataParallelOptions {
     //! parallel/step.hpp): forward, loss, backward and every collective of the step in one
     //! launch, clipping and the optimizer's update in a second, the commit point between them.
     //! The first step of each input shape runs eagerly, the next one is captured, later ones
-    //! launch it. CUDA only, one replica per GPU; the loss must also take its targets on the device
-    //! (nn::SoftmaxCrossEntropy and nn::MseLoss do).
+    //! launch it. CUDA only, one replica per GPU (across processes too: they decide each step
+    //! together); the loss must also take its targets on the device (nn::SoftmaxCrossEntropy and
+    //! nn::MseLoss do).
     bool graphs = false;
     //! Captured steps kept per replica (input shapes and module structures), least recently
     //! launched dropped first.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cmath>
@@ -94,7 +95,8 @@ namespace lockstep::parallel::detail {
 //   Each replica keeps at most graph_capacity graphs of each kind, the least recently launched
 //   dropped first.
 // - The replicas decide (a) together: each votes (eagerly, capture, launch) and all do the least
-//   (agree_on_graph, one host barrier a step). A replica that launched while a peer captured
+//   (agree_on_graph, one host barrier a step; across processes also an exchange of the processes'
+//   votes and, with several replicas a process, a second barrier). A replica that launched while a peer captured
 //   would skip the rendezvous the peer waits in: keys differ by replica (a workspace grown on one
 //   only) and so may their graphs. A replica whose graph's collectives were launched while a
 //   peer never launches its own would leave them to run on communicators the abort then destroys
@@ -121,8 +123,11 @@ namespace lockstep::parallel::detail {
 //   read to the host, between the graphs).
 // - A capture CUDA refuses (a layer that waits for the device in its forward or backward) fails
 //   the step with UsageError, naming the rule.
-// - One replica per GPU, one process (Core refuses the rest): replicas that share a GPU sum
-//   through the host's rendezvous, which a graph cannot replay.
+// - One replica per GPU (Core refuses the rest): replicas that share a GPU sum through the host's
+//   rendezvous, which a graph cannot replay. Across processes (Note [stream groups across
+//   processes]) the processes vote together as well (agree_on_graph): a capture checks each
+//   collective's tag with the other processes, which a process launching its graph would never
+//   answer. A launch then meets the other processes' launches in NCCL alone.
 
 // Scales every gradient by min(1, max_norm / (global norm + 1e-6)) (Note [step order]).
 template <class Module>
@@ -311,15 +316,32 @@ std::vector<std::int64_t> forward_key(Replica<Module>& rep, const StepCall<Loss>
 //! their votes, 0 eagerly, 1 capture, 2 launch. Every replica votes at the same point of every
 //! step with graphs; a barrier of the gradient group orders the votes before the reads, and a
 //! replica votes again only after the commit barriers of this step, which every replica reaches
-//! after its read.
+//! after its read. Across processes, replica 0 of each process gives its process's least to the
+//! others (one exchange on the gradient channel, which its thread alone uses) and writes the
+//! least of all, which the process's replicas read after a second barrier. (Those replicas wait
+//! there with the group's timeout while replica 0 may wait for another process with the process
+//! group's: a process that fails between the first barrier and the exchange may be reported as
+//! replica 0's lateness.)
 template <class Module, class Group>
 int agree_on_graph(Core<Module, Group>& core, int r, int vote) {
     core.graph_votes[static_cast<std::size_t>(r)].store(vote, std::memory_order_release);
-    core.replica(r).grad_comm->barrier(comm::CollectiveSite::commit(2));
+    auto& grads = *core.replica(r).grad_comm;
+    grads.barrier(comm::CollectiveSite::commit(2));
     int least = 2;
     for (int i = 0; i < core.world; ++i)
         least = std::min(least, core.graph_votes[static_cast<std::size_t>(i)].load(std::memory_order_acquire));
-    return least;
+    if (core.procs == nullptr) return least;
+    if (r == 0) {
+        std::array<double, 3> processes{};  // how many processes' least is 0, 1, 2
+        processes[static_cast<std::size_t>(least)] = 1;
+        core.procs->channel(comm::ProcessGroup::gradients)
+            .all_reduce_sum(DeviceSpan<double>::host(processes), comm::CollectiveSite::control(comm::Exchange::graph_votes));
+        least = processes[0] > 0 ? 0 : processes[1] > 0 ? 1 : 2;
+        core.graph_decision.store(least, std::memory_order_release);
+    }
+    if (core.world == 1) return least;
+    grads.barrier(comm::CollectiveSite::commit(4));
+    return core.graph_decision.load(std::memory_order_acquire);
 }
 
 //! A capture CUDA refused, as the step's error: what the user can change.
