@@ -339,9 +339,10 @@ void run_case(const Case& k) {
 template <class T>
 void run_shapes() {
     const dev::DeviceInfo h200{132, 60 << 20}, tiny{1, 0}, two{2, 1 << 10};
-    // C = 36 and 132: channels-last takes vectors of nhwc_vec channels (132: a last tile of one lane);
+    // C = 36, 64 and 132: channels-last takes vectors of nhwc_vec channels (36: 16 lanes a row, 64: 16
+    // lanes a row, every one with channels; 132: 32 lanes a row, a last group of one lane);
     // 34: only the 16-bit backward sums take vectors (of nhwc_sums_vec).
-    for (const std::int64_t C : {1, 3, 33, 34, 36, 132, 257})
+    for (const std::int64_t C : {1, 3, 33, 34, 36, 64, 132, 257})
         // Channels-first (Note [channels-first windows]): 28 x 28 planes are whole 16-byte vectors;
         // 14 x 14 whole 8-byte ones for 16-bit types; 7 x 5 and 7 x 7 take 16-byte windows; 3 x 6
         // whole 8-byte vectors of fp32 and 8-byte windows of 16-bit types; 3 x 3 4-byte windows of
@@ -499,7 +500,13 @@ TEST_CASE("emulated batch-norm launch plans stay inside the grid and the scratch
                     REQUIRE(static_cast<std::size_t>(grid.x) * static_cast<std::size_t>(grid.y) *
                                 (last ? 32u * static_cast<unsigned>(V) : 1u) * sizeof(bk::Sums2) <=
                             dev::scratch_partial_bytes);
-                    if (last) REQUIRE(static_cast<std::int64_t>(grid.y) * 32 * V >= C);  // every channel in a tile
+                    if (last) {
+                        REQUIRE(static_cast<std::int64_t>(grid.y) * s.lanes * V >= C);  // every channel in a group
+                        // The fewest lanes that cover C, up to 32 (Note [channels-last lanes]).
+                        REQUIRE((s.lanes == 32 || std::int64_t{s.lanes} * V >= C));
+                        REQUIRE((s.lanes == 1 || std::int64_t{s.lanes / 2} * V < C));
+                        REQUIRE((s.lanes & (s.lanes - 1)) == 0);
+                    }
                     REQUIRE(grid.y <= dev::scratch_counters);
                 }
     kernels::BnGeometry too_many{2, 65536, 4, false};

@@ -34,10 +34,11 @@ namespace lockstep::kernels::device::bn_kernels {
 //   window of V elements (Note [channels-first windows]; V from bn_passes.cuh: vector_width). Many
 //   blocks per channel keep every multiprocessor busy when C is small (one block per channel would
 //   leave most of an H200 idle at C = 64).
-// - channels-last (NHWC, 2-D input, P = 1): grid (chunks, tiles of 32 V channels), blocks of 32
-//   lanes x 8 rows, a lane taking V consecutive channels (V = nhwc_vec where it fits, else 1: Note
-//   [channels-last vectors]; a warp reads 32 V consecutive values); a chunk is a range of rows,
-//   and the reduction sums each lane's column.
+// - channels-last (NHWC, 2-D input, P = 1): grid (chunks, groups of L V channels), a lane taking
+//   V consecutive channels (V = nhwc_vec where it fits, else 1: Note [channels-last vectors]) and
+//   L lanes a row, the fewest that cover C (at most 32: Note [channels-last lanes]), so a block of
+//   256 threads reads 256 / L rows at a time; a chunk is a range of rows, and the reduction sums
+//   each lane's column.
 // Chunks are sized for about 8 blocks per multiprocessor in all (full occupancy at 256 threads),
 // at least 4 items per thread, and partials that fit the replica's scratch.
 // Each thread sums in fp32 over at most `flush` items and flushes into fp64, so no long sum is
@@ -130,11 +131,19 @@ struct Span {
     unsigned int chunk_items = 0;  // items per chunk (grid x)
     Divider per_plane;             // channels-first: windows per (n, c) plane
     bool reverse = false;          // blocks visit chunks and groups back to front (Note [reverse order])
+    int lanes = tile;              // channels-last: the lanes of a row (Note [channels-last lanes])
 
     //! The chunk and group a block works on (its own, or mirrored under `reverse`).
     LOCKSTEP_HD int chunk(const Where& w) const { return reverse ? w.gx - 1 - w.bx : w.bx; }
     LOCKSTEP_HD int group(const Where& w) const { return reverse ? w.gy - 1 - w.by : w.by; }
     LOCKSTEP_HD unsigned int begin(const Where& w) const { return static_cast<unsigned int>(chunk(w)) * chunk_items; }
+    //! Channels-last: thread t's lane (which V channels of the group), its first row in a chunk,
+    //! and the rows between its rows (Note [channels-last lanes]).
+    LOCKSTEP_HD int lane(int t) const { return t & (lanes - 1); }
+    LOCKSTEP_HD unsigned int first_row(const Where& w) const {
+        return begin(w) + static_cast<unsigned int>(w.t) / static_cast<unsigned int>(lanes);
+    }
+    LOCKSTEP_HD unsigned int row_step() const { return static_cast<unsigned int>(threads / lanes); }
     LOCKSTEP_HD unsigned int end(const Where& w) const {
         const unsigned int e = begin(w) + chunk_items;
         return e < items ? e : items;
@@ -158,17 +167,32 @@ struct Span {
 // values they read are the last ones the previous pass left in L2.
 
 // Note [channels-last vectors]
-// In channels-last layout a lane of a tile handles V = nhwc_vec consecutive channels of each row it
-// visits, loaded and stored as one vector (16 bytes of fp32, 8 of fp16/bf16; the backward sums of
-// 16-bit storage take 2, nhwc_sums_vec), where C is a multiple of V and every tensor is aligned to
-// V elements; otherwise V = 1. A tile then covers 32 V
-// channels; each lane keeps V channels' sums and constants, and a reducing pass's partials are one
-// Sums2 per channel and chunk, as with V = 1: ((group x chunks + chunk) x 32 + lane) x V + e.
+// In channels-last layout a lane handles V = nhwc_vec consecutive channels of each row it visits,
+// loaded and stored as one vector (16 bytes of fp32, 8 of fp16/bf16; the backward sums of 16-bit
+// storage take 2, nhwc_sums_vec), where C is a multiple of V and every tensor is aligned to V
+// elements; otherwise V = 1. Each lane keeps V channels' sums and constants.
 
-//! The first channel of lane `lane` of channel group `group` (channels-last, V channels a lane).
+// Note [channels-last lanes]
+// A group of L lanes covers L V channels of a row, L the smallest power of two with L V >= C, at
+// most 32 (channels_last_lanes): thread t takes lane t % L of row t / L of its block's rows, so
+// with C = 64 fp32 channels (V = 4) a warp reads two rows of 16 lanes and no thread idles, where
+// 32 lanes a row would leave half of them without a channel. A reducing pass keeps its blocks'
+// 32 x 8 column sums (the partials' slot of each of the 32 thread columns: ((group x chunks +
+// chunk) x 32 + column) x V + e); its last block adds, for lane l < L, the columns l, l + L, ...
+// of every chunk, which hold the same channels, and writes channels of lane l.
+
+//! The first channel of lane `lane` of channel group `group` (channels-last: `lanes` lanes of V
+//! channels each a group).
 template <int V>
-LOCKSTEP_HD inline std::int64_t lane_channel(int group, int lane) {
-    return (static_cast<std::int64_t>(group) * tile + lane) * V;
+LOCKSTEP_HD inline std::int64_t lane_channel(int group, int lane, int lanes) {
+    return (static_cast<std::int64_t>(group) * lanes + lane) * V;
+}
+
+//! The lanes of a channels-last row over C channels of V a lane (Note [channels-last lanes]).
+inline int channels_last_lanes(std::int64_t C, int V) {
+    int lanes = tile;
+    while (lanes > 1 && std::int64_t{lanes / 2} * V >= C) lanes /= 2;
+    return lanes;
 }
 
 // ---- forward statistics (reducing) -----------------------------------------------------------
@@ -261,14 +285,14 @@ struct StatsChannelsLast {
     static constexpr int threads = bn_kernels::threads, lanes = tile, rows = tile_rows, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
-        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), p.span.lane(w.t), p.span.lanes);
         Value total;
         if (c0 >= p.span.C) return total;
         float k[V], s[V], q[V];
         LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e) k[e] = first_value(p.x, p.span, c0 + e, true), s[e] = q[e] = 0;
         int pending = 0;
-        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
+        for (unsigned int r = p.span.first_row(w); r < p.span.end(w); r += p.span.row_step()) {
             const auto v = load_pack<V>(p.x + static_cast<std::int64_t>(r) * p.span.C + c0);
             LOCKSTEP_UNROLL
             for (int e = 0; e < V; ++e) {
@@ -295,17 +319,21 @@ struct StatsChannelsLast {
         for (int e = 0; e < V; ++e) out[e] = v.c[e];
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
+    //! Lane `lane`'s sums over every chunk: the columns lane, lane + L, ... (Note [channels-last lanes]).
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
         Value v;
-        for (int i = row; i < w.gx; i += rows) {
-            const Sums2* part = slot(p, w, i, lane);
-            LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
-        }
+        if (lane >= p.span.lanes) return v;
+        for (int i = row; i < w.gx; i += rows)
+            for (int column = lane; column < tile; column += p.span.lanes) {
+                const Sums2* part = slot(p, w, i, column);
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
+            }
         return v;
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
-        const std::int64_t c0 = lane_channel<V>(p.span.group(w), lane);
+        if (lane >= p.span.lanes) return;
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), lane, p.span.lanes);
         if (c0 >= p.span.C) return;
         LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e)
@@ -434,12 +462,13 @@ struct NormalizeChannelsLast {
     static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), p.span.lane(w.t), p.span.lanes);
         if (c0 >= p.span.C) return;
         ChannelConstants k[V];
+        const bool writer = p.span.chunk(w) == 0 && w.t < p.span.lanes;  // the first row of the first chunk
         LOCKSTEP_UNROLL
-        for (int e = 0; e < V; ++e) k[e] = normalize_constants_of(p, c0 + e, p.span.chunk(w) == 0 && w.t / tile == 0);
-        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
+        for (int e = 0; e < V; ++e) k[e] = normalize_constants_of(p, c0 + e, writer);
+        for (unsigned int r = p.span.first_row(w); r < p.span.end(w); r += p.span.row_step()) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
             const auto in = load_pack<V>(p.x + off);
             Pack<T, V> out;
@@ -534,7 +563,7 @@ struct BackwardSumsChannelsLast {
     static constexpr int threads = bn_kernels::threads, lanes = tile, rows = tile_rows, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static Value accumulate(const Params& p, const Where& w) {
-        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), p.span.lane(w.t), p.span.lanes);
         Value total;
         if (c0 >= p.span.C) return total;
         ReluMask m[V];
@@ -542,7 +571,7 @@ struct BackwardSumsChannelsLast {
         LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e) m[e] = ReluMask::of(p.folded, p.span.C, c0 + e), a[e] = b[e] = 0;
         int pending = 0;
-        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += rows) {
+        for (unsigned int r = p.span.first_row(w); r < p.span.end(w); r += p.span.row_step()) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
             const auto x = load_pack<V>(p.x + off);
             const auto g = load_pack<V>(p.dy + off);
@@ -572,17 +601,21 @@ struct BackwardSumsChannelsLast {
         for (int e = 0; e < V; ++e) out[e] = v.c[e];
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
+    //! Lane `lane`'s sums over every chunk: the columns lane, lane + L, ... (Note [channels-last lanes]).
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
         Value v;
-        for (int i = row; i < w.gx; i += rows) {
-            const Sums2* part = slot(p, w, i, lane);
-            LOCKSTEP_UNROLL
-            for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
-        }
+        if (lane >= p.span.lanes) return v;
+        for (int i = row; i < w.gx; i += rows)
+            for (int column = lane; column < tile; column += p.span.lanes) {
+                const Sums2* part = slot(p, w, i, column);
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
+            }
         return v;
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
-        const std::int64_t c0 = lane_channel<V>(p.span.group(w), lane);
+        if (lane >= p.span.lanes) return;
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), lane, p.span.lanes);
         if (c0 >= p.span.C) return;
         LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e) backward_finish_channel(p, c0 + e, total.c[e]);
@@ -653,12 +686,12 @@ struct DxChannelsLast {
     static constexpr int threads = bn_kernels::threads, min_blocks = bn_kernels::min_blocks;
 
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const std::int64_t c0 = lane_channel<V>(p.span.group(w), w.t % tile);
+        const std::int64_t c0 = lane_channel<V>(p.span.group(w), p.span.lane(w.t), p.span.lanes);
         if (c0 >= p.span.C) return;
         DxConstants k[V];
         LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e) k[e] = dx_constants_of(p, c0 + e);
-        for (unsigned int r = p.span.begin(w) + static_cast<unsigned int>(w.t / tile); r < p.span.end(w); r += tile_rows) {
+        for (unsigned int r = p.span.first_row(w); r < p.span.end(w); r += p.span.row_step()) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
             const auto x = load_pack<V>(p.x + off);
             const auto g = load_pack<V>(p.dy + off);

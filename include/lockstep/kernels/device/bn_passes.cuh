@@ -74,7 +74,8 @@ inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid,
     s.C = g.channels;
     s.P = g.inner;
     s.reverse = reverse;
-    const std::int64_t per_group = g.channels_last ? std::int64_t{tile} * V : 1;  // channels (Note [channels-last vectors])
+    if (g.channels_last) s.lanes = channels_last_lanes(g.channels, V);
+    const std::int64_t per_group = g.channels_last ? std::int64_t{s.lanes} * V : 1;  // channels (Note [channels-last lanes])
     const std::int64_t groups = (g.channels + per_group - 1) / per_group;
     LOCKSTEP_CHECK_AS(ShapeError, groups <= scratch_counters, "SyncBatchNorm on CUDA handles at most ",
                       static_cast<std::int64_t>(scratch_counters) * per_group, " channels in ",
@@ -91,11 +92,14 @@ inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid,
         grid.x = 0;
         return s;
     }
-    const std::int64_t row_threads = g.channels_last ? tile_rows : threads;
+    const std::int64_t row_threads = g.channels_last ? threads / s.lanes : threads;
     const std::int64_t by_work = std::max<std::int64_t>(1, items / (row_threads * 4));  // >= 4 items a thread
     const std::int64_t by_occupancy =
         std::max<std::int64_t>(1, (std::int64_t{blocks_per_sm} * info.multiprocessors + groups - 1) / groups);
-    const std::int64_t slots = static_cast<std::int64_t>(scratch_partial_bytes / sizeof(Sums2)) / per_group;
+    // Partials: one Sums2 per channel-first group and chunk; per channels-last group and chunk, V
+    // per thread column (Note [channels-last lanes]).
+    const std::int64_t per_slot = g.channels_last ? std::int64_t{tile} * V : 1;
+    const std::int64_t slots = static_cast<std::int64_t>(scratch_partial_bytes / sizeof(Sums2)) / per_slot;
     LOCKSTEP_CHECK_AS(ShapeError, groups <= slots, "SyncBatchNorm on CUDA over ", g.channels, " channels in ",
                       g.channels_last ? "channels-last" : "channels-first",
                       " layout needs more partials than the replica's scratch of ", scratch_partial_bytes,
