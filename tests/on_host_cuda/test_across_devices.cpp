@@ -902,6 +902,80 @@ TEST_CASE("an update that cannot be captured fails its step before any replica l
     CHECK(dp.graph_launches(0) == 0);
 }
 
+namespace {
+// The small network in a module of its own, whose forward can reach a collective of its own on
+// replica 1 (`diverge`), or wait for the device (`wait`): what a capture must refuse.
+struct Wrapped {
+    using backend = Cuda;
+    Small<Cuda> inner = make_small<Cuda>();
+    std::shared_ptr<std::atomic<bool>> diverge = std::make_shared<std::atomic<bool>>(false);
+    bool wait = false;
+    Tensor<float, Cuda> forward(const nn::Context<Cuda>& ctx, Tensor<float, Cuda> x) {
+        if (diverge->load() && ctx.local_rank == 1) ctx.comm->all_reduce_sum(DeviceSpan(x), comm::CollectiveSite::user(9));
+        if (wait) kernels::Ops<Cuda>::wait(ctx.exec, "the forward's own wait");
+        return inner.forward(ctx, std::move(x));
+    }
+    Tensor<float, Cuda> backward(const nn::Context<Cuda>& ctx, const Tensor<float, Cuda>& dy) { return inner.backward(ctx, dy); }
+    template <class V>
+    void visit(V&& v) {
+        v.module("inner", inner);
+    }
+};
+}  // namespace
+
+// A capture runs the host's rendezvous before each collective, as an eager step does: replicas
+// that reach different collectives while capturing fail the step with the mismatch, on every
+// replica, before anything is launched or applied; the next steps capture again.
+TEST_CASE("replicas that reach different collectives in a capture fail the step with the mismatch", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(5));
+    o.graphs = true;
+    Wrapped model;
+    DataParallel<Wrapped> dp(model, two, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05});
+    const auto a = make_batch(10, 151);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    (void)dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd);  // eagerly: (a) and (b) ready
+    const auto before = dp.checkpoint(sgd);
+    model.diverge->store(true);  // the replicas share the flag with the prototype
+    CHECK_THROWS_WITH(dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd),
+                      Catch::Contains("replicas reached different collectives") && Catch::Contains("user site 9"));
+    CHECK(dp.graph_launches(0) == 0);
+    CHECK(dp.graph_launches(1) == 0);
+    CHECK_FALSE(dp.diverged());
+    check_same(dp.checkpoint(sgd), before);
+    model.diverge->store(false);
+    for (int i = 0; i < 3; ++i) CHECK_NOTHROW(dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd));
+    CHECK(dp.graph_launches(0) > 0);
+}
+
+// A forward that waits for the device runs eagerly, but a capture refuses it: the step fails on
+// every replica with UsageError naming the rule, nothing launched or applied.
+TEST_CASE("a forward that waits for the device fails its captured step with UsageError", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(5));
+    o.graphs = true;
+    Wrapped model;
+    model.wait = true;
+    DataParallel<Wrapped> dp(model, two, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05});
+    const auto a = make_batch(10, 152);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    CHECK_NOTHROW(dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd));  // eagerly
+    const auto before = dp.checkpoint(sgd);
+    const auto step = [&] { (void)dp.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd); };
+    CHECK_THROWS_AS(step(), UsageError);
+    check_same(dp.checkpoint(sgd), before);
+    CHECK_NOTHROW(step());  // the failure dropped the graphs: eagerly again
+    CHECK_THROWS_WITH(step(), Catch::Contains("forward and backward could not be captured") &&
+                                  Catch::Contains("leave graphs off for this model"));
+    CHECK(dp.graph_launches(0) == 0);
+    CHECK(dp.graph_launches(1) == 0);
+    CHECK_FALSE(dp.diverged());
+}
+
 // ---- across processes ----------------------------------------------------------------------------
 // Processes as threads of this one (thread_processes.hpp), each with its own DataParallel on a
 // device of its own, as under mpirun with one GPU a process: the stream groups span the processes
