@@ -4,8 +4,10 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "host_cuda.hpp"
 
@@ -40,7 +42,11 @@ int run(const char* mode) {
     cudaMalloc(&d, sizeof(float));
     if (std::strcmp(mode, "missing-wait") == 0) {
         // Stream b reads what stream a writes, with no event between them: ThreadSanitizer's race.
+        // The host sleeps between the launches (a sleep orders nothing), so that the write has run
+        // when the read comes: read first, the report could be lost to an order the host's own
+        // calls give the two workers at exit.
         cudaLaunchHostFunc(a, write_one, d);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
         cudaLaunchHostFunc(b, read_one, d);
     } else if (std::strcmp(mode, "free-host-early") == 0) {
         // The pinned buffer is freed before the copy into it ran: AddressSanitizer's use after free.
