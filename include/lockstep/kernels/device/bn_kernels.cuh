@@ -188,6 +188,28 @@ LOCKSTEP_HD inline std::int64_t lane_channel(int group, int lane, int lanes) {
     return (static_cast<std::int64_t>(group) * lanes + lane) * V;
 }
 
+//! Channels-last: the V partials of thread column `column` of chunk `chunk` of this block's group
+//! (Note [channels-last lanes]).
+template <int V>
+LOCKSTEP_HD inline Sums2* column_slot(Sums2* partials, const Span& s, const Where& w, int chunk, int column) {
+    return partials + ((static_cast<std::int64_t>(s.group(w)) * w.gx + chunk) * tile + column) * V;
+}
+
+//! Channels-last: lane `lane`'s sums over the chunks row, row + rows, ...: the columns lane,
+//! lane + L, ... of each (Note [channels-last lanes]); nothing for a lane past L.
+template <int V>
+LOCKSTEP_HD inline SumsV<V> gather_lane(Sums2* partials, const Span& s, const Where& w, int lane, int row, int rows) {
+    SumsV<V> v;
+    if (lane >= s.lanes) return v;
+    for (int i = row; i < w.gx; i += rows)
+        for (int column = lane; column < tile; column += s.lanes) {
+            const Sums2* part = column_slot<V>(partials, s, w, i, column);
+            LOCKSTEP_UNROLL
+            for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
+        }
+    return v;
+}
+
 //! The lanes of a channels-last row over C channels of V a lane (Note [channels-last lanes]).
 inline int channels_last_lanes(std::int64_t C, int V) {
     int lanes = tile;
@@ -310,26 +332,14 @@ struct StatsChannelsLast {
         for (int e = 0; e < V; ++e) total.c[e] = total.c[e] + Sums2{s[e], q[e]};
         return total;
     }
-    LOCKSTEP_HD static Sums2* slot(const Params& p, const Where& w, int chunk, int lane) {
-        return p.partials + ((static_cast<std::int64_t>(p.span.group(w)) * w.gx + chunk) * tile + lane) * V;
-    }
-    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
-        Sums2* out = slot(p, w, p.span.chunk(w), lane);
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int column, const Value& v) {
+        Sums2* out = column_slot<V>(p.partials, p.span, w, p.span.chunk(w), column);
         LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e) out[e] = v.c[e];
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
-    //! Lane `lane`'s sums over every chunk: the columns lane, lane + L, ... (Note [channels-last lanes]).
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
-        Value v;
-        if (lane >= p.span.lanes) return v;
-        for (int i = row; i < w.gx; i += rows)
-            for (int column = lane; column < tile; column += p.span.lanes) {
-                const Sums2* part = slot(p, w, i, column);
-                LOCKSTEP_UNROLL
-                for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
-            }
-        return v;
+        return gather_lane<V>(p.partials, p.span, w, lane, row, rows);
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
         if (lane >= p.span.lanes) return;
@@ -592,26 +602,14 @@ struct BackwardSumsChannelsLast {
         for (int e = 0; e < V; ++e) total.c[e] = total.c[e] + Sums2{a[e], b[e]};
         return total;
     }
-    LOCKSTEP_HD static Sums2* slot(const Params& p, const Where& w, int chunk, int lane) {
-        return p.partials + ((static_cast<std::int64_t>(p.span.group(w)) * w.gx + chunk) * tile + lane) * V;
-    }
-    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
-        Sums2* out = slot(p, w, p.span.chunk(w), lane);
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int column, const Value& v) {
+        Sums2* out = column_slot<V>(p.partials, p.span, w, p.span.chunk(w), column);
         LOCKSTEP_UNROLL
         for (int e = 0; e < V; ++e) out[e] = v.c[e];
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
-    //! Lane `lane`'s sums over every chunk: the columns lane, lane + L, ... (Note [channels-last lanes]).
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
-        Value v;
-        if (lane >= p.span.lanes) return v;
-        for (int i = row; i < w.gx; i += rows)
-            for (int column = lane; column < tile; column += p.span.lanes) {
-                const Sums2* part = slot(p, w, i, column);
-                LOCKSTEP_UNROLL
-                for (int e = 0; e < V; ++e) v.c[e] = v.c[e] + Sums2{load_other_block(&part[e].a), load_other_block(&part[e].b)};
-            }
-        return v;
+        return gather_lane<V>(p.partials, p.span, w, lane, row, rows);
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
         if (lane >= p.span.lanes) return;
