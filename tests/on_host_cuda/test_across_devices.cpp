@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -699,6 +700,49 @@ TEST_CASE("a failed captured step drops the graphs, and the steps after it captu
         (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
     }
     CHECK(graphed.captured_graphs(1) == 4);
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+}
+
+// With check_finite a captured step's graph (a) ends with the finite check's values (the
+// gradients' squared norms and the step's totals) in the replica's pinned memory, which the host
+// reads with no launch of its own: a NaN in a launched step's input is refused before the commit
+// barrier, with nothing applied, after (a)'s launch and without (b)'s; the graphs are dropped,
+// and the steps after it capture again and end where the eager model ends. The losses and
+// counts of every step are the ones the graphs left in pinned memory. Mutation-checked: without
+// the finite check in (a) the NaN step is applied (the values read are the last eager step's).
+TEST_CASE("a captured step with NaN is refused from the values its graph left in pinned memory", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(5));
+    o.check_finite = true;
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    auto a = make_batch(10, 81);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    const auto both = [&] {
+        const auto e = eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        const auto g = graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+        CHECK(g.loss == e.loss);
+        CHECK(g.correct == e.correct);
+    };
+    for (int i = 0; i < 3; ++i) both();
+    REQUIRE(graphed.captured_graphs(1) == 2);
+    const auto launched = graphed.graph_launches(1);
+    const auto before = graphed.checkpoint(sgd_graphed);
+    a.x[37] = std::numeric_limits<float>::quiet_NaN();  // a sample of replica 0's shard
+    const auto poisoned = a.x.to<Cuda>(Device::cuda(0));
+    CHECK_THROWS_AS(eager.train_step(poisoned, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager), NonFinite);
+    CHECK_THROWS_WITH(graphed.train_step(poisoned, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed),
+                      Catch::Contains("step 4: ") && Catch::Contains("no replica applied the step"));
+    CHECK(graphed.graph_launches(1) == launched + 1);  // (a) ran; (b) did not
+    CHECK_FALSE(graphed.diverged());
+    check_same(graphed.checkpoint(sgd_graphed), before);
+    for (int i = 0; i < 3; ++i) both();  // eagerly (the graphs dropped), captured, launched
+    CHECK(graphed.captured_graphs(1) == 4);
+    CHECK(graphed.graph_launches(1) == launched + 1 + 4);  // (a) and (b) in each of the last two
     check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
     CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
 }

@@ -551,6 +551,45 @@ inline constexpr std::size_t staging_chunk = std::size_t{8} << 20;
 
 }  // namespace detail
 
+//! A replica's pinned host block that its captured steps copy their scalars into, at the end of
+//! graph (a) (Note [captured steps] in parallel/step.hpp). A graph holds the block's address, so
+//! the block is never freed under one: a larger one is a new block (a new graph key), and every
+//! block lives as long as its owner, the replica's resources, which free it after the stream's
+//! last work.
+class PinnedScalars {
+public:
+    PinnedScalars() = default;
+    PinnedScalars(const PinnedScalars&) = delete;
+    PinnedScalars& operator=(const PinnedScalars&) = delete;
+    ~PinnedScalars() {
+        for (double* b : blocks_) (void)cudaFreeHost(b);
+    }
+    //! Room for at least `n` values; a new block (at least twice the last) when the last is smaller.
+    double* reserve(std::size_t n) {
+        if (n > capacity_) {
+            const std::size_t want = std::max({n, 2 * capacity_, std::size_t{64}});
+            void* block = nullptr;
+            LOCKSTEP_CUDA_CHECK(cudaHostAlloc(&block, want * sizeof(double), cudaHostAllocPortable));
+            blocks_.push_back(static_cast<double*>(block));
+            capacity_ = want;
+        }
+        return blocks_.back();
+    }
+    //! The block graphs copy into now (null before the first reserve).
+    double* data() const noexcept { return blocks_.empty() ? nullptr : blocks_.back(); }
+    std::size_t capacity() const noexcept { return capacity_; }
+    //! After a wait for the stream that did not end: a copy may still land in the blocks, so
+    //! they are left to it (never freed).
+    void abandon() noexcept {
+        blocks_.clear();
+        capacity_ = 0;
+    }
+
+private:
+    std::vector<double*> blocks_;
+    std::size_t capacity_ = 0;
+};
+
 //! Copies `bytes` of device memory at `src` to host memory at `dst` (pageable or not) on
 //! `stream`, through the thread's pinned staging buffer, calling `wait()` (which records and polls
 //! an event with a deadline, and throws past it) for each chunk: never a pageable copy that

@@ -16,6 +16,10 @@
 
 namespace lockstep {
 
+namespace cuda {
+class PinnedScalars;  // core/cuda_runtime.cuh: a captured step's scalars on the host
+}  // namespace cuda
+
 namespace kernels::cuda_ops {
 class LayerWorkspace;     // cuda_layer_ops.cuh: Note [one layer workspace]
 class CudnnConvolutions;  // cuda_cudnn.cuh: Note [cuDNN convolutions]
@@ -44,6 +48,8 @@ struct Execution<Cuda> {
     // Recorded after a call's copies of the caller's input; the call returns only once it has
     // completed, so the caller may then free or refill its input.
     cudaEvent_t inputs_read_event = nullptr;
+    // Pinned host memory its captured steps copy their scalars into (Note [captured steps]).
+    cuda::PinnedScalars* scalars = nullptr;
     DeviceWaits waits;
     // How its convolutions and linear layers may round (Note [math modes] in core/backend.hpp).
     Math math = Math::pytorch_default;

@@ -66,6 +66,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 LOCKSTEP_CUBLAS_CHECK(cublasSetStream(blas, stream.get()));
                 LOCKSTEP_CUBLAS_CHECK(cublasSetWorkspace(blas, workspace, workspace_bytes));
                 layers = std::make_unique<cuda_ops::LayerWorkspace>();
+                scalars = std::make_unique<cuda::PinnedScalars>();
 #if LOCKSTEP_WITH_CUDNN
                 cudnn = cuda_ops::CudnnConvolutions::make(device);  // null: im2col (Note [cuDNN convolutions])
 #endif
@@ -94,6 +95,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 #endif
             ex.done_event = done.get();
             ex.inputs_read_event = inputs_read.get();
+            ex.scalars = scalars.get();
             return ex;
         }
 
@@ -127,6 +129,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
         device::Scratch scratch_view;
         std::unique_ptr<cuda_ops::LayerWorkspace> layers;    // the convolutions' buffers (Note [one layer workspace])
         std::unique_ptr<cuda_ops::CudnnConvolutions> cudnn;  // with cuDNN only (Note [cuDNN convolutions])
+        std::unique_ptr<cuda::PinnedScalars> scalars;        // captured steps' scalars (Note [captured steps])
 
     private:
         void release() noexcept {
@@ -136,8 +139,10 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
                 try {  // the stream's work must be done before its handles go: bounded, then released anyway
                     cuda::wait_stream(stream.get(), "a replica's last work at teardown");
                 } catch (...) {
+                    if (scalars) scalars->abandon();  // a graph's copy may still land there
                 }
             }
+            scalars.reset();
             layers.reset();  // freed in the stream's order, before the stream goes
             cudnn.reset();   // its work on the stream is done (waited above)
             if (blas != nullptr) (void)cublasDestroy(blas);
@@ -173,10 +178,37 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     static bool launch_graph(const Ex& ex, GraphCache& cache, const GraphCache::Key& key, Record&& record) {
         return cache.launch(key, ex.stream, std::forward<Record>(record));
     }
+    //! Makes the replica's pinned step scalars hold at least `n` values: before a captured step's
+    //! key is made, which holds their address (add_graph_key).
+    static void reserve_step_scalars(const Ex& ex, std::size_t n) {
+        LOCKSTEP_CHECK(ex.scalars != nullptr, "an execution made by hand has no pinned step scalars");
+        (void)ex.scalars->reserve(n);
+    }
+    //! Enqueues the copy of `t` into the replica's pinned step scalars (reserved for it): in a
+    //! captured step, the end of its graph (a).
+    static void stage_step_scalars(const Ex& ex, const T_<double>& t) {
+        LOCKSTEP_CHECK(ex.scalars != nullptr && static_cast<std::size_t>(t.numel()) <= ex.scalars->capacity(),
+                       "the step scalars hold ", ex.scalars != nullptr ? ex.scalars->capacity() : 0, " values, not ", t.numel(),
+                       "; reserve_step_scalars first");
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(ex.scalars->data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, ex.stream));
+    }
+    //! The first `n` staged step scalars, once the replica's stream has done its work so far (a
+    //! polled wait against the replica's deadline, as `wait`).
+    static std::vector<double> read_step_scalars(const Ex& ex, std::size_t n) {
+        LOCKSTEP_CHECK(ex.scalars != nullptr && n <= ex.scalars->capacity(), "reading ", n,
+                       " step scalars from a block of ", ex.scalars != nullptr ? ex.scalars->capacity() : 0);
+        wait(ex, "reading a step's results from the device");
+        const double* p = ex.scalars->data();
+        return std::vector<double>(p, p + n);
+    }
+
     //! Appends to `key` what a captured step holds of the replica beyond its module and its step's
-    //! tensors: its device, where its convolutions' workspaces lie, its math mode and precision.
+    //! tensors: its device, where its convolutions' workspaces and its pinned step scalars lie,
+    //! its math mode and precision.
     static void add_graph_key(const Ex& ex, GraphCache::Key& key) {
         key.push_back(ex.device);
+        key.push_back(
+            static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(ex.scalars != nullptr ? ex.scalars->data() : nullptr)));
         const void* ws = ex.layer_workspace != nullptr ? ex.layer_workspace->address() : nullptr;
         const void* ws16 = ex.layer_workspace != nullptr ? ex.layer_workspace->bf16_address() : nullptr;
         key.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(ws)));

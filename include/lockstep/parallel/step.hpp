@@ -79,7 +79,10 @@ namespace lockstep::parallel::detail {
 // With DataParallelOptions::graphs (CUDA) a replica's training step is two CUDA graphs (Note
 // [graphs] in core/cuda_runtime.cuh) launched on its stream, with the commit point between them:
 //   (a) forward, loss, backward, SyncBatchNorm's collectives and the buckets' all-reduces, ending
-//       with the all-reduced gradients and the step's totals;
+//       with the all-reduced gradients and the step's scalars copied into the replica's pinned
+//       memory (cuda::PinnedScalars): with check_finite the gradients' squared norms and the
+//       totals, else the totals. The host reads them there after a polled wait, with no launch of
+//       its own: before the commit barrier with check_finite, else after (b)'s launch;
 //   (b) clipping and the optimizer's update.
 // The host code between the kernels (the rendezvous before each collective, the bucket
 // bookkeeping, the layers' checks) runs once, at capture, on every replica alike, so a launch is
@@ -87,7 +90,7 @@ namespace lockstep::parallel::detail {
 // - A graph holds what it was captured with, and its key says what that is: for (a) the global
 //   batch (the loss's 1/N), the shard's and the targets' shapes, the loss's type (and its
 //   graph_key() where it has state: a loss with state and none is refused), the module's
-//   nn::structure_signature, the replica's device and workspace; for (b) the clipping norm, the
+//   nn::structure_signature, the replica's device, workspace and pinned step scalars; for (b) the clipping norm, the
 //   optimizer's graph_key (its hyper-parameters and where its state lies: a new learning rate is
 //   a new key), the module's signature and the device. A key's first step runs eagerly (it grows the
 //   workspaces, lets cuDNN choose, makes the optimizer's state: allocations a capture may not
@@ -119,8 +122,8 @@ namespace lockstep::parallel::detail {
 //   layers may hold tensors (in training mode they do) that a capture would have to free, which
 //   CUDA refuses: the next step runs eagerly.
 // - What a graph cannot hold runs eagerly: the update of an optimizer without graph_key, the
-//   step after accumulate() (its weights are host numbers of the call), the finite check (a
-//   read to the host, between the graphs).
+//   step after accumulate() (its weights are host numbers of the call), the finite check's
+//   judgement (on the host, between the graphs, of the values (a) staged).
 // - A capture CUDA refuses (a layer that waits for the device in its forward or backward) fails
 //   the step with UsageError, naming the rule.
 // - One replica per GPU (Core refuses the rest): replicas that share a GPU sum through the host's
@@ -143,12 +146,11 @@ void clip(Replica<Module>& rep, double max_norm) {
     });
 }
 
-// Throws NonFinite, on the replica that finds it, when the loss or an all-reduced gradient holds
-// NaN or infinity: before the commit barrier, so no replica applies the step. One read of the
-// per-parameter squared norms and the step's totals (the gradients are the same on every
-// replica), which also returns the totals: the step reads nothing else from the device.
+// The finite check's values on the device: rep.finite_check = the all-reduced gradients' squared
+// norms (one per parameter, in visit order), then the step's totals (the loss summed over this
+// replica's samples, the correct count). A captured step does this in its graph (a).
 template <class Module>
-void check_finite(Replica<Module>& rep, int rank, std::int64_t step_number, double& loss_sum, double& correct) {
+void stage_finite_check(Replica<Module>& rep) {
     using backend = typename Module::backend;
     using K = kernels::Ops<backend>;
     const auto& ex = rep.ctx.exec;
@@ -157,20 +159,49 @@ void check_finite(Replica<Module>& rep, int rank, std::int64_t step_number, doub
     nn::for_each_parameter(rep.module, [&](const std::string&, const nn::Parameter<backend>& p) {
         K::add_sum_squares(ex, p.grad, rep.finite_check, i++);
     });
-    K::copy(ex, rep.finite_check, i, rep.totals, 0, 2);  // the loss summed over this replica's samples, the correct count
-    const auto v = K::to_vector(ex, rep.finite_check);
-    loss_sum = v[static_cast<std::size_t>(i)];
-    correct = v[static_cast<std::size_t>(i) + 1];
+    K::copy(ex, rep.finite_check, i, rep.totals, 0, 2);
+}
+
+// Throws NonFinite, on the replica that finds it, when the loss or an all-reduced gradient holds
+// NaN or infinity (`v`: stage_finite_check's values, read to the host): before the commit
+// barrier, so no replica applies the step. Gives the step's totals.
+template <class Module>
+void judge_finite(const Replica<Module>& rep, const std::vector<double>& v, int rank, std::int64_t step_number, double& loss_sum,
+                  double& correct) {
+    const std::size_t i = rep.param_names.size();
+    LOCKSTEP_CHECK(v.size() == i + 2, "the finite check read ", v.size(), " values for ", i, " parameters");
+    loss_sum = v[i];
+    correct = v[i + 1];
     const std::string step = "step " + std::to_string(step_number);
-    if (!std::isfinite(v[static_cast<std::size_t>(i)]))
-        throw NonFinite(step + ": the loss over replica " + std::to_string(rank) + "'s samples is " +
-                        std::to_string(v[static_cast<std::size_t>(i)]) +
+    if (!std::isfinite(v[i]))
+        throw NonFinite(step + ": the loss over replica " + std::to_string(rank) + "'s samples is " + std::to_string(v[i]) +
                         "; no replica applied the step. Lower the learning rate, or look for NaN or infinity in the input");
-    for (std::size_t k = 0; k < rep.param_names.size(); ++k)
+    for (std::size_t k = 0; k < i; ++k)
         if (!std::isfinite(v[k]))
             throw NonFinite(step + ": the all-reduced gradient of '" + rep.param_names[k] +
                             "' holds NaN or infinity; no replica applied the step. Lower the learning rate (or clip: "
                             "DataParallelOptions::clip_grad_norm), or look for NaN or infinity in the input");
+}
+
+// The finite check of an eager step: one read of the per-parameter squared norms and the step's
+// totals (the gradients are the same on every replica), which also returns the totals: the step
+// reads nothing else from the device.
+template <class Module>
+void check_finite(Replica<Module>& rep, int rank, std::int64_t step_number, double& loss_sum, double& correct) {
+    using K = kernels::Ops<typename Module::backend>;
+    stage_finite_check(rep);
+    judge_finite(rep, K::to_vector(rep.ctx.exec, rep.finite_check), rank, step_number, loss_sum, correct);
+}
+
+// The first `n` scalars a captured step's graph (a) left in the replica's pinned memory, once its
+// stream has done its work (a polled wait against the deadline).
+template <class Module>
+std::vector<double> captured_scalars(Replica<Module>& rep, std::size_t n) {
+    using K = kernels::Ops<typename Module::backend>;
+    if constexpr (K::graphs)
+        return K::read_step_scalars(rep.ctx.exec, n);
+    else
+        return {};  // no step is captured on a backend without graphs
 }
 
 //! A step's or a micro-batch's state, owned by the call and by its job (Note [jobs own their state]).
@@ -377,6 +408,7 @@ bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& 
         const auto& shard = call.shards[ur];
         const Device device = core.devices[ur];
         const auto& loss = call.loss.get();
+        K::reserve_step_scalars(ex, rep.param_names.size() + 2);  // before the key, which holds their address
         const auto key = forward_key(rep, call, shard, x, targets);
         const bool kept = g.forward.contains(key);
         // A forward() may have left tensors in the layers that a capture would free; a key's
@@ -443,6 +475,14 @@ bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& 
             }
             K::add(ex, rep.totals, lo.totals);
             rep.finish_buckets();
+            // The step's scalars into pinned memory, read after the launch without a launch of
+            // their own: with check_finite the finite check's values, else the totals.
+            if (core.options.check_finite) {
+                stage_finite_check(rep);
+                K::stage_step_scalars(ex, rep.finite_check);
+            } else {
+                K::stage_step_scalars(ex, rep.totals);
+            }
         };
         if (decision == 1) {  // every replica captures, this one too if it kept a graph
             if (kept) g.forward.erase(key);
@@ -538,7 +578,13 @@ template <class Module, class Loss>
 void reduce_and_commit(Replica<Module>& rep, const DataParallelOptions& options, int r, StepCall<Loss>& call, bool captured) {
     const auto ur = static_cast<std::size_t>(r);
     if (!captured) rep.finish_buckets();  // a captured step's graph joins its buckets itself
-    if (options.check_finite) check_finite(rep, r, call.step_number, call.sums[ur], call.corrects[ur]);
+    if (options.check_finite) {
+        if (captured)  // its graph (a) left the values in pinned memory
+            judge_finite(rep, captured_scalars(rep, rep.param_names.size() + 2), r, call.step_number, call.sums[ur],
+                         call.corrects[ur]);
+        else
+            check_finite(rep, r, call.step_number, call.sums[ur], call.corrects[ur]);
+    }
     if (options.clip_grad_norm && !options.graphs) clip(rep, *options.clip_grad_norm);
     // No replica updates its parameters unless every replica got here; a failure anywhere before
     // aborts this barrier on all.
@@ -549,7 +595,7 @@ void reduce_and_commit(Replica<Module>& rep, const DataParallelOptions& options,
 //! threw fails the step everywhere), then the step's scalars.
 template <class Module, class Loss, class Optimizer>
 void apply_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallelOptions& options, int r, StepCall<Loss>& call,
-                  const std::optional<std::vector<std::int64_t>>& update_key_now) {
+                  const std::optional<std::vector<std::int64_t>>& update_key_now, bool captured) {
     using K = kernels::Ops<typename Module::backend>;
     const auto ur = static_cast<std::size_t>(r);
     call.committed.fetch_add(1, std::memory_order_relaxed);
@@ -569,7 +615,7 @@ void apply_update(Replica<Module>& rep, Optimizer& optimizer, const DataParallel
     // commit]).
     if (options.check_finite) return;
     try {
-        const auto t = K::to_vector(rep.ctx.exec, rep.totals);
+        const auto t = captured ? captured_scalars(rep, 2) : K::to_vector(rep.ctx.exec, rep.totals);
         call.sums[ur] = t[0];
         call.corrects[ur] = t[1];
     } catch (...) {
@@ -604,11 +650,12 @@ void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Te
     begin_part(rep, call, !may_capture);
     rep.begin_buckets(core.options.overlap);          // Note [gradient buckets]: all-reduced as backward finishes them
     std::optional<std::vector<std::int64_t>> update;  // graph (b)'s key (Note [captured steps])
+    bool captured = false;
     try {
         // (b) is captured before (a)'s vote: a capture that fails on one replica must fail before
         // any replica launches (a) (Note [captured steps]).
         if (core.options.graphs) update = prepare_update(rep, optimizer, core.options, r);
-        const bool captured = may_capture && forward_backward_graphed(core, r, call, x, targets);
+        captured = may_capture && forward_backward_graphed(core, r, call, x, targets);
         if (!captured) {
             if (may_capture) rep.clear_step();
             forward_backward(core, r, call, x, targets);
@@ -623,7 +670,7 @@ void train_part(Core<Module, Group>& core, int r, StepCall<Loss>& call, const Te
         abandon_part(rep, r);
         throw;
     }
-    apply_update(rep, optimizer, core.options, r, call, update);
+    apply_update(rep, optimizer, core.options, r, call, update, captured);
 }
 
 //! Replica `r`'s part of an accumulated micro-batch (Note [gradient accumulation]).
