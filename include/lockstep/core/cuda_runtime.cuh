@@ -565,15 +565,13 @@ public:
         for (double* b : blocks_) (void)cudaFreeHost(b);
     }
     //! Room for at least `n` values; a new block (at least twice the last) when the last is smaller.
-    double* reserve(std::size_t n) {
-        if (n > capacity_) {
-            const std::size_t want = std::max({n, 2 * capacity_, std::size_t{64}});
-            void* block = nullptr;
-            LOCKSTEP_CUDA_CHECK(cudaHostAlloc(&block, want * sizeof(double), cudaHostAllocPortable));
-            blocks_.push_back(static_cast<double*>(block));
-            capacity_ = want;
-        }
-        return blocks_.back();
+    void reserve(std::size_t n) {
+        if (n <= capacity_) return;
+        const std::size_t want = std::max({n, 2 * capacity_, std::size_t{64}});
+        void* block = nullptr;
+        LOCKSTEP_CUDA_CHECK(cudaHostAlloc(&block, want * sizeof(double), cudaHostAllocPortable));
+        blocks_.push_back(static_cast<double*>(block));
+        capacity_ = want;
     }
     //! The block graphs copy into now (null before the first reserve).
     double* data() const noexcept { return blocks_.empty() ? nullptr : blocks_.back(); }

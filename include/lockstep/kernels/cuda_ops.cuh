@@ -182,7 +182,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     //! key is made, which holds their address (add_graph_key).
     static void reserve_step_scalars(const Ex& ex, std::size_t n) {
         LOCKSTEP_CHECK(ex.scalars != nullptr, "an execution made by hand has no pinned step scalars");
-        (void)ex.scalars->reserve(n);
+        ex.scalars->reserve(n);
     }
     //! Enqueues the copy of `t` into the replica's pinned step scalars (reserved for it): in a
     //! captured step, the end of its graph (a).
@@ -195,8 +195,8 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     //! The first `n` staged step scalars, once the replica's stream has done its work so far (a
     //! polled wait against the replica's deadline, as `wait`).
     static std::vector<double> read_step_scalars(const Ex& ex, std::size_t n) {
-        LOCKSTEP_CHECK(ex.scalars != nullptr && n <= ex.scalars->capacity(), "reading ", n,
-                       " step scalars from a block of ", ex.scalars != nullptr ? ex.scalars->capacity() : 0);
+        LOCKSTEP_CHECK(ex.scalars != nullptr && n <= ex.scalars->capacity(), "reading ", n, " step scalars from a block of ",
+                       ex.scalars != nullptr ? ex.scalars->capacity() : 0);
         wait(ex, "reading a step's results from the device");
         const double* p = ex.scalars->data();
         return std::vector<double>(p, p + n);

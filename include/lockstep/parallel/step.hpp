@@ -90,9 +90,9 @@ namespace lockstep::parallel::detail {
 // - A graph holds what it was captured with, and its key says what that is: for (a) the global
 //   batch (the loss's 1/N), the shard's and the targets' shapes, the loss's type (and its
 //   graph_key() where it has state: a loss with state and none is refused), the module's
-//   nn::structure_signature, the replica's device, workspace and pinned step scalars; for (b) the clipping norm, the
-//   optimizer's graph_key (its hyper-parameters and where its state lies: a new learning rate is
-//   a new key), the module's signature and the device. A key's first step runs eagerly (it grows the
+//   nn::structure_signature, the replica's device, workspace and pinned step scalars; for (b)
+//   the clipping norm, the optimizer's graph_key (its hyper-parameters and where its state lies:
+//   a new learning rate is a new key), the module's signature and the device. A key's first step runs eagerly (it grows the
 //   workspaces, lets cuDNN choose, makes the optimizer's state: allocations a capture may not
 //   make) and leaves the key as it then reads ready; the next step captures; later ones launch.
 //   Each replica keeps at most graph_capacity graphs of each kind, the least recently launched
