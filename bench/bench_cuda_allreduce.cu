@@ -6,6 +6,10 @@
 //! `rendezvous_overhead`, group time over bare time (goal <= 1.2 at the 2C + 1 payload). Replicas:
 //! every GPU where there are at least 2 (NCCL), else 2 on cuda:0 (the device-local group). Each
 //! measurement is 100 collectives per replica, then one wait for the replica's stream.
+//! The device-local group also runs its device calls alone (`calls`: one thread makes every
+//! replica's calls of a collective in the group's order, with no host rendezvous), so that its
+//! overhead splits into the stream events between the replicas (calls over bare) and the host
+//! rendezvous (group over calls).
 #include <benchmark/benchmark.h>
 
 #include <lockstep/cuda.cuh>
@@ -35,12 +39,19 @@ struct World {
     std::vector<std::unique_ptr<kernels::Ops<Cuda>::ReplicaResources>> res;
     std::vector<Execution<Cuda>> ex;
     std::unique_ptr<ReplicaPool> pool;
+    std::vector<Api::Event> ready;  // the `calls` path: each replica's buffer is final
+    Api::Event done{};              // the `calls` path: the sum is written
 };
 std::unique_ptr<World> world;
 std::map<std::string, double> seconds_per_op;  // "group/129", "bare/129", ...
 
+// How a measurement makes its collectives: the bare device call, the device-local group's device
+// calls without the rendezvous, or through the group.
+enum class Path { bare, calls, group };
+const char* path_key(Path p) { return p == Path::bare ? "bare/" : p == Path::calls ? "calls/" : "group/"; }
+
 template <class T>
-void run_case(benchmark::State& state, bool through_group) {
+void run_case(benchmark::State& state, Path path) {
     const auto count = static_cast<std::int64_t>(state.range(0));
     World& w = *world;
     const int n = static_cast<int>(w.devices.size());
@@ -50,11 +61,24 @@ void run_case(benchmark::State& state, bool through_group) {
     const auto dtype = comm::dtype_of<T>();
     const auto job = [&](int r) {
         const auto ur = static_cast<std::size_t>(r);
+        // The calls path: replica 0's thread makes every replica's calls, as the group orders
+        // them, and waits for every stream; the other threads have nothing to do.
+        if (path == Path::calls && r != 0) return;
         auto& buf = *bufs[ur];
         for (int i = 0; i < batch; ++i) {
-            if (through_group) {
+            if (path == Path::group) {
                 w.group->communicator(r).all_reduce_sum(DeviceSpan(buf),
                                                         comm::CollectiveSite::user(static_cast<std::uint64_t>(i)));
+            } else if (path == Path::calls) {
+                std::vector<void*> all;
+                for (auto& b : bufs) all.push_back(b->data());
+                for (int k = 1; k < n; ++k) {
+                    Api::record(w.ready[static_cast<std::size_t>(k)], w.ex[static_cast<std::size_t>(k)].stream);
+                    Api::wait(w.ex[0].stream, w.ready[static_cast<std::size_t>(k)]);
+                }
+                Api::rank_sum(w.devices[0].index, w.ex[0].stream, all, static_cast<std::size_t>(count), dtype);
+                Api::record(w.done, w.ex[0].stream);
+                for (int k = 1; k < n; ++k) Api::wait(w.ex[static_cast<std::size_t>(k)].stream, w.done);
             } else if (!local) {
                 static const std::atomic<bool> never{false};
                 Api::all_reduce(w.bare_comms[ur], buf.data(), static_cast<std::size_t>(count), dtype, w.ex[ur].stream,
@@ -65,7 +89,9 @@ void run_case(benchmark::State& state, bool through_group) {
                 Api::rank_sum(w.devices[0].index, w.ex[0].stream, all, static_cast<std::size_t>(count), dtype);
             }
         }
-        kernels::Ops<Cuda>::wait(w.ex[ur], "the benchmark's collectives");
+        const int last = path == Path::calls ? n : r + 1;
+        for (int k = path == Path::calls ? 0 : r; k < last; ++k)
+            kernels::Ops<Cuda>::wait(w.ex[static_cast<std::size_t>(k)], "the benchmark's collectives");
     };
     w.pool->run(job);  // warm-up
     double total = 0;
@@ -81,27 +107,33 @@ void run_case(benchmark::State& state, bool through_group) {
     state.counters["us_per_op"] = per_op * 1e6;
     state.counters["busbw_GBps"] = 2.0 * (n - 1) / n * bytes / per_op / 1e9;
     const std::string key = std::to_string(count);
-    seconds_per_op[(through_group ? "group/" : "bare/") + key] = per_op;
-    if (through_group && seconds_per_op.count("bare/" + key) != 0)
-        state.counters["rendezvous_overhead"] = per_op / seconds_per_op["bare/" + key];
+    seconds_per_op[path_key(path) + key] = per_op;
+    if (path != Path::bare && seconds_per_op.count("bare/" + key) != 0)
+        state.counters[path == Path::group ? "rendezvous_overhead" : "vs_bare"] = per_op / seconds_per_op["bare/" + key];
+    if (path == Path::group && seconds_per_op.count("calls/" + key) != 0)
+        state.counters["vs_calls"] = per_op / seconds_per_op["calls/" + key];
     w.pool->run([&](int r) { bufs[static_cast<std::size_t>(r)].reset(); });
 }
 
-void BM_Bare(benchmark::State& state) {
+template <Path P>
+void BM_Path(benchmark::State& state) {
     if (state.range(0) == 129)
-        run_case<double>(state, false);
+        run_case<double>(state, P);
     else
-        run_case<float>(state, false);
-}
-void BM_Group(benchmark::State& state) {
-    if (state.range(0) == 129)
-        run_case<double>(state, true);
-    else
-        run_case<float>(state, true);
+        run_case<float>(state, P);
 }
 // 129 doubles: SyncBatchNorm's 2C + 1 at C = 64; 6553600 floats: 25 MiB, a gradient bucket.
-BENCHMARK(BM_Bare)->ArgName("count")->Arg(129)->Arg(6553600)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Group)->ArgName("count")->Arg(129)->Arg(6553600)->UseManualTime()->Unit(benchmark::kMicrosecond);
+// Registered in this order (bare, calls where the group is device-local, group): each ratio
+// needs its baseline measured first.
+void register_paths(bool local) {
+    const auto add = [](const char* bm, void (*fn)(benchmark::State&)) {
+        benchmark::RegisterBenchmark(bm, fn)->ArgName("count")->Arg(129)->Arg(6553600)->UseManualTime()->Unit(
+            benchmark::kMicrosecond);
+    };
+    add("BM_Bare", BM_Path<Path::bare>);
+    if (local) add("BM_Calls", BM_Path<Path::calls>);
+    add("BM_Group", BM_Path<Path::group>);
+}
 
 }  // namespace
 
@@ -136,6 +168,13 @@ int main(int argc, char** argv) {
             w.ex[ur] = w.res[ur]->execution();
             w.group->bind(r, w.ex[ur]);
         });
+        const bool local = w.group->mode() == comm::StreamGroupMode::local;
+        if (local) {
+            w.ready.push_back(nullptr);  // replica 0's buffer needs no event: its stream runs the sum
+            for (int r = 1; r < n; ++r) w.ready.push_back(Api::make_event(w.devices[0].index));
+            w.done = Api::make_event(w.devices[0].index);
+        }
+        register_paths(local);
         benchmark::AddCustomContext("replicas", std::to_string(n) + " (" + comm::to_string(w.group->mode()) + " group)");
     } catch (const std::exception& e) {
         std::fprintf(stderr, "bench_cuda_allreduce: %s\n", e.what());
@@ -148,7 +187,17 @@ int main(int argc, char** argv) {
             std::printf("rendezvous_overhead at %s elements: %.3f%s\n", key,
                         seconds_per_op[std::string("group/") + key] / seconds_per_op[std::string("bare/") + key],
                         std::string(key) == "129" ? " (goal <= 1.2)" : "");
+    // The device-local group's overhead split: its stream events, and the host rendezvous.
+    for (const char* key : {"129", "6553600"})
+        if (seconds_per_op.count(std::string("calls/") + key) != 0 && seconds_per_op.count(std::string("group/") + key) != 0 &&
+            seconds_per_op.count(std::string("bare/") + key) != 0)
+            std::printf(
+                "device-local split at %s elements: device calls alone vs bare %.3f, through the group vs calls alone %.3f\n",
+                key, seconds_per_op[std::string("calls/") + key] / seconds_per_op[std::string("bare/") + key],
+                seconds_per_op[std::string("group/") + key] / seconds_per_op[std::string("calls/") + key]);
     for (auto& c : world->bare_comms) Api::destroy(c);
+    for (auto& e : world->ready) Api::destroy_event(world->devices[0].index, e);
+    Api::destroy_event(world->devices[0].index, world->done);
     world->pool.reset();
     world.reset();
     return 0;

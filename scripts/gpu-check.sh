@@ -519,8 +519,11 @@ step_syncbn() {
 step_allreduce() {
   capped 45 "$logs/bench_cuda_allreduce.log" "$bench/bench_cuda_allreduce" --benchmark_min_time=0.5
   local line
+  local split
   line=$(grep -m1 'rendezvous_overhead at 129' "$logs/bench_cuda_allreduce.log")
-  if [[ -n $line ]]; then row rendezvous_overhead measured "$line"
+  # One GPU: the device-local group; its overhead split into stream events and host rendezvous.
+  split=$(grep -m1 'device-local split at 129' "$logs/bench_cuda_allreduce.log")
+  if [[ -n $line ]]; then row rendezvous_overhead measured "$line${split:+; $split}"
   elif ((rc == 124 || rc == 137)) && ((cut)); then row rendezvous_overhead "not run (budget)" "stopped after $lim s"
   else row rendezvous_overhead FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_allreduce.log")"; fi
 }
