@@ -145,6 +145,55 @@ TEST_CASE("AbortableBarrier synchronises repeatedly", "[runtime]") {
     CHECK(violations == 0);
 }
 
+// Note [barrier crossing]: a party that spun in vain parks; the last arriver must wake it. The last
+// rank comes late at every phase (longer than the spin), so the others park every time: a lost
+// wake-up would hold them until their 5 s timeout, past the 4 s the case allows (80 phases take
+// about 200 ms). The written values check that each phase's writes are seen.
+TEST_CASE("AbortableBarrier wakes parties that parked, phase after phase", "[runtime]") {
+    const int n = GENERATE(2, 3);
+    AbortableBarrier barrier(n, 5s);
+    ReplicaPool pool(n);
+    std::vector<int> value(static_cast<std::size_t>(n), -1);
+    std::atomic<int> stale{0};
+    const auto t0 = clock_type::now();
+    pool.run([&](int r) {
+        for (int k = 0; k < 40; ++k) {
+            if (r == n - 1) std::this_thread::sleep_for(2ms);
+            value[static_cast<std::size_t>(r)] = k;
+            barrier.arrive_and_wait(r);
+            for (int q = 0; q < n; ++q)
+                if (value[static_cast<std::size_t>(q)] != k) ++stale;
+            barrier.arrive_and_wait(r);
+        }
+    });
+    CHECK(stale == 0);
+    CHECK(clock_type::now() - t0 < 4s);
+}
+
+// A party arriving twice in one phase is a broken program: the barrier is aborted, naming it,
+// and the party that waited is woken with the same error.
+TEST_CASE("AbortableBarrier refuses a party that arrives twice in one phase", "[runtime]") {
+    AbortableBarrier barrier(2, 10s);
+    std::string waiter_error;
+    std::thread waiter([&] {
+        try {
+            barrier.arrive_and_wait(1);
+        } catch (const Error& e) {  // CollectiveAborted expected; anything else fails the checks below
+            waiter_error = e.what();
+        }
+    });
+    // Rank 1 again, from here (before or after the thread's arrival: either way the second one
+    // is refused and the first is woken), must not complete the phase.
+    std::this_thread::sleep_for(20ms);
+    CHECK_THROWS_WITH(barrier.arrive_and_wait(1), Catch::Contains("rank 1 arrived twice at the same barrier phase"));
+    waiter.join();
+    CHECK(barrier.aborted());
+    CHECK_THAT(waiter_error, Catch::Contains("rank 1 arrived twice"));
+    barrier.reset();
+    ReplicaPool pool(2);
+    pool.run([&](int r) { barrier.arrive_and_wait(r); });  // usable again
+}
+
 TEST_CASE("AbortableBarrier timeout names the ranks that never arrived", "[runtime]") {
     AbortableBarrier barrier(4, 100ms);
     ReplicaPool pool(4);
