@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lockstep/lockstep.hpp"
+#include "lockstep/core/cuda_graph.cuh"
 #include "lockstep/core/cuda_runtime.cuh"
 #include "lockstep/kernels/cuda_ops.cuh"
 #include "lockstep/comm/cuda_group.cuh"

@@ -136,6 +136,14 @@ struct GraphBlock {
 };
 //! Makes device block `p` a graph's.
 GraphBlock own_by_graph(void* p);
+//! A graph executable's allocations get memory (`bytes`) on `device` at its upload or first
+//! launch, from the graph pool's cache, else from what the device has free:
+//! cudaErrorMemoryAllocation when it does not fit (or an injection says so). Not recorded as the
+//! thread's last error: the caller returns it.
+cudaError_t map_graph_memory(int device, std::size_t bytes);
+//! An executable that had its memory is destroyed: the graph pool keeps the bytes until
+//! cudaDeviceGraphMemTrim.
+void unmap_graph_memory(int device, std::size_t bytes);
 //! The block is no longer usable (its graph's last handle is gone); a host call.
 void retire_graph_block(const GraphBlock& b);
 //! Gives a retired block back to the system allocator; lock-free (the last replay's op may do it).
@@ -179,12 +187,18 @@ cudaError_t capture_unsafe_call();
 //! it, a copy with pageable memory): cudaErrorStreamCaptureUnsupported, and the capture is
 //! invalidated; success when `s` does not capture.
 cudaError_t capture_refuse(const std::shared_ptr<Stream>& s);
+//! A context-wide synchronization of `device` (cudaDeviceSynchronize) while any stream of it
+//! captures: cudaErrorStreamCaptureUnsupported, and those captures are invalidated; else success.
+cudaError_t capture_refuse_device(int device);
 //! The mark of an event recorded on capturing stream `s`.
 std::shared_ptr<CaptureMark> capture_mark(const std::shared_ptr<Stream>& s);
 //! `s` waits for an event recorded in a capture: joins that capture, or adds the dependency.
 cudaError_t capture_wait(const std::shared_ptr<Stream>& s, const CaptureMark& mark);
 //! Capturing `s` waits for an event recorded outside any capture: cudaErrorStreamCaptureIsolation.
 cudaError_t capture_isolation(const std::shared_ptr<Stream>& s);
+//! Capturing `s` recorded work that keeps `hold` alive (a collective's communicator, nccl.cpp)
+//! until the graph's last handle is destroyed (the graph and its executables).
+void capture_hold(const std::shared_ptr<Stream>& s, std::shared_ptr<void> hold);
 //! cudaMallocAsync on capturing `s` made block `p`: the capture's graph owns it.
 void capture_allocation(const std::shared_ptr<Stream>& s, void* p);
 //! cudaFreeAsync of `p` on capturing `s`: success for a block the capture allocated (freed in

@@ -46,8 +46,10 @@ struct GraphData {
     int lanes = 0;
     std::vector<Node> nodes;
     std::vector<GraphBlock> blocks;  // cudaMallocAsync in the capture
+    std::size_t memory_bytes = 0;    // what they need once mapped (each rounded as a device block)
     std::set<void*> unfreed;         // of those, not freed in it
     std::vector<std::pair<std::shared_ptr<UserObject>, unsigned>> objects;
+    std::vector<std::shared_ptr<void>> holds;  // released with the last handle (capture_hold)
     int handles = 0;  // the graph and its executables (under Graphs::m)
     int execs = 0;    // its executables: one at most where it allocates (under Graphs::m)
     ~GraphData() {
@@ -63,6 +65,7 @@ struct GraphHandle {
 
 struct ExecHandle {
     std::shared_ptr<GraphData> data;                                         // null once destroyed
+    bool mapped = false;  // its allocations have memory (uploaded or launched; under Graphs::m)
     std::vector<std::shared_ptr<Stream>> lanes;                              // one internal stream per lane
     std::shared_ptr<std::mutex> replaying = std::make_shared<std::mutex>();  // one launch enqueues at a time
     // Under `replaying`: each lane's last op of the previous launch, which the next launch follows
@@ -137,8 +140,10 @@ std::vector<int> tail_of(const LaneState& l) {
 
 //! A graph's last handle is gone: its blocks are no longer usable (released with its data).
 void drop_handle(GraphData& d) {
-    if (--d.handles == 0)
+    if (--d.handles == 0) {
         for (const GraphBlock& b : d.blocks) retire_graph_block(b);
+        d.holds.clear();  // a launch still queued keeps the data, not the holds: NCCL waits for the handles
+    }
 }
 
 //! Ends capture `c` on every stream it holds (under Graphs::m).
@@ -259,6 +264,19 @@ cudaError_t capture_refuse(const std::shared_ptr<Stream>& s) {
     return fail(cudaErrorStreamCaptureUnsupported);
 }
 
+cudaError_t capture_refuse_device(int device) {
+    Graphs& g = graphs();
+    if (g.active_count.load() == 0) return cudaSuccess;
+    std::lock_guard lock(g.m);
+    bool refused = false;
+    for (const auto& c : g.active)
+        if (c->data->device == device) {
+            c->invalidated = true;
+            refused = true;
+        }
+    return refused ? fail(cudaErrorStreamCaptureUnsupported) : cudaSuccess;
+}
+
 std::shared_ptr<CaptureMark> capture_mark(const std::shared_ptr<Stream>& s) {
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
@@ -319,12 +337,19 @@ Node poison_node(const GraphBlock& b) {
     return n;
 }
 
+void capture_hold(const std::shared_ptr<Stream>& s, std::shared_ptr<void> hold) {
+    Graphs& g = graphs();
+    std::lock_guard lock(g.m);
+    if (s->capture != nullptr) s->capture->data->holds.push_back(std::move(hold));
+}
+
 void capture_allocation(const std::shared_ptr<Stream>& s, void* p) {
     Graphs& g = graphs();
     std::lock_guard lock(g.m);
     if (s->capture == nullptr || p == nullptr) return;
     const GraphBlock b = own_by_graph(p);
     s->capture->data->blocks.push_back(b);
+    s->capture->data->memory_bytes += (std::max<std::size_t>(b.size, 1) + 255) / 256 * 256;
     s->capture->data->unfreed.insert(p);
     if (!s->capture->invalidated) append(*s->capture, *s, poison_node(b));
 }
@@ -365,6 +390,16 @@ void reset_captures() {
     }
     thread_mode = cudaStreamCaptureModeGlobal;
 }
+
+namespace {
+//! Gives executable `e` its allocations' memory unless it has it (under Graphs::m).
+cudaError_t map_once(ExecHandle& e) {
+    if (e.mapped || e.data->memory_bytes == 0) return cudaSuccess;
+    if (const cudaError_t r = map_graph_memory(e.data->device, e.data->memory_bytes); r != cudaSuccess) return fail(r);
+    e.mapped = true;
+    return cudaSuccess;
+}
+}  // namespace
 
 }  // namespace lockstep::host_cuda::detail
 
@@ -501,26 +536,46 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* pGraphExec, cudaGraph_t graph,
     return cudaSuccess;
 }
 
-cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
-    std::shared_ptr<GraphData> data;
-    std::vector<std::shared_ptr<Stream>> lanes;
-    std::shared_ptr<std::mutex> replaying;
-    std::shared_ptr<std::vector<std::uint64_t>> tails;
+cudaError_t cudaGraphUpload(cudaGraphExec_t graphExec, cudaStream_t stream) {
+    std::shared_ptr<Stream> s;
+    if (const cudaError_t e = stream_for_work(stream, s); e != cudaSuccess) return e;
+    if (s->capturing.load()) return capture_refuse(s);
     {
         Graphs& g = graphs();
         std::lock_guard lock(g.m);
         auto it = g.execs.find(graphExec);
         if (it == g.execs.end() || it->second->data == nullptr) return fail(cudaErrorInvalidResourceHandle);
+        if (s->device != it->second->data->device) return fail(cudaErrorInvalidValue);
+        if (const cudaError_t e = map_once(*it->second); e != cudaSuccess) return e;
+    }
+    Op op;  // the upload is stream-ordered: the stream's later work follows it
+    op.body = [] {};
+    enqueue(s, std::move(op));
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
+    std::shared_ptr<GraphData> data;
+    std::vector<std::shared_ptr<Stream>> lanes;
+    std::shared_ptr<std::mutex> replaying;
+    std::shared_ptr<std::vector<std::uint64_t>> tails;
+    std::shared_ptr<Stream> s;
+    if (const cudaError_t e = stream_for_work(stream, s); e != cudaSuccess) return e;
+    // A graph launched into a capture would become a child graph: the double does not model those.
+    if (s->capturing.load()) return capture_refuse(s);
+    {
+        Graphs& g = graphs();
+        std::lock_guard lock(g.m);
+        auto it = g.execs.find(graphExec);
+        if (it == g.execs.end() || it->second->data == nullptr) return fail(cudaErrorInvalidResourceHandle);
+        if (s->device != it->second->data->device) return fail(cudaErrorInvalidValue);
+        // Not uploaded: its allocations get their memory now, or the launch fails.
+        if (const cudaError_t e = map_once(*it->second); e != cudaSuccess) return e;
         data = it->second->data;
         lanes = it->second->lanes;
         replaying = it->second->replaying;
         tails = it->second->tails;
     }
-    std::shared_ptr<Stream> s;
-    if (const cudaError_t e = stream_for_work(stream, s); e != cudaSuccess) return e;
-    if (s->device != data->device) return fail(cudaErrorInvalidValue);
-    // A graph launched into a capture would become a child graph: the double does not model those.
-    if (s->capturing.load()) return capture_refuse(s);
     std::lock_guard order(*replaying);
     // Each kernel counts for the injections at each replay, as an eager launch; an injected
     // launch failure fails the whole launch before anything is enqueued.
@@ -584,6 +639,7 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t graphExec) {
     if (it == g.execs.end() || it->second->data == nullptr) return fail(cudaErrorInvalidValue);
     // Replays still queued finish (their ops hold the graph's data); the lanes then exit.
     for (const auto& l : it->second->lanes) close_stream(l);
+    if (it->second->mapped) unmap_graph_memory(it->second->data->device, it->second->data->memory_bytes);
     drop_handle(*it->second->data);
     --it->second->data->execs;
     dropped = std::move(it->second->data);

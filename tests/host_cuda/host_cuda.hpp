@@ -24,6 +24,21 @@ bool set_memory_capacity(int device, std::size_t bytes);
 //! cudaErrorMemoryAllocation (not sticky). k <= 0 cancels.
 void fail_allocation(int k);
 
+// Memory pools (Note [memory pools on the host CUDA device], runtime.cpp). The default pool keeps
+// the bytes of stream-ordered frees, up to its release threshold, counted against the capacity
+// and reused by cudaMallocAsync alone, until cudaMemPoolTrimTo. Allocations made in a capture
+// take no memory until their graph's executable is uploaded (cudaGraphUpload) or first launched,
+// which then fails with cudaErrorMemoryAllocation where they do not fit; the graph pool keeps the
+// bytes of destroyed executables until cudaDeviceGraphMemTrim.
+
+//! The k-th mapping of a graph executable's memory from now (at its upload or first launch),
+//! on `device` (every device for -1), fails with cudaErrorMemoryAllocation. k <= 0 cancels.
+void fail_graph_memory(int k, int device = -1);
+//! Bytes the default pool of `device` keeps after stream-ordered frees.
+std::size_t pool_cached_bytes(int device);
+//! Bytes graphs hold on `device`: their executables' mapped memory and the graph pool's cache.
+std::size_t graph_memory_bytes(int device);
+
 // Launch injections count every cudaLaunchHostFunc, or with `kernel` only the launches named
 // so by lockstep_host_cuda_name_next_launch, and with `device` >= 0 only the launches on that
 // device. k <= 0 cancels.

@@ -76,6 +76,9 @@ struct Comm {
     std::atomic<ncclResult_t> error{ncclInProgress};
     std::atomic<bool> aborted{false};
     std::atomic<bool> destroyed{false};  // ncclCommDestroy: a graph that still holds it must not run it
+    // Live graphs that captured one of its collectives (a hold each, released when the graph's last
+    // handle goes): abort, destroy and finalize wait for them, as NCCL 2.26 and newer do.
+    std::atomic<int> graph_holds{0};
     std::mutex m;                        // the fields below
     std::uint64_t next_seq = 0;
     bool finalizing = false;
@@ -343,6 +346,7 @@ struct Waiting {
     ncclDataType_t type = ncclFloat32;
     bool started = false;  // holds its device (else it waits for it)
     clock_type::time_point since;
+    std::string call;  // a host call blocked on graphs (ncclCommAbort, ...): what it waits for; empty for a collective
 };
 
 std::mutex waits_m;
@@ -369,6 +373,11 @@ std::vector<std::string> describe_waits() {
     std::vector<std::string> out;
     for (const Waiting& w : now) {
         const double s = std::chrono::duration<double>(clock_type::now() - w.since).count();
+        if (!w.call.empty()) {
+            out.push_back("rank " + std::to_string(w.rank) + " (device " + std::to_string(w.device) + ") has waited " +
+                          std::to_string(static_cast<int>(s * 1000)) + " ms in " + w.call);
+            continue;
+        }
         std::string line = "rank " + std::to_string(w.rank) + " (device " + std::to_string(w.device) + ") has waited " +
                            std::to_string(static_cast<int>(s * 1000)) + " ms in " + w.name + " (" + std::to_string(w.count) +
                            " x " + type_name(w.type) + ") #" + std::to_string(w.seq) + " of communicator " +
@@ -389,7 +398,7 @@ std::vector<std::string> describe_waits() {
 }
 
 [[noreturn]] void watchdog_fires() {
-    std::fprintf(stderr, "host NCCL watchdog: a collective waited longer than %lld s:\n",
+    std::fprintf(stderr, "host NCCL watchdog: a collective or an NCCL call waited longer than %lld s:\n",
                  static_cast<long long>(watchdog_limit().count()));
     for (const auto& line : describe_waits()) std::fprintf(stderr, "  %s\n", line.c_str());
     std::fflush(stderr);
@@ -403,6 +412,15 @@ class WaitRecord {
 public:
     static constexpr auto publish_after = std::chrono::milliseconds(100);
 
+    //! A host call (`call`: what it is and what it waits for) blocked in communicator `comm`.
+    WaitRecord(const Comm& comm, std::string call) {
+        w_.clique = comm.clique;
+        w_.clique_id = comm.clique->id;
+        w_.rank = comm.rank;
+        w_.device = comm.device;
+        w_.call = std::move(call);
+        w_.since = clock_type::now();
+    }
     WaitRecord(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective& c) {
         w_.clique = comm->clique;
         w_.clique_id = comm->clique->id;
@@ -443,6 +461,38 @@ private:
     bool published_ = false;
     std::list<Waiting>::iterator it_;
 };
+
+// --- Graphs that hold a communicator ---------------------------------------------------------
+// A graph that captured a collective holds its communicator (NCCL 2.26 and newer): ncclCommAbort,
+// ncclCommDestroy and ncclCommFinalize of that communicator do not complete until every such
+// graph is destroyed, and ncclCommAbort blocks its caller meanwhile even for a non-blocking
+// communicator. A thread that aborts while it, or a thread waiting for it, still owns such a graph
+// never returns: the watchdog names the call.
+
+//! One captured collective's hold on its communicator, released with the graph's last handle.
+struct GraphHold {
+    explicit GraphHold(std::shared_ptr<Comm> c) : comm(std::move(c)) { comm->graph_holds.fetch_add(1); }
+    ~GraphHold() { comm->graph_holds.fetch_sub(1); }
+    GraphHold(const GraphHold&) = delete;
+    GraphHold& operator=(const GraphHold&) = delete;
+    std::shared_ptr<Comm> comm;
+};
+
+std::string holds_text(const Comm& c) {
+    return std::to_string(c.graph_holds.load()) + " collective(s) captured in CUDA graphs that are not destroyed";
+}
+
+//! Blocks the calling host thread until no live graph holds `comm`; the watchdog ends a process
+//! that waits past its limit, naming `call`.
+void wait_for_graphs(const Comm& comm, const char* call) {
+    if (comm.graph_holds.load() == 0) return;
+    WaitRecord record(comm, std::string(call) + " of communicator " + std::to_string(comm.clique->id) + ": it waits for " +
+                                holds_text(comm));
+    while (comm.graph_holds.load() > 0) {
+        record.tick();
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+}
 
 //! How a collective got past acquire_device.
 enum class Grant { untracked, held, aborted };
@@ -633,6 +683,7 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
     if (s->capturing.load()) {
         // A graph's collective takes its sequence number, and counts for the injections, at each
         // replay, as NCCL's captured kernels meet their peers' at each launch.
+        capture_hold(s, std::make_shared<GraphHold>(comm));
         capture_submit(s, [comm, c](const std::shared_ptr<Stream>& lane, std::vector<Dep> deps) {
             if (comm->aborted.load() || comm->destroyed.load()) {
                 // A GPU graph whose communicator is gone runs a kernel on freed NCCL state: a fault
@@ -673,6 +724,7 @@ void settle_finalize(Comm& comm) {
         std::lock_guard lock(comm.clique->m);
         if (comm.clique->finalized < comm.clique->nranks) return;
     }
+    if (comm.graph_holds.load() > 0) return;  // a live graph still holds it
     for (auto& [s, n] : ops)
         if (!reached(*s, n)) return;
     ncclResult_t expected = ncclInProgress;
@@ -692,6 +744,17 @@ ncclResult_t wait_ready(Comm& comm, bool finalizing) {
 }
 
 std::string id_key(const ncclUniqueId& id) { return std::string(id.internal, sizeof id.internal); }
+
+//! NCCL_LAUNCH_ORDER_IMPLICIT as NCCL reads it: once per process, when NCCL initializes, which is
+//! the first ncclGetUniqueId or communicator init (that starts its bootstrap thread, whose reads
+//! race a later setenv): the variable must be set before either.
+bool launch_order_rule() {
+    static const bool rule = [] {
+        const char* order = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+        return order != nullptr && std::strtol(order, nullptr, 10) != 0;
+    }();
+    return rule;
+}
 
 }  // namespace
 
@@ -751,6 +814,7 @@ ncclResult_t ncclGetVersion(int* version) {
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
     if (uniqueId == nullptr) return refuse(ncclInvalidArgument, "ncclGetUniqueId: null pointer");
+    (void)launch_order_rule();  // NCCL initializes here
     std::memset(uniqueId->internal, 0, sizeof uniqueId->internal);
     static std::random_device rd;
     Registry& reg = registry();
@@ -773,12 +837,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
     c->rank = rank;
     c->device = device;
     c->blocking = config == nullptr || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
-    // As NCCL, the launch-order rule is read once per process, when the first communicator is made.
-    static const bool launch_order = [] {
-        const char* order = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
-        return order != nullptr && std::strtol(order, nullptr, 10) != 0;
-    }();
-    c->ordered = launch_order;
+    c->ordered = launch_order_rule();
     Registry& reg = registry();
     {
         std::lock_guard lock(reg.m);
@@ -915,6 +974,8 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
         c->aborted.store(true);
     }
     c->clique->cv.notify_all();
+    // Then the call returns only once no graph holds the communicator, non-blocking or not.
+    wait_for_graphs(*c, "ncclCommAbort");
     return ncclSuccess;
 }
 
@@ -945,6 +1006,15 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (comm == nullptr) return ncclSuccess;
+    std::shared_ptr<Comm> c;
+    {
+        Registry& reg = registry();
+        std::lock_guard lock(reg.m);
+        auto it = reg.live.find(comm);
+        if (it == reg.live.end()) return refuse(ncclInvalidArgument, "ncclCommDestroy: not a live communicator");
+        c = it->second;
+    }
+    wait_for_graphs(*c, "ncclCommDestroy");  // as NCCL: a graph that captured it must be destroyed first
     Registry& reg = registry();
     std::lock_guard lock(reg.m);
     auto it = reg.live.find(comm);

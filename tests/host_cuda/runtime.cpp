@@ -33,6 +33,7 @@ struct Block {
     // order it after whatever host call last took that lock. Dead entries are purged lazily.
     std::shared_ptr<std::atomic<bool>> released;
     bool graph = false;  // made in a capture: its graph frees it (graphs.cpp)
+    bool pooled = false;  // cudaMallocAsync's: its free goes back to the default pool
 };
 
 struct Event {
@@ -55,6 +56,14 @@ struct Device {
     std::vector<std::shared_ptr<Stream>> streams;
     std::size_t capacity = default_capacity;
     std::atomic<std::size_t> used{0};  // relaxed: a stream-ordered free updates it from a worker
+    // Note [memory pools on the host CUDA device]: bytes the default pool keeps after
+    // stream-ordered frees (up to its release threshold), reused by cudaMallocAsync only; bytes
+    // graphs' allocations hold (mapped at upload or first launch, for each live executable);
+    // bytes the graph pool keeps after those executables are gone, until cudaDeviceGraphMemTrim.
+    // All count against the capacity.
+    std::atomic<std::size_t> pool_cached{0};
+    std::size_t graph_mapped = 0;  // under State::m
+    std::size_t graph_cached = 0;  // under State::m
     // Serializes enqueues that take part in legacy-stream ordering, so two of them never see each
     // other half done. Held only while enqueuing, never while an op runs.
     std::mutex order;
@@ -70,6 +79,7 @@ struct LaunchCounter {
 struct Injections {
     int fail_alloc = 0;
     LaunchCounter fail_launch, fault_launch, stall_launch;
+    LaunchCounter fail_graph_memory;  // counts graph memory mappings (kernel name unused)
 };
 
 //! Everything shared. Leaked on purpose: detached workers may still run during static destruction.
@@ -222,25 +232,38 @@ bool hit(LaunchCounter& c, const std::string& kernel, int device) {
 
 thread_local std::string next_launch_name;
 
-cudaError_t allocate_device(void** p, std::size_t size, int device) {
+//! Bytes of `dev` that nothing holds (Note [memory pools on the host CUDA device]; under State::m).
+std::size_t free_bytes(const Device& dev) {
+    const std::size_t held = dev.used.load() + dev.pool_cached.load() + dev.graph_mapped + dev.graph_cached;
+    return dev.capacity - std::min(dev.capacity, held);
+}
+
+//! How a device block is made: cudaMalloc (from the device), cudaMallocAsync (from the default
+//! pool, which reuses what it keeps), or in a capture (the graph's: no memory until mapped).
+enum class Source { device, pool, graph };
+
+cudaError_t allocate_device(void** p, std::size_t size, int device, Source source = Source::device) {
     if (p == nullptr) return fail(cudaErrorInvalidValue);
     *p = nullptr;
     State& st = state();
     const std::size_t bytes = round_up(size, device_alignment);
+    const std::size_t charged = source == Source::graph ? 0 : bytes;
     {
         std::lock_guard lock(st.m);
         if (hit(st.inject.fail_alloc)) return fail(cudaErrorMemoryAllocation);
         if (size == 0) return cudaSuccess;
         Device& dev = st.devices[device];
-        if (bytes > dev.capacity - std::min(dev.capacity, dev.used.load())) return fail(cudaErrorMemoryAllocation);
-        dev.used += bytes;
+        const std::size_t reused = source == Source::pool ? std::min(charged, dev.pool_cached.load()) : 0;
+        if (charged - reused > free_bytes(dev)) return fail(cudaErrorMemoryAllocation);
+        dev.pool_cached -= reused;
+        dev.used += charged;
     }
     // The requested size, not the rounded one: AddressSanitizer sees an access past the end.
     void* block = nullptr;
     if (posix_memalign(&block, device_alignment, std::max<std::size_t>(size, 1)) != 0) block = nullptr;
     if (block == nullptr) {
         std::lock_guard lock(st.m);
-        st.devices[device].used -= bytes;
+        st.devices[device].used -= charged;
         return fail(cudaErrorMemoryAllocation);
     }
     std::memset(block, 0xFF, size);  // NaN as float: reading memory never written shows
@@ -248,16 +271,29 @@ cudaError_t allocate_device(void** p, std::size_t size, int device) {
     std::erase_if(st.device_blocks, [](const auto& e) { return e.second.released->load(std::memory_order_relaxed); });
     // An entry still there is a block freed in stream order whose address came back.
     st.device_blocks[reinterpret_cast<std::uintptr_t>(block)] =
-        Block{size, bytes, device, false, std::make_shared<std::atomic<bool>>(false)};
+        Block{size, charged, device, false, std::make_shared<std::atomic<bool>>(false), false, source == Source::pool};
     *p = block;
     return cudaSuccess;
 }
 
-//! Gives a block back to the system allocator, so that AddressSanitizer reports any later use.
+std::atomic<std::uint64_t> pool_release_threshold[max_devices];  // the default pools' (0 until set)
+
+//! Gives a block back to the system allocator, so that AddressSanitizer reports any later use;
+//! the bytes of a pooled block stay the default pool's, up to its release threshold.
 //! The caller has removed it from the registry (cudaFree) or marked it freeing (cudaFreeAsync).
-void release_block(void* base, int device, std::size_t charged, std::atomic<bool>& released) {
+void release_block(void* base, int device, std::size_t charged, std::atomic<bool>& released, bool pooled = false) {
     released.store(true, std::memory_order_relaxed);  // before the address can come back
-    device_state(device).used.fetch_sub(charged, std::memory_order_relaxed);
+    Device& dev = device_state(device);
+    if (pooled) {
+        // Kept by the pool (counted before the block stops counting: never briefly free), then
+        // whatever exceeds the threshold goes back (CUDA does at the next synchronization).
+        const std::uint64_t keep = pool_release_threshold[device].load(std::memory_order_relaxed);
+        std::size_t cached = dev.pool_cached.fetch_add(charged, std::memory_order_relaxed) + charged;
+        while (cached > keep && !dev.pool_cached.compare_exchange_weak(cached, static_cast<std::size_t>(keep),
+                                                                        std::memory_order_relaxed)) {
+        }
+    }
+    dev.used.fetch_sub(charged, std::memory_order_relaxed);
     std::free(base);
 }
 
@@ -313,8 +349,10 @@ cudaError_t copy(void* dst, const void* src, std::size_t count, cudaMemcpyKind k
     if (from_device) op.device_ranges.emplace_back(src, count);
     bool wait = false;
     if (!from_device && ss == Space::pageable && to_device) {
-        // Pageable source: staged at the call, so the caller may reuse it at once.
-        if (sync_api) wait_for(*s, s->submitted.load());  // cudaMemcpy first synchronizes the stream
+        // Pageable source: the driver may stage it synchronously, behind the stream's earlier work;
+        // the double always does, so the call returns only once the stream has drained (a hung
+        // kernel before it holds the caller), and the caller may then reuse its memory at once.
+        wait_for(*s, s->submitted.load());
         auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src),
                                                                    static_cast<const unsigned char*>(src) + count);
         op.body = [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); };
@@ -504,6 +542,26 @@ GraphBlock own_by_graph(void* p) {
     return GraphBlock{p, b.size, b.device, b.charged, b.released};
 }
 
+cudaError_t map_graph_memory(int device, std::size_t bytes) {
+    State& st = state();
+    std::lock_guard lock(st.m);
+    if (hit(st.inject.fail_graph_memory, "", device)) return cudaErrorMemoryAllocation;
+    Device& dev = st.devices[device];
+    const std::size_t reused = std::min(bytes, dev.graph_cached);
+    if (bytes - reused > free_bytes(dev)) return cudaErrorMemoryAllocation;
+    dev.graph_cached -= reused;
+    dev.graph_mapped += bytes;
+    return cudaSuccess;
+}
+
+void unmap_graph_memory(int device, std::size_t bytes) {
+    State& st = state();
+    std::lock_guard lock(st.m);
+    Device& dev = st.devices[device];
+    dev.graph_mapped -= std::min(bytes, dev.graph_mapped);
+    dev.graph_cached += bytes;
+}
+
 void retire_graph_block(const GraphBlock& b) {
     State& st = state();
     std::lock_guard lock(st.m);
@@ -588,6 +646,19 @@ void fail_allocation(int k) {
     std::lock_guard lock(state().m);
     state().inject.fail_alloc = k;
 }
+void fail_graph_memory(int k, int device) {
+    std::lock_guard lock(state().m);
+    state().inject.fail_graph_memory = {k, "", device};
+}
+std::size_t pool_cached_bytes(int device) {
+    if (device < 0 || device >= max_devices) return 0;
+    return device_state(device).pool_cached.load();
+}
+std::size_t graph_memory_bytes(int device) {
+    if (device < 0 || device >= max_devices) return 0;
+    std::lock_guard lock(state().m);
+    return state().devices[device].graph_mapped + state().devices[device].graph_cached;
+}
 void fail_launch(int k, const char* kernel, int device) {
     std::lock_guard lock(state().m);
     state().inject.fail_launch = {k, kernel == nullptr ? "" : kernel, device};
@@ -636,7 +707,11 @@ void reset() {
     {
         std::lock_guard lock(st.m);
         st.inject = Injections{};
-        for (Device& d : st.devices) d.capacity = default_capacity;
+        for (Device& d : st.devices) {
+            d.capacity = default_capacity;
+            d.pool_cached.store(0);  // as a new process's pools
+            d.graph_cached = 0;
+        }
     }
     compute_capability.store(90);
     reset_captures();
@@ -977,7 +1052,7 @@ cudaError_t cudaFree(void* devPtr) {
         block = std::move(it->second);
         st.device_blocks.erase(it);
     }
-    release_block(devPtr, block.device, block.charged, *block.released);
+    release_block(devPtr, block.device, block.charged, *block.released, block.pooled);
     return cudaSuccess;
 }
 
@@ -986,8 +1061,11 @@ cudaError_t cudaMallocAsync(void** devPtr, size_t size, cudaStream_t hStream) {
     if (const cudaError_t e = resolve_stream(hStream, s); e != cudaSuccess) return e;
     if (const cudaError_t e = sticky(s->device); e != cudaSuccess) return e;
     if (const cudaError_t e = capture_admits(s); e != cudaSuccess) return e;
-    if (const cudaError_t e = allocate_device(devPtr, size, s->device); e != cudaSuccess) return e;  // usable at once
-    if (s->capturing.load()) capture_allocation(s, *devPtr);  // the graph's, for its lifetime
+    // Usable at once; in a capture the graph's, for its lifetime, with memory only once mapped.
+    const bool capturing = s->capturing.load();
+    if (const cudaError_t e = allocate_device(devPtr, size, s->device, capturing ? Source::graph : Source::pool); e != cudaSuccess)
+        return e;
+    if (capturing) capture_allocation(s, *devPtr);
     return cudaSuccess;
 }
 
@@ -1009,7 +1087,7 @@ cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t hStream) {
     }
     Op op;
     op.device_work = false;
-    op.body = [devPtr, block] { release_block(devPtr, block.device, block.charged, *block.released); };
+    op.body = [devPtr, block] { release_block(devPtr, block.device, block.charged, *block.released, block.pooled); };
     enqueue(s, std::move(op));
     return cudaSuccess;
 }
@@ -1052,7 +1130,7 @@ cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
     std::lock_guard lock(st.m);
     const Device& d = st.devices[current_device()];
     *total = d.capacity;
-    *free = d.capacity - std::min(d.capacity, d.used.load());
+    *free = free_bytes(d);  // what the pools keep is not free (Note [memory pools on the host CUDA device])
     return cudaSuccess;
 }
 
@@ -1069,8 +1147,32 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t memPool, cudaMemPoolAttr attr,
     MemPool* pool = pool_of(memPool);
     if (pool == nullptr || value == nullptr) return fail(cudaErrorInvalidValue);
     if (const cudaError_t e = sticky(pool->device); e != cudaSuccess) return e;
-    // Recorded only: blocks always go back to the system at once, so ASan sees a late use.
-    if (attr == cudaMemPoolAttrReleaseThreshold) pool->release_threshold = *static_cast<std::uint64_t*>(value);
+    // The threshold bounds what the pool keeps counted (Note [memory pools on the host CUDA
+    // device]); the blocks themselves always go back to the system at once, so ASan sees a late use.
+    if (attr == cudaMemPoolAttrReleaseThreshold) {
+        pool->release_threshold = *static_cast<std::uint64_t*>(value);
+        pool_release_threshold[pool->device].store(pool->release_threshold);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t memPool, size_t minBytesToKeep) {
+    MemPool* pool = pool_of(memPool);
+    if (pool == nullptr) return fail(cudaErrorInvalidValue);
+    if (const cudaError_t e = sticky(pool->device); e != cudaSuccess) return e;
+    auto& cached = device_state(pool->device).pool_cached;
+    std::size_t now = cached.load();
+    while (now > minBytesToKeep && !cached.compare_exchange_weak(now, minBytesToKeep)) {
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGraphMemTrim(int device) {
+    if (device < 0 || device >= device_count()) return fail(cudaErrorInvalidDevice);
+    if (const cudaError_t e = sticky(device); e != cudaSuccess) return e;
+    State& st = state();
+    std::lock_guard lock(st.m);
+    st.devices[device].graph_cached = 0;
     return cudaSuccess;
 }
 
@@ -1208,6 +1310,9 @@ cudaError_t cudaDeviceSynchronize(void) {
     const int d = current_device();
     if (const cudaError_t e = sticky(d); e != cudaSuccess) return e;
     if (const cudaError_t e = capture_unsafe_call(); e != cudaSuccess) return e;
+    // Context-wide: refused while any stream of the device captures, whatever the modes and
+    // threads (those captures are invalidated).
+    if (const cudaError_t e = capture_refuse_device(d); e != cudaSuccess) return e;
     std::vector<std::pair<std::shared_ptr<Stream>, std::uint64_t>> targets;
     {
         std::lock_guard lock(device_state(d).order);

@@ -253,7 +253,10 @@ TEST_CASE("host CUDA: a read into pageable memory returns after the copy, into p
     REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
 }
 
-TEST_CASE("host CUDA: a write from pageable memory is staged at the call, from pinned memory read when it runs") {
+// A driver may stage pageable memory synchronously, behind the stream's earlier work; the double
+// always does: a copy from pageable memory returns only once its stream drained (a kernel that
+// hangs before it holds the caller), and the caller may reuse its memory at once.
+TEST_CASE("host CUDA: a write from pageable memory returns once its stream drained, from pinned memory at once") {
     Kernels k;  // outlives the drain in ~Fresh
     Fresh fresh;
     cudaStream_t s = nullptr;
@@ -265,12 +268,20 @@ TEST_CASE("host CUDA: a write from pageable memory is staged at the call, from p
     *pinned = 1.0f;
     hc::stall_launch(1);
     REQUIRE(k.launch(s, [] {}) == cudaSuccess);
-    REQUIRE(cudaMemcpyAsync(d, pageable.data(), sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
-    REQUIRE(cudaMemcpyAsync(d + 1, pinned, sizeof(float), cudaMemcpyDefault, s) == cudaSuccess);
-    pageable[0] = 2.0f;  // the device has the old bytes
-    *pinned = 2.0f;      // the device reads this one when the copy runs
-    CHECK(cudaStreamQuery(s) == cudaErrorNotReady);
+    REQUIRE(cudaMemcpyAsync(d + 1, pinned, sizeof(float), cudaMemcpyDefault, s) == cudaSuccess);  // at once
+    *pinned = 2.0f;  // the device reads this one when the copy runs
+    std::atomic<bool> returned{false};
+    cudaError_t copied = cudaErrorUnknown;
+    std::thread writer([&] {
+        copied = cudaMemcpyAsync(d, pageable.data(), sizeof(float), cudaMemcpyHostToDevice, s);
+        returned = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    CHECK_FALSE(returned.load());  // behind the stalled kernel
     hc::release_stalls();
+    writer.join();
+    CHECK(copied == cudaSuccess);
+    pageable[0] = 2.0f;  // after the call: the device has the bytes of the call
     REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
     const auto h = read_back(d, 2);
     CHECK(h[0] == 1.0f);
@@ -1606,12 +1617,21 @@ TEST_CASE("host graphs: a collective failing at a replay fails that launch; new 
         CHECK(e1 == ncclRemoteError);
         for (int r = 0; r < 2; ++r)
             for (float x : old.read(r, buf[r])) REQUIRE(x == 3.0f);  // nothing written by the failed launch
-        // The communicators are aborted (a group rebuild): a graph that still holds one faults.
-        for (auto comm : old.comms) REQUIRE(ncclCommAbort(comm) == ncclSuccess);
+        // The communicators are aborted (a group rebuild), on a thread of their own: NCCL's abort
+        // returns once the graphs holding them are destroyed. One launched meanwhile faults.
+        std::atomic<int> aborted{0};
+        std::thread aborter([&] {
+            for (auto comm : old.comms)
+                if (ncclCommAbort(comm) == ncclSuccess) ++aborted;
+        });
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        CHECK(aborted.load() == 0);
         REQUIRE(cudaGraphLaunch(execs[0], old.streams[0]) == cudaSuccess);
         CHECK(cudaStreamSynchronize(old.streams[0]) == cudaErrorIllegalAddress);
         hc::reset();
         destroy(execs);
+        aborter.join();
+        CHECK(aborted.load() == 2);
     }
     Clique fresh_comms(2);
     const auto execs = capture(fresh_comms);  // captured again, on the new communicators
@@ -1625,6 +1645,91 @@ TEST_CASE("host graphs: a collective failing at a replay fails that launch; new 
         REQUIRE(cudaFree(buf[r]) == cudaSuccess);
     }
     (void)cudaSetDevice(0);
+}
+
+// NCCL 2.26 and newer: a communicator that a live graph captured is aborted, destroyed or
+// finalized only once every such graph is destroyed, and ncclCommAbort blocks its caller meanwhile,
+// for a non-blocking communicator too; the watchdog names such a wait.
+TEST_CASE("host NCCL: abort, destroy and finalize of a communicator wait for the graphs that captured it") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(2));
+    const auto captured_by = [](ncclComm_t comm, cudaStream_t stream, float* buf) {
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+        REQUIRE(ncclAllReduce(buf, buf, elements, ncclFloat32, ncclSum, comm, stream) == ncclSuccess);
+        REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
+        REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+        REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);  // the executable still holds the communicator
+        return exec;
+    };
+    // Non-blocking communicators, as lockstep makes them.
+    ncclUniqueId id;
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    std::vector<ncclComm_t> comms(2);
+    std::vector<cudaStream_t> streams(2);
+    REQUIRE(ncclGroupStart() == ncclSuccess);
+    for (int r = 0; r < 2; ++r) {
+        REQUIRE(cudaSetDevice(r) == cudaSuccess);
+        const ncclResult_t res = ncclCommInitRankConfig(&comms[static_cast<std::size_t>(r)], 2, id, r, &config);
+        REQUIRE((res == ncclSuccess || res == ncclInProgress));
+        REQUIRE(cudaStreamCreateWithFlags(&streams[static_cast<std::size_t>(r)], cudaStreamNonBlocking) == cudaSuccess);
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    REQUIRE((ended == ncclSuccess || ended == ncclInProgress));
+    for (auto c : comms) {
+        ncclResult_t state = ncclInProgress;
+        while (ncclCommGetAsyncError(c, &state) == ncclSuccess && state == ncclInProgress) std::this_thread::yield();
+        REQUIRE(state == ncclSuccess);
+    }
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    float* buf = device_floats(elements);
+    cudaGraphExec_t exec = captured_by(comms[0], streams[0], buf);
+    std::atomic<bool> returned{false};
+    std::thread aborter([&] {
+        (void)ncclCommAbort(comms[0]);
+        returned = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    CHECK_FALSE(returned.load());
+    bool named = false;
+    for (const auto& line : hc::nccl_waits())
+        named = named || (line.find("ncclCommAbort of communicator") != std::string::npos &&
+                          line.find("1 collective(s) captured in CUDA graphs") != std::string::npos);
+    CHECK(named);
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+    aborter.join();
+    CHECK(returned.load());
+    (void)ncclCommAbort(comms[1]);
+    REQUIRE(cudaFree(buf) == cudaSuccess);
+
+    // Blocking communicators: finalize does not complete, nor destroy return, while a graph holds them.
+    Clique q(2);
+    float* b0 = q.buffer(0, 1.0f);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    exec = captured_by(q.comms[0], q.streams[0], b0);
+    std::atomic<bool> finalized{false};
+    std::thread finalizer([&] {
+        (void)ncclGroupStart();  // no Catch2 assertion on this thread
+        for (auto c : q.comms) (void)ncclCommFinalize(c);
+        (void)ncclGroupEnd();  // blocking: waits for both ranks
+        for (auto c : q.comms) (void)ncclCommDestroy(c);
+        finalized = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    CHECK_FALSE(finalized.load());
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+    finalizer.join();
+    CHECK(finalized.load());
+    q.comms.assign(2, nullptr);  // destroyed
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    REQUIRE(cudaFree(b0) == cudaSuccess);
+    for (auto st : streams) {
+        (void)cudaStreamSynchronize(st);
+        (void)cudaStreamDestroy(st);
+    }
 }
 
 TEST_CASE("host graphs: a launch on device memory freed since its capture faults") {

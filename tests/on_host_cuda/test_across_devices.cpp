@@ -139,7 +139,8 @@ std::vector<float> replica_values(const Small<Cuda>& m) {
 // (NCCL_LAUNCH_ORDER_IMPLICIT, which lockstep sets unless the user did; NCCL reads it once per
 // process, so each half is a case of its own): under the double's hazard model two devices that
 // choose differently deadlock. Mutation-checked (release build): without prepare_nccl's setenv
-// the first case fails (a deadlock, reported at the timeout).
+// the first case fails (a deadlock, reported at the timeout); so it does with the variable set
+// only after ncclGetUniqueId (issue 43, item 5), which the double, as NCCL, reads it at.
 TEST_CASE("two communicators per device train under NCCL's launch-order rule", "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
@@ -229,7 +230,7 @@ TEST_CASE("replicas on different devices run the bf16 cuDNN algorithms the proce
 }
 #endif
 
-// Issue 27, item 3 (Note [graphs] in core/cuda_runtime.cuh): a replica's forward and backward
+// Issue 27, item 3 (Note [graphs] in core/cuda_graph.cuh): a replica's forward and backward
 // captured once, SyncBatchNorm's collectives with them. The host rendezvous of the replica
 // threads happens at capture; at each launch the captured collectives meet their peers' on the
 // devices alone, and every replica gets the eager step's bits (outputs, gradients, dx and the
@@ -669,8 +670,10 @@ TEST_CASE("gradients all-reduced in bf16 are bf16 sums on every replica, capture
 // A step that fails drops every replica's graphs: they hold the communicators the failure
 // aborted. The next step runs eagerly on rebuilt ones, the one after captures again, and the
 // model ends where an eager model that never met the failure ends (with check_finite the failed
-// step leaves nothing behind). Mutation-checked: without drop_graphs the next step launches the
-// old graph, whose collectives fault on their destroyed communicators.
+// step leaves nothing behind). The failing call returns well within the group's timeout, with its
+// communicators aborted (Note [aborting communicators]). Mutation-checked: without the replicas
+// dropping their graphs as the call fails (DataParallel::after_failure), the call waits out the
+// timeout for the abort and this case fails (as the NaN and timeout cases below do).
 TEST_CASE("a failed captured step drops the graphs, and the steps after it capture again", "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
@@ -688,7 +691,9 @@ TEST_CASE("a failed captured step drops the graphs, and the steps after it captu
     }
     REQUIRE(graphed.captured_graphs(1) == 2);  // (a) and (b), each at the second step
     host_cuda::fail_nccl(1, 2);                // in the launch of graph (a)
+    const auto t0 = Clock::now();
     CHECK_THROWS(graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed));
+    CHECK(Clock::now() - t0 < std::chrono::seconds(5));
     host_cuda::fail_nccl(1, 0);
     CHECK_FALSE(graphed.diverged());
     const auto launched = graphed.graph_launches(1);
@@ -735,14 +740,101 @@ TEST_CASE("a captured step with NaN is refused from the values its graph left in
     a.x[37] = std::numeric_limits<float>::quiet_NaN();  // a sample of replica 0's shard
     const auto poisoned = a.x.to<Cuda>(Device::cuda(0));
     CHECK_THROWS_AS(eager.train_step(poisoned, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager), NonFinite);
+    // Issue 43, item 1: the graphs hold the communicators the failure aborts; the call returns
+    // well within the group's timeout (Note [aborting communicators]).
+    const auto t0 = Clock::now();
     CHECK_THROWS_WITH(graphed.train_step(poisoned, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed),
                       Catch::Contains("step 4: ") && Catch::Contains("no replica applied the step"));
+    CHECK(Clock::now() - t0 < std::chrono::seconds(5));
     CHECK(graphed.graph_launches(1) == launched + 1);  // (a) ran; (b) did not
     CHECK_FALSE(graphed.diverged());
     check_same(graphed.checkpoint(sgd_graphed), before);
     for (int i = 0; i < 3; ++i) both();  // eagerly (the graphs dropped), captured, launched
     CHECK(graphed.captured_graphs(1) == 4);
     CHECK(graphed.graph_launches(1) == launched + 1 + 4);  // (a) and (b) in each of the last two
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+}
+
+// Issue 43, item 1: NCCL (2.26 and newer) aborts a communicator only once every graph that
+// captured it is destroyed, and blocks the aborting thread meanwhile, non-blocking or not; the
+// double does the same. A captured step that times out (replica 1's graph stalls at its first
+// kernel) aborts the groups from a replica thread that owns graphs holding them: the abort runs on
+// a helper thread, every replica drops its graphs as the call fails, and the call returns within
+// the group's timeout, with nothing applied (check_finite reads before the commit barrier). The
+// steps after it run on new communicators, capture again, and end where the eager model ends.
+// Mutation-checked: with the communicators aborted in place under the group's mutex (as before),
+// this case hangs until the double's watchdog names the ncclCommAbort that waits for the graphs;
+// without the replicas dropping their graphs as the call fails, the call waits out another timeout.
+TEST_CASE("a captured step that times out returns within the timeout though its graphs hold the communicators",
+          "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const auto timeout = std::chrono::seconds(2);
+    auto o = options(timeout);
+    o.check_finite = true;
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    const auto a = make_batch(10, 91);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    const auto both = [&] {
+        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+    };
+    for (int i = 0; i < 3; ++i) both();
+    REQUIRE(graphed.captured_graphs(1) == 2);
+    const auto launched = graphed.graph_launches(1);
+    const auto before = graphed.checkpoint(sgd_graphed);
+    host_cuda::stall_launch(1, nullptr, 1);  // the first kernel of replica 1's next launch of (a)
+    const auto t0 = Clock::now();
+    CHECK_THROWS_WITH(graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed),
+                      Catch::Contains("took longer than"));
+    const auto took = Clock::now() - t0;
+    host_cuda::release_stalls();
+    CHECK(took < timeout + std::chrono::milliseconds(1500));  // replica 0's wait ends at the timeout, then all
+    CHECK(graphed.graph_launches(1) == launched + 1);
+    CHECK_FALSE(graphed.diverged());
+    check_same(graphed.checkpoint(sgd_graphed), before);
+    for (int i = 0; i < 3; ++i) both();  // eagerly on new communicators, captured, launched
+    CHECK(graphed.captured_graphs(1) == 4);
+    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+}
+
+// Issue 43, item 2: graph (a)'s allocations get memory at its upload or first launch; a launch
+// that fails for memory after the replicas agreed to launch would leave the peers' launched
+// collectives waiting for it. Each graph is uploaded at its capture, before the barrier that lets
+// the replicas launch: when replica 1's graph memory cannot be had, the step fails on both with
+// OutOfMemory before either launches, nothing is applied, and the steps after it capture again
+// and end where the eager model ends. Mutation-checked: without the upload at the capture, replica
+// 0 launches its graph (a) before replica 1's launch fails, and this case fails.
+TEST_CASE("a captured step whose graph memory does not fit fails before any replica launches", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    auto o = options(std::chrono::seconds(5));
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
+    o.graphs = true;
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
+    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    const auto a = make_batch(10, 95);
+    const auto x = a.x.to<Cuda>(Device::cuda(0));
+    const auto both = [&] {
+        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+    };
+    both();  // eagerly: the next step captures
+    const auto before = graphed.checkpoint(sgd_graphed);
+    host_cuda::fail_graph_memory(1, 1);  // replica 1's graph (a): (b) allocates nothing
+    CHECK_THROWS_AS(graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed), OutOfMemory);
+    host_cuda::fail_graph_memory(0);
+    CHECK(graphed.graph_launches(0) == 0);
+    CHECK(graphed.graph_launches(1) == 0);
+    CHECK_FALSE(graphed.diverged());
+    check_same(graphed.checkpoint(sgd_graphed), before);
+    for (int i = 0; i < 3; ++i) both();  // eagerly, captured, launched
+    CHECK(graphed.graph_launches(1) == 4);  // (a) and (b) in each of the last two
     check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
     CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
 }

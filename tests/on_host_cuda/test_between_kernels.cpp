@@ -84,6 +84,30 @@ void run_conv_stack(nn::Context<Cuda>& ctx, std::vector<nn::Conv2d<Cuda>>& dev, 
 // Every test starts from a clean device: no injection left, no sticky error.
 using host_cuda::Clean;
 
+//! The small network with a head that leaves its output in a buffer it keeps, past an offset, and
+//! returns a view of it: an output that is not an allocation of its own (as a layer with a
+//! persistent output buffer gives), so only the gather's own wait orders a copy of it.
+template <class B>
+struct KeptOutput {
+    using backend = B;
+    Small<B> body = make_small<B>();
+    Tensor<float, B> kept;  // made at the first forward, on the replica's thread
+
+    Tensor<float, B> forward(const nn::Context<B>& ctx, Tensor<float, B> x) {
+        auto y = body.forward(ctx, std::move(x));
+        constexpr std::int64_t at = 64;
+        if (kept.numel() < at + y.numel())
+            kept = Tensor<float, B>(Shape{at + y.numel()}, MemoryFormat::nchw, y.device(), uninitialized);
+        kernels::Ops<B>::copy(ctx.exec, kept, at, y, 0, y.numel());
+        return Tensor<float, B>::view(kept, at, y.shape(), y.format());
+    }
+    Tensor<float, B> backward(const nn::Context<B>& ctx, const Tensor<float, B>& dy) { return body.backward(ctx, dy); }
+    template <class V>
+    void visit(V&& v) {
+        v.module("body", body);
+    }
+};
+
 }  // namespace
 
 // Issue 23, item 3: ReplicaResources::enter() left the thread's current stream on the replica's
@@ -200,6 +224,39 @@ TEST_CASE("a step whose device work stalls fails within the group's timeout", "[
     CHECK(message.find("took longer than") != std::string::npos);
 }
 
+// Issue 43, item 6: a copy from pageable host memory may block in the driver until its stream
+// drains (the double always blocks), so a kernel that hangs before it held the caller past every
+// deadline. The copy goes through pinned staging now, with the polled, bounded wait reads use.
+// Mutation-checked (release build): with transfer() copying from the pageable source itself, the
+// upload returns only when the stall is released here after 20 s, and the case fails.
+TEST_CASE("an upload to a stream whose kernel hangs fails within the wait's deadline", "[hostcuda]") {
+    Clean clean;
+    cuda::Stream stream(0);
+    const cuda::StreamGuard on(stream);
+    const auto deadline = cuda::default_wait_timeout();
+    cuda::default_wait_timeout() = std::chrono::milliseconds(500);
+    host_cuda::stall_launch(1);
+    REQUIRE(cudaLaunchHostFunc(stream.get(), [](void*) {}, nullptr) == cudaSuccess);  // stands still
+    std::atomic<bool> done{false};
+    std::thread watchdog([&] {
+        const auto give_up = Clock::now() + std::chrono::seconds(20);
+        while (!done.load() && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        host_cuda::release_stalls();
+    });
+    Tensor<float, Host> x(Shape{3000});
+    for (std::int64_t i = 0; i < x.numel(); ++i) x[i] = static_cast<float>(i);
+    const auto t0 = Clock::now();
+    CHECK_THROWS_AS(x.to<Cuda>(Device::cuda(0)), Timeout);
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    done = true;
+    watchdog.join();
+    cuda::default_wait_timeout() = deadline;
+    stream.synchronize();
+    CHECK(s < 5.0);
+    const auto y = x.to<Cuda>(Device::cuda(0));  // once the stream moves, the same upload succeeds
+    CHECK(values(y) == std::vector<float>(x.data(), x.data() + x.numel()));
+}
+
 // Issue 23, item 1: the gather of DataParallel::forward copied every replica's output on replica
 // 0's stream without waiting for the other replicas' streams, and allocated and freed on the
 // caller's legacy stream: evaluation read unfinished outputs (chance accuracy on the GPU).
@@ -226,6 +283,46 @@ TEST_CASE("DataParallel::forward gathers outputs the replicas have finished", "[
             n += static_cast<double>(yh[i]) * yh[i];
         }
         CAPTURE(round);
+        CHECK(std::sqrt(d / n) <= 1e-5);
+    }
+}
+
+// Issue 43, item 7: the gather's wait (gather_rows: the caller's stream waits for every
+// replica's) was proven by no test: Ops<Cuda>::copy also orders itself after its operands'
+// allocation streams, which covers an output that is a whole allocation of the replica's stream.
+// Here the outputs are views into a buffer past its start, which only the gather's wait orders,
+// and replica 1's stream stands still at its first kernel (a stall on device 1): until it is
+// released, the caller's stream, which holds the gather's copies, must not finish. Mutation-checked
+// (release build): without the order_after loop of gather_rows the caller's stream finishes at
+// once and the gathered rows of replica 1 are stale (NaN from fresh device memory).
+TEST_CASE("DataParallel::forward's gather waits for every replica's stream, whatever its outputs are", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    DataParallel<KeptOutput<Cuda>> gpu(KeptOutput<Cuda>{}, {Device::cuda(0), Device::cuda(1)}, {.math = Math::strict_fp32});
+    DataParallel<Small<Host>> host(make_small<Host>(), 2);
+    gpu.eval();
+    host.eval();
+    for (int round = 0; round < 2; ++round) {
+        const auto b = make_batch(11, 70 + static_cast<std::uint64_t>(round));
+        const auto x = b.x.to<Cuda>(Device::cuda(0));
+        host_cuda::stall_launch(1, nullptr, 1);  // replica 1's first kernel of this forward
+        const auto y = gpu.forward(x);
+        bool finished_early = false;  // the caller's stream (the legacy one) done while replica 1 stands still
+        for (const auto until = Clock::now() + std::chrono::milliseconds(300); !finished_early && Clock::now() < until;) {
+            finished_early = cudaStreamQuery(cudaStreamLegacy) == cudaSuccess;
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        host_cuda::release_stalls();
+        CAPTURE(round);
+        CHECK_FALSE(finished_early);
+        const auto yc = values(y);
+        const auto yh_t = host.forward(b.x);
+        REQUIRE(yc.size() == static_cast<std::size_t>(yh_t.numel()));
+        double d = 0, n = 0;
+        for (std::size_t i = 0; i < yc.size(); ++i) {
+            d += (static_cast<double>(yc[i]) - yh_t.data()[i]) * (static_cast<double>(yc[i]) - yh_t.data()[i]);
+            n += static_cast<double>(yh_t.data()[i]) * yh_t.data()[i];
+        }
         CHECK(std::sqrt(d / n) <= 1e-5);
     }
 }
@@ -594,6 +691,49 @@ TEST_CASE("a replica's convolution step captured in a CUDA graph replays the eag
     graph = cuda::Graph();
     CHECK_THROWS_AS(cuda::Graph().launch(ctx.exec.stream), UsageError);
     CHECK_THROWS_AS(cuda::Graph::capture(nullptr, step), UsageError);  // the legacy stream cannot capture
+}
+
+// Issue 43, item 2: a graph's allocations get memory at its upload or first launch, from the
+// graph pool, beside what the default pool keeps of freed bytes (lockstep keeps them all). Graph
+// capture trims the default pool first and uploads the executable at once, so a graph that fits
+// only without the pool's cache is made, and one that does not fit at all is refused at its
+// capture (OutOfMemory), never at a later launch; GraphCache::clear gives the graph pool's memory
+// back. Mutation-checked: without the trim before the capture, the first capture is refused;
+// without the upload, the graph holds no memory after its capture and the refused one is made;
+// without the trim in clear, the graph pool keeps the memory.
+TEST_CASE("captured graphs take their memory at capture, after the default pool's cache is trimmed", "[hostcuda]") {
+    Clean clean;
+    cuda::Stream stream(0);
+    const cuda::StreamGuard on(stream);
+    constexpr std::int64_t mib = 1 << 18;  // floats
+    {
+        Tensor<float, Cuda> cached(Shape{64 * mib}, MemoryFormat::nchw, Device::cuda(0), uninitialized);
+    }  // freed in stream order: the default pool keeps its bytes
+    stream.synchronize();
+    REQUIRE(host_cuda::pool_cached_bytes(0) >= std::size_t{64} << 20);
+    std::size_t free = 0, total = 0;
+    REQUIRE(cudaMemGetInfo(&free, &total) == cudaSuccess);
+    // Room for a 48 MiB graph only once the pool's 64 MiB are given back.
+    REQUIRE(host_cuda::set_memory_capacity(0, total - free + (std::size_t{16} << 20)));
+    const auto temporaries = [](std::int64_t n) {  // a graph that allocates n floats and frees them
+        return [n] {
+            Tensor<float, Cuda> t(Shape{n}, MemoryFormat::nchw, Device::cuda(0), uninitialized);
+            t.zero();
+        };
+    };
+    cuda::GraphCache cache(4);
+    CHECK(cache.prepare({1}, stream.get(), temporaries(48 * mib)));
+    CHECK(host_cuda::pool_cached_bytes(0) == 0);
+    CHECK(host_cuda::graph_memory_bytes(0) >= std::size_t{48} << 20);
+    for (int i = 0; i < 3; ++i) cache.launch({1}, stream.get(), temporaries(48 * mib));
+    stream.synchronize();
+    // One whose memory the device cannot give is refused where it is made.
+    host_cuda::fail_graph_memory(1, 0);
+    CHECK_THROWS_WITH(cache.prepare({2}, stream.get(), temporaries(mib)),
+                      Catch::Contains("uploading a CUDA graph failed") && Catch::Contains("cudaErrorMemoryAllocation"));
+    CHECK_FALSE(cache.contains({2}));
+    cache.clear();
+    CHECK(host_cuda::graph_memory_bytes(0) == 0);
 }
 
 // Issue 27, item 3: captured steps kept per input shape and module structure, at most a

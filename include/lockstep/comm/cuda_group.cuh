@@ -129,6 +129,7 @@ struct NcclApi {
 
     using UniqueId = ncclUniqueId;
     static UniqueId unique_id() {
+        prepare_nccl();  // before NCCL initializes (Note [two communicators on one device])
         UniqueId id;
         LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id));
         return id;
@@ -180,8 +181,10 @@ struct NcclApi {
     // device; NCCL >= 2.26 does that under NCCL_LAUNCH_ORDER_IMPLICIT, following the order the
     // host enqueues them in, which lockstep makes the same on every rank (the replica thread
     // itself enqueues every collective at the same program point). The variable is read when
-    // NCCL initializes, so it is set before the first communicator is made, unless the user set
-    // it; an older NCCL is refused with its version, as is one a test pins below 2.26.
+    // NCCL initializes, at its first ncclGetUniqueId or communicator init, whose bootstrap
+    // thread then reads the environment: so it is set before either (after ncclGetVersion alone,
+    // which initializes nothing), unless the user set it; an older NCCL is refused with its
+    // version, as is one a test pins below 2.26.
 
     //! The NCCL version that supports NCCL_LAUNCH_ORDER_IMPLICIT (2.26.0, as ncclGetVersion counts).
     static constexpr int launch_order_version = 22600;

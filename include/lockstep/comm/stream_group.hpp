@@ -11,12 +11,14 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "lockstep/comm/collective_tag.hpp"
@@ -367,6 +369,18 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         return api.init(devices, api.unique_id(), 0, size(), deadline, stop);
     }
 
+    // Note [aborting communicators]
+    // ncclCommAbort (NCCL 2.26 and newer) runs in its caller's thread, for a non-blocking
+    // communicator too, and returns only once every CUDA graph that captured the communicator is
+    // destroyed. The thread that aborts a group is a failing replica's, the caller's (the pool's)
+    // or one whose wait timed out; any of them may own such graphs (a replica's captured steps), or
+    // be waited for by their owner, so aborting in place can wait forever, holding the group. So
+    // abort() takes the communicators out of the group under its mutex (no enqueue can reach them
+    // after) and hands them to a helper thread that aborts them: abort() returns at once. The
+    // owners of graphs drop them when the failed call ends (DataParallel does, on every replica),
+    // and settle() waits for the helpers with a bound: after it the communicators are aborted.
+    // Teardown settles the same way; a helper still blocked past the bound (a graph nobody
+    // destroyed) is reported on stderr and left running: it owns what it aborts.
     void abort(const std::string& reason, int failed_rank) noexcept override {
         {
             std::lock_guard lock(reason_mutex);
@@ -374,14 +388,35 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         }
         aborted.store(true, std::memory_order_release);  // an enqueue polling NCCL gives up now
         rendezvous.abort(reason, failed_rank);
+        std::vector<typename Api::Comm> taken;
         {
             std::unique_lock lock(comms_mutex);
             if (!comms_aborted && !comms.empty()) {
-                for (auto& c : comms) api.abort(c);
+                taken = std::move(comms);
+                comms.clear();
                 comms_aborted = true;
             }
         }
-        span.tell(reason, failed_rank);  // after: this process's kernels end first
+        if (!taken.empty()) abort_in_background(std::move(taken));
+        span.tell(reason, failed_rank);  // after: this process's kernels are told to end first
+    }
+
+    //! Waits until the communicators abort() took are aborted, or `deadline` (Note [aborting
+    //! communicators]); false when a helper is still at it then.
+    bool settle(clock::time_point deadline) noexcept override {
+        for (;;) {
+            {
+                std::lock_guard lock(aborters_mutex);  // not held while sleeping: an abort may come meanwhile
+                std::erase_if(aborters, [](Aborter& a) {
+                    if (!a.done->load(std::memory_order_acquire)) return false;
+                    a.thread.join();
+                    return true;
+                });
+                if (aborters.empty()) return true;
+            }
+            if (clock::now() >= deadline) return false;
+            std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
     }
 
     // After a failed call, with every replica out of it (the pool calls this before it rethrows):
@@ -424,6 +459,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
             std::shared_lock lock(comms_mutex);  // the common case: peers may be enqueueing
             if (!rebuild) return;
         }
+        (void)settle(clock::now());  // joins the helpers that are done
         std::unique_lock lock(comms_mutex);
         if (!rebuild) return;
         rebuild = false;
@@ -450,8 +486,38 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         return reason_text.empty() ? std::string("no reason given") : reason_text;
     }
 
+    // A helper thread aborts `taken` (Note [aborting communicators]); where none can start, this
+    // thread does.
+    void abort_in_background(std::vector<typename Api::Comm> taken) noexcept {
+        auto owned = std::make_shared<std::vector<typename Api::Comm>>(std::move(taken));
+        auto done = std::make_shared<std::atomic<bool>>(false);
+        try {
+            std::lock_guard lock(aborters_mutex);
+            aborters.reserve(aborters.size() + 1);
+            std::thread t([a = api, owned, done]() mutable {
+                for (auto& c : *owned) a.abort(c);
+                done->store(true, std::memory_order_release);
+            });
+            aborters.push_back(Aborter{std::move(t), done});
+        } catch (...) {
+            if (!done->load()) {
+                for (auto& c : *owned) api.abort(c);
+                done->store(true, std::memory_order_release);
+            }
+        }
+    }
+
     void teardown() noexcept {
         const auto deadline = clock::now() + rendezvous.timeout();
+        if (!settle(deadline)) {
+            std::lock_guard lock(aborters_mutex);
+            std::fprintf(stderr,
+                         "lockstep: aborting a replica group's NCCL communicators did not end within %lld ms (a CUDA "
+                         "graph that captured them is still alive); leaving %zu helper thread(s) to finish it\n",
+                         static_cast<long long>(rendezvous.timeout().count()), aborters.size());
+            for (auto& a : aborters) a.thread.detach();
+            aborters.clear();
+        }
         std::unique_lock lock(comms_mutex);
         if (!comms_aborted) {
             api.finalize(std::span<const typename Api::Comm>(comms), deadline);
@@ -484,6 +550,12 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     std::vector<typename Api::Comm> comms;  // peer mode: one per rank; across processes otherwise: rank 0's
     bool comms_aborted = false;
     bool rebuild = false;  // aborted communicators to replace at the next collective
+    struct Aborter {  // Note [aborting communicators]
+        std::thread thread;
+        std::shared_ptr<std::atomic<bool>> done;
+    };
+    std::mutex aborters_mutex;
+    std::vector<Aborter> aborters;
     std::string unusable;  // why collectives cannot run any more (empty: they can)
 
     std::atomic<bool> aborted{false};

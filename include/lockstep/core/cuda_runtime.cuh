@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-//! CUDA runtime glue: the CUDA check macro, RAII device guard / stream / event / graph, `Allocator<Cuda>`
-//! and the copies between host and device memory. NCCL and cuBLAS belong to the layers that use
+//! CUDA runtime glue: the CUDA check macro, RAII device guard / stream / event, `Allocator<Cuda>`
+//! and the copies between host and device memory (graphs: core/cuda_graph.cuh). NCCL and cuBLAS belong to the layers that use
 //! them (comm/cuda_group.cuh, kernels/cuda_ops.cuh).
 #pragma once
 
@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -200,175 +199,6 @@ public:
 
 private:
     cudaEvent_t event_ = nullptr;
-};
-
-// Note [graphs]
-// A `Graph` is stream work recorded once and run again by one launch: the kernels, copies, cuBLAS
-// and cuDNN calls and NCCL collectives that a function enqueues on a stream, and on streams it
-// forks from that one through events (which must join it again before the end), are captured
-// instead of run; each launch() runs them all with what they had at capture: the same buffers,
-// sizes and host scalars. A launch costs one call however many kernels the graph holds.
-// - The capture is thread-local (cudaStreamCaptureModeThreadLocal): replica threads capture side
-//   by side, and other threads' allocations do not break them. The capturing thread must not do
-//   what CUDA refuses during a capture: synchronize, cudaMalloc or cudaFree, copy pageable host
-//   memory, wait for work recorded outside the capture. The first step, run eagerly, grows the
-//   replica's workspaces so that a captured step allocates none of them.
-// - Memory the stream-ordered allocator gives inside the capture is the graph's: a tensor made
-//   there must also be released there (temporaries of a step are).
-// - A collective in a graph meets its peers' collectives at each launch: every replica launches
-//   its graph of the same collectives, in the same order, as an eager step would enqueue them. A
-//   graph holds its communicators: after an abort or a group rebuild, capture again.
-// - A graph holds the addresses it was captured with: `GraphCache` keys graphs by everything
-//   they depend on (the input's shape, nn::structure_signature of the module), so a new shape or
-//   a replaced parameter captures again.
-// On the host CUDA device a kernel is a host function whose parameters live in a heap block; a GPU
-// graph keeps a kernel's parameters in its node, and here the graph keeps the block, as a user
-// object freed with the graph (launch.cuh).
-
-//! Captured stream work, instantiated for launching (move-only; Note [graphs]).
-class Graph {
-public:
-    Graph() = default;
-    //! Captures what `record()` enqueues on `stream` (a stream of its own, not the legacy one) and
-    //! instantiates it for the stream's device. When `record` throws, the capture is ended and
-    //! dropped and the exception goes on; a capture CUDA refuses throws DeviceError saying why.
-    template <class Record>
-    static Graph capture(cudaStream_t stream, Record&& record) {
-        LOCKSTEP_CHECK_AS(UsageError, stream != nullptr && stream != cudaStreamLegacy,
-                          "cuda::Graph::capture needs a stream of its own: the legacy default stream cannot capture");
-        int device = -1;
-        LOCKSTEP_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
-        DeviceGuard guard(device);
-        Graph g;
-        g.device_ = device;
-        LOCKSTEP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        try {
-            record();
-        } catch (...) {
-            cudaGraph_t dropped = nullptr;
-            if (cudaStreamEndCapture(stream, &dropped) == cudaSuccess && dropped != nullptr) (void)cudaGraphDestroy(dropped);
-            (void)cudaGetLastError();
-            throw;
-        }
-        if (const cudaError_t e = cudaStreamEndCapture(stream, &g.graph_); e != cudaSuccess) refused(e, "capturing");
-        if (const cudaError_t e = cudaGraphInstantiate(&g.exec_, g.graph_, 0); e != cudaSuccess) refused(e, "instantiating");
-        return g;
-    }
-    Graph(Graph&& o) noexcept
-        : graph_(std::exchange(o.graph_, nullptr)), exec_(std::exchange(o.exec_, nullptr)), device_(o.device_) {}
-    Graph& operator=(Graph&& o) noexcept {
-        if (this != &o) {
-            destroy();
-            graph_ = std::exchange(o.graph_, nullptr);
-            exec_ = std::exchange(o.exec_, nullptr);
-            device_ = o.device_;
-        }
-        return *this;
-    }
-    ~Graph() { destroy(); }
-
-    //! Enqueues one run of the graph on `stream` (of the graph's device), after its earlier work.
-    void launch(cudaStream_t stream) const {
-        LOCKSTEP_CHECK_AS(UsageError, exec_ != nullptr, "launching an empty cuda::Graph: make one with Graph::capture");
-        DeviceGuard guard(device_);
-        LOCKSTEP_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
-    }
-    bool empty() const noexcept { return exec_ == nullptr; }
-    int device() const noexcept { return device_; }
-
-private:
-    [[noreturn]] static void refused(cudaError_t e, const char* doing) {
-        (void)cudaGetLastError();
-        int device = -1;
-        if (cudaGetDevice(&device) != cudaSuccess) device = -1;
-        // The capture's own refusals (and a graph whose memory outlives it) get what to change;
-        // anything else (a fault, memory) is the device's error as every other call reports it.
-        const bool capture_rule =
-            (e >= cudaErrorStreamCaptureUnsupported && e <= cudaErrorStreamCaptureWrongThread) || e == cudaErrorNotSupported;
-        std::string message =
-            std::string(doing) + " a CUDA graph failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-        if (!capture_rule) throw DeviceError(std::move(message), ::lockstep::detail::replica_rank_slot(), device);
-        throw CaptureRefused(std::move(message) +
-                                 "; the recorded work must not synchronize, allocate with cudaMalloc, free memory made "
-                                 "outside the capture, copy pageable host memory, wait for work outside the capture, leave "
-                                 "a stream it forked unjoined, or keep memory allocated in the capture past its end",
-                             ::lockstep::detail::replica_rank_slot(), device);
-    }
-    void destroy() noexcept {
-        if (exec_ != nullptr) (void)cudaGraphExecDestroy(std::exchange(exec_, nullptr));
-        if (graph_ != nullptr) (void)cudaGraphDestroy(std::exchange(graph_, nullptr));
-    }
-    cudaGraph_t graph_ = nullptr;
-    cudaGraphExec_t exec_ = nullptr;
-    int device_ = -1;
-};
-
-//! Captured graphs by what they depend on, at most `capacity` of them, the least recently
-//! launched dropped first (Note [graphs]). A key is compared whole: say in it everything the
-//! recorded work depends on, such as the input's shape and nn::structure_signature of the module,
-//! so that a new shape or a changed module captures again instead of launching a stale graph.
-class GraphCache {
-public:
-    using Key = std::vector<std::int64_t>;
-
-    explicit GraphCache(std::size_t capacity = 8) : capacity_(capacity) {
-        LOCKSTEP_CHECK_AS(UsageError, capacity > 0, "a cuda::GraphCache holds at least one graph");
-    }
-
-    //! Launches the graph kept for `key` on `stream`; without one, first captures `record` on
-    //! `stream` (Graph::capture), dropping the least recently launched graph past the capacity.
-    //! Returns whether it captured. A capture that throws keeps nothing.
-    template <class Record>
-    bool launch(const Key& key, cudaStream_t stream, Record&& record) {
-        const bool captured = prepare(key, stream, std::forward<Record>(record));
-        const auto it = index_.find(key);
-        order_.splice(order_.begin(), order_, it->second);  // most recent first
-        it->second->second.launch(stream);
-        return captured;
-    }
-
-    //! Captures `record` for `key` unless a graph is kept for it, without launching; returns
-    //! whether it captured (`launch` then launches it). A capture that throws keeps nothing.
-    template <class Record>
-    bool prepare(const Key& key, cudaStream_t stream, Record&& record) {
-        if (index_.count(key) != 0) return false;
-        Graph g = Graph::capture(stream, std::forward<Record>(record));
-        if (order_.size() >= capacity_) {
-            index_.erase(order_.back().first);
-            order_.pop_back();  // its graph is destroyed; its launches already enqueued still run
-        }
-        order_.emplace_front(key, std::move(g));
-        index_.emplace(key, order_.begin());
-        return true;
-    }
-    //! Drops the graph kept for `key`, if any.
-    void erase(const Key& key) {
-        const auto it = index_.find(key);
-        if (it == index_.end()) return;
-        order_.erase(it->second);
-        index_.erase(it);
-    }
-
-    //! Drops every graph: after an abort or a group rebuild, whose communicators the graphs hold.
-    void clear() noexcept {
-        index_.clear();
-        order_.clear();
-    }
-    bool contains(const Key& key) const { return index_.count(key) != 0; }
-    std::size_t size() const noexcept { return order_.size(); }
-    std::size_t capacity() const noexcept { return capacity_; }
-
-private:
-    struct KeyHash {
-        std::size_t operator()(const Key& k) const noexcept {
-            std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the values; equality decides
-            for (const std::int64_t v : k) h = (h ^ static_cast<std::uint64_t>(v)) * 1099511628211ull;
-            return static_cast<std::size_t>(h);
-        }
-    };
-    std::size_t capacity_;
-    std::list<std::pair<Key, Graph>> order_;  // most recently launched first
-    std::unordered_map<Key, std::list<std::pair<Key, Graph>>::iterator, KeyHash> index_;
 };
 
 //! How long a host wait on the device may last where no replica group says (a DataParallel
@@ -609,6 +439,27 @@ void read_to_host(void* dst, const void* src, std::size_t bytes, cudaStream_t st
     }
 }
 
+//! Copies `bytes` of host memory at `src` (pageable or not) to device memory at `dst` on `stream`,
+//! through the thread's pinned staging buffer, calling `wait()` (as read_to_host) after each chunk:
+//! a copy from pageable memory may block in the driver until the stream drains, without bound
+//! when a kernel before it hangs; one from pinned memory returns at once.
+template <class Wait>
+void write_from_host(void* dst, const void* src, std::size_t bytes, cudaStream_t stream, Wait&& wait) {
+    auto& staging = detail::pinned_staging();
+    for (std::size_t at = 0; at < bytes; at += detail::staging_chunk) {
+        const std::size_t n = std::min(detail::staging_chunk, bytes - at);
+        void* pinned = staging.get(n);
+        std::memcpy(pinned, static_cast<const char*>(src) + at, n);
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + at, pinned, n, cudaMemcpyHostToDevice, stream));
+        try {
+            wait();  // the copy has read the buffer before the next chunk overwrites it
+        } catch (...) {
+            staging.abandon();
+            throw;
+        }
+    }
+}
+
 //! Makes `waiter` wait (on the device) for the work enqueued on `producer` so far; a no-op when
 //! they are one stream. The host does not wait.
 inline void order_after(cudaStream_t waiter, int waiter_device, cudaStream_t producer, int producer_device) {
@@ -788,8 +639,9 @@ struct Allocator<Cuda> {
 };
 
 // Copies between backends run on the calling thread's current stream (after the work of the
-// streams the device operands were allocated on) and are complete on return; a read into host
-// memory goes through pinned staging and a polled, bounded wait.
+// streams the device operands were allocated on) and are complete on return; host memory is
+// read and written through pinned staging with polled, bounded waits (a pageable copy may block
+// in the driver behind a hung kernel).
 inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int device, const void* device_src,
                      const void* device_dst) {
     if (bytes == 0) return;
@@ -800,6 +652,10 @@ inline void transfer(void* dst, const void* src, std::size_t bytes, cudaMemcpyKi
     const char* what = "a copy between the host and a GPU, or between GPUs";
     if (kind == cudaMemcpyDeviceToHost) {
         cuda::read_to_host(dst, src, bytes, stream, [&] { cuda::wait_stream(stream, what); });
+        return;
+    }
+    if (kind == cudaMemcpyHostToDevice) {
+        cuda::write_from_host(dst, src, bytes, stream, [&] { cuda::wait_stream(stream, what); });
         return;
     }
     LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream));

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "lockstep/core/cuda_graph.cuh"
 #include "lockstep/kernels/cuda_bn_ops.cuh"
 #include "lockstep/kernels/cuda_common.cuh"
 #include "lockstep/kernels/cuda_layer_ops.cuh"

@@ -243,7 +243,7 @@ void zero_grad(M& module) {
 }
 
 //! What a captured step of `module` depends on besides its input (Note [graphs] in
-//! core/cuda_runtime.cuh): the number of parameters, and for every parameter its value's and
+//! core/cuda_graph.cuh): the number of parameters, and for every parameter its value's and
 //! gradient's shape and address, and for every buffer its shape and address. Two calls give equal
 //! signatures exactly when nothing a capture recorded of the module has changed: a parameter
 //! replaced, resized or moved gives another. Compared whole, never hashed alone.

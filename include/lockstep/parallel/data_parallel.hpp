@@ -479,9 +479,28 @@ private:
             pool_.run(std::move(job));
             caller.settle();  // the call succeeds only once its copies of the caller's objects have run
         } catch (...) {
-            drop_graphs();  // the groups may have been aborted: graphs hold their communicators
+            after_failure();
             throw;
         }
+    }
+
+    // After a failed call the groups are aborted, and graphs hold their communicators, whose abort
+    // waits for them (Note [aborting communicators] in comm/stream_group.hpp): every replica drops
+    // its graphs now, on its own thread, then the aborts are waited for (bounded), so the call
+    // returns with the communicators gone. A pool that gave up on a replica runs no job: that
+    // replica's graphs go with the object.
+    void after_failure() noexcept {
+        drop_graphs();
+        if (!pool_.usable()) return;
+        try {
+            pool_.run([core = core_](int r) {
+                const auto ur = static_cast<std::size_t>(r);
+                if (ur < core->replicas.size() && core->replicas[ur] != nullptr) core->replicas[ur]->drop_graphs();
+            });
+        } catch (...) {  // the call's own failure is what the caller sees
+        }
+        const auto deadline = std::chrono::steady_clock::now() + core_->options.timeout;
+        for (int g = 0; g < 2; ++g) (void)core_->abortable(g)->settle(deadline);
     }
 
     // Every replica drops its captured steps before its next one (Note [captured steps]).

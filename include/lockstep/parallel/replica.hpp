@@ -160,6 +160,12 @@ struct Replica {
     SerialWorker worker;
     std::optional<StepGraphs<backend>> graphs;  // with DataParallelOptions::graphs
     bool overlap = true;
+
+    //! Destroys the replica's captured steps, on its thread: after a failed call their
+    //! communicators are being aborted, which waits for them (Note [aborting communicators]).
+    void drop_graphs() noexcept {
+        if (graphs) graphs->clear();
+    }
     // Buckets all-reduced in bf16 (DataParallelOptions::gradient_precision).
     bool bf16_gradients = false;
     std::atomic<std::size_t> reduced{0};  // buckets all-reduced in this step so far

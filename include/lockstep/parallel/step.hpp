@@ -77,7 +77,7 @@ namespace lockstep::parallel::detail {
 
 // Note [captured steps]
 // With DataParallelOptions::graphs (CUDA) a replica's training step is two CUDA graphs (Note
-// [graphs] in core/cuda_runtime.cuh) launched on its stream, with the commit point between them:
+// [graphs] in core/cuda_graph.cuh) launched on its stream, with the commit point between them:
 //   (a) forward, loss, backward, SyncBatchNorm's collectives and the buckets' all-reduces, ending
 //       with the all-reduced gradients and the step's scalars copied into the replica's pinned
 //       memory (cuda::PinnedScalars): with check_finite the gradients' squared norms and the
@@ -108,7 +108,10 @@ namespace lockstep::parallel::detail {
 //   a second barrier before anyone launches. What is left between the vote and the launch is
 //   cudaGraphLaunch itself, which fails only on a device that has failed already. (b) holds no
 //   collective: each replica decides for itself, and captures it before (a)'s vote (capturing
-//   runs nothing), so a capture CUDA refuses fails the step before anything runs.
+//   runs nothing), so a capture CUDA refuses fails the step before anything runs. Each graph is
+//   uploaded when captured and the upload waited for (Note [graph memory] in
+//   core/cuda_graph.cuh): a graph whose memory does not fit fails there, before the barrier
+//   that lets the replicas launch, and no launch needs memory after it.
 // - Before each launch of (a), eagerly: the buffers saved (a failure before the launch restores
 //   them), and the step's input copied into the tensors the graph reads (one set per key, dropped
 //   with its graph): the shard of x, and the targets: class labels through pinned staging after
@@ -491,6 +494,9 @@ bool forward_backward_graphed(Core<Module, Group>& core, int r, StepCall<Loss>& 
             } catch (const CaptureRefused& e) {
                 capture_refused(r, "forward and backward", e);
             }
+            // Its upload has run: a graph whose memory does not fit failed above, before any
+            // replica launches (Note [graph memory] in core/cuda_graph.cuh).
+            K::wait(ex, "uploading a captured step's graph");
             ++g.captures;
             g.prune();  // the inputs of a graph the capture pushed out
             // No replica launches before every replica has its graph (a capture that fails at its
@@ -542,7 +548,10 @@ std::optional<std::vector<std::int64_t>> prepare_update(Replica<Module>& rep, Op
         auto& g = *rep.graphs;
         if (!key || g.seen_update.count(*key) == 0) return key;
         try {
-            if (g.update.prepare(*key, rep.ctx.exec.stream, [&] { run_update(rep, optimizer, options); })) ++g.captures;
+            if (g.update.prepare(*key, rep.ctx.exec.stream, [&] { run_update(rep, optimizer, options); })) {
+                K::wait(rep.ctx.exec, "uploading a captured update's graph");  // Note [graph memory]
+                ++g.captures;
+            }
         } catch (const CaptureRefused& e) {
             capture_refused(r, "update", e);
         }

@@ -24,6 +24,10 @@ public:
     virtual void abort(const std::string& reason, int failed_rank) noexcept = 0;
     //! Makes the object usable again once no thread is waiting in it.
     virtual void reset() = 0;
+    //! Waits until what abort() left running in the background has ended (a CUDA group's
+    //! communicators: Note [aborting communicators] in comm/stream_group.hpp), or until `deadline`;
+    //! false if it has not ended by then. Objects whose abort() completes in place return true.
+    virtual bool settle(std::chrono::steady_clock::time_point /*deadline*/) noexcept { return true; }
 };
 
 // Note [no wait forever]
