@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -233,6 +235,10 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
     }
 
     // ---- generic (the rest is in LayerOps and BatchNormOps) -----------------------------------
+
+    //! None: device memory is read on the host only after a wait, which a loss does not make
+    //! (SoftmaxCrossEntropy leaves a CUDA tensor of labels unchecked: Note [captured steps]).
+    static std::optional<std::span<const std::int64_t>> host_values(const T_<std::int64_t>&) { return std::nullopt; }
 
     //! dst[dst_offset, +count) = src[src_offset, +count), on the replica's stream, after the work
     //! of the streams the tensors were allocated on, which free them only after this copy (Note

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -328,6 +329,11 @@ struct Ops<Host> {
     }
 
     // ---- losses -------------------------------------------------------------------------------
+
+    //! The values of `labels`, readable here without a wait: host memory is.
+    static std::optional<std::span<const std::int64_t>> host_values(const T_<std::int64_t>& labels) {
+        return std::span<const std::int64_t>(labels.data(), static_cast<std::size_t>(labels.numel()));
+    }
 
     //! dst = `labels`.
     static void upload_labels(const Ex&, std::span<const std::int64_t> labels, T_<std::int64_t>& dst) {

@@ -191,6 +191,8 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
     K::maxpool_forward(ex, PoolGeometry{}, cf, f, i32);
     K::maxpool_backward(ex, PoolGeometry{}, cf, ci32, f);
     K::softmax_cross_entropy(ex, cf, labels, 1.0, f, d);
+    // A tensor's values where the host reads them without a wait (labels checked in a loss), or none.
+    { K::host_values(std::as_const(i64)) } -> std::same_as<std::optional<std::span<const std::int64_t>>>;
     K::mse(ex, cf, cf, 1.0, f, d);
     K::sgd_step_many(ex, sgd, SgdUpdate{});
     // Batch norm (Note [batch-norm kernels]).

@@ -83,7 +83,7 @@ public:
         LOCKSTEP_CHECK_AS(ShapeError, labels.numel() == N, "SoftmaxCrossEntropy: ", labels.numel(), " labels for a batch of ", N,
                           "; pass one label per sample");
         check_device(logits.device(), labels.device(), "SoftmaxCrossEntropy: the labels");
-        if constexpr (std::is_same_v<B, Host>) check_labels(labels.span(), N, logits.dim(1));
+        if (const auto host = kernels::Ops<B>::host_values(labels)) check_labels(*host, N, logits.dim(1));
         LossOutput<B> out = make_output(logits);
         kernels::Ops<B>::softmax_cross_entropy(ctx.exec, logits, labels, detail::inverse_count(ctx.global_batch, N), out.grad,
                                                out.totals);
