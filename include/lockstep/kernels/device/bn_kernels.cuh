@@ -155,7 +155,10 @@ struct Span {
         const unsigned int n = per_plane.div(j);
         const unsigned int k = j - n * per_plane.d;
         const std::int64_t start = (static_cast<std::int64_t>(n) * C + c) * P;
-        const std::int64_t at = (start & ~static_cast<std::int64_t>(V - 1)) + static_cast<std::int64_t>(k) * V;
+        // Counted in whole windows (start >= 0), not as `(start & ~(V - 1)) + k V`: from that form
+        // nvcc kept a window's load one vector but split its store into V scalar stores (the static
+        // gate checks the PTX for vector stores: scripts/check-kernel-resources.py).
+        const std::int64_t at = (start / V + static_cast<std::int64_t>(k)) * V;
         const std::int64_t lo = start - at, hi = start + P - at;  // lo < V; hi > -V (k < per_plane)
         return {at, lo > 0 ? static_cast<int>(lo) : 0, hi < V ? static_cast<int>(hi) : V};
     }
