@@ -10,9 +10,22 @@ architecture:
     `.maxntid T` and `.minnctapersm B` in the PTX, and B blocks of T threads fit on a
     multiprocessor (65536 registers) only if each thread has at most
     min(255, floor(65536 / (T * B)) rounded down to a multiple of 8) registers;
-  - a `__launch_bounds__` at all (a kernel without one has no occupancy to keep).
-Prints a table (architecture, registers, budget, shared memory, local memory, kernel) and exits
-non-zero on any violation; a gate that finds no kernel at all fails.
+  - a `__launch_bounds__` at all (a kernel without one has no occupancy to keep);
+  - vector accesses where a kernel has a vector width: the width V is an `int` template argument
+    of the kernel's body (`map_kernel<bn_kernels::NormalizeChannelsFirst<float, 4>>`,
+    `map_kernel<layer_kernels::ChannelMajor<4, float, float>>`), read from the mangled name
+    (`Li4E`; no body has another `int` argument, and a `bool` one mangles as `Lb`). A kernel with
+    V > 1 reads and writes its tensors in packs of V elements (`load_pack`, `store_pack`), each of
+    which must be one vector instruction. In its PTX, for every architecture:
+      - a kernel with any global load has at least one `ld.global[...].v2/.v4/.v8`;
+      - a map kernel (`map_kernel<...>`: it writes its output in packs) has at least one
+        `st.global[...].v2/.v4/.v8`. A reducing kernel stores only its per-block partials and
+        per-channel results, which are no packs, so only its loads are checked.
+    A pack split into element accesses is V times the memory instructions, and the compiler
+    does that silently (the channels-first SyncBatchNorm passes once stored no vector at all).
+Prints a table (architecture, registers, budget, shared memory, local memory, vector width,
+vector stores / loads in the PTX, kernel) and exits non-zero on any violation; a gate that finds
+no kernel at all fails.
 
 Usage:
   check-kernel-resources.py --resource-usage STDERR.txt --ptx A.compute_75.ptx [--ptx ...]
@@ -114,17 +127,58 @@ PTX_ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\(")
 PTX_DIRECTIVE_RE = re.compile(r"\.(maxntid|reqntid|minnctapersm|maxnreg)\s+([\d\s,]+)")
 
 
+# Global loads and stores, and the vector ones among them (`st.global.v4.f32`, `ld.global.nc.v2.u32`,
+# `st.global.L1::no_allocate.v4.b32`): the qualifiers sit between `.global` and `.vN`.
+PTX_LD_RE = re.compile(r"\bld\.global\b")
+PTX_ST_RE = re.compile(r"\bst\.global\b")
+PTX_VLD_RE = re.compile(r"\bld\.global[\w.:]*?\.v[248]\.")
+PTX_VST_RE = re.compile(r"\bst\.global[\w.:]*?\.v[248]\.")
+WIDTH_RE = re.compile(r"Li(\d+)E")  # an int template argument in an Itanium mangled name
+
+
+class Access:
+    """A kernel's global memory instructions in the PTX."""
+
+    def __init__(self, body):
+        self.loads, self.stores = len(PTX_LD_RE.findall(body)), len(PTX_ST_RE.findall(body))
+        self.vector_loads, self.vector_stores = len(PTX_VLD_RE.findall(body)), len(PTX_VST_RE.findall(body))
+
+
+def body_of(text, start):
+    """The text of the `{ ... }` block that opens at or after `start` (braces nest in PTX)."""
+    i = text.find("{", start)
+    if i < 0:
+        return ""
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i: j + 1]
+    return text[i:]
+
+
+def vector_width(mangled):
+    """The kernel's vector width: the largest int template argument in its name, 1 without one."""
+    return max((int(v) for v in WIDTH_RE.findall(mangled)), default=1)
+
+
+def is_map_kernel(mangled):
+    return re.search(r"\d+map_kernelI", mangled) is not None
+
+
 def parse_ptx(text):
-    """(architecture, {entry: (threads or None, min blocks, maxnreg or None)}) of one PTX file."""
+    """(architecture, {entry: (threads or None, min blocks, maxnreg or None)}, {entry: Access})
+    of one PTX file."""
     t = PTX_TARGET_RE.search(text)
     arch = t.group(1) if t else None
-    bounds = {}
+    bounds, access = {}, {}
     entries = list(PTX_ENTRY_RE.finditer(text))
     for i, m in enumerate(entries):
         # The performance directives sit between the parameter list and the body's `{`.
         end = entries[i + 1].start() if i + 1 < len(entries) else len(text)
         body = text.find("{", m.end())
         header = text[m.end(): body if 0 <= body < end else end]
+        access[m.group(1)] = Access(body_of(text, body) if 0 <= body < end else "")
         threads, blocks, maxnreg = None, 1, None
         for d, values in PTX_DIRECTIVE_RE.findall(header):
             nums = [int(v) for v in re.findall(r"\d+", values)]
@@ -137,7 +191,26 @@ def parse_ptx(text):
             elif d == "maxnreg":
                 maxnreg = nums[0]
         bounds[m.group(1)] = (threads, blocks, maxnreg)
-    return arch, bounds
+    return arch, bounds, access
+
+
+def vector_violations(arch, access):
+    """What the PTX of `arch` lacks in vector accesses (see the module's docstring), by kernel."""
+    out = {}
+    for name, a in access.items():
+        v = vector_width(name)
+        if v <= 1:
+            continue
+        why = []
+        if a.loads and not a.vector_loads:
+            why.append(f"width {v} but no vector global load (ld.global.v*) among its {a.loads} global loads: "
+                       f"its packs are read element by element")
+        if is_map_kernel(name) and not a.vector_stores:
+            why.append(f"width {v} but no vector global store (st.global.v*) among its {a.stores} global stores: "
+                       f"its packs are written element by element")
+        if why:
+            out[name] = why
+    return out
 
 
 def budget_of(threads, blocks, maxnreg):
@@ -197,12 +270,13 @@ def main(argv):
             usage = f.read()
     kernels, functions, ptxas_errors = parse_resource_usage(usage)
 
-    bounds_by_arch, any_bounds = {}, {}
+    bounds_by_arch, any_bounds, access_by_arch = {}, {}, {}
     for path in args.ptx:
         with open(path, encoding="utf-8", errors="replace") as f:
-            arch, bounds = parse_ptx(f.read())
+            arch, bounds, access = parse_ptx(f.read())
         bounds_by_arch.setdefault(arch, {}).update(bounds)
         any_bounds.update(bounds)
+        access_by_arch.setdefault(arch, {}).update(access)
 
     violations = []
     for e in ptxas_errors:
@@ -216,7 +290,13 @@ def main(argv):
     if not args.ptx:
         violations.append("no PTX given (--ptx): the launch bounds, and so the register budgets, are unknown")
 
-    names = demangle(sorted({k.name for k in kernels} | {f.name for f in functions}))
+    ptx_names = {n for access in access_by_arch.values() for n in access}
+    names = demangle(sorted({k.name for k in kernels} | {f.name for f in functions} | ptx_names))
+    vector_checked = set()
+    for arch, access in sorted(access_by_arch.items(), key=lambda a: str(a[0])):
+        for name, why in vector_violations(arch, access).items():
+            violations.extend(f"{arch} {names[name]}: {w}" for w in why)
+        vector_checked |= {(arch, n) for n in access if vector_width(n) > 1}
     rows = []
     for k in kernels:
         b = bounds_by_arch.get(k.arch, {}).get(k.name) or any_bounds.get(k.name)
@@ -239,28 +319,33 @@ def main(argv):
         if k.spill_stores or k.spill_loads:
             violations.append(f"{label}: spills registers to local memory ({k.spill_stores} bytes of spill stores, "
                               f"{k.spill_loads} bytes of spill loads)")
+        a = access_by_arch.get(k.arch, {}).get(k.name)
+        width = vector_width(k.name)
+        vectors = "-" if a is None or width == 1 else f"{a.vector_stores}/{a.vector_loads}"
         rows.append((k.arch, "?" if k.registers is None else str(k.registers),
-                     "?" if budget is None else str(budget), str(k.smem), str(k.lmem), names[k.name]))
+                     "?" if budget is None else str(budget), str(k.smem), str(k.lmem), str(width), vectors,
+                     names[k.name]))
     for f in functions:
         violations.append(f"{f.arch} {names[f.name]} (device function): {f.lmem} bytes of local memory, "
                           f"{f.spill_stores} bytes of spill stores, {f.spill_loads} of spill loads, must be 0")
 
     if not args.quiet and rows:
-        head = ("arch", "regs", "budget", "smem", "lmem", "kernel")
-        widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
-        fmt = "{:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}  {}" % tuple(widths)
+        head = ("arch", "regs", "budget", "smem", "lmem", "V", "vst/vld", "kernel")
+        widths = [max(len(r[i]) for r in rows + [head]) for i in range(7)]
+        fmt = "{:<%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}  {:>%d}  {}" % tuple(widths)
         print(fmt.format(*head))
-        for r in sorted(rows, key=lambda r: (r[0], r[5])):
+        for r in sorted(rows, key=lambda r: (r[0], r[7])):
             print(fmt.format(*r))
         archs = sorted({k.arch for k in kernels})
         print(f"{len({k.name for k in kernels})} kernels x {len(archs)} architectures ({', '.join(archs)}): "
-              f"{len(rows)} checked")
+              f"{len(rows)} checked; {len(vector_checked)} of width > 1 checked for vector accesses in the PTX")
     if violations:
-        print(f"\nFAILED: {len(violations)} violation(s) of the kernels' resource budget:", file=sys.stderr)
+        print(f"\nFAILED: {len(violations)} violation(s) of the kernels' static gate:", file=sys.stderr)
         for v in violations:
             print(f"  {v}", file=sys.stderr)
         return 1
-    print("OK: no local memory, every kernel within its launch bounds' register budget")
+    print("OK: no local memory, every kernel within its launch bounds' register budget, "
+          "every kernel of width > 1 with vector accesses")
     return 0
 
 

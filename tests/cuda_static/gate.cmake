@@ -1,15 +1,19 @@
 # SPDX-License-Identifier: MIT
 # The static gate of the CUDA kernels, run by CTest (see CMakeLists.txt here):
 #   cmake -DNVCC=... -DSOURCE=... -DWORK=... -DSCRIPT=... -DPYTHON=... -DARCHS="75|80|90"
-#         -DINCLUDES="dir|dir" [-DHOST_COMPILER=...] -DMODE=gate|catches_lmem -P gate.cmake
+#         -DINCLUDES="dir|dir" [-DHOST_COMPILER=...] -DMODE=gate|catches_lmem|catches_scalar_packs -P gate.cmake
 # (lists joined by '|': CTest would split a ';' list into separate arguments)
 # MODE=gate: SOURCE compiles for every architecture in ARCHS in one nvcc run with ptxas's
 #   -warn-spills,-warn-lmem-usage,-Werror (a kernel that spills or uses local memory fails the
 #   compile), and check-kernel-resources.py checks what --resource-usage printed against the launch
-#   bounds in the PTX of the same run. Passes only if both pass.
+#   bounds in the PTX of the same run, and that every kernel of vector width > 1 has vector
+#   loads and (map kernels) stores in that PTX. Passes only if both pass.
 # MODE=catches_lmem: the gate's own negative test. SOURCE uses local memory: the -Werror compile
 #   must fail, saying so; a compile without -Werror must succeed and the script must fail on it,
 #   naming every kernel of SOURCE; and the script must fail on input with no kernel at all.
+# MODE=catches_scalar_packs: the negative test of the vector check. SOURCE's kernels use no local
+#   memory, so the -Werror compile must pass; the script must then fail for exactly its width-4
+#   kernels that access packs element by element, on every architecture, and for nothing else.
 
 foreach(var NVCC SOURCE WORK SCRIPT PYTHON ARCHS MODE)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
@@ -144,6 +148,38 @@ elseif(MODE STREQUAL "catches_lmem")
     message(FATAL_ERROR "check-kernel-resources.py passed a report with no kernel in it:\n${out}")
   endif()
   message(STATUS "check-kernel-resources.py refused local memory, spills and an empty report, as it should")
+elseif(MODE STREQUAL "catches_scalar_packs")
+  compile(strict ${werror})
+  if(NOT strict_rc EQUAL 0)
+    not_info("${strict_err}" why)
+    message(FATAL_ERROR "${SOURCE} must compile with -Werror (only its vector accesses are wrong):\n${why}")
+  endif()
+  check(strict rc out)
+  message("${out}")
+  if(rc EQUAL 0)
+    message(FATAL_ERROR "check-kernel-resources.py passed width-4 kernels that access their packs element by element")
+  endif()
+  set(expected
+      "map_kernel<ScalarStores<4> >: width 4 but no vector global store"
+      "map_kernel<ScalarLoads<4> >: width 4 but no vector global load"
+      "reduce_kernel<ScalarSum<4> >: width 4 but no vector global load")
+  foreach(arch IN LISTS ARCHS)
+    foreach(what IN LISTS expected)
+      string(FIND "${out}" "sm_${arch} ${what}" at)
+      if(at EQUAL -1)
+        message(FATAL_ERROR "check-kernel-resources.py did not report on sm_${arch}: ${what}")
+      endif()
+    endforeach()
+  endforeach()
+  # Nothing else: not the kernels done right, not the reducing kernel's scalar store (no pack).
+  list(LENGTH expected per_arch)
+  list(LENGTH ARCHS arch_count)
+  math(EXPR want "${per_arch} * ${arch_count}")
+  if(NOT out MATCHES "FAILED: ${want} violation")
+    message(FATAL_ERROR "check-kernel-resources.py should have found exactly ${want} violations (${per_arch} per "
+                        "architecture), no more")
+  endif()
+  message(STATUS "check-kernel-resources.py refused the packs accessed element by element, and only them, as it should")
 else()
-  message(FATAL_ERROR "gate.cmake: MODE=${MODE}: gate or catches_lmem")
+  message(FATAL_ERROR "gate.cmake: MODE=${MODE}: gate, catches_lmem or catches_scalar_packs")
 endif()
