@@ -213,6 +213,21 @@ LOCKSTEP_HD inline SumsV<V> gather_lane(Sums2* partials, const Span& s, const Wh
     return v;
 }
 
+//! k[e] = f(e) for the V channels of a channels-last lane, one channel after another. The fp64
+//! prologue of the normalize and dx passes unrolled V times over needs more registers than their
+//! budget on sm_100 and sm_120 (an 8-byte stack frame there); a rolled loop storing k[e] would put
+//! k in local memory, so each k[i] is set by a compile-time select (the inner loop, unrolled).
+template <int V, class K, class F>
+LOCKSTEP_HD inline void each_channel(K (&k)[V], const F& f) {
+    LOCKSTEP_NO_UNROLL
+    for (int e = 0; e < V; ++e) {
+        const K ke = f(e);
+        LOCKSTEP_UNROLL
+        for (int i = 0; i < V; ++i)
+            if (i == e) k[i] = ke;
+    }
+}
+
 //! The lanes of a channels-last row over C channels of V a lane (Note [channels-last lanes]).
 inline int channels_last_lanes(std::int64_t C, int V) {
     int lanes = tile;
@@ -477,10 +492,9 @@ struct NormalizeChannelsLast {
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         const std::int64_t c0 = lane_channel<V>(p.span.group(w), p.span.lane(w.t), p.span.lanes);
         if (c0 >= p.span.C) return;
-        ChannelConstants k[V];
+        ChannelConstants k[V]{};  // each_channel sets all; {} for g++'s -Wmaybe-uninitialized
         const bool writer = p.span.chunk(w) == 0 && w.t < p.span.lanes;  // the first row of the first chunk
-        LOCKSTEP_UNROLL
-        for (int e = 0; e < V; ++e) k[e] = normalize_constants_of(p, c0 + e, writer);
+        each_channel(k, [&](int e) { return normalize_constants_of(p, c0 + e, writer); });
         for (unsigned int r = p.span.first_row(w); r < p.span.end(w); r += p.span.row_step()) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
             const auto in = load_pack<V>(p.x + off);
@@ -689,9 +703,8 @@ struct DxChannelsLast {
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         const std::int64_t c0 = lane_channel<V>(p.span.group(w), p.span.lane(w.t), p.span.lanes);
         if (c0 >= p.span.C) return;
-        DxConstants k[V];
-        LOCKSTEP_UNROLL
-        for (int e = 0; e < V; ++e) k[e] = dx_constants_of(p, c0 + e);
+        DxConstants k[V]{};  // each_channel sets all; {} for g++'s -Wmaybe-uninitialized
+        each_channel(k, [&](int e) { return dx_constants_of(p, c0 + e); });
         for (unsigned int r = p.span.first_row(w); r < p.span.end(w); r += p.span.row_step()) {
             const std::int64_t off = static_cast<std::int64_t>(r) * p.span.C + c0;
             const auto x = load_pack<V>(p.x + off);

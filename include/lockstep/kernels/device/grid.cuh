@@ -19,11 +19,14 @@
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
 
-//! Unrolls the next loop in device code (host compilers unroll as they see fit).
+//! Unrolls the next loop in device code (host compilers unroll as they see fit);
+//! LOCKSTEP_NO_UNROLL keeps it rolled there, where copies of its body would exceed a register budget.
 #if defined(__CUDACC__)
 #define LOCKSTEP_UNROLL _Pragma("unroll")
+#define LOCKSTEP_NO_UNROLL _Pragma("unroll 1")
 #else
 #define LOCKSTEP_UNROLL
+#define LOCKSTEP_NO_UNROLL
 #endif
 
 namespace lockstep::kernels::device {

@@ -62,8 +62,12 @@ struct ColumnSum {
             column[row * K::lanes + lane] = v;
             __syncthreads();
             Value total = v;
-            if (row == 0)
+            if (row == 0) {
+                // Rolled: unrolled, the rows' loads of a wide Value (StatsChannelsLast<T, 4>: 4
+                // channels' two fp64 sums) spill on sm_100.
+                LOCKSTEP_NO_UNROLL
                 for (int r = 1; r < K::rows; ++r) total = total + column[r * K::lanes + lane];
+            }
             return total;
         }
     }

@@ -46,12 +46,15 @@ struct SoftmaxCrossEntropy {
                 if (z[best] < z[k]) best = k;
             const double zmax = z[best];
             double denom = 0;
+            // Rolled, as the gradients' loop below: unrolled copies of the fp64 exp spill on sm_100 and sm_120.
+            LOCKSTEP_NO_UNROLL
             for (std::int64_t k = 0; k < p.K; ++k) denom += ::exp(static_cast<double>(z[k]) - zmax);
             const double log_denom = ::log(denom);
             const std::int64_t label = p.labels[n];
             const bool valid = label >= 0 && label < p.K;
             total.a += valid ? log_denom - (static_cast<double>(z[valid ? label : 0]) - zmax) : ::nan("");
             total.b += valid && best == label ? 1.0 : 0.0;
+            LOCKSTEP_NO_UNROLL
             for (std::int64_t k = 0; k < p.K; ++k) {
                 const double q = ::exp(static_cast<double>(z[k]) - zmax - log_denom);
                 gr[k] = static_cast<float>((q - (k == label ? 1.0 : 0.0)) * p.inv_count);
