@@ -16,11 +16,16 @@ architecture:
     `map_kernel<layer_kernels::ChannelMajor<4, float, float>>`), read from the mangled name
     (`Li4E`; no body has another `int` argument, and a `bool` one mangles as `Lb`). A kernel with
     V > 1 reads and writes its tensors in packs of V elements (`load_pack`, `store_pack`), each of
-    which must be one vector instruction. In its PTX, for every architecture:
-      - a kernel with any global load has at least one `ld.global[...].v2/.v4/.v8`;
-      - a map kernel (`map_kernel<...>`: it writes its output in packs) has at least one
-        `st.global[...].v2/.v4/.v8`. A reducing kernel stores only its per-block partials and
-        per-channel results, which are no packs, so only its loads are checked.
+    which must be one instruction. In its PTX, for every architecture:
+      - a kernel with any global load has at least one pack load, `ld.global[...].v2/.v4/.v8`;
+      - a map kernel (`map_kernel<...>`: it writes its output in packs) has at least one pack
+        store, `st.global[...].v2/.v4/.v8`. A reducing kernel stores only its per-block partials
+        and per-channel results, which are no packs, so only its loads are checked.
+    A pack of two 16-bit values (V = 2 and a `__half` or `__nv_bfloat16` argument: 4 bytes) is
+    `.v2.u16` in PTX for sm_75 to sm_90 but one `.u32` for sm_100 on, so a 32-bit integer access
+    (`.u32`, `.b32`, `.s32`) counts as its pack access too. In the PTX for sm_90, where their
+    packs are `.v2.u16`, these kernels load no 32-bit integer, and store one only in a reducing
+    kernel (its ticket counter, whose stores are not checked).
     A pack split into element accesses is V times the memory instructions, and the compiler
     does that silently (the channels-first SyncBatchNorm passes once stored no vector at all).
 Prints a table (architecture, registers, budget, shared memory, local memory, vector width,
@@ -133,7 +138,10 @@ PTX_LD_RE = re.compile(r"\bld\.global\b")
 PTX_ST_RE = re.compile(r"\bst\.global\b")
 PTX_VLD_RE = re.compile(r"\bld\.global[\w.:]*?\.v[248]\.")
 PTX_VST_RE = re.compile(r"\bst\.global[\w.:]*?\.v[248]\.")
+PTX_WLD_RE = re.compile(r"\bld\.global[\w.:]*?\.[bus]32\b")  # a 32-bit integer (a 16-bit pair, sm_100 on)
+PTX_WST_RE = re.compile(r"\bst\.global[\w.:]*?\.[bus]32\b")
 WIDTH_RE = re.compile(r"Li(\d+)E")  # an int template argument in an Itanium mangled name
+HALF_RE = re.compile(r"6__half|13__nv_bfloat16")  # a 16-bit type argument
 
 
 class Access:
@@ -142,6 +150,7 @@ class Access:
     def __init__(self, body):
         self.loads, self.stores = len(PTX_LD_RE.findall(body)), len(PTX_ST_RE.findall(body))
         self.vector_loads, self.vector_stores = len(PTX_VLD_RE.findall(body)), len(PTX_VST_RE.findall(body))
+        self.word_loads, self.word_stores = len(PTX_WLD_RE.findall(body)), len(PTX_WST_RE.findall(body))
 
 
 def body_of(text, start):
@@ -164,6 +173,13 @@ def vector_width(mangled):
 
 def is_map_kernel(mangled):
     return re.search(r"\d+map_kernelI", mangled) is not None
+
+
+def pack_accesses(mangled, a):
+    """(loads, stores) of `a` that may be the kernel's packs (see the module's docstring)."""
+    if vector_width(mangled) == 2 and HALF_RE.search(mangled):
+        return a.vector_loads + a.word_loads, a.vector_stores + a.word_stores
+    return a.vector_loads, a.vector_stores
 
 
 def parse_ptx(text):
@@ -202,12 +218,14 @@ def vector_violations(arch, access):
         if v <= 1:
             continue
         why = []
-        if a.loads and not a.vector_loads:
-            why.append(f"width {v} but no vector global load (ld.global.v*) among its {a.loads} global loads: "
-                       f"its packs are read element by element")
-        if is_map_kernel(name) and not a.vector_stores:
-            why.append(f"width {v} but no vector global store (st.global.v*) among its {a.stores} global stores: "
-                       f"its packs are written element by element")
+        pack_loads, pack_stores = pack_accesses(name, a)
+        pair = ", or .u32 for a 16-bit pair" if v == 2 and HALF_RE.search(name) else ""
+        if a.loads and not pack_loads:
+            why.append(f"width {v} but no vector global load (ld.global.v*{pair}) among its {a.loads} global "
+                       f"loads: its packs are read element by element")
+        if is_map_kernel(name) and not pack_stores:
+            why.append(f"width {v} but no vector global store (st.global.v*{pair}) among its {a.stores} global "
+                       f"stores: its packs are written element by element")
         if why:
             out[name] = why
     return out
@@ -321,7 +339,7 @@ def main(argv):
                               f"{k.spill_loads} bytes of spill loads)")
         a = access_by_arch.get(k.arch, {}).get(k.name)
         width = vector_width(k.name)
-        vectors = "-" if a is None or width == 1 else f"{a.vector_stores}/{a.vector_loads}"
+        vectors = "-" if a is None or width == 1 else "{1}/{0}".format(*pack_accesses(k.name, a))
         rows.append((k.arch, "?" if k.registers is None else str(k.registers),
                      "?" if budget is None else str(budget), str(k.smem), str(k.lmem), str(width), vectors,
                      names[k.name]))

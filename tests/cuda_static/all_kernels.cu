@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
 //! The static gate's translation unit (CTest label `cuda-static`, see CMakeLists.txt here):
 //! instantiates every CUDA kernel of lockstep, for every storage type, layout and vector width,
-//! so that ptxas sees each `__global__` function once per architecture (sm_75, sm_80, sm_90) and
+//! so that ptxas sees each `__global__` function once per architecture (sm_75 to sm_120) and
 //! scripts/check-kernel-resources.py can check its registers against its `__launch_bounds__`
-//! budget and that it uses no local memory. Compiled to an object file only; nothing here runs.
+//! budget, that it uses no local memory, and that its packs are vector accesses. Compiled to an
+//! object file only; nothing here runs.
 //!
 //! Kernels are instantiated through the operations that launch them, never one by one: every
 //! operation chooses its kernel (layout, vector width) at run time, so calling it once for each

@@ -162,7 +162,9 @@ elseif(MODE STREQUAL "catches_scalar_packs")
   set(expected
       "map_kernel<ScalarStores<4> >: width 4 but no vector global store"
       "map_kernel<ScalarLoads<4> >: width 4 but no vector global load"
-      "reduce_kernel<ScalarSum<4> >: width 4 but no vector global load")
+      "reduce_kernel<ScalarSum<4> >: width 4 but no vector global load"
+      "map_kernel<ScalarPairs<__half, 2> >: width 2 but no vector global load"
+      "map_kernel<ScalarPairs<__half, 2> >: width 2 but no vector global store")
   foreach(arch IN LISTS ARCHS)
     foreach(what IN LISTS expected)
       string(FIND "${out}" "sm_${arch} ${what}" at)
