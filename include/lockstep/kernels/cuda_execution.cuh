@@ -21,7 +21,7 @@ class PinnedScalars;  // core/cuda_runtime.cuh: a captured step's scalars on the
 }  // namespace cuda
 
 namespace kernels::cuda_ops {
-class LayerWorkspace;     // cuda_layer_ops.cuh: Note [one layer workspace]
+class LayerWorkspace;     // cuda_layer_run.cuh: Note [one layer workspace]
 class CudnnConvolutions;  // cuda_cudnn.cuh: Note [cuDNN convolutions]
 }  // namespace kernels::cuda_ops
 
