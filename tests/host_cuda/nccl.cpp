@@ -190,31 +190,81 @@ A combine(A a, A b, ncclRedOp_t op) {
     return b < a ? b : a;
 }
 
-//! out[i] = in[0][i] op in[1][i] op ... in rank order, in float for the 16-bit types (rounded
-//! once, to nearest even): the same bits on every rank.
+// Note [the double's summation order]
+// NCCL's ring, tree and NVLS algorithms add the ranks' values in an order that depends on where an
+// element falls in the message (its chunk), on the message's size (which picks the algorithm) and
+// on the plan (a captured collective may be planned otherwise than an eager one), never simply in
+// rank order 0..n-1. Every rank still gets the same bits: each element is reduced once and the
+// result copied to all. The double does the same, so a test that asks for rank-order sums, or for
+// eager and captured collectives to agree to the bit, fails here as it could on a GPU (with two
+// ranks every order gives the same sum: IEEE addition commutes):
+// - small messages (at most 32 KiB): a pairwise tree over the ranks, in an order rotated by the
+//   element's 64-element line, one rank further in a captured plan;
+// - larger ones: a ring, each of n chunks reduced starting at the rank after its own, the
+//   direction reversed in a captured plan.
+
+//! Which reduction plan a collective's elements follow (Note [the double's summation order]).
+struct Plan {
+    std::size_t count = 0;
+    std::size_t bytes = 0;
+    bool captured = false;
+};
+
+//! The ranks in the order element `i` adds them (at most `ranks.size()` of them).
+void order_of(std::size_t i, const Plan& plan, std::vector<std::size_t>& ranks) {
+    const std::size_t n = ranks.size();
+    if (plan.bytes <= (std::size_t{32} << 10)) {
+        const std::size_t rot = (i / 64 + (plan.captured ? 1 : 0)) % n;
+        for (std::size_t k = 0; k < n; ++k) ranks[k] = (rot + k) % n;
+        return;
+    }
+    const std::size_t chunk = (plan.count + n - 1) / n, c = i / chunk;
+    for (std::size_t k = 0; k < n; ++k) ranks[k] = plan.captured ? (c + 2 * n - 1 - k) % n : (c + 1 + k) % n;
+}
+
+//! out[i] = the op over the ranks' in[r][i], in the order of the plan (a pairwise tree for small
+//! messages, else a ring); in float for the 16-bit types (rounded once, to nearest even). Each
+//! element is reduced once, for every rank: the same bits on every rank.
 template <class T>
-void reduce(const std::vector<const void*>& in, void* out, std::size_t count, ncclRedOp_t op) {
+void reduce(const std::vector<const void*>& in, void* out, std::size_t count, ncclRedOp_t op, const Plan& plan) {
     using A = typename Acc<T>::type;
+    const std::size_t n = in.size();
+    std::vector<std::size_t> ranks(n);
+    std::vector<A> level(n);
+    const bool tree = plan.bytes <= (std::size_t{32} << 10);
     for (std::size_t i = 0; i < count; ++i) {
-        A acc = load(static_cast<const T*>(in[0])[i]);
-        for (std::size_t r = 1; r < in.size(); ++r) acc = combine(acc, load(static_cast<const T*>(in[r])[i]), op);
-        if (op == ncclAvg) acc = static_cast<A>(acc / static_cast<A>(in.size()));
+        order_of(i, plan, ranks);
+        for (std::size_t k = 0; k < n; ++k) level[k] = load(static_cast<const T*>(in[ranks[k]])[i]);
+        A acc;
+        if (tree) {
+            for (std::size_t width = n; width > 1; width = (width + 1) / 2)
+                for (std::size_t k = 0; k < width / 2; ++k) {
+                    level[k] = combine(level[2 * k], level[2 * k + 1], op);
+                    if (k == width / 2 - 1 && width % 2 == 1) level[k + 1] = level[width - 1];
+                }
+            acc = level[0];
+        } else {
+            acc = level[0];
+            for (std::size_t k = 1; k < n; ++k) acc = combine(acc, level[k], op);
+        }
+        if (op == ncclAvg) acc = static_cast<A>(acc / static_cast<A>(n));
         static_cast<T*>(out)[i] = store<T>(acc);
     }
 }
 
-void reduce_any(ncclDataType_t t, const std::vector<const void*>& in, void* out, std::size_t count, ncclRedOp_t op) {
+void reduce_any(ncclDataType_t t, const std::vector<const void*>& in, void* out, std::size_t count, ncclRedOp_t op,
+                const Plan& plan) {
     switch (t) {
-        case ncclInt8: reduce<std::int8_t>(in, out, count, op); break;
-        case ncclUint8: reduce<std::uint8_t>(in, out, count, op); break;
-        case ncclInt32: reduce<std::int32_t>(in, out, count, op); break;
-        case ncclUint32: reduce<std::uint32_t>(in, out, count, op); break;
-        case ncclInt64: reduce<std::int64_t>(in, out, count, op); break;
-        case ncclUint64: reduce<std::uint64_t>(in, out, count, op); break;
-        case ncclFloat16: reduce<__half>(in, out, count, op); break;
-        case ncclBfloat16: reduce<__nv_bfloat16>(in, out, count, op); break;
-        case ncclFloat32: reduce<float>(in, out, count, op); break;
-        case ncclFloat64: reduce<double>(in, out, count, op); break;
+        case ncclInt8: reduce<std::int8_t>(in, out, count, op, plan); break;
+        case ncclUint8: reduce<std::uint8_t>(in, out, count, op, plan); break;
+        case ncclInt32: reduce<std::int32_t>(in, out, count, op, plan); break;
+        case ncclUint32: reduce<std::uint32_t>(in, out, count, op, plan); break;
+        case ncclInt64: reduce<std::int64_t>(in, out, count, op, plan); break;
+        case ncclUint64: reduce<std::uint64_t>(in, out, count, op, plan); break;
+        case ncclFloat16: reduce<__half>(in, out, count, op, plan); break;
+        case ncclBfloat16: reduce<__nv_bfloat16>(in, out, count, op, plan); break;
+        case ncclFloat32: reduce<float>(in, out, count, op, plan); break;
+        case ncclFloat64: reduce<double>(in, out, count, op, plan); break;
         default: break;
     }
 }
@@ -230,6 +280,7 @@ struct Collective {
     const char* name = "";
     std::uint64_t ticket = 0;  // its place in the device's enqueue order (hazard model), or 0
     bool ordered = false;      // the communicator follows the launch-order rule
+    bool captured = false;     // launched from a graph: its own plan (Note [the double's summation order])
 };
 
 const char* type_name(ncclDataType_t t) {
@@ -584,7 +635,7 @@ void meet(const std::shared_ptr<Comm>& comm, std::uint64_t seq, const Collective
         } else {
             std::vector<const void*> inputs;
             for (const auto& a : slot.in) inputs.push_back(a.send);
-            reduce_any(c.type, inputs, slot.result.data(), c.count, c.op);
+            reduce_any(c.type, inputs, slot.result.data(), c.count, c.op, Plan{c.count, slot.result.size(), c.captured});
         }
         slot.ready = true;
         q.cv.notify_all();
@@ -704,9 +755,29 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
                 op.deps = std::move(deps);
                 return enqueue(lane, std::move(op));
             }
-            return submit_collective(comm, lane, c, std::move(deps));
+            Collective replayed = c;
+            replayed.captured = true;
+            return submit_collective(comm, lane, replayed, std::move(deps));
         });
         return ncclSuccess;
+    }
+    if (!comm->blocking && group_depth == 0) {
+        // NCCL 2.28 launches a non-blocking communicator's (implicitly grouped) work on a thread
+        // it starts for the call (groupLaunchNonBlocking): the call returns ncclInProgress, and the
+        // communicator reads ncclInProgress, refusing more work, until that thread has enqueued
+        // it. The caller polls ncclCommGetAsyncError before its next call on the stream.
+        comm->error.store(ncclInProgress);
+        try {
+            std::thread([comm, s, c] {
+                submit_collective(comm, s, c, {});
+                ncclResult_t launching = ncclInProgress;
+                comm->error.compare_exchange_strong(launching, ncclSuccess);
+            }).detach();
+        } catch (...) {
+            comm->error.store(ncclSystemError);
+            return refuse(ncclSystemError, std::string(name) + ": could not start NCCL's launch thread");
+        }
+        return ncclInProgress;
     }
     submit_collective(comm, s, c, {});
     return ncclSuccess;

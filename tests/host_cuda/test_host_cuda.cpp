@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -903,9 +904,34 @@ bool same_bits(T a, T b) {
 
 constexpr std::size_t elements = 37;
 
-//! In place all-reduce then broadcast (root 1) of T on one rank; "" when right.
+//! Whether a call on a non-blocking communicator went through: at once, or once the communicator
+//! leaves ncclInProgress (NCCL launches its work on a thread of its own).
+bool settled(ncclComm_t comm, ncclResult_t r) {
+    if (r != ncclInProgress) return r == ncclSuccess;
+    ncclResult_t state = ncclInProgress;
+    return eventually([&] { return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state != ncclInProgress; }) &&
+           state == ncclSuccess;
+}
+
+//! Whether `got` is the rank-order sum `want` up to the order of the additions, which NCCL
+//! chooses (Note [the double's summation order]): exact for integers, within a few units of the
+//! type's precision (a 16-bit sum is rounded once from float) for floats.
 template <class T>
-std::string collectives_of(ncclComm_t comm, cudaStream_t s, int rank, int ranks, ncclDataType_t type) {
+bool near_sum(T got, typename Acc<T>::type want) {
+    if constexpr (std::is_integral_v<T>) {
+        return got == want;
+    } else {
+        const double tolerance = std::is_same_v<T, double> ? 1e-14 : std::is_same_v<T, float> ? 1e-6 : 1e-2;
+        return std::abs(static_cast<double>(widen(got)) - static_cast<double>(want)) <=
+               tolerance * std::abs(static_cast<double>(want));
+    }
+}
+
+//! In place all-reduce then broadcast (root 1) of T on one rank; "" when right. The results'
+//! bytes are appended to `bits` (every rank must hold the same).
+template <class T>
+std::string collectives_of(ncclComm_t comm, cudaStream_t s, int rank, int ranks, ncclDataType_t type,
+                           std::vector<unsigned char>& bits) {
     std::vector<T> h(elements);
     for (std::size_t i = 0; i < elements; ++i) h[i] = input<T>(rank, i);
     void* buf = nullptr;
@@ -914,34 +940,35 @@ std::string collectives_of(ncclComm_t comm, cudaStream_t s, int rank, int ranks,
         return "cudaMalloc failed";
     std::string why;
     (void)cudaMemcpyAsync(buf, h.data(), elements * sizeof(T), cudaMemcpyHostToDevice, s);
-    if (ncclAllReduce(buf, buf, elements, type, ncclSum, comm, s) != ncclSuccess) why += "ncclAllReduce refused; ";
-    std::vector<T> out(elements);
+    if (!settled(comm, ncclAllReduce(buf, buf, elements, type, ncclSum, comm, s))) why += "ncclAllReduce refused; ";
+    std::vector<T> out(elements), reduced(elements);
     (void)cudaMemcpyAsync(out.data(), buf, elements * sizeof(T), cudaMemcpyDeviceToHost, s);  // pageable: waits
+    reduced = out;
     for (std::size_t i = 0; i < elements; ++i) {
         typename Acc<T>::type acc = widen(input<T>(0, i));
         for (int r = 1; r < ranks; ++r) acc = static_cast<typename Acc<T>::type>(acc + widen(input<T>(r, i)));
-        if (!same_bits(out[i], narrow<T>(acc))) {
+        if (!near_sum(out[i], acc)) {
             why += "all-reduce element " + std::to_string(i) + " wrong; ";
             break;
         }
     }
-    if (ncclBroadcast(buf, recv, elements, type, 1, comm, s) != ncclSuccess) why += "ncclBroadcast refused; ";
+    if (!settled(comm, ncclBroadcast(buf, recv, elements, type, 1, comm, s))) why += "ncclBroadcast refused; ";
     (void)cudaMemcpyAsync(out.data(), recv, elements * sizeof(T), cudaMemcpyDeviceToHost, s);
-    for (std::size_t i = 0; i < elements; ++i) {
-        typename Acc<T>::type acc = widen(input<T>(0, i));
-        for (int r = 1; r < ranks; ++r) acc = static_cast<typename Acc<T>::type>(acc + widen(input<T>(r, i)));
-        if (!same_bits(out[i], narrow<T>(acc))) {  // the root's buffer held the all-reduced values
+    for (std::size_t i = 0; i < elements; ++i)
+        if (!same_bits(out[i], reduced[i])) {  // the root's buffer held the all-reduced values
             why += "broadcast element " + std::to_string(i) + " wrong; ";
             break;
         }
-    }
+    const auto* raw = reinterpret_cast<const unsigned char*>(reduced.data());
+    bits.insert(bits.end(), raw, raw + elements * sizeof(T));
     (void)cudaFreeAsync(buf, s);
     (void)cudaFreeAsync(recv, s);
     return why;
 }
 
-//! One rank on its own thread: non-blocking init, every data type, finalize, destroy.
-std::string rank_main(ncclUniqueId id, int rank, int ranks) {
+//! One rank on its own thread: non-blocking init, every data type, finalize, destroy. Its
+//! all-reduced values' bytes go to `bits`.
+std::string rank_main(ncclUniqueId id, int rank, int ranks, std::vector<unsigned char>& bits) {
     if (cudaSetDevice(rank) != cudaSuccess) return "cudaSetDevice failed";
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -954,11 +981,11 @@ std::string rank_main(ncclUniqueId id, int rank, int ranks) {
         return "init did not complete";
     cudaStream_t s = nullptr;
     (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    std::string why = collectives_of<float>(comm, s, rank, ranks, ncclFloat32) +
-                      collectives_of<double>(comm, s, rank, ranks, ncclFloat64) +
-                      collectives_of<std::int64_t>(comm, s, rank, ranks, ncclInt64) +
-                      collectives_of<__half>(comm, s, rank, ranks, ncclFloat16) +
-                      collectives_of<__nv_bfloat16>(comm, s, rank, ranks, ncclBfloat16);
+    std::string why = collectives_of<float>(comm, s, rank, ranks, ncclFloat32, bits) +
+                      collectives_of<double>(comm, s, rank, ranks, ncclFloat64, bits) +
+                      collectives_of<std::int64_t>(comm, s, rank, ranks, ncclInt64, bits) +
+                      collectives_of<__half>(comm, s, rank, ranks, ncclFloat16, bits) +
+                      collectives_of<__nv_bfloat16>(comm, s, rank, ranks, ncclBfloat16, bits);
     const ncclResult_t fin = ncclCommFinalize(comm);
     if (fin != ncclSuccess && fin != ncclInProgress) why += "finalize refused; ";
     if (!eventually([&] { return ncclCommGetAsyncError(comm, &state) == ncclSuccess && state != ncclInProgress; }) ||
@@ -1022,14 +1049,19 @@ TEST_CASE("host NCCL: all-reduce and broadcast over 2 and 4 ranks, one thread pe
         ncclUniqueId id;
         REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
         std::vector<std::string> outcome(static_cast<std::size_t>(ranks));
+        std::vector<std::vector<unsigned char>> bits(static_cast<std::size_t>(ranks));
         std::vector<std::thread> threads;
         for (int r = 0; r < ranks; ++r)
-            threads.emplace_back([&, r] { outcome[static_cast<std::size_t>(r)] = rank_main(id, r, ranks); });
+            threads.emplace_back([&, r] {
+                const auto u = static_cast<std::size_t>(r);
+                outcome[u] = rank_main(id, r, ranks, bits[u]);
+            });
         for (auto& t : threads) t.join();
         for (int r = 0; r < ranks; ++r) {
             CAPTURE(ranks, r);
             INFO(outcome[static_cast<std::size_t>(r)]);
             CHECK(outcome[static_cast<std::size_t>(r)].empty());
+            CHECK(bits[static_cast<std::size_t>(r)] == bits[0]);  // each element reduced once, for all
         }
     }
     CHECK(hc::live_device_blocks() == fresh.blocks);
@@ -1082,6 +1114,95 @@ TEST_CASE("host NCCL: one thread inits the ranks in a group and drives them; arg
         REQUIRE(ncclCommDestroy(c) == ncclSuccess);
         c = nullptr;
     }
+}
+
+// Note [the double's summation order]: as NCCL, the double adds the ranks' values in an order of
+// its own, not rank order 0..n-1, and a captured plan may add them otherwise; each element is
+// reduced once, so every rank holds the same bits. Values that cancel show the order: rank order
+// gives ((1e8 + 1) - 1e8) + 1 = 1 in fp32, a tree (1e8 + 1) + (-1e8 + 1) = 0.
+TEST_CASE("host NCCL: sums in an order of NCCL's kind, the same bits on every rank, a captured plan its own") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(4));
+    Clique clique(4);
+    const auto run = [&](const std::array<float, 4>& values, bool captured) {
+        std::vector<float*> bufs;
+        for (int r = 0; r < 4; ++r) bufs.push_back(clique.buffer(r, values[static_cast<std::size_t>(r)]));
+        std::vector<cudaGraphExec_t> execs(4, nullptr);
+        for (int r = 0; r < 4; ++r) {
+            const auto u = static_cast<std::size_t>(r);
+            REQUIRE(cudaSetDevice(r) == cudaSuccess);
+            if (!captured) {
+                REQUIRE(ncclAllReduce(bufs[u], bufs[u], elements, ncclFloat32, ncclSum, clique.comms[u], clique.streams[u]) ==
+                        ncclSuccess);
+                continue;
+            }
+            cudaGraph_t graph = nullptr;
+            REQUIRE(cudaStreamBeginCapture(clique.streams[u], cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+            REQUIRE(ncclAllReduce(bufs[u], bufs[u], elements, ncclFloat32, ncclSum, clique.comms[u], clique.streams[u]) ==
+                    ncclSuccess);
+            REQUIRE(cudaStreamEndCapture(clique.streams[u], &graph) == cudaSuccess);
+            REQUIRE(cudaGraphInstantiate(&execs[u], graph, 0) == cudaSuccess);
+            REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+        }
+        for (int r = 0; r < 4 && captured; ++r) {
+            REQUIRE(cudaSetDevice(r) == cudaSuccess);
+            REQUIRE(cudaGraphLaunch(execs[static_cast<std::size_t>(r)], clique.streams[static_cast<std::size_t>(r)]) ==
+                    cudaSuccess);
+        }
+        std::vector<std::vector<float>> out;
+        for (int r = 0; r < 4; ++r) out.push_back(clique.read(r, bufs[static_cast<std::size_t>(r)]));
+        for (int r = 0; r < 4; ++r) {
+            (void)cudaSetDevice(r);
+            if (execs[static_cast<std::size_t>(r)] != nullptr)
+                REQUIRE(cudaGraphExecDestroy(execs[static_cast<std::size_t>(r)]) == cudaSuccess);
+            REQUIRE(cudaFree(bufs[static_cast<std::size_t>(r)]) == cudaSuccess);
+        }
+        (void)cudaSetDevice(0);
+        for (int r = 1; r < 4; ++r) CHECK(out[static_cast<std::size_t>(r)] == out[0]);
+        return out[0][0];
+    };
+    const std::array<float, 4> cancel{1e8f, 1.0f, -1e8f, 1.0f};
+    const float rank_order = ((cancel[0] + cancel[1]) + cancel[2]) + cancel[3];
+    REQUIRE(rank_order == 1.0f);
+    CHECK(run(cancel, false) != rank_order);
+    const std::array<float, 4> pairs{1e8f, -1e8f, 1.0f, 1.0f};
+    CHECK(run(pairs, false) != run(pairs, true));
+}
+
+// NCCL 2.28 launches a non-blocking communicator's work on a thread it starts for the call: the
+// call returns ncclInProgress, the communicator refuses more work until that thread has enqueued
+// it, and the caller polls ncclCommGetAsyncError before its next call.
+TEST_CASE("host NCCL: a non-blocking communicator's collective returns in progress and is enqueued on another thread") {
+    Fresh fresh;
+    REQUIRE(hc::set_device_count(1));
+    ncclUniqueId id;
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    const ncclResult_t init = ncclCommInitRankConfig(&comm, 1, id, 0, &config);
+    REQUIRE(settled(comm, init));
+    cudaStream_t s = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    float* buf = device_floats(elements);
+    int in_progress = 0;
+    for (int i = 0; i < 20; ++i) {
+        const ncclResult_t r = ncclAllReduce(buf, buf, elements, ncclFloat32, ncclSum, comm, s);
+        if (r == ncclInProgress) {
+            ++in_progress;
+            // Until the launch thread is done the communicator takes no more work.
+            ncclResult_t state = ncclSuccess;
+            REQUIRE(ncclCommGetAsyncError(comm, &state) == ncclSuccess);
+            if (state == ncclInProgress)
+                CHECK(ncclAllReduce(buf, buf, elements, ncclFloat32, ncclSum, comm, s) == ncclInvalidUsage);
+        }
+        REQUIRE(settled(comm, r));
+    }
+    CHECK(in_progress == 20);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaFree(buf) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+    REQUIRE(ncclCommAbort(comm) == ncclSuccess);
 }
 
 TEST_CASE("host NCCL: a failing rank releases its peers with an error and writes nothing") {
