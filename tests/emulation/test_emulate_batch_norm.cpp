@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
@@ -373,6 +374,29 @@ void run_shapes() {
 }
 
 }  // namespace
+
+// Issue 43: the device normalizes with one correctly rounded fma (__fmaf_rn); the host's
+// (x - h) * s + t rounds twice wherever the compiler does not contract it, so the emulator gave
+// other bits than the device. bn::normalize is std::fma on the host: the same rounding.
+// Mutation-checked: with the host's two roundings back, the first check fails.
+TEST_CASE("the normalize rounds once on the host, as __fmaf_rn does on the device", "[emulation][syncbn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937 rng(static_cast<std::mt19937::result_type>(seed));
+    std::normal_distribution<float> d(0.0f, 3.0f);
+    int differ = 0, exact = 0;
+    for (int i = 0; i < 20000; ++i) {
+        const float x = d(rng), h = d(rng), s = d(rng), t = d(rng);
+        const float y = kernels::bn::normalize(x, h, s, t);
+        const float once = std::fma(x - h, s, t);
+        exact += std::memcmp(&y, &once, sizeof y) == 0 ? 1 : 0;
+        volatile float product = (x - h) * s;  // rounded, then added: two roundings
+        const float twice = product + t;
+        differ += y != twice ? 1 : 0;
+    }
+    CHECK(exact == 20000);
+    CHECK(differ > 0);  // the values do tell one rounding from two
+}
 
 TEST_CASE("emulated SyncBatchNorm kernels match the host backend, fp32", "[emulation][syncbn]") { run_shapes<float>(); }
 TEST_CASE("emulated SyncBatchNorm kernels match the host backend, fp16", "[emulation][syncbn]") { run_shapes<__half>(); }

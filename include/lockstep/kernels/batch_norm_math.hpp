@@ -3,6 +3,8 @@
 #pragma once
 
 #include <math.h>
+
+#include <cmath>
 #include <cstdint>
 
 #include "lockstep/core/config.hpp"
@@ -110,13 +112,15 @@ LOCKSTEP_HD inline NormalizeConstants normalize_constants(double mean, double in
 }
 
 //! y of one element. The difference comes first so a large mean cancels exactly before scaling.
-//! On the device one correctly rounded fma, whatever the compiler contracts elsewhere, so every
-//! kernel that calls it gets the same bits (Note [ReLU mask from x] in device/bn_kernels.cuh).
+//! One correctly rounded fma, whatever the compiler contracts elsewhere, so every kernel that
+//! calls it gets the same bits (Note [ReLU mask from x] in device/bn_kernels.cuh), and the host
+//! (the emulator, the host backend) gets the device's bits: std::fma is __fmaf_rn's rounding (one
+//! instruction where the host kernels run with FMA, a library call in the baseline build).
 LOCKSTEP_HD inline float normalize(float x, float mean_hi, float scale, float shift) {
 #if defined(__CUDA_ARCH__)
     return __fmaf_rn(x - mean_hi, scale, shift);
 #else
-    return (x - mean_hi) * scale + shift;
+    return std::fma(x - mean_hi, scale, shift);
 #endif
 }
 
