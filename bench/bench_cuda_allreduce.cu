@@ -10,6 +10,10 @@
 //! replica's calls of a collective in the group's order, with no host rendezvous), so that its
 //! overhead splits into the stream events between the replicas (calls over bare) and the host
 //! rendezvous (group over calls).
+//! `BM_NcclLaunch` enqueues eager ncclAllReduce calls of the 2C + 1 payload on blocking and on
+//! non-blocking communicators (one per GPU, a 1-rank one where there is one GPU), each call
+//! polled to completion as lockstep does before its next: what NCCL's launch costs either way
+//! (Note [blocking communicators] in comm/cuda_group.cuh), reported as eager collectives per second.
 #include <benchmark/benchmark.h>
 
 #include <lockstep/cuda.cuh>
@@ -41,6 +45,8 @@ struct World {
     std::unique_ptr<ReplicaPool> pool;
     std::vector<Api::Event> ready;  // the `calls` path: each replica's buffer is final
     Api::Event done{};              // the `calls` path: the sum is written
+    std::vector<int> launch_devices;                  // BM_NcclLaunch: a rank on each
+    std::vector<Api::Comm> launch_comms[2];           // BM_NcclLaunch: non-blocking [0], blocking [1]
 };
 std::unique_ptr<World> world;
 std::map<std::string, double> seconds_per_op;  // "group/129", "bare/129", ...
@@ -115,6 +121,45 @@ void run_case(benchmark::State& state, Path path) {
     w.pool->run([&](int r) { bufs[static_cast<std::size_t>(r)].reset(); });
 }
 
+// Eager ncclAllReduce of 129 doubles on communicators blocking (range 1) or not, one per GPU
+// (replica r's thread drives rank r); each call polled to completion, as the group does.
+std::map<int, double> launch_seconds;  // by blocking
+void BM_NcclLaunch(benchmark::State& state) {
+    World& w = *world;
+    const bool blocking = state.range(0) != 0;
+    const auto& comms = w.launch_comms[blocking ? 1 : 0];
+    const int ranks = static_cast<int>(comms.size());
+    constexpr std::size_t count = 129;
+    std::vector<std::unique_ptr<Tensor<double, Cuda>>> bufs(static_cast<std::size_t>(ranks));
+    w.pool->run([&](int r) {
+        if (r < ranks) bufs[static_cast<std::size_t>(r)] = std::make_unique<Tensor<double, Cuda>>(Shape{count});
+    });
+    const auto job = [&](int r) {
+        if (r >= ranks) return;
+        const auto ur = static_cast<std::size_t>(r);
+        static const std::atomic<bool> never{false};
+        for (int i = 0; i < batch; ++i)
+            Api::all_reduce(comms[ur], bufs[ur]->data(), count, comm::DType::f64, w.ex[ur].stream,
+                            clock_type::now() + std::chrono::seconds(60), never);
+        kernels::Ops<Cuda>::wait(w.ex[ur], "the benchmark's collectives");
+    };
+    w.pool->run(job);  // warm-up
+    double total = 0;
+    for (auto _ : state) {
+        const auto t0 = clock_type::now();
+        w.pool->run(job);
+        const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+        state.SetIterationTime(s);
+        total += s;
+    }
+    const double per_op = total / (static_cast<double>(state.iterations()) * batch);
+    state.counters["collectives_per_s"] = 1.0 / per_op;
+    launch_seconds[blocking ? 1 : 0] = per_op;
+    w.pool->run([&](int r) {
+        if (r < ranks) bufs[static_cast<std::size_t>(r)].reset();
+    });
+}
+
 template <Path P>
 void BM_Path(benchmark::State& state) {
     if (state.range(0) == 129)
@@ -133,6 +178,8 @@ void register_paths(bool local) {
     add("BM_Bare", BM_Path<Path::bare>);
     if (local) add("BM_Calls", BM_Path<Path::calls>);
     add("BM_Group", BM_Path<Path::group>);
+    benchmark::RegisterBenchmark("BM_NcclLaunch", BM_NcclLaunch)->ArgName("blocking")->Arg(0)->Arg(1)->UseManualTime()->Unit(
+        benchmark::kMicrosecond);
 }
 
 }  // namespace
@@ -168,6 +215,16 @@ int main(int argc, char** argv) {
             w.ex[ur] = w.res[ur]->execution();
             w.group->bind(r, w.ex[ur]);
         });
+        // BM_NcclLaunch: a rank per GPU (the replicas' devices, each once), both kinds.
+        for (const auto& d : w.devices)
+            if (std::find(w.launch_devices.begin(), w.launch_devices.end(), d.index) == w.launch_devices.end())
+                w.launch_devices.push_back(d.index);
+        for (const bool blocking : {false, true}) {
+            static const std::atomic<bool> never{false};
+            w.launch_comms[blocking ? 1 : 0] =
+                Api::init(w.launch_devices, Api::unique_id(), 0, static_cast<int>(w.launch_devices.size()),
+                          clock_type::now() + std::chrono::seconds(60), never, blocking);
+        }
         const bool local = w.group->mode() == comm::StreamGroupMode::local;
         if (local) {
             w.ready.push_back(nullptr);  // replica 0's buffer needs no event: its stream runs the sum
@@ -195,7 +252,14 @@ int main(int argc, char** argv) {
                 "device-local split at %s elements: device calls alone vs bare %.3f, through the group vs calls alone %.3f\n",
                 key, seconds_per_op[std::string("calls/") + key] / seconds_per_op[std::string("bare/") + key],
                 seconds_per_op[std::string("group/") + key] / seconds_per_op[std::string("calls/") + key]);
+    if (launch_seconds.count(0) != 0 && launch_seconds.count(1) != 0)
+        std::printf(
+            "NCCL eager collectives per second at 129 elements: blocking %.0f, non-blocking %.0f (non-blocking over blocking "
+            "time %.2f)\n",
+            1.0 / launch_seconds[1], 1.0 / launch_seconds[0], launch_seconds[0] / launch_seconds[1]);
     for (auto& c : world->bare_comms) Api::destroy(c);
+    for (auto& comms : world->launch_comms)
+        for (auto& c : comms) Api::destroy(c);
     for (auto& e : world->ready) Api::destroy_event(world->devices[0].index, e);
     Api::destroy_event(world->devices[0].index, world->done);
     world->pool.reset();

@@ -190,7 +190,7 @@ plan+=("train_step|15|step_train_step|bench_cuda_train_step")
 plan+=("conv|15|step_conv|conv cuDNN vs im2col;conv bf16 vs fp32;conv bf16 cuDNN vs bf16 im2col")
 plan+=("graph|15|step_graph|graph step vs eager;DataParallel graphs vs eager")
 plan+=("syncbn|30|step_syncbn|SyncBN benchmark")
-plan+=("allreduce|15|step_allreduce|rendezvous_overhead")
+plan+=("allreduce|15|step_allreduce|rendezvous_overhead;NCCL blocking vs non-blocking")
 plan+=("sanitizers|20|step_sanitizers|$(IFS=';'; echo "${sanitizer_rows[*]}")")
 declare -A step_done=()
 current=""
@@ -518,11 +518,15 @@ step_syncbn() {
 
 step_allreduce() {
   capped 45 "$logs/bench_cuda_allreduce.log" "$bench/bench_cuda_allreduce" --benchmark_min_time=0.5
-  local line
-  local split
+  local line split launch
   line=$(grep -m1 'rendezvous_overhead at 129' "$logs/bench_cuda_allreduce.log")
   # One GPU: the device-local group; its overhead split into stream events and host rendezvous.
   split=$(grep -m1 'device-local split at 129' "$logs/bench_cuda_allreduce.log")
+  # Blocking against non-blocking NCCL communicators (Note [blocking communicators]).
+  launch=$(grep -m1 'NCCL eager collectives per second' "$logs/bench_cuda_allreduce.log")
+  if [[ -n $launch ]]; then row "NCCL blocking vs non-blocking" measured "$launch"
+  elif ((rc == 124 || rc == 137)) && ((cut)); then row "NCCL blocking vs non-blocking" "not run (budget)" "stopped after $lim s"
+  else row "NCCL blocking vs non-blocking" FAIL "no line: $(tail -1 "$logs/bench_cuda_allreduce.log")"; fi
   if [[ -n $line ]]; then row rendezvous_overhead measured "$line${split:+; $split}"
   elif ((rc == 124 || rc == 137)) && ((cut)); then row rendezvous_overhead "not run (budget)" "stopped after $lim s"
   else row rendezvous_overhead FAIL "exit $rc: $(tail -1 "$logs/bench_cuda_allreduce.log")"; fi

@@ -44,6 +44,7 @@ struct Call {
     long event = 0;
     std::size_t count = 0;
     int root = -1;
+    bool blocking = false;  // an init: of blocking communicators
     std::thread::id thread = std::this_thread::get_id();
     clock_type::time_point when = clock_type::now();
 };
@@ -134,6 +135,7 @@ struct RecordingApi {
         return id;
     }
     static void destroy_stream(int, Stream s, tp) noexcept { log_of_calls().add({.op = "destroy_stream", .stream = s}); }
+    static bool idle(int, Stream, tp) noexcept { return true; }  // its streams run nothing
     static Event make_event(int) { return log_of_calls().next_id++; }
     static void destroy_event(int, Event) noexcept {}
     static void record(Event e, Stream s) { log_of_calls().add({.op = "record", .stream = s, .event = e}); }
@@ -155,7 +157,7 @@ struct RecordingApi {
     static UniqueId unique_id() { return {0x1d, log_of_calls().next_id++}; }
 
     static std::vector<Comm> init(const std::vector<int>& devices, const UniqueId& id, int first_rank, int ranks, tp,
-                                  const std::atomic<bool>&) {
+                                  const std::atomic<bool>&, bool blocking) {
         static std::mutex registry_mutex;
         static std::map<UniqueId, std::shared_ptr<Round>> registry;
         std::shared_ptr<Round> round;
@@ -175,7 +177,7 @@ struct RecordingApi {
         std::vector<Comm> comms;
         for (int r = 0; r < static_cast<int>(devices.size()); ++r) {
             comms.push_back({round, first_rank + r});
-            log_of_calls().add({.op = "init", .group = round->group, .rank = first_rank + r});
+            log_of_calls().add({.op = "init", .group = round->group, .rank = first_rank + r, .blocking = blocking});
         }
         return comms;
     }
@@ -617,6 +619,8 @@ TEST_CASE("stream group: a replica that throws aborts every communicator, and th
     *dp.replica(0).fail = false;
     CHECK_NOTHROW(dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
     CHECK(only(log_of_calls().snapshot(), {"init"}).size() == inits_before + 6);  // rebuilt by the next step
+    // Within one process, blocking communicators (Note [blocking communicators]).
+    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) CHECK(c.blocking);
     CHECK(same_bits(state_of(dp.replica(0)), state_of(dp.replica(2))));
 }
 
@@ -660,7 +664,10 @@ std::vector<std::exception_ptr> as_processes(int P, F body, bool one_machine = f
 // The ranks of the communicators made so far, by clique (the double's group of an init).
 std::map<int, std::set<int>> ranks_by_clique() {
     std::map<int, std::set<int>> cliques;
-    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) cliques[c.group].insert(c.rank);
+    for (const auto& c : only(log_of_calls().snapshot(), {"init"})) {
+        CHECK_FALSE(c.blocking);  // their init waits for other processes: non-blocking (Note [blocking communicators])
+        cliques[c.group].insert(c.rank);
+    }
     return cliques;
 }
 

@@ -21,11 +21,16 @@
 #include <string>
 #include <vector>
 
+#include <thread>
+
 #include <nlohmann/json.hpp>
 
 #include "../golden/compare.hpp"
 #include "gpu_check.hpp"
 #include "small_model.hpp"
+#if defined(LOCKSTEP_HOST_CUDA)
+#include "../host_cuda/host_cuda.hpp"  // a capacity the double's host-memory blocks can fill
+#endif
 
 using namespace lockstep;
 using clock_type = std::chrono::steady_clock;
@@ -289,6 +294,129 @@ void nccl_on_one_gpu() {
     Api::destroy(comms[0]);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     expect(s < 20.0, "NCCL: abort, a new communicator, finalize and destroy (" + std::to_string(s) + " s)");
+
+    // A blocking communicator (what a group in one process makes: Note [blocking communicators]),
+    // and one captured in a graph: NCCL 2.26 and newer abort it only once the graph is destroyed.
+    // Whether this NCCL's abort waited is printed (the host CUDA device models that it does); the
+    // abort must end once the graph is gone either way.
+    auto held = Api::init({0}, Api::unique_id(), 0, 1, deadline(), never, true);
+    Api::all_reduce(held[0], f.data(), 1000, comm::DType::f32, ex.stream, deadline(), never);
+    kernels::Ops<Cuda>::wait(ex, "the NCCL test");
+    auto graph = lockstep::cuda::Graph::capture(
+        ex.stream, [&] { Api::all_reduce(held[0], f.data(), 1000, comm::DType::f32, ex.stream, deadline(), never); });
+    graph.launch(ex.stream);
+    kernels::Ops<Cuda>::wait(ex, "the NCCL test's graph");
+    std::atomic<bool> returned{false};
+    std::thread aborter([&] {
+        Api::abort(held[0]);
+        returned = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const bool waited = !returned.load();
+    const auto t1 = std::chrono::steady_clock::now();
+    graph = lockstep::cuda::Graph();
+    aborter.join();
+    const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    std::printf("NCCL: ncclCommAbort of a communicator a live graph captured %s for the graph\n",
+                waited ? "waited" : "did not wait");
+    expect(after < 20.0, "NCCL: a blocking communicator captured in a graph is aborted once the graph is destroyed (" +
+                             std::to_string(after) + " s)");
+}
+
+// Issue 43, item 1: a captured step (check_finite) whose input holds NaN fails with NonFinite on
+// every replica within the bound, nothing applied, though its graphs hold the communicators that
+// the failure aborts; the next steps run (eagerly, then captured again).
+void captured_nan_returns(const std::vector<Device>& devices, const std::string& label) {
+    auto o = options();
+    o.graphs = true;
+    o.check_finite = true;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), devices, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05});
+    auto b = make_batch(8, 31);
+    const auto x = b.x.to<Cuda>(devices[0]);
+    for (int i = 0; i < 3; ++i) (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    const auto launched = dp.graph_launches(0);
+    b.x[5] = std::nanf("");
+    const auto poisoned = b.x.to<Cuda>(devices[0]);
+    const auto t0 = clock_type::now();
+    bool refused = false;
+    try {
+        (void)dp.train_step(poisoned, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    } catch (const NonFinite&) {
+        refused = true;
+    }
+    const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    expect(refused && launched > 0 && s < failure_bound_s() && !dp.diverged(),
+           label + ": a captured step with NaN fails on every replica in " + std::to_string(s) + " s, nothing applied");
+    bool ok = true;
+    try {
+        for (int i = 0; i < 3; ++i) (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    } catch (const std::exception&) {
+        ok = false;
+    }
+    expect(ok && dp.graph_launches(0) > launched + 1, label + ": the steps after it run, captured again");
+}
+
+// Issue 43, item 2: a graph's allocations get memory at its upload; a captured step whose graph
+// does not fit beside what the GPU holds is refused at its capture (OutOfMemory), before any
+// launch, nothing applied, and once the memory is back the steps capture and launch.
+void graph_memory_refused_at_capture() {
+#if defined(LOCKSTEP_HOST_CUDA)
+    host_cuda::set_memory_capacity(0, std::size_t{512} << 20);  // the double's blocks are host memory
+#endif
+    auto o = options();
+    o.graphs = true;
+    o.check_finite = true;
+    DataParallel<Small<Cuda>> dp(make_small<Cuda>(), {Device::cuda(0)}, o);
+    nn::Sgd<Cuda> sgd({.lr = 0.05});
+    const auto b = make_batch(1024, 37);
+    const auto x = b.x.to<Cuda>(Device::cuda(0));
+    (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);  // eagerly: the next step captures
+    const auto before = dp.checkpoint(sgd);
+    // All but 4 MiB taken, once the pools have given back what they keep.
+    cudaMemPool_t pool = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
+    LOCKSTEP_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+    LOCKSTEP_CUDA_CHECK(cudaDeviceGraphMemTrim(0));
+    std::size_t free = 0, total = 0;
+    LOCKSTEP_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    // What cudaMemGetInfo says is free may not come in one block: a little less until it does.
+    std::size_t margin = std::size_t{4} << 20;
+    void* hog = nullptr;
+    while (free > 2 * margin && cudaMalloc(&hog, free - margin) != cudaSuccess && margin < (std::size_t{64} << 20)) {
+        (void)cudaGetLastError();
+        margin += std::size_t{2} << 20;
+    }
+    expect(hog != nullptr, "the GPU's free memory taken but " + std::to_string(margin >> 20) + " MiB");
+    bool refused = false;
+    std::string message;
+    try {
+        (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    } catch (const OutOfMemory& e) {
+        refused = true;
+        message = e.what();
+    } catch (const std::exception& e) {
+        message = e.what();
+    }
+    if (hog != nullptr) LOCKSTEP_CUDA_CHECK(cudaFree(hog));
+    const auto after = dp.checkpoint(sgd);
+    bool same = true;
+    for (const auto& name : before.names()) same = same && after.at(name).data == before.at(name).data;
+    expect(refused && dp.graph_launches(0) == 0 && same && !dp.diverged(),
+           "a captured step whose graph does not fit is refused at its capture, before any launch, nothing applied (" +
+               message.substr(0, 160) + ")");
+    bool ok = true;
+    try {
+        for (int i = 0; i < 3; ++i) (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
+    } catch (const std::exception& e) {
+        ok = false;
+        message = e.what();
+    }
+    expect(ok && dp.graph_launches(0) == 4, "once the memory is back the steps capture and launch (" +
+                                                 std::to_string(dp.graph_launches(0)) + " launches)");
+#if defined(LOCKSTEP_HOST_CUDA)
+    host_cuda::set_memory_capacity(0, std::size_t{8} << 30);
+#endif
 }
 
 }  // namespace
@@ -308,11 +436,14 @@ int main() {
         accumulate_with_reused_input({Device::cuda(0), Device::cuda(0), Device::cuda(0)}, "3 replicas on cuda:0");
         golden_steps({Device::cuda(0)}, "1 replica on cuda:0");
         golden_steps({Device::cuda(0), Device::cuda(0)}, "2 replicas on cuda:0");
+        captured_nan_returns({Device::cuda(0)}, "1 replica on cuda:0");
+        graph_memory_refused_at_capture();
         if (gpus >= 2) {
             std::vector<Device> each;
             for (int g = 0; g < std::min(gpus, 4); ++g) each.push_back(Device::cuda(g));
             compare_with_host(each, std::to_string(each.size()) + " GPUs through NCCL");
             failures_end_the_step(each, std::to_string(each.size()) + " GPUs through NCCL");
+            captured_nan_returns(each, std::to_string(each.size()) + " GPUs through NCCL");
         } else {
             std::puts("SKIP NCCL across GPUs: this machine has 1 GPU (not run, not counted)");
         }

@@ -43,7 +43,7 @@
 namespace lockstep::comm {
 
 //! The device calls of a CUDA replica group (the `Api` of `StreamGroup`): NCCL communicators
-//! made non-blocking (`ncclConfig_t::blocking = 0`) and polled against deadlines, CUDA streams and
+//! (blocking or not: Note [blocking communicators]) polled against deadlines, CUDA streams and
 //! events, and the rank-order kernel of replicas that share a GPU.
 struct NcclApi {
     using backend = Cuda;
@@ -83,6 +83,18 @@ struct NcclApi {
             &attributes,
             reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__nv_bfloat16>>)));
         return s;
+    }
+    //! Whether everything enqueued on `s` so far has run by `deadline` (polled).
+    static bool idle(int device, Stream s, clock::time_point deadline) noexcept {
+        if (s == nullptr) return true;
+        cuda::QuietDeviceGuard guard(device);
+        cudaError_t e = cudaStreamQuery(s);
+        while (e == cudaErrorNotReady && clock::now() < deadline) {
+            std::this_thread::yield();
+            e = cudaStreamQuery(s);
+        }
+        (void)cudaGetLastError();
+        return e == cudaSuccess;
     }
     static void destroy_stream(int device, Stream s, clock::time_point deadline) noexcept {
         if (s == nullptr) return;
@@ -135,16 +147,31 @@ struct NcclApi {
         return id;
     }
 
+    // Note [blocking communicators]
+    // A non-blocking communicator (ncclConfig_t::blocking = 0) returns from every call at once and
+    // says when the work is done through ncclCommGetAsyncError, which lockstep polls against its
+    // deadlines: its init can wait for other processes without hanging. But NCCL 2.28 launches each
+    // (implicitly grouped) call of a non-blocking communicator on an OS thread it starts for the
+    // call (groupLaunchNonBlocking), on the critical path of every bucket and every SyncBatchNorm
+    // collective, and lockstep waits for that thread before its next call. A blocking
+    // communicator enqueues in the calling thread. So a group within one process, whose init
+    // involves no other process (one group call of this thread for all its ranks), makes blocking
+    // communicators; a group across processes makes non-blocking ones. Either way no wait is
+    // unbounded: a collective is enqueued only after every rank passed the rendezvous, an abort
+    // runs on a helper thread (Note [aborting communicators]), and teardown finalizes only once
+    // the ranks' streams are idle, else it aborts. bench_cuda_allreduce measures both kinds
+    // ("NCCL eager collectives per second"), as scripts/gpu-check.sh reports.
+
     //! The communicators of ranks `first_rank`.. of a clique of `ranks` made from `id`, one per
     //! device in `devices` (one rank per GPU), in one group call, polled until ready or
-    //! `deadline`. Across processes every process calls this with the same id (Note [stream
-    //! groups across processes]).
+    //! `deadline`; blocking ones or not (Note [blocking communicators]). Across processes every
+    //! process calls this with the same id (Note [stream groups across processes]).
     static std::vector<Comm> init(const std::vector<int>& devices, const UniqueId& id, int first_rank, int ranks,
-                                  clock::time_point deadline, const std::atomic<bool>& stop) {
+                                  clock::time_point deadline, const std::atomic<bool>& stop, bool blocking = false) {
         prepare_nccl();
         const int n = static_cast<int>(devices.size());
         ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-        config.blocking = 0;
+        config.blocking = blocking ? 1 : 0;
         std::vector<Comm> comms(devices.size(), nullptr);
         ncclResult_t first_error = ncclSuccess;
         cudaError_t device_error = cudaSuccess;

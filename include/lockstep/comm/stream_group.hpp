@@ -72,13 +72,15 @@ namespace lockstep::comm {
 //   Stream compute_stream(const Execution<backend>&, int device);   (checks the replica's device)
 //   void watch(Execution<backend>&, DeviceWatch*, std::chrono::milliseconds timeout);
 //   Stream make_stream(int device);  void destroy_stream(int device, Stream, deadline) noexcept;
+//   bool idle(int device, Stream, deadline) noexcept;   (its work so far has run, polled until deadline)
 //   Event make_event(int device);    void destroy_event(int device, Event) noexcept;
 //   void record(Event, Stream);  void wait(Stream, Event);
 //   using UniqueId;  UniqueId unique_id();   (trivially copyable: ncclUniqueId)
 //   std::uint64_t device_key(int device);  (the GPU's identity across processes, below 2^52: its UUID's hash)
 //   std::vector<Comm> init(const std::vector<int>& devices, const UniqueId&, int first_rank, int ranks,
-//                          deadline, const std::atomic<bool>& stop);
-//       (the communicators of ranks first_rank.. of `ranks` on `devices`, in one group call)
+//                          deadline, const std::atomic<bool>& stop, bool blocking);
+//       (the communicators of ranks first_rank.. of `ranks` on `devices`, in one group call;
+//        blocking ones for a group within one process: Note [blocking communicators])
 //   void all_reduce(Comm, void*, std::size_t count, DType, Stream, deadline, stop);
 //   void broadcast(Comm, void*, std::size_t count, DType, int root, Stream, deadline, stop);
 //   void check(Comm);                  (throws on an asynchronous error of the communicator)
@@ -364,9 +366,10 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     bool holds_comm(int r) const noexcept { return mode == StreamGroupMode::peer || (span.spans() && r == 0); }
     typename Api::Comm comm_of(int r) const { return comms[mode == StreamGroupMode::peer ? static_cast<std::size_t>(r) : 0]; }
 
-    // Peer mode in one process: a communicator per rank, from a fresh unique id.
+    // Peer mode in one process: a communicator per rank, from a fresh unique id, blocking (Note
+    // [blocking communicators]: their init involves no other process).
     std::vector<typename Api::Comm> make_comms(clock::time_point deadline, const std::atomic<bool>& stop) {
-        return api.init(devices, api.unique_id(), 0, size(), deadline, stop);
+        return api.init(devices, api.unique_id(), 0, size(), deadline, stop, true);
     }
 
     // Note [aborting communicators]
@@ -507,18 +510,37 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         }
     }
 
+    // Helpers still aborting past teardown's bound (a graph nobody destroyed): reported and left
+    // running, detached; each owns the communicators it aborts.
+    void leave_aborters() noexcept {
+        std::lock_guard lock(aborters_mutex);
+        std::fprintf(stderr,
+                     "lockstep: aborting a replica group's NCCL communicators did not end within %lld ms (a CUDA "
+                     "graph that captured them is still alive); leaving %zu helper thread(s) to finish it\n",
+                     static_cast<long long>(rendezvous.timeout().count()), aborters.size());
+        for (auto& a : aborters) a.thread.detach();
+        aborters.clear();
+    }
+
     void teardown() noexcept {
         const auto deadline = clock::now() + rendezvous.timeout();
-        if (!settle(deadline)) {
-            std::lock_guard lock(aborters_mutex);
-            std::fprintf(stderr,
-                         "lockstep: aborting a replica group's NCCL communicators did not end within %lld ms (a CUDA "
-                         "graph that captured them is still alive); leaving %zu helper thread(s) to finish it\n",
-                         static_cast<long long>(rendezvous.timeout().count()), aborters.size());
-            for (auto& a : aborters) a.thread.detach();
-            aborters.clear();
-        }
+        if (!settle(deadline)) leave_aborters();
+        // Finalize waits for the communicators' work: only once every rank's streams are idle
+        // (bounded: a blocking communicator's finalize would wait for a stuck kernel), else abort.
+        bool idle = true;
+        for (std::size_t r = 0; r < ranks.size(); ++r)
+            if (ranks[r].bound)
+                idle = idle && api.idle(devices[r], ranks[r].compute, deadline) && api.idle(devices[r], ranks[r].comm, deadline);
         std::unique_lock lock(comms_mutex);
+        if (!comms_aborted && !idle && !comms.empty()) {
+            auto taken = std::move(comms);
+            comms.clear();
+            comms_aborted = true;
+            lock.unlock();
+            abort_in_background(std::move(taken));
+            if (!settle(deadline)) leave_aborters();
+            lock.lock();
+        }
         if (!comms_aborted) {
             api.finalize(std::span<const typename Api::Comm>(comms), deadline);
             for (auto& c : comms) api.destroy(c);
@@ -692,10 +714,12 @@ private:
                                  CollectiveSite::control(Exchange::nccl_unique_id));
         std::memcpy(&id, words.data(), sizeof(id));
         const auto deadline = clock::now() + timeout;
+        // Non-blocking: their init waits for the other processes (Note [blocking communicators]).
         if (st.mode == StreamGroupMode::peer)
-            st.comms = st.api.init(st.devices, id, st.span.first_rank(), st.span.global(), deadline, st.aborted_never);
+            st.comms = st.api.init(st.devices, id, st.span.first_rank(), st.span.global(), deadline, st.aborted_never, false);
         else
-            st.comms = st.api.init(std::vector<int>{st.devices[0]}, id, procs.rank(), procs.size(), deadline, st.aborted_never);
+            st.comms = st.api.init(std::vector<int>{st.devices[0]}, id, procs.rank(), procs.size(), deadline, st.aborted_never,
+                                   false);
     }
 
     static std::vector<int> device_indices(const std::vector<Device>& devices) {
