@@ -51,6 +51,21 @@ struct World {
 std::unique_ptr<World> world;
 std::map<std::string, double> seconds_per_op;  // "group/129", "bare/129", ...
 
+//! Seconds per collective of `job` on every replica, `batch` collectives a run, after a warm-up run.
+template <class Job>
+double seconds_per_collective(benchmark::State& state, Job&& job) {
+    world->pool->run(job);  // warm-up
+    double total = 0;
+    for (auto _ : state) {
+        const auto t0 = clock_type::now();
+        world->pool->run(job);
+        const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+        state.SetIterationTime(s);
+        total += s;
+    }
+    return total / (static_cast<double>(state.iterations()) * batch);
+}
+
 // How a measurement makes its collectives: the bare device call, the device-local group's device
 // calls without the rendezvous, or through the group.
 enum class Path { bare, calls, group };
@@ -99,16 +114,7 @@ void run_case(benchmark::State& state, Path path) {
         for (int k = path == Path::calls ? 0 : r; k < last; ++k)
             kernels::Ops<Cuda>::wait(w.ex[static_cast<std::size_t>(k)], "the benchmark's collectives");
     };
-    w.pool->run(job);  // warm-up
-    double total = 0;
-    for (auto _ : state) {
-        const auto t0 = clock_type::now();
-        w.pool->run(job);
-        const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
-        state.SetIterationTime(s);
-        total += s;
-    }
-    const double per_op = total / (static_cast<double>(state.iterations()) * batch);
+    const double per_op = seconds_per_collective(state, job);
     const double bytes = static_cast<double>(count) * sizeof(T);
     state.counters["us_per_op"] = per_op * 1e6;
     state.counters["busbw_GBps"] = 2.0 * (n - 1) / n * bytes / per_op / 1e9;
@@ -143,16 +149,7 @@ void BM_NcclLaunch(benchmark::State& state) {
                             clock_type::now() + std::chrono::seconds(60), never);
         kernels::Ops<Cuda>::wait(w.ex[ur], "the benchmark's collectives");
     };
-    w.pool->run(job);  // warm-up
-    double total = 0;
-    for (auto _ : state) {
-        const auto t0 = clock_type::now();
-        w.pool->run(job);
-        const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
-        state.SetIterationTime(s);
-        total += s;
-    }
-    const double per_op = total / (static_cast<double>(state.iterations()) * batch);
+    const double per_op = seconds_per_collective(state, job);
     state.counters["collectives_per_s"] = 1.0 / per_op;
     launch_seconds[blocking ? 1 : 0] = per_op;
     w.pool->run([&](int r) {

@@ -392,12 +392,21 @@ void reset_captures() {
 }
 
 namespace {
-//! Gives executable `e` its allocations' memory unless it has it (under Graphs::m).
-cudaError_t map_once(ExecHandle& e) {
-    if (e.mapped || e.data->memory_bytes == 0) return cudaSuccess;
-    if (const cudaError_t r = map_graph_memory(e.data->device, e.data->memory_bytes); r != cudaSuccess) return fail(r);
-    e.mapped = true;
-    return cudaSuccess;
+//! The live executable `h` for work on `s`, its allocations given their memory unless they have
+//! it (at its upload or first launch; under Graphs::m): null, with the error in `e`, when it is
+//! not a live executable, belongs to another device than `s` or its memory cannot be had.
+ExecHandle* ready_exec(Graphs& g, cudaGraphExec_t h, const Stream& s, cudaError_t& e) {
+    auto it = g.execs.find(h);
+    e = it == g.execs.end() || it->second->data == nullptr ? cudaErrorInvalidResourceHandle
+        : s.device != it->second->data->device             ? cudaErrorInvalidValue
+                                                           : cudaSuccess;
+    if (e != cudaSuccess) return nullptr;
+    ExecHandle& x = *it->second;
+    if (!x.mapped && x.data->memory_bytes != 0) {
+        if ((e = map_graph_memory(x.data->device, x.data->memory_bytes)) != cudaSuccess) return nullptr;
+        x.mapped = true;
+    }
+    return &x;
 }
 }  // namespace
 
@@ -543,10 +552,8 @@ cudaError_t cudaGraphUpload(cudaGraphExec_t graphExec, cudaStream_t stream) {
     {
         Graphs& g = graphs();
         std::lock_guard lock(g.m);
-        auto it = g.execs.find(graphExec);
-        if (it == g.execs.end() || it->second->data == nullptr) return fail(cudaErrorInvalidResourceHandle);
-        if (s->device != it->second->data->device) return fail(cudaErrorInvalidValue);
-        if (const cudaError_t e = map_once(*it->second); e != cudaSuccess) return e;
+        cudaError_t e = cudaSuccess;
+        if (ready_exec(g, graphExec, *s, e) == nullptr) return fail(e);
     }
     Op op;  // the upload is stream-ordered: the stream's later work follows it
     op.body = [] {};
@@ -566,15 +573,13 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
     {
         Graphs& g = graphs();
         std::lock_guard lock(g.m);
-        auto it = g.execs.find(graphExec);
-        if (it == g.execs.end() || it->second->data == nullptr) return fail(cudaErrorInvalidResourceHandle);
-        if (s->device != it->second->data->device) return fail(cudaErrorInvalidValue);
-        // Not uploaded: its allocations get their memory now, or the launch fails.
-        if (const cudaError_t e = map_once(*it->second); e != cudaSuccess) return e;
-        data = it->second->data;
-        lanes = it->second->lanes;
-        replaying = it->second->replaying;
-        tails = it->second->tails;
+        cudaError_t e = cudaSuccess;
+        const ExecHandle* x = ready_exec(g, graphExec, *s, e);  // not uploaded: its memory now, or no launch
+        if (x == nullptr) return fail(e);
+        data = x->data;
+        lanes = x->lanes;
+        replaying = x->replaying;
+        tails = x->tails;
     }
     std::lock_guard order(*replaying);
     // Each kernel counts for the injections at each replay, as an eager launch; an injected

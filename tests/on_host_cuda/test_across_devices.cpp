@@ -133,6 +133,36 @@ std::vector<float> replica_values(const Small<Cuda>& m) {
     return all;
 }
 
+//! The small model trained eagerly and with graphs (DataParallelOptions::graphs), otherwise alike,
+//! on the same devices and batches: where a captured step must end.
+struct EagerAndGraphed {
+    EagerAndGraphed(const std::vector<Device>& devices, DataParallelOptions o, nn::SgdOptions sgd)
+        : eager(make_small<Cuda>(), devices, o), graphed(make_small<Cuda>(), devices, graphs_on(o)), sgd_eager(sgd),
+          sgd_graphed(sgd) {}
+    DataParallel<Small<Cuda>> eager, graphed;
+    nn::Sgd<Cuda> sgd_eager, sgd_graphed;
+
+    //! One step of each on the same batch.
+    void both(const Tensor<float, Cuda>& x, const std::vector<std::int64_t>& labels) {
+        (void)eager.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
+        (void)graphed.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+    }
+    StepResult graphed_step(const Tensor<float, Cuda>& x, const std::vector<std::int64_t>& labels) {
+        return graphed.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+    }
+    //! Both hold the same bits: replica 0's state and momentum, and replica 1's values.
+    void check_equal() {
+        check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
+        CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+    }
+
+private:
+    static DataParallelOptions graphs_on(DataParallelOptions o) {
+        o.graphs = true;
+        return o;
+    }
+};
+
 }  // namespace
 
 // The layer group (SyncBatchNorm, on the compute stream) and the gradient group (buckets, on the
@@ -681,34 +711,23 @@ TEST_CASE("a failed captured step drops the graphs, and the steps after it captu
     REQUIRE(host_cuda::set_device_count(2));
     auto o = options(std::chrono::seconds(5));
     o.check_finite = true;
-    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
-    o.graphs = true;
-    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
-    nn::Sgd<Cuda> sgd_eager({.lr = 0.05}), sgd_graphed({.lr = 0.05});
+    EagerAndGraphed m(two, o, {.lr = 0.05});
     const auto a = make_batch(10, 61);
     const auto x = a.x.to<Cuda>(Device::cuda(0));
-    for (int i = 0; i < 3; ++i) {
-        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
-        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
-    }
-    REQUIRE(graphed.captured_graphs(1) == 2);  // (a) and (b), each at the second step
-    host_cuda::fail_nccl(1, 2);                // in the launch of graph (a)
+    for (int i = 0; i < 3; ++i) m.both(x, a.labels);
+    REQUIRE(m.graphed.captured_graphs(1) == 2);  // (a) and (b), each at the second step
+    host_cuda::fail_nccl(1, 2);                  // in the launch of graph (a)
     const auto t0 = Clock::now();
-    CHECK_THROWS(graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed));
+    CHECK_THROWS(m.graphed_step(x, a.labels));
     CHECK(Clock::now() - t0 < std::chrono::seconds(5));
     host_cuda::fail_nccl(1, 0);
-    CHECK_FALSE(graphed.diverged());
-    const auto launched = graphed.graph_launches(1);
-    (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
-    (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
-    CHECK(graphed.graph_launches(1) == launched);  // eagerly, on rebuilt communicators
-    for (int i = 0; i < 2; ++i) {
-        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
-        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
-    }
-    CHECK(graphed.captured_graphs(1) == 4);
-    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
-    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+    CHECK_FALSE(m.graphed.diverged());
+    const auto launched = m.graphed.graph_launches(1);
+    m.both(x, a.labels);
+    CHECK(m.graphed.graph_launches(1) == launched);  // eagerly, on rebuilt communicators
+    for (int i = 0; i < 2; ++i) m.both(x, a.labels);
+    CHECK(m.graphed.captured_graphs(1) == 4);
+    m.check_equal();
 }
 
 // With check_finite a captured step's graph (a) ends with the finite check's values (the
@@ -723,39 +742,35 @@ TEST_CASE("a captured step with NaN is refused from the values its graph left in
     REQUIRE(host_cuda::set_device_count(2));
     auto o = options(std::chrono::seconds(5));
     o.check_finite = true;
-    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
-    o.graphs = true;
-    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
-    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    EagerAndGraphed m(two, o, {.lr = 0.05, .momentum = 0.9});
     auto a = make_batch(10, 81);
     const auto x = a.x.to<Cuda>(Device::cuda(0));
     const auto both = [&] {
-        const auto e = eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
-        const auto g = graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
+        const auto e = m.eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, m.sgd_eager);
+        const auto g = m.graphed_step(x, a.labels);
         CHECK(g.loss == e.loss);
         CHECK(g.correct == e.correct);
     };
     for (int i = 0; i < 3; ++i) both();
-    REQUIRE(graphed.captured_graphs(1) == 2);
-    const auto launched = graphed.graph_launches(1);
-    const auto before = graphed.checkpoint(sgd_graphed);
+    REQUIRE(m.graphed.captured_graphs(1) == 2);
+    const auto launched = m.graphed.graph_launches(1);
+    const auto before = m.graphed.checkpoint(m.sgd_graphed);
     a.x[37] = std::numeric_limits<float>::quiet_NaN();  // a sample of replica 0's shard
     const auto poisoned = a.x.to<Cuda>(Device::cuda(0));
-    CHECK_THROWS_AS(eager.train_step(poisoned, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager), NonFinite);
+    CHECK_THROWS_AS(m.eager.train_step(poisoned, a.labels, nn::SoftmaxCrossEntropy{}, m.sgd_eager), NonFinite);
     // Issue 43, item 1: the graphs hold the communicators the failure aborts; the call returns
     // well within the group's timeout (Note [aborting communicators]).
     const auto t0 = Clock::now();
-    CHECK_THROWS_WITH(graphed.train_step(poisoned, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed),
+    CHECK_THROWS_WITH(m.graphed_step(poisoned, a.labels),
                       Catch::Contains("step 4: ") && Catch::Contains("no replica applied the step"));
     CHECK(Clock::now() - t0 < std::chrono::seconds(5));
-    CHECK(graphed.graph_launches(1) == launched + 1);  // (a) ran; (b) did not
-    CHECK_FALSE(graphed.diverged());
-    check_same(graphed.checkpoint(sgd_graphed), before);
+    CHECK(m.graphed.graph_launches(1) == launched + 1);  // (a) ran; (b) did not
+    CHECK_FALSE(m.graphed.diverged());
+    check_same(m.graphed.checkpoint(m.sgd_graphed), before);
     for (int i = 0; i < 3; ++i) both();  // eagerly (the graphs dropped), captured, launched
-    CHECK(graphed.captured_graphs(1) == 4);
-    CHECK(graphed.graph_launches(1) == launched + 1 + 4);  // (a) and (b) in each of the last two
-    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
-    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+    CHECK(m.graphed.captured_graphs(1) == 4);
+    CHECK(m.graphed.graph_launches(1) == launched + 1 + 4);  // (a) and (b) in each of the last two
+    m.check_equal();
 }
 
 // Issue 43, item 1: NCCL (2.26 and newer) aborts a communicator only once every graph that
@@ -775,34 +790,25 @@ TEST_CASE("a captured step that times out returns within the timeout though its 
     const auto timeout = std::chrono::seconds(2);
     auto o = options(timeout);
     o.check_finite = true;
-    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
-    o.graphs = true;
-    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
-    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    EagerAndGraphed m(two, o, {.lr = 0.05, .momentum = 0.9});
     const auto a = make_batch(10, 91);
     const auto x = a.x.to<Cuda>(Device::cuda(0));
-    const auto both = [&] {
-        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
-        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
-    };
-    for (int i = 0; i < 3; ++i) both();
-    REQUIRE(graphed.captured_graphs(1) == 2);
-    const auto launched = graphed.graph_launches(1);
-    const auto before = graphed.checkpoint(sgd_graphed);
+    for (int i = 0; i < 3; ++i) m.both(x, a.labels);
+    REQUIRE(m.graphed.captured_graphs(1) == 2);
+    const auto launched = m.graphed.graph_launches(1);
+    const auto before = m.graphed.checkpoint(m.sgd_graphed);
     host_cuda::stall_launch(1, nullptr, 1);  // the first kernel of replica 1's next launch of (a)
     const auto t0 = Clock::now();
-    CHECK_THROWS_WITH(graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed),
-                      Catch::Contains("took longer than"));
+    CHECK_THROWS_WITH(m.graphed_step(x, a.labels), Catch::Contains("took longer than"));
     const auto took = Clock::now() - t0;
     host_cuda::release_stalls();
     CHECK(took < timeout + std::chrono::milliseconds(1500));  // replica 0's wait ends at the timeout, then all
-    CHECK(graphed.graph_launches(1) == launched + 1);
-    CHECK_FALSE(graphed.diverged());
-    check_same(graphed.checkpoint(sgd_graphed), before);
-    for (int i = 0; i < 3; ++i) both();  // eagerly on new communicators, captured, launched
-    CHECK(graphed.captured_graphs(1) == 4);
-    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
-    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+    CHECK(m.graphed.graph_launches(1) == launched + 1);
+    CHECK_FALSE(m.graphed.diverged());
+    check_same(m.graphed.checkpoint(m.sgd_graphed), before);
+    for (int i = 0; i < 3; ++i) m.both(x, a.labels);  // eagerly on new communicators, captured, launched
+    CHECK(m.graphed.captured_graphs(1) == 4);
+    m.check_equal();
 }
 
 // Issue 43, item 2: graph (a)'s allocations get memory at its upload or first launch; a launch
@@ -815,30 +821,21 @@ TEST_CASE("a captured step that times out returns within the timeout though its 
 TEST_CASE("a captured step whose graph memory does not fit fails before any replica launches", "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
-    auto o = options(std::chrono::seconds(5));
-    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), two, o);
-    o.graphs = true;
-    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), two, o);
-    nn::Sgd<Cuda> sgd_eager({.lr = 0.05, .momentum = 0.9}), sgd_graphed({.lr = 0.05, .momentum = 0.9});
+    EagerAndGraphed m(two, options(std::chrono::seconds(5)), {.lr = 0.05, .momentum = 0.9});
     const auto a = make_batch(10, 95);
     const auto x = a.x.to<Cuda>(Device::cuda(0));
-    const auto both = [&] {
-        (void)eager.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_eager);
-        (void)graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed);
-    };
-    both();  // eagerly: the next step captures
-    const auto before = graphed.checkpoint(sgd_graphed);
+    m.both(x, a.labels);  // eagerly: the next step captures
+    const auto before = m.graphed.checkpoint(m.sgd_graphed);
     host_cuda::fail_graph_memory(1, 1);  // replica 1's graph (a): (b) allocates nothing
-    CHECK_THROWS_AS(graphed.train_step(x, a.labels, nn::SoftmaxCrossEntropy{}, sgd_graphed), OutOfMemory);
+    CHECK_THROWS_AS(m.graphed_step(x, a.labels), OutOfMemory);
     host_cuda::fail_graph_memory(0);
-    CHECK(graphed.graph_launches(0) == 0);
-    CHECK(graphed.graph_launches(1) == 0);
-    CHECK_FALSE(graphed.diverged());
-    check_same(graphed.checkpoint(sgd_graphed), before);
-    for (int i = 0; i < 3; ++i) both();  // eagerly, captured, launched
-    CHECK(graphed.graph_launches(1) == 4);  // (a) and (b) in each of the last two
-    check_same(graphed.checkpoint(sgd_graphed), eager.checkpoint(sgd_eager));
-    CHECK(replica_values(graphed.replica(1)) == replica_values(eager.replica(1)));
+    CHECK(m.graphed.graph_launches(0) == 0);
+    CHECK(m.graphed.graph_launches(1) == 0);
+    CHECK_FALSE(m.graphed.diverged());
+    check_same(m.graphed.checkpoint(m.sgd_graphed), before);
+    for (int i = 0; i < 3; ++i) m.both(x, a.labels);  // eagerly, captured, launched
+    CHECK(m.graphed.graph_launches(1) == 4);          // (a) and (b) in each of the last two
+    m.check_equal();
 }
 
 // Issue 43, item 3: NCCL adds the ranks' values in an order of its own (by chunk, message size and

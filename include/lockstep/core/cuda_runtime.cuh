@@ -418,46 +418,46 @@ private:
     std::size_t capacity_ = 0;
 };
 
-//! Copies `bytes` of device memory at `src` to host memory at `dst` (pageable or not) on
-//! `stream`, through the thread's pinned staging buffer, calling `wait()` (which records and polls
-//! an event with a deadline, and throws past it) for each chunk: never a pageable copy that
-//! blocks without bound.
+namespace detail {
+//! A copy between host memory (pageable or not) and device memory, `kind` saying which way,
+//! through the thread's pinned staging buffer a chunk at a time, calling `wait()` after each
+//! chunk's copy (it records and polls an event against a deadline, and throws past it): a copy
+//! with pageable memory may block in the driver until its stream drains, without bound when a
+//! kernel before it hangs; one with pinned memory returns at once. A chunk's wait also keeps the
+//! buffer from being refilled before the copy has read it.
 template <class Wait>
-void read_to_host(void* dst, const void* src, std::size_t bytes, cudaStream_t stream, Wait&& wait) {
-    auto& staging = detail::pinned_staging();
-    for (std::size_t at = 0; at < bytes; at += detail::staging_chunk) {
-        const std::size_t n = std::min(detail::staging_chunk, bytes - at);
+void staged_copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t stream, Wait&& wait) {
+    const bool upload = kind == cudaMemcpyHostToDevice;
+    auto& staging = pinned_staging();
+    for (std::size_t at = 0; at < bytes; at += staging_chunk) {
+        const std::size_t n = std::min(staging_chunk, bytes - at);
         void* pinned = staging.get(n);
-        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(pinned, static_cast<const char*>(src) + at, n, cudaMemcpyDeviceToHost, stream));
+        if (upload) std::memcpy(pinned, static_cast<const char*>(src) + at, n);
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(upload ? static_cast<char*>(dst) + at : pinned,
+                                            upload ? pinned : static_cast<const char*>(src) + at, n, kind, stream));
         try {
             wait();
         } catch (...) {
             staging.abandon();
             throw;
         }
-        std::memcpy(static_cast<char*>(dst) + at, pinned, n);
+        if (!upload) std::memcpy(static_cast<char*>(dst) + at, pinned, n);
     }
+}
+}  // namespace detail
+
+//! Copies `bytes` of device memory at `src` to host memory at `dst` (pageable or not) on
+//! `stream`, through pinned staging with a bounded wait per chunk (detail::staged_copy).
+template <class Wait>
+void read_to_host(void* dst, const void* src, std::size_t bytes, cudaStream_t stream, Wait&& wait) {
+    detail::staged_copy(dst, src, bytes, cudaMemcpyDeviceToHost, stream, std::forward<Wait>(wait));
 }
 
 //! Copies `bytes` of host memory at `src` (pageable or not) to device memory at `dst` on `stream`,
-//! through the thread's pinned staging buffer, calling `wait()` (as read_to_host) after each chunk:
-//! a copy from pageable memory may block in the driver until the stream drains, without bound
-//! when a kernel before it hangs; one from pinned memory returns at once.
+//! through pinned staging with a bounded wait per chunk (detail::staged_copy).
 template <class Wait>
 void write_from_host(void* dst, const void* src, std::size_t bytes, cudaStream_t stream, Wait&& wait) {
-    auto& staging = detail::pinned_staging();
-    for (std::size_t at = 0; at < bytes; at += detail::staging_chunk) {
-        const std::size_t n = std::min(detail::staging_chunk, bytes - at);
-        void* pinned = staging.get(n);
-        std::memcpy(pinned, static_cast<const char*>(src) + at, n);
-        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + at, pinned, n, cudaMemcpyHostToDevice, stream));
-        try {
-            wait();  // the copy has read the buffer before the next chunk overwrites it
-        } catch (...) {
-            staging.abandon();
-            throw;
-        }
-    }
+    detail::staged_copy(dst, src, bytes, cudaMemcpyHostToDevice, stream, std::forward<Wait>(wait));
 }
 
 //! Makes `waiter` wait (on the device) for the work enqueued on `producer` so far; a no-op when
