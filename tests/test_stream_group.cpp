@@ -135,7 +135,14 @@ struct RecordingApi {
         return id;
     }
     static void destroy_stream(int, Stream s, tp) noexcept { log_of_calls().add({.op = "destroy_stream", .stream = s}); }
-    static bool idle(int, Stream, tp) noexcept { return true; }  // its streams run nothing
+    using StreamToken = int;
+    static StreamToken stream_token(const Execution<Host>&) { return 0; }
+    // Its streams run nothing; a test makes them read busy, as a stuck kernel's would.
+    static std::atomic<bool>& streams_busy() {
+        static std::atomic<bool> busy{false};
+        return busy;
+    }
+    static bool idle(int, Stream, StreamToken, tp) noexcept { return !streams_busy().load(); }
     static Event make_event(int) { return log_of_calls().next_id++; }
     static void destroy_event(int, Event) noexcept {}
     static void record(Event e, Stream s) { log_of_calls().add({.op = "record", .stream = s, .event = e}); }
@@ -195,6 +202,8 @@ struct RecordingApi {
     }
     static void check(Comm) {}
     static void abort(Comm c) noexcept {
+        // Slow, as NCCL's may be: a call that returned before its helper finished shows here.
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
         log_of_calls().add({.op = "abort", .group = c.round->group, .rank = c.rank});
         std::lock_guard lock(c.round->m);
         c.round->aborted = true;
@@ -622,6 +631,24 @@ TEST_CASE("stream group: a replica that throws aborts every communicator, and th
     // Within one process, blocking communicators (Note [blocking communicators]).
     for (const auto& c : only(log_of_calls().snapshot(), {"init"})) CHECK(c.blocking);
     CHECK(same_bits(state_of(dp.replica(0)), state_of(dp.replica(2))));
+}
+
+// A communicator's finalize waits for its work, a blocking one's without a deadline: teardown
+// finalizes only once every rank's streams are idle; with one stuck (a kernel that never ends),
+// it aborts them instead, within the group's timeout (Note [blocking communicators]).
+TEST_CASE("stream group: teardown aborts instead of finalizing while a rank's stream is busy", "[comm][parallel]") {
+    log_of_calls().clear();
+    {
+        const Net net = make_net();
+        DataParallel<Net, Group> dp(net, hosts({0, 1}), small_buckets());
+        train(dp, 1);
+        log_of_calls().clear();
+        RecordingApi::streams_busy() = true;
+    }
+    RecordingApi::streams_busy() = false;
+    const auto calls = log_of_calls().snapshot();
+    CHECK(only(calls, {"finalize", "destroy"}).empty());
+    CHECK(only(calls, {"abort"}).size() == 4);  // both groups' two communicators
 }
 
 TEST_CASE("stream group: teardown finalizes every communicator, then destroys them, then the streams", "[comm][parallel]") {

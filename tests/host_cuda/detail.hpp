@@ -144,6 +144,9 @@ cudaError_t map_graph_memory(int device, std::size_t bytes);
 //! An executable that had its memory is destroyed: the graph pool keeps the bytes until
 //! cudaDeviceGraphMemTrim.
 void unmap_graph_memory(int device, std::size_t bytes);
+//! cudaDeviceGraphMemTrim: the executables of `device` with no launch in flight give their
+//! memory back to the graph pool (their next launch maps it again), before the pool is trimmed.
+void unmap_idle_executables(int device);
 //! The block is no longer usable (its graph's last handle is gone); a host call.
 void retire_graph_block(const GraphBlock& b);
 //! Gives a retired block back to the system allocator; lock-free (the last replay's op may do it).

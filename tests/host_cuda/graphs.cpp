@@ -49,7 +49,9 @@ struct GraphData {
     std::size_t memory_bytes = 0;    // what they need once mapped (each rounded as a device block)
     std::set<void*> unfreed;         // of those, not freed in it
     std::vector<std::pair<std::shared_ptr<UserObject>, unsigned>> objects;
-    std::vector<std::shared_ptr<void>> holds;  // released with the last handle (capture_hold)
+    // Released with the graph's data: once its last handle is gone and its launches in flight have
+    // run (capture_hold), as CUDA frees an executable destroyed in flight when its launch ends.
+    std::vector<std::shared_ptr<void>> holds;
     int handles = 0;  // the graph and its executables (under Graphs::m)
     int execs = 0;    // its executables: one at most where it allocates (under Graphs::m)
     ~GraphData() {
@@ -140,10 +142,8 @@ std::vector<int> tail_of(const LaneState& l) {
 
 //! A graph's last handle is gone: its blocks are no longer usable (released with its data).
 void drop_handle(GraphData& d) {
-    if (--d.handles == 0) {
+    if (--d.handles == 0)
         for (const GraphBlock& b : d.blocks) retire_graph_block(b);
-        d.holds.clear();  // a launch still queued keeps the data, not the holds: NCCL waits for the handles
-    }
 }
 
 //! Ends capture `c` on every stream it holds (under Graphs::m).
@@ -262,6 +262,23 @@ cudaError_t capture_refuse(const std::shared_ptr<Stream>& s) {
     if (s->capture == nullptr) return cudaSuccess;
     s->capture->invalidated = true;
     return fail(cudaErrorStreamCaptureUnsupported);
+}
+
+void unmap_idle_executables(int device) {
+    Graphs& g = graphs();
+    std::lock_guard lock(g.m);
+    for (auto& [handle, x] : g.execs) {
+        if (x->data == nullptr || !x->mapped || x->data->device != device) continue;
+        bool idle = true;
+        {
+            std::lock_guard replaying(*x->replaying);
+            for (std::size_t l = 0; l < x->tails->size() && l < x->lanes.size(); ++l)
+                idle = idle && ((*x->tails)[l] == 0 || reached(*x->lanes[l], (*x->tails)[l]));
+        }
+        if (!idle) continue;
+        x->mapped = false;  // its next launch maps again, and may fail
+        unmap_graph_memory(device, x->data->memory_bytes);
+    }
 }
 
 cudaError_t capture_refuse_device(int device) {

@@ -64,6 +64,11 @@ void fail_nccl(int rank, int k);
 //! differ, so two communicators per device can deadlock as on a GPU.
 void set_nccl_hazard(bool on);
 
+//! While held, the threads that launch a non-blocking communicator's collectives (NCCL 2.28's
+//! groupLaunchNonBlocking) wait before they enqueue: the communicator stays in progress, as a
+//! slow launch leaves it. reset() releases them.
+void hold_nccl_launches(bool held);
+
 //! One line per collective a stream worker waits in now: the rank, device, collective, its
 //! sequence number and communicator, and the ranks that never arrived (or that another
 //! collective holds the device). The watchdog prints the same before it ends a process whose

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -709,6 +710,16 @@ std::uint64_t submit_collective(const std::shared_ptr<Comm>& comm, const std::sh
     return at;
 }
 
+// hold_nccl_launches: non-blocking launch threads wait at this gate while it is closed.
+std::mutex gate_m;
+std::condition_variable gate_cv;
+bool gate_closed = false;
+
+void launch_gate_wait() {
+    std::unique_lock lock(gate_m);
+    gate_cv.wait(lock, [] { return !gate_closed; });
+}
+
 ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collective c, const char* name) {
     const auto comm = find(handle);
     if (comm == nullptr) return refuse(ncclInvalidArgument, std::string(name) + ": not a live communicator");
@@ -766,9 +777,14 @@ ncclResult_t enqueue_collective(ncclComm_t handle, cudaStream_t stream, Collecti
         // it starts for the call (groupLaunchNonBlocking): the call returns ncclInProgress, and the
         // communicator reads ncclInProgress, refusing more work, until that thread has enqueued
         // it. The caller polls ncclCommGetAsyncError before its next call on the stream.
-        comm->error.store(ncclInProgress);
+        // From success only: an earlier collective's failure, stored meanwhile by a stream worker,
+        // stays the communicator's error.
+        ncclResult_t ready = ncclSuccess;
+        if (!comm->error.compare_exchange_strong(ready, ncclInProgress))
+            return refuse(failure(ready) ? ready : ncclInvalidUsage, std::string(name) + ": the communicator is not ready");
         try {
             std::thread([comm, s, c] {
+                launch_gate_wait();
                 submit_collective(comm, s, c, {});
                 ncclResult_t launching = ncclInProgress;
                 comm->error.compare_exchange_strong(launching, ncclSuccess);
@@ -816,6 +832,7 @@ ncclResult_t wait_ready(Comm& comm, bool finalizing) {
 
 std::string id_key(const ncclUniqueId& id) { return std::string(id.internal, sizeof id.internal); }
 
+
 //! NCCL_LAUNCH_ORDER_IMPLICIT as NCCL reads it: once per process, when NCCL initializes, which is
 //! the first ncclGetUniqueId or communicator init (that starts its bootstrap thread, whose reads
 //! race a later setenv): the variable must be set before either.
@@ -842,6 +859,14 @@ void fail_nccl(int rank, int k) {
 
 void set_nccl_hazard(bool on) { hazard_setting.store(on ? 1 : 0); }
 
+void hold_nccl_launches(bool held) {
+    {
+        std::lock_guard lock(gate_m);
+        gate_closed = held;
+    }
+    gate_cv.notify_all();
+}
+
 std::vector<std::string> nccl_waits() { return describe_waits(); }
 
 void set_nccl_version(int version) {
@@ -857,6 +882,7 @@ void reset_nccl_injections() {
     reg.fail_in.clear();
     reg.version = default_version;
     hazard_setting.store(-1);
+    hold_nccl_launches(false);
     for (int d = 0; d < max_devices; ++d) {
         DeviceSched& ds = sched(d);
         {

@@ -248,14 +248,20 @@ cudaError_t allocate_device(void** p, std::size_t size, int device, Source sourc
     State& st = state();
     const std::size_t bytes = round_up(size, device_alignment);
     const std::size_t charged = source == Source::graph ? 0 : bytes;
+    std::size_t reused = 0;  // of the default pool's cached bytes
     {
         std::lock_guard lock(st.m);
         if (hit(st.inject.fail_alloc)) return fail(cudaErrorMemoryAllocation);
         if (size == 0) return cudaSuccess;
         Device& dev = st.devices[device];
-        const std::size_t reused = source == Source::pool ? std::min(charged, dev.pool_cached.load()) : 0;
-        if (charged - reused > free_bytes(dev)) return fail(cudaErrorMemoryAllocation);
-        dev.pool_cached -= reused;
+        // A stream-ordered free adds to the cache (and clamps it to its threshold) without the lock:
+        // the part reused is taken by compare-and-swap, never below zero.
+        std::size_t cached = dev.pool_cached.load();
+        for (;;) {
+            reused = source == Source::pool ? std::min(charged, cached) : 0;
+            if (charged - reused > free_bytes(dev)) return fail(cudaErrorMemoryAllocation);
+            if (reused == 0 || dev.pool_cached.compare_exchange_weak(cached, cached - reused)) break;
+        }
         dev.used += charged;
     }
     // The requested size, not the rounded one: AddressSanitizer sees an access past the end.
@@ -264,6 +270,7 @@ cudaError_t allocate_device(void** p, std::size_t size, int device, Source sourc
     if (block == nullptr) {
         std::lock_guard lock(st.m);
         st.devices[device].used -= charged;
+        st.devices[device].pool_cached += reused;  // back to the pool
         return fail(cudaErrorMemoryAllocation);
     }
     std::memset(block, 0xFF, size);  // NaN as float: reading memory never written shows
@@ -709,8 +716,8 @@ void reset() {
         st.inject = Injections{};
         for (Device& d : st.devices) {
             d.capacity = default_capacity;
-            d.pool_cached.store(0);  // as a new process's pools
-            d.graph_cached = 0;
+            d.pool_cached.store(0);  // the caches empty (release thresholds stay, set once per process)
+            d.graph_cached = 0;      // executables that outlive a reset keep their mapped bytes
         }
     }
     compute_capability.store(90);
@@ -1160,7 +1167,9 @@ cudaError_t cudaMemPoolTrimTo(cudaMemPool_t memPool, size_t minBytesToKeep) {
     MemPool* pool = pool_of(memPool);
     if (pool == nullptr) return fail(cudaErrorInvalidValue);
     if (const cudaError_t e = sticky(pool->device); e != cudaSuccess) return e;
-    auto& cached = device_state(pool->device).pool_cached;
+    State& st = state();
+    std::lock_guard lock(st.m);  // allocate_device reads and takes the cache under it
+    auto& cached = st.devices[pool->device].pool_cached;
     std::size_t now = cached.load();
     while (now > minBytesToKeep && !cached.compare_exchange_weak(now, minBytesToKeep)) {
     }
@@ -1170,6 +1179,8 @@ cudaError_t cudaMemPoolTrimTo(cudaMemPool_t memPool, size_t minBytesToKeep) {
 cudaError_t cudaDeviceGraphMemTrim(int device) {
     if (device < 0 || device >= device_count()) return fail(cudaErrorInvalidDevice);
     if (const cudaError_t e = sticky(device); e != cudaSuccess) return e;
+    // As CUDA: the memory of every graph not executing or scheduled, uploaded or not, goes back.
+    unmap_idle_executables(device);
     State& st = state();
     std::lock_guard lock(st.m);
     st.devices[device].graph_cached = 0;

@@ -1187,15 +1187,15 @@ TEST_CASE("host NCCL: a non-blocking communicator's collective returns in progre
     float* buf = device_floats(elements);
     int in_progress = 0;
     for (int i = 0; i < 20; ++i) {
+        hc::hold_nccl_launches(true);  // the launch thread waits: the communicator stays in progress
         const ncclResult_t r = ncclAllReduce(buf, buf, elements, ncclFloat32, ncclSum, comm, s);
-        if (r == ncclInProgress) {
-            ++in_progress;
-            // Until the launch thread is done the communicator takes no more work.
-            ncclResult_t state = ncclSuccess;
-            REQUIRE(ncclCommGetAsyncError(comm, &state) == ncclSuccess);
-            if (state == ncclInProgress)
-                CHECK(ncclAllReduce(buf, buf, elements, ncclFloat32, ncclSum, comm, s) == ncclInvalidUsage);
-        }
+        in_progress += r == ncclInProgress ? 1 : 0;
+        ncclResult_t state = ncclSuccess;
+        REQUIRE(ncclCommGetAsyncError(comm, &state) == ncclSuccess);
+        CHECK(state == ncclInProgress);
+        // Until the launch thread is done the communicator takes no more work.
+        CHECK(ncclAllReduce(buf, buf, elements, ncclFloat32, ncclSum, comm, s) == ncclInvalidUsage);
+        hc::hold_nccl_launches(false);
         REQUIRE(settled(comm, r));
     }
     CHECK(in_progress == 20);
@@ -1745,7 +1745,11 @@ TEST_CASE("host graphs: a collective failing at a replay fails that launch; new 
             for (auto comm : old.comms)
                 if (ncclCommAbort(comm) == ncclSuccess) ++aborted;
         });
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        CHECK(eventually([] {  // the abort waits for the graphs, named by the watchdog's report
+            for (const auto& line : hc::nccl_waits())
+                if (line.find("ncclCommAbort") != std::string::npos) return true;
+            return false;
+        }));
         CHECK(aborted.load() == 0);
         REQUIRE(cudaGraphLaunch(execs[0], old.streams[0]) == cudaSuccess);
         CHECK(cudaStreamSynchronize(old.streams[0]) == cudaErrorIllegalAddress);
@@ -1813,13 +1817,14 @@ TEST_CASE("host NCCL: abort, destroy and finalize of a communicator wait for the
         (void)ncclCommAbort(comms[0]);
         returned = true;
     });
-    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    CHECK(eventually([] {
+        for (const auto& line : hc::nccl_waits())
+            if (line.find("ncclCommAbort of communicator") != std::string::npos &&
+                line.find("1 collective(s) captured in CUDA graphs") != std::string::npos)
+                return true;
+        return false;
+    }));
     CHECK_FALSE(returned.load());
-    bool named = false;
-    for (const auto& line : hc::nccl_waits())
-        named = named || (line.find("ncclCommAbort of communicator") != std::string::npos &&
-                          line.find("1 collective(s) captured in CUDA graphs") != std::string::npos);
-    CHECK(named);
     REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
     aborter.join();
     CHECK(returned.load());

@@ -359,12 +359,15 @@ TEST_CASE("accumulate's input may be freed and refilled as soon as the call retu
 // Issue 23, item 7: two NCCL communicators per GPU (layer and gradient groups) need NCCL's
 // launch-order rule, which exists from NCCL 2.26; the loaded NCCL can be older than the headers.
 // Mutation-checked (release build): without NcclApi::prepare_nccl this case fails.
+// The variables are set once per process, before NCCL's first call: like every case here, this one
+// runs in a process of its own (catch_discover_tests), not after another case's communicators.
 TEST_CASE("NCCL older than 2.26 is refused with its version, and the launch-order rule is set unless the user set it",
           "[hostcuda]") {
     Clean clean;
     REQUIRE(host_cuda::set_device_count(2));
     const std::vector<Device> two{Device::cuda(0), Device::cuda(1)};
     ::unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    ::unsetenv("NCCL_RUNTIME_CONNECT");
     host_cuda::set_nccl_version(22503);
     CHECK_THROWS_WITH(DataParallel<Small<Cuda>>(make_small<Cuda>(), two), Catch::Contains("NCCL 2.25.3 is loaded"));
     CHECK(std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT") == nullptr);
@@ -374,6 +377,10 @@ TEST_CASE("NCCL older than 2.26 is refused with its version, and the launch-orde
         const char* rule = std::getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
         REQUIRE(rule != nullptr);
         CHECK(std::string(rule) == "1");
+        // Connections made at init, so a blocking collective only enqueues (Note [blocking communicators]).
+        const char* connect = std::getenv("NCCL_RUNTIME_CONNECT");
+        REQUIRE(connect != nullptr);
+        CHECK(std::string(connect) == "0");
     }
     ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0", 1);  // the user's own setting is kept
     {
@@ -698,9 +705,10 @@ TEST_CASE("a replica's convolution step captured in a CUDA graph replays the eag
 // capture trims the default pool first and uploads the executable at once, so a graph that fits
 // only without the pool's cache is made, and one that does not fit at all is refused at its
 // capture (OutOfMemory), never at a later launch; GraphCache::clear gives the graph pool's memory
-// back. Mutation-checked: without the trim before the capture, the first capture is refused;
-// without the upload, the graph holds no memory after its capture and the refused one is made;
-// without the trim in clear, the graph pool keeps the memory.
+// back where no graph of the process is left on the device. Mutation-checked: without the trim
+// before the capture, the first capture is refused; without the upload, the graph holds no memory
+// after its capture and the refused one is made; without the trim in clear, the graph pool keeps
+// the memory; with it whatever graphs are left, the other cache's launch needs memory and fails.
 TEST_CASE("captured graphs take their memory at capture, after the default pool's cache is trimmed", "[hostcuda]") {
     Clean clean;
     cuda::Stream stream(0);
@@ -732,7 +740,17 @@ TEST_CASE("captured graphs take their memory at capture, after the default pool'
     CHECK_THROWS_WITH(cache.prepare({2}, stream.get(), temporaries(mib)),
                       Catch::Contains("uploading a CUDA graph failed") && Catch::Contains("cudaErrorMemoryAllocation"));
     CHECK_FALSE(cache.contains({2}));
+    // Another cache's graph keeps its memory when this one is cleared: a trim of the graph pool
+    // would take back the memory of every idle graph, whose next launch would need it again.
+    cuda::GraphCache other(1);
+    CHECK(other.prepare({3}, stream.get(), temporaries(mib)));
     cache.clear();
+    host_cuda::fail_graph_memory(1, 0);  // a launch that needs memory now fails
+    CHECK_NOTHROW(other.launch({3}, stream.get(), temporaries(mib)));
+    host_cuda::fail_graph_memory(0);
+    stream.synchronize();
+    CHECK(host_cuda::graph_memory_bytes(0) >= std::size_t{4} << 20);
+    other.clear();  // the device's last graph: now the pool is trimmed
     CHECK(host_cuda::graph_memory_bytes(0) == 0);
 }
 

@@ -84,9 +84,15 @@ struct NcclApi {
             reinterpret_cast<const void*>(&kernels::device::map_kernel<kernels::device::comm_kernels::RankSum<__nv_bfloat16>>)));
         return s;
     }
-    //! Whether everything enqueued on `s` so far has run by `deadline` (polled).
-    static bool idle(int device, Stream s, clock::time_point deadline) noexcept {
-        if (s == nullptr) return true;
+    //! What expires with a replica's compute stream (Note [current stream]); empty for a stream
+    //! its owner keeps alive otherwise.
+    using StreamToken = std::weak_ptr<const void>;
+    static StreamToken stream_token(const Execution<Cuda>& ex) { return ex.stream_owner; }
+
+    //! Whether everything enqueued on `s` so far has run by `deadline` (polled); a stream whose
+    //! token expired was destroyed, after its work drained, and is not touched.
+    static bool idle(int device, Stream s, const StreamToken& token, clock::time_point deadline) noexcept {
+        if (s == nullptr || (cuda::detail::has_owner(token) && token.expired())) return true;
         cuda::QuietDeviceGuard guard(device);
         cudaError_t e = cudaStreamQuery(s);
         while (e == cudaErrorNotReady && clock::now() < deadline) {
@@ -156,11 +162,18 @@ struct NcclApi {
     // collective, and lockstep waits for that thread before its next call. A blocking
     // communicator enqueues in the calling thread. So a group within one process, whose init
     // involves no other process (one group call of this thread for all its ranks), makes blocking
-    // communicators; a group across processes makes non-blocking ones. Either way no wait is
-    // unbounded: a collective is enqueued only after every rank passed the rendezvous, an abort
-    // runs on a helper thread (Note [aborting communicators]), and teardown finalizes only once
-    // the ranks' streams are idle, else it aborts. bench_cuda_allreduce measures both kinds
-    // ("NCCL eager collectives per second"), as scripts/gpu-check.sh reports.
+    // communicators; a group across processes makes non-blocking ones. What a blocking one could
+    // wait for, and how it stays bounded:
+    // - its init: only this process's ranks, in this thread's one group call; a rebuild makes them
+    //   outside the mutex abort() takes, so an abort never waits for an init;
+    // - connection setup: NCCL (2.22 and newer) connects a communicator's peers at the first
+    //   collective that needs them, where a blocking call would wait for its peers; lockstep sets
+    //   NCCL_RUNTIME_CONNECT=0 (unless the user set it) so that every connection is made at init,
+    //   and a collective, entered only once every rank passed the rendezvous, only enqueues;
+    // - its finalize: teardown finalizes only once every rank's streams are idle, else it aborts;
+    // - its abort: on a helper thread (Note [aborting communicators]).
+    // bench_cuda_allreduce measures both kinds ("NCCL eager collectives per second"), as
+    // scripts/gpu-check.sh reports.
 
     //! The communicators of ranks `first_rank`.. of a clique of `ranks` made from `id`, one per
     //! device in `devices` (one rank per GPU), in one group call, polled until ready or
@@ -217,7 +230,8 @@ struct NcclApi {
     static constexpr int launch_order_version = 22600;
 
     //! Refuses an NCCL too old for two communicators per device and sets
-    //! NCCL_LAUNCH_ORDER_IMPLICIT=1 where the user has not set it (Note [two communicators on one device]).
+    //! NCCL_LAUNCH_ORDER_IMPLICIT=1 (Note [two communicators on one device]) and
+    //! NCCL_RUNTIME_CONNECT=0 (Note [blocking communicators]) where the user has not set them.
     static void prepare_nccl() {
         int version = 0;
         LOCKSTEP_NCCL_CHECK(ncclGetVersion(&version));
@@ -228,7 +242,10 @@ struct NcclApi {
                           "the loader at a newer libnccl.so.2 (LD_LIBRARY_PATH)");
         // Once per process: setenv races with getenv on threads NCCL already runs.
         static std::once_flag set_once;
-        std::call_once(set_once, [] { (void)::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 0); });
+        std::call_once(set_once, [] {
+            (void)::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 0);
+            (void)::setenv("NCCL_RUNTIME_CONNECT", "0", 0);
+        });
     }
 
     //! A named NVTX range around each enqueue, so Nsight shows every collective on its thread.

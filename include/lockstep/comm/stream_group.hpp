@@ -53,17 +53,19 @@ namespace lockstep::comm {
 //   waits for it. `single`: one rank, nothing to enqueue. Mixed layouts (several GPUs, some with
 //   more than one replica) are refused when the group is made.
 // - Failures: abort() (a replica threw, the pool gave up on one, a wait passed its deadline)
-//   aborts the rendezvous and calls the Api's abort on every communicator of the group, once,
-//   never concurrently with an enqueue. The pool then calls reset(), which marks them for
-//   rebuilding and, in local mode, orders every rank's streams after rank 0's (whose reduction
-//   may still write its peers' buffers); the next step's first collective builds new
-//   communicators, so the failing call returns at once and the next step runs on a fresh group.
-//   If that build fails, every later collective throws a `DeviceError` saying why, and the
-//   object must be made anew.
+//   aborts the rendezvous and takes every communicator of the group, once, never concurrently
+//   with an enqueue, for a helper thread to abort (Note [aborting communicators]). The pool then
+//   calls reset(), which marks them for rebuilding and, in local mode, orders every rank's
+//   streams after rank 0's (whose reduction may still write its peers' buffers); the next step's
+//   first collective builds new communicators, so the failing call does not wait for a rebuild
+//   and the next step runs on a fresh group. If that build fails, every later collective throws a
+//   `DeviceError` saying why, and the object must be made anew.
 // - A replica's host waits on its device (the step's scalars) poll an event against the group's
 //   timeout and consult the group meanwhile (`DeviceWatch`): never an unbounded synchronize.
-// - Teardown: every communicator is finalized (polled against a deadline) and destroyed, then the
-//   group's streams and events; the replicas' compute streams go after (DataParallel's Core).
+// - Teardown: the helpers' aborts are waited for (bounded); every communicator is finalized and
+//   destroyed once every rank's streams are idle, else aborted (Note [blocking communicators]);
+//   then the group's streams and events go; the replicas' compute streams go after
+//   (DataParallel's Core).
 // - Across processes (made with a ProcessGroup): Note [stream groups across processes].
 //
 // The Api (NcclApi in cuda_group.cuh; doubles in tests/test_stream_group.cpp) provides:
@@ -72,7 +74,9 @@ namespace lockstep::comm {
 //   Stream compute_stream(const Execution<backend>&, int device);   (checks the replica's device)
 //   void watch(Execution<backend>&, DeviceWatch*, std::chrono::milliseconds timeout);
 //   Stream make_stream(int device);  void destroy_stream(int device, Stream, deadline) noexcept;
-//   bool idle(int device, Stream, deadline) noexcept;   (its work so far has run, polled until deadline)
+//   using StreamToken;  StreamToken stream_token(const Execution<backend>&);   (expires with the replica's stream)
+//   bool idle(int device, Stream, const StreamToken&, deadline) noexcept;
+//       (its work so far has run, polled until deadline; true for a stream whose token expired)
 //   Event make_event(int device);    void destroy_event(int device, Event) noexcept;
 //   void record(Event, Stream);  void wait(Stream, Event);
 //   using UniqueId;  UniqueId unique_id();   (trivially copyable: ncclUniqueId)
@@ -343,6 +347,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
 
     struct Rank {
         Stream compute{};     // the replica's compute stream (bound)
+        typename Api::StreamToken compute_token{};  // expires when its owner destroys it
         Stream comm{};        // this group's communication stream on the replica's GPU
         Event ready{};        // compute -> comm, before a started collective
         Event done{};         // comm -> compute, at join()
@@ -381,9 +386,11 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     // abort() takes the communicators out of the group under its mutex (no enqueue can reach them
     // after) and hands them to a helper thread that aborts them: abort() returns at once. The
     // owners of graphs drop them when the failed call ends (DataParallel does, on every replica),
-    // and settle() waits for the helpers with a bound: after it the communicators are aborted.
-    // Teardown settles the same way; a helper still blocked past the bound (a graph nobody
-    // destroyed) is reported on stderr and left running: it owns what it aborts.
+    // and settle() waits for the helpers with a bound: normally the communicators are aborted then.
+    // NCCL's abort also waits for the launches in flight of those graphs (CUDA frees an executable
+    // destroyed in flight when its launch ends), which a kernel that never ends holds: the helper
+    // then outlives the bound. Teardown settles the same way; a helper still blocked past its bound
+    // is reported on stderr and left running: it owns what it aborts.
     void abort(const std::string& reason, int failed_rank) noexcept override {
         {
             std::lock_guard lock(reason_mutex);
@@ -424,7 +431,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
 
     // After a failed call, with every replica out of it (the pool calls this before it rethrows):
     // the communicators are rebuilt at the next collective (`rebuild_if_needed`), not here, so the
-    // failing call returns at once. In local mode rank 0 may have enqueued a reduction that writes
+    // failing call does not wait for a rebuild. In local mode rank 0 may have enqueued a reduction that writes
     // its peers' buffers before the abort reached them: every rank's streams wait for rank 0's.
     void reset() override {
         rendezvous.reset();
@@ -456,25 +463,38 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     }
 
     // Peer mode, at a collective after a failed one, before the rendezvous: new communicators
-    // for every rank, made once (by whichever rank gets here first; the others find them made).
+    // for every rank, made once (by whichever rank gets here first; the others wait for it and
+    // find them made). They are made outside comms_mutex, which abort() takes: an abort never
+    // waits for an init (a blocking one has no deadline).
     void rebuild_if_needed() {
         {
             std::shared_lock lock(comms_mutex);  // the common case: peers may be enqueueing
             if (!rebuild) return;
         }
         (void)settle(clock::now());  // joins the helpers that are done
-        std::unique_lock lock(comms_mutex);
-        if (!rebuild) return;
-        rebuild = false;
-        comms.clear();
+        std::lock_guard building(rebuild_mutex);
+        {
+            std::shared_lock lock(comms_mutex);
+            if (!rebuild) return;
+        }
+        std::vector<typename Api::Comm> fresh;
         try {
-            comms = make_comms(clock::now() + rendezvous.timeout(), aborted);
-            comms_aborted = false;
+            fresh = make_comms(clock::now() + rendezvous.timeout(), aborted);
         } catch (const std::exception& e) {
+            std::unique_lock lock(comms_mutex);
             unusable = std::string("rebuilding its communicators after a failed step failed: ") + e.what();
             throw DeviceError("this replica group cannot run collectives any more: " + unusable +
                               "; destroy the DataParallel object and make a new one");
         }
+        std::unique_lock lock(comms_mutex);
+        if (aborted.load(std::memory_order_acquire)) {  // aborted while they were made: they go too
+            lock.unlock();
+            abort_in_background(std::move(fresh));
+            throw CollectiveAborted("the replica group was aborted: " + abort_reason());
+        }
+        comms = std::move(fresh);
+        comms_aborted = false;
+        rebuild = false;
     }
 
     void check_usable() const {
@@ -510,37 +530,47 @@ struct StreamCommunicator<Api>::State final : public Abortable {
         }
     }
 
-    // Helpers still aborting past teardown's bound (a graph nobody destroyed): reported and left
-    // running, detached; each owns the communicators it aborts.
+    // Helpers still aborting past teardown's bound (a graph nobody destroyed, or a kernel that
+    // never ends: NCCL's abort also waits for the launches in flight of the graphs that hold the
+    // communicator): reported and left running, detached; each owns the communicators it aborts.
     void leave_aborters() noexcept {
         std::lock_guard lock(aborters_mutex);
         std::fprintf(stderr,
                      "lockstep: aborting a replica group's NCCL communicators did not end within %lld ms (a CUDA "
-                     "graph that captured them is still alive); leaving %zu helper thread(s) to finish it\n",
+                     "graph that captured them is alive or still running); leaving %zu helper thread(s) to finish it\n",
                      static_cast<long long>(rendezvous.timeout().count()), aborters.size());
         for (auto& a : aborters) a.thread.detach();
         aborters.clear();
     }
 
+    // Whether every bound rank's streams have run their work by `deadline`: a compute stream whose
+    // owner destroyed it drained before it went (Note [current stream]).
+    bool streams_idle(clock::time_point deadline) noexcept {
+        for (std::size_t r = 0; r < ranks.size(); ++r) {
+            const auto& k = ranks[r];
+            if (k.bound && !(api.idle(devices[r], k.compute, k.compute_token, deadline) &&
+                             api.idle(devices[r], k.comm, typename Api::StreamToken{}, deadline)))
+                return false;
+        }
+        return true;
+    }
+
     void teardown() noexcept {
-        const auto deadline = clock::now() + rendezvous.timeout();
-        if (!settle(deadline)) leave_aborters();
-        // Finalize waits for the communicators' work: only once every rank's streams are idle
-        // (bounded: a blocking communicator's finalize would wait for a stuck kernel), else abort.
-        bool idle = true;
-        for (std::size_t r = 0; r < ranks.size(); ++r)
-            if (ranks[r].bound)
-                idle = idle && api.idle(devices[r], ranks[r].compute, deadline) && api.idle(devices[r], ranks[r].comm, deadline);
+        const auto bound = [this] { return clock::now() + rendezvous.timeout(); };
+        if (!settle(bound())) leave_aborters();
         std::unique_lock lock(comms_mutex);
-        if (!comms_aborted && !idle && !comms.empty()) {
+        // Finalize waits for the communicators' work, without a deadline for a blocking one: only
+        // once every rank's streams are idle, else the communicators are aborted (with a bound).
+        if (!comms_aborted && !comms.empty() && !streams_idle(bound())) {
             auto taken = std::move(comms);
             comms.clear();
             comms_aborted = true;
             lock.unlock();
             abort_in_background(std::move(taken));
-            if (!settle(deadline)) leave_aborters();
+            if (!settle(bound())) leave_aborters();
             lock.lock();
         }
+        const auto deadline = bound();
         if (!comms_aborted) {
             api.finalize(std::span<const typename Api::Comm>(comms), deadline);
             for (auto& c : comms) api.destroy(c);
@@ -578,6 +608,7 @@ struct StreamCommunicator<Api>::State final : public Abortable {
     };
     std::mutex aborters_mutex;
     std::vector<Aborter> aborters;
+    std::mutex rebuild_mutex;  // the rank that rebuilds the communicators; never taken by abort()
     std::string unusable;  // why collectives cannot run any more (empty: they can)
 
     std::atomic<bool> aborted{false};
@@ -647,6 +678,7 @@ public:
         const int device = st_->devices[static_cast<std::size_t>(rank)];
         auto& api = st_->api;
         k.compute = api.compute_stream(ex, device);
+        k.compute_token = api.stream_token(ex);
         k.comm = api.make_stream(device);
         k.ready = api.make_event(device);
         k.done = api.make_event(device);

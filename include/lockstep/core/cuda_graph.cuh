@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <list>
@@ -18,6 +19,16 @@
 #include "lockstep/core/error.hpp"
 
 namespace lockstep::cuda {
+
+namespace detail {
+//! Live executables of this process on `device` (none counted past device 255): where
+//! GraphCache::clear may trim the graph pool (Note [graph memory]).
+inline std::atomic<int>& live_graphs(int device) {
+    static std::atomic<int> counts[256];
+    static std::atomic<int> beyond{1};  // never 0: no trim where nothing is counted
+    return device >= 0 && device < 256 ? counts[device] : beyond;
+}
+}  // namespace detail
 
 // Note [graphs]
 // A `Graph` is stream work recorded once and run again by one launch: the kernels, copies, cuBLAS
@@ -54,10 +65,13 @@ namespace lockstep::cuda {
 // replicas launch graph (a) after agreeing to (Note [captured steps]), and a replica whose launch
 // fails then leaves its peers' launched collectives waiting for it. So `Graph::capture` uploads
 // the executable at once (on the capturing stream, which the caller waits for before any replica
-// launches), and the memory stays the executable's until it is destroyed: later launches take
-// none. Two caches would otherwise keep memory from the graphs: the default pool keeps every
-// freed byte (its release threshold: configure_pool), so `capture` trims it first; the graph pool
-// keeps the memory of destroyed executables, so `GraphCache::clear` trims it after.
+// launches), and the memory stays the executable's while it lives: later launches take none,
+// unless a trim of the graph pool takes it back. Two caches would otherwise keep memory from the
+// graphs: the default pool keeps every freed byte (its release threshold: configure_pool), so
+// `capture` trims it first; the graph pool keeps the memory of destroyed executables, so
+// `GraphCache::clear` trims it after, but only where no graph of this process is alive on the
+// device (cudaDeviceGraphMemTrim takes back the memory of every graph not running, uploaded or
+// not, whose next launch would then need it again: after another object's replicas voted).
 
 //! Captured stream work, instantiated for launching (move-only; Note [graphs]).
 class Graph {
@@ -93,6 +107,7 @@ public:
         }
         if (const cudaError_t e = cudaStreamEndCapture(stream, &g.graph_); e != cudaSuccess) refused(e, "capturing");
         if (const cudaError_t e = cudaGraphInstantiate(&g.exec_, g.graph_, 0); e != cudaSuccess) refused(e, "instantiating");
+        detail::live_graphs(device).fetch_add(1);
         if (const cudaError_t e = cudaGraphUpload(g.exec_, stream); e != cudaSuccess) refused(e, "uploading");
         return g;
     }
@@ -142,7 +157,10 @@ private:
                              ::lockstep::detail::replica_rank_slot(), device);
     }
     void destroy() noexcept {
-        if (exec_ != nullptr) (void)cudaGraphExecDestroy(std::exchange(exec_, nullptr));
+        if (exec_ != nullptr) {
+            (void)cudaGraphExecDestroy(std::exchange(exec_, nullptr));
+            detail::live_graphs(device_).fetch_sub(1);
+        }
         if (graph_ != nullptr) (void)cudaGraphDestroy(std::exchange(graph_, nullptr));
     }
     cudaGraph_t graph_ = nullptr;
@@ -197,14 +215,16 @@ public:
     }
 
     //! Drops every graph: after an abort or a group rebuild, whose communicators the graphs hold.
-    //! The graph pool's memory they held goes back to the devices (Note [graph memory]).
+    //! The graph pool's memory they held goes back to each device where no graph of this process
+    //! is left (Note [graph memory]).
     void clear() noexcept {
         std::vector<int> devices;
         for (const auto& [key, g] : order_)
             if (std::find(devices.begin(), devices.end(), g.device()) == devices.end()) devices.push_back(g.device());
         index_.clear();
         order_.clear();
-        for (const int d : devices) (void)cudaDeviceGraphMemTrim(d);
+        for (const int d : devices)
+            if (detail::live_graphs(d).load() == 0) (void)cudaDeviceGraphMemTrim(d);
         (void)cudaGetLastError();
     }
     bool contains(const Key& key) const { return index_.count(key) != 0; }

@@ -486,9 +486,10 @@ private:
 
     // After a failed call the groups are aborted, and graphs hold their communicators, whose abort
     // waits for them (Note [aborting communicators] in comm/stream_group.hpp): every replica drops
-    // its graphs now, on its own thread, then the aborts are waited for (bounded), so the call
-    // returns with the communicators gone. A pool that gave up on a replica runs no job: that
-    // replica's graphs go with the object.
+    // its graphs now, on its own thread, then the aborts are waited for, at most the groups'
+    // timeout (a kernel that never ends keeps NCCL's abort waiting for its launch), so the call
+    // normally returns with the communicators gone. A pool that gave up on a replica runs no job:
+    // that replica's graphs go with the object, and its helpers end when they do.
     void after_failure() noexcept {
         drop_graphs();
         if (!pool_.usable()) return;
@@ -499,7 +500,9 @@ private:
             });
         } catch (...) {  // the call's own failure is what the caller sees
         }
-        const auto deadline = std::chrono::steady_clock::now() + core_->options.timeout;
+        // A timeout of years (ReplicaPool saturates those too) waits a day at most here.
+        const auto deadline = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(
+                                                                      core_->options.timeout, std::chrono::hours(24));
         for (int g = 0; g < 2; ++g) (void)core_->abortable(g)->settle(deadline);
     }
 
