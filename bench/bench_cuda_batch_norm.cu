@@ -267,7 +267,7 @@ public:
         bias_grad_ = zeros_f(C);
         shift_ = zeros_f(C);
         folded_ = zeros_f(4 * C);
-        forward_payload_ = Tensor<double, Cuda>(Shape{2 * C + 1}, MemoryFormat::nchw, dev);
+        forward_payload_ = Tensor<double, Cuda>(Shape{3 * C + 1}, MemoryFormat::nchw, dev);
         backward_payload_ = Tensor<double, Cuda>(Shape{2 * C}, MemoryFormat::nchw, dev);
         stats_ = Tensor<double, Cuda>(Shape{2 * C + 1}, MemoryFormat::nchw, dev);
         batches_ = Tensor<std::int64_t, Cuda>(Shape{1}, MemoryFormat::nchw, dev);
@@ -324,14 +324,14 @@ private:
         return timer_.stop(s);
     }
 
-    //! The five kernels of a training step at world 1; y becomes the next step's x, as a network
+    //! The six kernels of a training step at world 1; y becomes the next step's x, as a network
     //! hands its activations on (normalized data again, since gamma = 1 and beta = 0).
     void step() {
         kernels::device::DeviceRun run{ex_.stream, info_, kernels::cuda_ops::scratch(ex_)};
-        bn_kernels::local_stats(run, x_.data(), g_, running_mean_.data(), forward_payload_.data(), shift_.data());
+        bn_kernels::local_stats(run, x_.data(), g_, forward_payload_.data(), shift_.data());
+        bn_kernels::centre(run, g_, shift_.data(), forward_payload_.data());
         bn_kernels::FinishRequest finish;
         finish.payload = forward_payload_.data();
-        finish.shift = shift_.data();
         finish.running_mean = running_mean_.data();
         finish.running_var = running_var_.data();
         finish.num_batches_tracked = batches_.data();

@@ -97,7 +97,8 @@ public:
             r.x = Tensor<float>(shape);
             r.dy = Tensor<float>(shape);
             r.y = Tensor<float>(shape);
-            r.payload.resize(static_cast<std::size_t>(2 * C + 1));
+            r.payload.resize(static_cast<std::size_t>(3 * C + 1));
+            r.shift.resize(static_cast<std::size_t>(C));
             fill_normal(r.x, gen);
             fill_normal(r.dy, gen);
         }
@@ -112,7 +113,8 @@ public:
             auto& r = replicas_[static_cast<std::size_t>(rank)];
             // Constants that keep every value where it is: mean 0, scale 1, dx = dy * 0 + x * 1 + 0.
             const float* z = zero_.data();
-            kernels::host::bn_local_stats(r.x.data(), g_, z, r.payload.data());
+            kernels::host::bn_local_stats(r.x.data(), g_, r.shift.data(), r.payload.data());
+            kernels::host::bn_centre(g_, r.shift.data(), r.payload.data());
             kernels::host::bn_normalize(r.x.data(), r.y.data(), g_, z, one_.data(), z);
             kernels::host::bn_backward_sums(r.x.data(), r.dy.data(), g_, z, z, r.payload.data());
             kernels::host::bn_backward_dx(r.x.data(), r.dy.data(), r.x.data(), g_, z, z, one_.data(), z);
@@ -127,6 +129,7 @@ private:
     struct Replica {
         Tensor<float> x, dy, y;
         std::vector<double> payload;
+        std::vector<float> shift;
     };
     kernels::BnGeometry g_;
     ReplicaPool pool_;

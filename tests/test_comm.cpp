@@ -84,6 +84,18 @@ TEST_CASE("broadcast and barrier reach every rank", "[comm]") {
     CHECK(comms[0].collective_count() == 2);
 }
 
+TEST_CASE("a span's part views its elements, and a part beyond it is a ShapeError", "[comm]") {
+    Tensor<double> t(Shape{7});
+    const DeviceSpan all(t);
+    const auto part = all.subspan(2, 5);
+    CHECK(part.data == t.data() + 2);
+    CHECK(part.size == 5);
+    CHECK(part.device == t.device());
+    CHECK(all.subspan(7, 0).empty());
+    CHECK_THROWS_AS(all.subspan(3, 5), ShapeError);
+    CHECK_THROWS_AS(all.subspan(8, 0), ShapeError);
+}
+
 TEST_CASE("slices cover the buffer in 16-element granules", "[comm]") {
     for (std::size_t count : {0u, 1u, 15u, 16u, 17u, 1000u, 1025u}) {
         for (int n = 1; n <= 8; ++n) {

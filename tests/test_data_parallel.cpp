@@ -235,14 +235,14 @@ TEST_CASE("Bucketing and overlap change no bit of the result", "[parallel]") {
     CHECK(dp.bucket_count() == 6);  // conv w, b; bn w, b; fc w, b
 }
 
-TEST_CASE("One training step makes one all-reduce per bucket, two per SyncBatchNorm, two commit barriers", "[parallel]") {
+TEST_CASE("One training step makes one all-reduce per bucket, three per SyncBatchNorm, two commit barriers", "[parallel]") {
     DataParallel<Net> dp(make_net(1), 2, {.bucket_bytes = 1});
     nn::Sgd sgd({.lr = 0.1});
     std::mt19937_64 gen(1);
     const auto b = make_batches(1, 6, gen)[0];
     const auto layer0 = dp.layer_collectives(0), grad0 = dp.gradient_collectives(0);
     dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
-    CHECK(dp.layer_collectives(0) - layer0 == 2);                        // SyncBatchNorm forward + backward
+    CHECK(dp.layer_collectives(0) - layer0 == 3);                        // SyncBatchNorm forward (2) + backward
     CHECK(dp.gradient_collectives(0) - grad0 == dp.bucket_count() + 2);  // + the barriers around the optimizer
 }
 
@@ -678,7 +678,7 @@ TEST_CASE("accumulate still runs the layers' collectives, and refuses eval mode"
     const auto b = make_batches(1, 6, gen)[0];
     const auto layer0 = dp.layer_collectives(1), grad0 = dp.gradient_collectives(1);
     dp.accumulate(b.x, b.labels, nn::SoftmaxCrossEntropy{});
-    CHECK(dp.layer_collectives(1) - layer0 == 2);  // SyncBatchNorm forward + backward
+    CHECK(dp.layer_collectives(1) - layer0 == 3);  // SyncBatchNorm forward (2) + backward
     CHECK(dp.gradient_collectives(1) == grad0);
     nn::Sgd sgd({.lr = 0.1});
     const auto r = dp.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);

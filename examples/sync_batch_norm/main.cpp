@@ -29,7 +29,7 @@ int main() {
         nn::Context<> ctx;
         ctx.rank = rank;
         ctx.world = 2;
-        ctx.comm = &comms[rank];  // ONE all-reduce of 2C+1 values in forward, 2C in backward
+        ctx.comm = &comms[rank];  // two fixed-size all-reduces in forward (C+1, 2C values), one in backward (2C)
         y[rank] = bn[rank].forward(ctx, shard[rank]);
     });
     // --- end of snippet ---

@@ -32,15 +32,14 @@ using kernels::device::DeviceRun;
 
 // ---- batch norm: every pass, for fp32, fp16 and bf16 storage -----------------------------------
 // Each tensor pass dispatches to channels-last and channels-first in windows of every width (16,
-// 8 and 4 bytes, and one element: Note [channels-first windows]); the per-channel kernels (shift, finish count, eval constants,
-// parameter gradients) have no storage type.
+// 8 and 4 bytes, and one element: Note [channels-first windows]); the per-channel kernels (centring, finish count, eval
+// constants, parameter gradients) have no storage type.
 template <class T>
 void batch_norm_kernels(DeviceRun& run, const BnGeometry& g, T* x, T* dy, std::uint8_t* /*no ReLU mask*/, double* payload,
                         double* stats, float* folded, float* running, std::int64_t* count) {
-    bk::local_stats(run, x, g, running, payload, folded);
+    bk::local_stats(run, x, g, payload, folded);
     bk::FinishRequest finish;
     finish.payload = payload;
-    finish.shift = folded;
     finish.running_mean = running;
     finish.running_var = running;
     finish.num_batches_tracked = count;
@@ -57,6 +56,7 @@ void all_batch_norm_kernels(DeviceRun& run, const BnGeometry& g, void* data, std
                        count);
     batch_norm_kernels(run, g, static_cast<__nv_bfloat16*>(data), static_cast<__nv_bfloat16*>(data), mask, payload, stats, folded,
                        running, count);
+    bk::centre(run, g, folded, payload);
     bk::eval_constants(run, g.channels, running, running, 1e-5, folded, folded, stats, folded);
     bk::param_grads(run, g.channels, payload, stats, folded, folded);
 }

@@ -202,12 +202,14 @@ void run_case(const Case& k) {
     auto hx = host_tensor(xf), hdy = host_tensor(dyf), hy = host_tensor(std::vector<float>(count));
     auto hw = host_tensor(gamma), hb = host_tensor(beta), hrm = host_tensor(rmean), hrv = host_tensor(rvar);
     auto hnbt = make_tensor<std::int64_t>(Shape{}, std::vector<std::int64_t>{nbt0});
-    kernels::BnConstants<Host> hk{Tensor<double, Host>(Shape{2 * C + 1}), Tensor<float, Host>(Shape{4 * C})};
-    auto hpay = Tensor<double, Host>(Shape{2 * C + 1});
+    kernels::BnConstants<Host> hk{Tensor<double, Host>(Shape{2 * C + 1}), Tensor<float, Host>(Shape{4 * C}), {}};
+    auto hpay = Tensor<double, Host>(Shape{3 * C + 1});
     auto hbpay = Tensor<double, Host>(Shape{2 * C});
     auto hmask = Tensor<std::uint8_t, Host>(Shape{total});
     auto hwg = host_tensor(std::vector<float>(gamma.size(), 0.5f)), hbg = host_tensor(std::vector<float>(gamma.size(), -0.25f));
-    HostOps::bn_local_stats(ex, hx, g, k.track ? &hrm : nullptr, hk, hpay);
+    HostOps::bn_local_stats(ex, hx, g, hk, hpay);
+    const std::vector<double> hlocal(hpay.data(), hpay.data() + hpay.numel());  // before the centring
+    HostOps::bn_centre(ex, g, hk, hpay);
     const kernels::BnFinishOptions fo{1e-5, k.momentum, k.track};
     HostOps::bn_forward_finish(ex, hpay, fo, k.track ? &hrm : nullptr, k.track ? &hrv : nullptr, k.track ? &hnbt : nullptr,
                                k.affine ? &hw : nullptr, k.affine ? &hb : nullptr, hk);
@@ -229,23 +231,27 @@ void run_case(const Case& k) {
     // ---- emulated kernels ----
     dev::HostScratch scratch;
     bk::EmulatedRun run{k.info, &scratch};
-    std::vector<double> payload(static_cast<std::size_t>(2 * C + 1), -1.0), bpayload(static_cast<std::size_t>(2 * C), -1.0);
+    std::vector<double> payload(static_cast<std::size_t>(3 * C + 1), -1.0), bpayload(static_cast<std::size_t>(2 * C), -1.0);
     std::vector<double> stats(static_cast<std::size_t>(2 * C + 1), -1.0);
     std::vector<float> folded(static_cast<std::size_t>(4 * C), -1.0f), shift(static_cast<std::size_t>(C), -1.0f);
     std::vector<float> erm = rmean, erv = rvar, wg(gamma.size(), 0.5f), bg(gamma.size(), -0.25f);
     std::int64_t nbt = nbt0;
 
-    bk::local_stats(run, x.data(), g, k.track ? erm.data() : nullptr, payload.data(), shift.data());
+    bk::local_stats(run, x.data(), g, payload.data(), shift.data());
     const double n = static_cast<double>(k.N * g.inner);
-    REQUIRE(payload[static_cast<std::size_t>(2 * C)] == n);
-    // Sums of n terms of size |x - K| each: fp32 partial sums over `flush` items, fp64 beyond.
+    const kernels::bn::ForwardPayload layout{C};
+    REQUIRE(payload[static_cast<std::size_t>(layout.count())] == n);
+    // Sums of n terms of size |x - k| each (k: a value of the channel): fp32 partial sums over
+    // `flush` items, fp64 beyond; the totals M = n k + s of n terms of size |x|.
     double term = 0;
-    for (std::size_t i = 0; i < count; ++i) term = std::max(term, std::abs(static_cast<double>(xf[i])) + std::abs(k.centre) + 4);
-    require_close([&](std::size_t i) { return payload[i]; }, std::vector<float>(hpay.data(), hpay.data() + hpay.numel()), 1e-5, 0,
+    for (std::size_t i = 0; i < count; ++i) term = std::max(term, 2 * std::abs(static_cast<double>(xf[i])) + 4);
+    require_close([&](std::size_t i) { return payload[i]; }, std::vector<float>(hlocal.begin(), hlocal.end()), 1e-5, 0,
                   n * term * term, "forward payload");
-    for (std::int64_t c = 0; c < C; ++c)
-        CHECK(shift[static_cast<std::size_t>(c)] ==
-              (k.track ? kernels::bn::usable_shift(rmean[static_cast<std::size_t>(c)]) : 0.0f));
+    for (std::int64_t c = 0; c < C; ++c) CHECK(shift[static_cast<std::size_t>(c)] == hk.shift[c]);  // the same local shift
+    // The centring, from the host's local payload: the host's bits (the same fp64 formula).
+    std::copy(hlocal.begin(), hlocal.end(), payload.begin());
+    bk::centre(run, g, shift.data(), payload.data());
+    for (std::size_t i = 0; i < payload.size(); ++i) CHECK(payload[i] == hpay[static_cast<std::int64_t>(i)]);
     // Tickets are left at zero for the next launch.
     for (int i = 0; i < 64; ++i) REQUIRE(scratch.view().counters[i] == 0u);
 
@@ -253,7 +259,6 @@ void run_case(const Case& k) {
     std::vector<double> hpayload(hpay.data(), hpay.data() + hpay.numel());
     bk::FinishRequest f;
     f.payload = hpayload.data();
-    f.shift = shift.data();
     if (k.track) {
         f.running_mean = erm.data();
         f.running_var = erv.data();
@@ -541,26 +546,27 @@ TEST_CASE("emulated batch-norm launch plans stay inside the grid and the scratch
 TEST_CASE("emulated SyncBatchNorm: an empty shard contributes zeros and still finishes", "[emulation][syncbn]") {
     for (const bool nhwc : {false, true}) {
         kernels::BnGeometry g{0, 5, 4, nhwc};
+        const kernels::bn::ForwardPayload layout{5};
         dev::HostScratch scratch;
         bk::EmulatedRun run{{}, &scratch};
-        std::vector<double> payload(11, 9.0);
+        std::vector<double> payload(16, 9.0);
         std::vector<float> shift(5, 9.0f), rm{1, 2, std::nanf(""), 4, 5};
-        bk::local_stats<bk::EmulatedRun, float>(run, nullptr, g, rm.data(), payload.data(), shift.data());
+        bk::local_stats<bk::EmulatedRun, float>(run, nullptr, g, payload.data(), shift.data());
         for (const double v : payload) CHECK(v == 0.0);
-        CHECK(shift == std::vector<float>{1, 2, 0, 4, 5});  // a NaN running mean shifts by 0
-        // The other replicas' payload: the empty shard still finishes and updates its running statistics.
-        std::vector<double> global(11);
-        for (int c = 0; c < 5; ++c) {
-            global[static_cast<std::size_t>(c)] = 2.0 * (c + 1);  // S
-            global[static_cast<std::size_t>(5 + c)] = 8.0;        // Q
-        }
-        global[10] = 4;
+        CHECK(shift == std::vector<float>(5, 0.0f));
+        // The other replicas' totals (the first all-reduce): the empty shard's centred sums stay 0.
+        for (int c = 0; c < 5; ++c) payload[static_cast<std::size_t>(layout.total(c))] = 4.0 * (1.0 + 0.5 * c);
+        payload[static_cast<std::size_t>(layout.count())] = 4;
+        bk::centre(run, g, shift.data(), payload.data());
+        for (std::int64_t i = 0; i < layout.second_size(); ++i) CHECK(payload[static_cast<std::size_t>(i)] == 0.0);
+        // The second all-reduce: the empty shard still finishes and updates its running statistics.
+        std::vector<double> global = payload;
+        for (int c = 0; c < 5; ++c) global[static_cast<std::size_t>(layout.sum_sq(c))] = 8.0;  // Q about mu
         std::vector<double> stats(11);
         std::vector<float> folded(20), rv(5, 1.0f);
         std::int64_t nbt = 0;
         bk::FinishRequest f;
         f.payload = global.data();
-        f.shift = shift.data();
         f.running_mean = rm.data();
         f.running_var = rv.data();
         f.num_batches_tracked = &nbt;
@@ -568,8 +574,10 @@ TEST_CASE("emulated SyncBatchNorm: an empty shard contributes zeros and still fi
                                                       false);
         CHECK(nbt == 1);
         CHECK(stats[10] == 4.0);
-        CHECK(stats[0] == Approx(1.0 + 0.5));  // K + S/N
-        CHECK(rm[0] == Approx(0.9 * 1.0 + 0.1 * 1.5));
+        CHECK(stats[0] == 1.0);  // mu + S/N
+        CHECK(stats[2] == 2.0);  // a NaN running mean leaves the batch's statistics alone
+        CHECK(stats[5] == Approx(1.0 / std::sqrt(2.0 + 1e-5)));
+        CHECK(rm[0] == Approx(0.9 * 1.0 + 0.1 * 1.0));
     }
 }
 
@@ -589,28 +597,41 @@ TEST_CASE("emulated SyncBatchNorm over two replicas equals the host on the whole
             auto hx = host_tensor(x), hy = host_tensor(std::vector<float>(x.size())), hrm = host_tensor(rm),
                  hrv = host_tensor(rv);
             auto hnbt = make_tensor<std::int64_t>(Shape{}, std::vector<std::int64_t>{0});
-            kernels::BnConstants<Host> hk{Tensor<double, Host>(Shape{2 * C + 1}), Tensor<float, Host>(Shape{4 * C})};
-            auto hpay = Tensor<double, Host>(Shape{2 * C + 1});
+            kernels::BnConstants<Host> hk{Tensor<double, Host>(Shape{2 * C + 1}), Tensor<float, Host>(Shape{4 * C}), {}};
+            auto hpay = Tensor<double, Host>(Shape{3 * C + 1});
             const kernels::BnGeometry whole{N, C, P, nhwc};
-            HostOps::bn_local_stats(ex, hx, whole, &hrm, hk, hpay);
+            HostOps::bn_local_stats(ex, hx, whole, hk, hpay);
+            HostOps::bn_centre(ex, whole, hk, hpay);
             HostOps::bn_forward_finish(ex, hpay, {}, &hrm, &hrv, &hnbt, nullptr, nullptr, hk);
             HostOps::bn_normalize(ex, hx, hy, whole, hk, false, nullptr);
 
-            // Emulated: two shards, payloads added (the all-reduce), each replica finishes.
+            // Emulated: two shards, payloads added in two parts (the all-reduces, the centring between
+            // them), each replica finishes.
+            const kernels::bn::ForwardPayload layout{C};
             const std::int64_t sizes[2] = {first, N - first};
-            std::vector<std::vector<double>> payloads(2, std::vector<double>(static_cast<std::size_t>(2 * C + 1)));
+            std::vector<std::vector<double>> payloads(2, std::vector<double>(static_cast<std::size_t>(layout.size())));
             std::vector<std::vector<float>> shifts(2, std::vector<float>(static_cast<std::size_t>(C)));
             dev::HostScratch scratch;
             bk::EmulatedRun run{{2, 1 << 20}, &scratch};
             std::int64_t row = 0;
             for (int r = 0; r < 2; ++r) {
                 const kernels::BnGeometry g{sizes[r], C, P, nhwc};
-                bk::local_stats(run, x.data() + row * C * P, g, rm.data(), payloads[static_cast<std::size_t>(r)].data(),
+                bk::local_stats(run, x.data() + row * C * P, g, payloads[static_cast<std::size_t>(r)].data(),
                                 shifts[static_cast<std::size_t>(r)].data());
                 row += sizes[r];
             }
-            std::vector<double> sum(payloads[0].size());
-            for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = payloads[0][i] + payloads[1][i];
+            const auto all_reduce = [&](std::int64_t from, std::int64_t to) {
+                for (std::int64_t i = from; i < to; ++i) {
+                    const auto u = static_cast<std::size_t>(i);
+                    payloads[0][u] = payloads[1][u] = payloads[0][u] + payloads[1][u];
+                }
+            };
+            all_reduce(layout.first_offset(), layout.size());
+            for (int r = 0; r < 2; ++r)
+                bk::centre(run, kernels::BnGeometry{sizes[r], C, P, nhwc}, shifts[static_cast<std::size_t>(r)].data(),
+                           payloads[static_cast<std::size_t>(r)].data());
+            all_reduce(0, layout.second_size());
+            const std::vector<double>& sum = payloads[0];
             std::vector<float> y(x.size());
             std::vector<std::vector<float>> rms(2, rm), rvs(2, rv);
             row = 0;
@@ -621,7 +642,6 @@ TEST_CASE("emulated SyncBatchNorm over two replicas equals the host on the whole
                 std::int64_t nbt = 0;
                 bk::FinishRequest f;
                 f.payload = sum.data();
-                f.shift = shifts[static_cast<std::size_t>(r)].data();
                 f.running_mean = rms[static_cast<std::size_t>(r)].data();
                 f.running_var = rvs[static_cast<std::size_t>(r)].data();
                 f.num_batches_tracked = &nbt;
@@ -669,9 +689,9 @@ TEST_CASE("emulated SyncBatchNorm: partials beyond the scratch are a ShapeError,
     const std::int64_t C = 300000;
     const kernels::BnGeometry g{2, C, 1, true};
     std::vector<float> x(static_cast<std::size_t>(2 * C), 1.0f), shift(static_cast<std::size_t>(C));
-    std::vector<double> payload(static_cast<std::size_t>(2 * C + 1));
+    std::vector<double> payload(static_cast<std::size_t>(3 * C + 1));
     try {
-        bk::local_stats(run, x.data(), g, static_cast<const float*>(nullptr), payload.data(), shift.data());
+        bk::local_stats(run, x.data(), g, payload.data(), shift.data());
         FAIL("300000 channels in NHWC fit the scratch");
     } catch (const ShapeError& e) {
         CHECK(std::string(e.what()).find("scratch") != std::string::npos);

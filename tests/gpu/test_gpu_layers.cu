@@ -396,15 +396,21 @@ void reference_bn(const std::vector<float>& x, const std::vector<float>& dy, std
     }
 }
 
-// SyncBatchNorm<Cuda> at world 1, forward and backward, against the fp64 reference on random data.
-void bn_against_fp64(Shape shape, bool nhwc, nn::Context<Cuda>& ctx, std::mt19937& rng, const std::string& what) {
+// SyncBatchNorm<Cuda> at world 1, forward and backward, against the fp64 reference on random data
+// of `mean` and `stddev`, under a running mean of `running_mean` (which the batch statistics must
+// not depend on: Note [shifted statistics]).
+void bn_against_fp64(Shape shape, bool nhwc, nn::Context<Cuda>& ctx, std::mt19937& rng, const std::string& what,
+                     double mean = 0.0, float stddev = 3.0f, float running_mean = 0.0f) {
     const auto f = nhwc ? MemoryFormat::nhwc : MemoryFormat::nchw;
     const std::int64_t N = shape[0], C = shape[1], P = shape[2] * shape[3];
-    auto x = random_host(shape, rng, f, 3.0f);
+    auto x = random_host(shape, rng, f, stddev);
+    if (mean != 0.0)
+        for (float& v : x.span()) v = static_cast<float>(mean + static_cast<double>(v));
     auto dy = random_host(shape, rng, f);
     std::vector<float> ry, rdx;
     reference_bn(values(x), values(dy), N, C, P, nhwc, ry, rdx);
     nn::SyncBatchNorm<Cuda> bn(C, {.format = f});
+    nn::fill_value(bn.running_mean, running_mean);
     auto y = bn.forward(ctx, x.template to<Cuda>(Device::cuda(ctx.exec.device)));
     auto dx = bn.backward(ctx, dy.template to<Cuda>(Device::cuda(ctx.exec.device)));
     expect_close(values(y), ry, 1e-5, what + " y");
@@ -967,6 +973,14 @@ int main() {
                                     "SyncBatchNorm vs fp64 C=" + std::to_string(C) + " HW=" + std::to_string(hw) +
                                         (nhwc ? " nhwc" : " nchw"));
                 }
+        // Issue 43, item 11: batch statistics independent of the running mean, against fp64.
+        for (const bool nhwc : {false, true}) {
+            const std::string layout = nhwc ? " NHWC" : " NCHW";
+            bn_against_fp64(Shape{5, 3, 6, 5}, nhwc, ctx, rng, "SyncBatchNorm vs fp64, unit variance under a running mean of 1e8" + layout,
+                            0.0, 1.0f, 1e8f);
+            bn_against_fp64(Shape{5, 3, 6, 5}, nhwc, ctx, rng,
+                            "SyncBatchNorm vs fp64, a first batch 1e6 standard deviations from zero" + layout, 3e3, 3e-3f, 0.0f);
+        }
         // Statistics over several blocks per channel (the ticket, fence and last-block path): 32 x 784
         // values per channel split into at least 4 chunks in both layouts.
         for (const bool nhwc : {false, true}) {

@@ -66,7 +66,7 @@ struct CollectiveSite {
     enum class Kind : std::uint8_t { user, layer, bucket, broadcast, commit, control };
     Kind kind = Kind::user;
     std::uint64_t id = 0;    // the user's number, a layer's id, a bucket's or a tensor's index
-    std::uint32_t part = 0;  // which collective of a layer (0: forward, 1: backward), which commit barrier
+    std::uint32_t part = 0;  // which collective of a layer (0, 2: forward, 1: backward), which commit barrier
 
     //! A collective of the user's own (e.g. a direct all-reduce between `ReplicaPool` jobs).
     static constexpr CollectiveSite user(std::uint64_t id = 0) { return {Kind::user, id, 0}; }
@@ -95,6 +95,7 @@ struct CollectiveSite {
                     n = "#" + std::to_string(id - placed_layers + 1) + " of the model's communicating layers";
                 return part == 0   ? "layer " + n + " (forward)"
                        : part == 1 ? "layer " + n + " (backward)"
+                       : part == 2 ? "layer " + n + " (forward, second)"
                                    : "layer " + n + " (collective " + std::to_string(part) + ")";
             case Kind::bucket: return "gradient bucket " + n;
             case Kind::broadcast: return "broadcast of tensor " + n;

@@ -7,6 +7,7 @@
 #include <span>
 
 #include "lockstep/core/backend.hpp"
+#include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 
 namespace lockstep {
@@ -28,6 +29,12 @@ struct DeviceSpan {
     static DeviceSpan host(std::span<T> s, int index = 0) { return {s.data(), s.size(), Device::host(index)}; }
 
     bool empty() const noexcept { return size == 0; }
+    //! Elements [offset, offset + count) of this span; a range beyond it is a ShapeError.
+    DeviceSpan subspan(std::size_t offset, std::size_t count) const {
+        LOCKSTEP_CHECK_AS(ShapeError, offset <= size && count <= size - offset, "a span of ", size,
+                          " elements has no elements [", offset, ", ", offset + count, ")");
+        return {data + offset, count, device};
+    }
 };
 
 template <class T, BackendTag B>

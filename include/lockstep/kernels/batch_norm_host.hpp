@@ -323,28 +323,38 @@ LOCKSTEP_SIMD_VARIANTS(grad_input)
 
 }  // namespace detail
 
-//! Forward payload [S | Q | n] (2C+1 doubles) of the local batch, re-centred on `shift` (K).
-inline void bn_local_stats(const float* LOCKSTEP_RESTRICT x, const BnGeometry& g, const float* shift, double* payload) {
+//! Forward payload [S | Q | M | n] (3C+1 doubles) of the local batch (Note [shifted
+//! statistics]): S, Q the sums about the local shift k_c (left in `shift`), M = n k_c + S.
+inline void bn_local_stats(const float* LOCKSTEP_RESTRICT x, const BnGeometry& g, float* shift, double* payload) {
     const std::int64_t C = g.channels;
     const bn::ForwardPayload layout{C};
     double* S = payload + layout.sum(0);
     double* Q = payload + layout.sum_sq(0);
     std::fill(payload, payload + layout.size(), 0.0);
     // Local shift k: this replica's first value of each channel (close to its values, so the fp32
-    // partial sums stay small).
-    std::vector<float> k(static_cast<std::size_t>(C), 0.0f);
+    // partial sums stay small); 0 for an empty shard.
+    std::fill(shift, shift + C, 0.0f);
     if (g.per_channel() > 0)
-        for (std::int64_t c = 0; c < C; ++c) k[static_cast<std::size_t>(c)] = g.channels_last ? x[c] : x[c * g.inner];
+        for (std::int64_t c = 0; c < C; ++c) shift[c] = g.channels_last ? x[c] : x[c * g.inner];
     std::vector<float> scratch(g.channels_last ? static_cast<std::size_t>(2 * C) : 0);
-    [&] { LOCKSTEP_SIMD_CALL(local_sums, x, g, k.data(), S, Q, scratch.data()) }();
+    [&] { LOCKSTEP_SIMD_CALL(local_sums, x, g, shift, S, Q, scratch.data()) }();
     const double count = static_cast<double>(g.per_channel());
-    for (std::int64_t c = 0; c < C; ++c) {
-        const bn::ShiftedSums local{count, S[c], Q[c], static_cast<double>(k[static_cast<std::size_t>(c)])};
-        const bn::ShiftedSums shared = bn::recentre(local, static_cast<double>(shift[c]));
-        S[c] = shared.s;
-        Q[c] = shared.q;
-    }
+    for (std::int64_t c = 0; c < C; ++c) payload[layout.total(c)] = count * static_cast<double>(shift[c]) + S[c];
     payload[layout.count()] = count;
+}
+
+//! After the first all-reduce ([M | n] global): re-centres the shard's local sums [S | Q] about
+//! `shift` (g.per_channel() values per channel) on mu = M/N (Note [shifted statistics]).
+inline void bn_centre(const BnGeometry& g, const float* shift, double* payload) {
+    const std::int64_t C = g.channels;
+    const bn::ForwardPayload layout{C};
+    const double n = static_cast<double>(g.per_channel()), N = payload[layout.count()];
+    for (std::int64_t c = 0; c < C; ++c) {
+        const double mu = bn::batch_shift(payload[layout.total(c)], N);
+        const bn::ShiftedSums r = bn::centred(n, payload[layout.sum(c)], payload[layout.sum_sq(c)], shift[c], mu);
+        payload[layout.sum(c)] = r.s;
+        payload[layout.sum_sq(c)] = r.q;
+    }
 }
 
 //! y = (x - hi_c) * scale_c + shift_c over the whole batch (see `bn::normalize_constants`).

@@ -14,25 +14,32 @@ namespace lockstep::kernels::bn {
 // Note [shifted statistics]
 // A replica sums d = x - k_r per channel, with k_r a local shift (its first value of the
 // channel): fp32 over short blocks, fp64 across blocks, so no large sum is ever formed in fp32.
-// It then re-centres its sums on the shift K that every replica shares (the running mean) and
-// contributes the additive payload [S_c = sum(x - K), Q_c = sum((x - K)^2), n] in fp64, which one
-// all-reduce adds up. mean = K + S/N and var = Q/N - (S/N)^2 keep the cancellation in fp64 and
-// small when K is near the mean: E[x^2] - E[x]^2 in fp32 loses everything when |mean| >> std.
+// The batch statistics then take two all-reduces of fixed size, whatever the world size, and
+// depend on nothing but the batch (not on the running statistics, as PyTorch's do not):
+// 1. [M_c = n_r k_r + s_r, n] (C+1 doubles): the global sum of x, so mu = M/N, the shift every
+//    replica then shares, within rounding of the batch mean;
+// 2. the local sums re-centred on mu, [S_c = sum(x - mu), Q_c = sum((x - mu)^2)] (2C doubles),
+//    from the local ones about k_r (`recentre`: delta = k_r - mu is a few standard deviations, as
+//    k_r is one of the values), so no pass over x is repeated.
+// mean = mu + S/N and var = Q/N - (S/N)^2 then cancel almost nothing in fp64: S/N is the rounding
+// of mu. A shift known before the batch (the running mean, as lockstep once used) leaves
+// var = Q/N - (S/N)^2 with (S/N)^2 ~ (mean - K)^2, which loses every digit of the variance when
+// |mean - K| >> std (a running mean far from the data, or a first batch whose mean is far from
+// zero), E[x^2] - E[x]^2 in fp32 being the extreme case. The second all-reduce is the price: one
+// more collective's latency per layer forward (bench_sync_batch_norm measures it).
 
-//! The shared shift K of a channel: its running mean, or 0 where that is NaN or infinite (NaN in
-//! an earlier batch poisons the running statistics, as in PyTorch, but must not poison the batch
-//! statistics of every later step through the shift).
-LOCKSTEP_HD inline float usable_shift(float running_mean) {
-    return running_mean - running_mean == 0.0f ? running_mean : 0.0f;  // x - x is 0 exactly for finite x
-}
-
-//! Offsets into the forward payload of `channels` channels: 2C+1 doubles.
+//! Offsets into the forward payload of `channels` channels: [S | Q | M | n], 3C+1 doubles; the
+//! first all-reduce covers [M | n] (`first_offset`, `first_size`), the second [S | Q].
 struct ForwardPayload {
     std::int64_t channels;
-    LOCKSTEP_HD constexpr std::int64_t size() const { return 2 * channels + 1; }
+    LOCKSTEP_HD constexpr std::int64_t size() const { return 3 * channels + 1; }
     LOCKSTEP_HD constexpr std::int64_t sum(std::int64_t c) const { return c; }
     LOCKSTEP_HD constexpr std::int64_t sum_sq(std::int64_t c) const { return channels + c; }
-    LOCKSTEP_HD constexpr std::int64_t count() const { return 2 * channels; }
+    LOCKSTEP_HD constexpr std::int64_t total(std::int64_t c) const { return 2 * channels + c; }
+    LOCKSTEP_HD constexpr std::int64_t count() const { return 3 * channels; }
+    LOCKSTEP_HD constexpr std::int64_t first_offset() const { return 2 * channels; }
+    LOCKSTEP_HD constexpr std::int64_t first_size() const { return channels + 1; }
+    LOCKSTEP_HD constexpr std::int64_t second_size() const { return 2 * channels; }
 };
 
 //! Offsets into the backward payload: [sum(dy) | sum(dy * (x - mean))], 2C doubles.
@@ -73,6 +80,14 @@ struct ChannelStats {
     double var;     // biased (divides by N), the one that normalizes
     double invstd;  // 1 / sqrt(var + eps)
 };
+
+//! The shared shift mu of a channel after the first all-reduce: M/N (Note [shifted statistics]).
+LOCKSTEP_HD inline double batch_shift(double total, double n) { return total / n; }
+
+//! A replica's part of the second all-reduce: its sums about its local shift k re-centred on mu.
+LOCKSTEP_HD inline ShiftedSums centred(double n, double s, double q, double k, double mu) {
+    return recentre(ShiftedSums{n, s, q, k}, mu);
+}
 
 //! mean = K + S/N, var = Q/N - (S/N)^2 (a tiny negative from rounding becomes 0; NaN stays NaN).
 LOCKSTEP_HD inline ChannelStats finish(double n, double s, double q, double shift, double eps) {

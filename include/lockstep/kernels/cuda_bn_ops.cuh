@@ -27,17 +27,23 @@ namespace lockstep::kernels::cuda_ops {
 //! `ex.stream`, and nothing waits for the device. Templates on the storage type T (float, __half,
 //! __nv_bfloat16, lockstep::BFloat16): statistics, parameters and running statistics stay fp32/fp64.
 struct BatchNormOps {
-    //! Forward payload [S | Q | n] (2C+1) of the local batch about the running mean `shift` (null:
-    //! zero); leaves the shift in `k` for the normalize kernel's finish.
+    //! Forward payload [S | Q | M | n] (3C+1) of the local batch (Note [shifted statistics]);
+    //! leaves the local shifts in `k.shift` for `bn_centre`.
     template <class T>
-    static void bn_local_stats(const Ex& ex, const T_<T>& x, const BnGeometry& g, const T_<float>* shift, BnConstants<Cuda>& k,
-                               T_<double>& payload) {
+    static void bn_local_stats(const Ex& ex, const T_<T>& x, const BnGeometry& g, BnConstants<Cuda>& k, T_<double>& payload) {
         check_on(ex, x.device(), "SyncBatchNorm's input");
         if (k.shift.numel() != g.channels || k.shift.device() != x.device())
             k.shift = T_<float>(Shape{g.channels}, MemoryFormat::nchw, x.device());
         auto run = runner(ex);
-        device::bn_kernels::local_stats(run, on_device(x.data()), g, shift != nullptr ? shift->data() : nullptr, payload.data(),
-                                        k.shift.data());
+        device::bn_kernels::local_stats(run, on_device(x.data()), g, payload.data(), k.shift.data());
+    }
+
+    //! Between the two all-reduces: [S | Q] re-centred on the batch's shift mu = M/N.
+    static void bn_centre(const Ex& ex, const BnGeometry& g, const BnConstants<Cuda>& k, T_<double>& payload) {
+        LOCKSTEP_CHECK_AS(UsageError, k.shift.numel() == g.channels,
+                          "SyncBatchNorm on CUDA: bn_centre ran without its statistics pass (bn_local_stats) before it");
+        auto run = runner(ex);
+        device::bn_kernels::centre(run, g, k.shift.data(), payload.data());
     }
 
     //! Records the finish; the normalize kernel's prologue does it (Note [batch-norm kernels]).
@@ -93,7 +99,6 @@ struct BatchNormOps {
                           "normalize ran without its statistics pass (bn_local_stats) before it");
         device::bn_kernels::FinishRequest f;
         f.payload = p.payload;
-        f.shift = k.shift.data();
         f.running_mean = p.running_mean;
         f.running_var = p.running_var;
         f.num_batches_tracked = p.num_batches_tracked;

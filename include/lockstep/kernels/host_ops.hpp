@@ -472,14 +472,16 @@ struct Ops<Host> {
 
     // ---- batch norm (see batch_norm_math.hpp for the formulas) ---------------------------------
 
-    //! Forward payload [S | Q | n] (2C+1) of the local batch about `shift` (null: zero). `k` is the
-    //! layer's constants, where a backend may leave what its finish needs (the host: nothing).
-    static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, const T_<float>* shift, BnConstants<Host>&,
-                               T_<double>& payload) {
-        std::vector<float> k(static_cast<std::size_t>(g.channels), 0.0f);
-        if (shift != nullptr)
-            for (std::int64_t c = 0; c < g.channels; ++c) k[static_cast<std::size_t>(c)] = bn::usable_shift((*shift)[c]);
-        host::bn_local_stats(x.data(), g, k.data(), payload.data());
+    //! Forward payload [S | Q | M | n] (3C+1) of the local batch (Note [shifted statistics]);
+    //! leaves the local shifts in `k.shift` for `bn_centre`.
+    static void bn_local_stats(const Ex&, const T_<float>& x, const BnGeometry& g, BnConstants<Host>& k, T_<double>& payload) {
+        if (k.shift.numel() != g.channels) k.shift = T_<float>(Shape{g.channels});
+        host::bn_local_stats(x.data(), g, k.shift.data(), payload.data());
+    }
+
+    //! Between the two all-reduces: [S | Q] re-centred on the batch's shift mu = M/N.
+    static void bn_centre(const Ex&, const BnGeometry& g, const BnConstants<Host>& k, T_<double>& payload) {
+        host::bn_centre(g, k.shift.data(), payload.data());
     }
 
     //! Statistics from the all-reduced payload (its count is the global count): fills `k`, and
@@ -497,7 +499,7 @@ struct Ops<Host> {
             if (!o.momentum) factor = 1.0 / static_cast<double>((*num_batches_tracked)[0]);
         }
         for (std::int64_t c = 0; c < C; ++c) {
-            const double shift = running_mean != nullptr ? bn::usable_shift((*running_mean)[c]) : 0.0;
+            const double shift = bn::batch_shift(payload[layout.total(c)], count);
             const auto st = bn::finish(count, payload[layout.sum(c)], payload[layout.sum_sq(c)], shift, o.eps);
             k.stats[c] = st.mean;
             k.stats[C + c] = st.invstd;

@@ -82,15 +82,17 @@ template <BackendTag B>
 struct BnConstants {
     Tensor<double, B> stats;
     Tensor<float, B> folded;
+    //! The local shift k per channel, from `bn_local_stats` to `bn_centre` (Note [shifted statistics]).
+    Tensor<float, B> shift;
 };
 
-//! On CUDA the constants also hold the shared shift K the statistics kernel used, and a training
-//! forward's finish, deferred into the normalize kernel's prologue (Note [batch-norm kernels]).
+//! On CUDA the constants also hold a training forward's finish, deferred into the normalize
+//! kernel's prologue (Note [batch-norm kernels]).
 template <>
 struct BnConstants<Cuda> {
     Tensor<double, Cuda> stats;
     Tensor<float, Cuda> folded;
-    //! K per channel, written by the statistics kernel.
+    //! The local shift k per channel, written by the statistics kernel for the centring kernel.
     Tensor<float, Cuda> shift;
     //! What `bn_forward_finish` leaves for `bn_normalize`.
     struct Pending {
@@ -196,7 +198,8 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
     K::mse(ex, cf, cf, 1.0, f, d);
     K::sgd_step_many(ex, sgd, SgdUpdate{});
     // Batch norm (Note [batch-norm kernels]).
-    K::bn_local_stats(ex, cf, BnGeometry{}, &cf, bn, d);
+    K::bn_local_stats(ex, cf, BnGeometry{}, bn, d);
+    K::bn_centre(ex, BnGeometry{}, cbn, d);
     K::bn_forward_finish(ex, cd, BnFinishOptions{}, &f, &f, &i64, &cf, &cf, bn);
     K::bn_eval_constants(ex, cf, cf, 1e-5, &cf, &cf, bn);
     K::bn_normalize(ex, f, f, BnGeometry{}, bn, false, &mask);  // CUDA finishes a deferred forward here

@@ -38,10 +38,11 @@ struct BatchNormOptions {
     bool fused_relu = false;
 };
 
-// Note [one collective per direction]
-// Training forward makes exactly one all-reduce of 2C+1 fp64 values (sums and the count),
-// backward exactly one of 2C values, whatever the number of replicas: counts come from the
-// all-reduce, so uneven and empty shards are exact and an empty replica still joins both.
+// Note [fixed-size collectives]
+// Training forward makes exactly two all-reduces, of C+1 and 2C fp64 values (the channels'
+// totals and the count, then the sums about the batch's shift: Note [shifted statistics]), and
+// backward one of 2C values, whatever the number of replicas: counts come from the all-reduce,
+// so uneven and empty shards are exact and an empty replica still joins all three.
 // Every replica finishes the statistics from identical bits, so each updates its own running
 // statistics once per step and they stay bit-identical without a broadcast.
 // NaN in the input propagates to the output and to the running statistics, as in PyTorch: no
@@ -124,11 +125,15 @@ public:
         drop_saved();
         prepare(x.device());
         if (batch_stats) {
-            K::bn_local_stats(ctx.exec, x, g, options_.track_running_stats ? &running_mean : nullptr, constants_,
-                              forward_payload_);
+            const kernels::bn::ForwardPayload layout{channels_};
+            K::bn_local_stats(ctx.exec, x, g, constants_, forward_payload_);
             if (ctx.comm != nullptr)
-                ctx.comm->all_reduce_sum(DeviceSpan(forward_payload_), comm::CollectiveSite::layer(layer_id_, 0));
+                ctx.comm->all_reduce_sum(payload_part(layout.first_offset(), layout.first_size()),
+                                         comm::CollectiveSite::layer(layer_id_, 0));
             check_count(ctx, x, g);
+            K::bn_centre(ctx.exec, g, constants_, forward_payload_);
+            if (ctx.comm != nullptr)
+                ctx.comm->all_reduce_sum(payload_part(0, layout.second_size()), comm::CollectiveSite::layer(layer_id_, 2));
             const kernels::BnFinishOptions finish{options_.eps, options_.momentum, ctx.training && options_.track_running_stats};
             const bool track = options_.track_running_stats;
             K::bn_forward_finish(ctx.exec, forward_payload_, finish, track ? &running_mean : nullptr,
@@ -208,13 +213,19 @@ private:
                        " (", static_cast<std::int64_t>(n), " value(s) per channel over all replicas)");
     }
 
+    //! `count` values of the forward payload from `offset`: what one of its all-reduces covers.
+    DeviceSpan<double> payload_part(std::int64_t offset, std::int64_t count) {
+        return DeviceSpan(forward_payload_).subspan(static_cast<std::size_t>(offset), static_cast<std::size_t>(count));
+    }
+
     const Tensor<float, B>* affine_weight() const { return options_.affine ? &weight.value : nullptr; }
 
     // Sizes the payloads and constants for the layer's channels on `device` (once; again only if
     // the input moves to another device).
     void prepare(const Device& device) {
-        if (forward_payload_.numel() == 2 * channels_ + 1 && forward_payload_.device() == device) return;
-        forward_payload_ = Tensor<double, B>(Shape{2 * channels_ + 1}, MemoryFormat::nchw, device);
+        const kernels::bn::ForwardPayload layout{channels_};
+        if (forward_payload_.numel() == layout.size() && forward_payload_.device() == device) return;
+        forward_payload_ = Tensor<double, B>(Shape{layout.size()}, MemoryFormat::nchw, device);
         backward_payload_ = Tensor<double, B>(Shape{2 * channels_}, MemoryFormat::nchw, device);
         constants_.stats = Tensor<double, B>(Shape{2 * channels_ + 1}, MemoryFormat::nchw, device);
         constants_.folded = Tensor<float, B>(Shape{4 * channels_}, MemoryFormat::nchw, device);
@@ -275,7 +286,7 @@ private:
     kernels::BnConstants<B> constants_;  // mean, invstd, count; mean as hi + lo, scale, shift: see Note [split mean]
     // The all-reduce buffers outlive each call: a peer that is still reading one when this replica
     // leaves an aborted collective reads memory that is still ours.
-    Tensor<double, B> forward_payload_;   // (2C+1)
+    Tensor<double, B> forward_payload_;   // (3C+1): [S | Q | M | n]
     Tensor<double, B> backward_payload_;  // (2C)
 };
 

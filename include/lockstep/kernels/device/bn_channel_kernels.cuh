@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-//! The per-channel kernels of SyncBatchNorm on CUDA (evaluation constants, parameter gradients,
-//! the cumulative batch count): maps over C, written once for the device and the host emulator
+//! The per-channel kernels of SyncBatchNorm on CUDA (the centring between the forward's
+//! all-reduces, evaluation constants, parameter gradients, the cumulative batch count): maps over C, written once for the device and the host emulator
 //! (Note [kernels proven on the host]), and the operations that launch them (Note [batch-norm
 //! kernels]).
 #pragma once
@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "lockstep/kernels/batch_norm_math.hpp"
+#include "lockstep/kernels/ops.hpp"
 #include "lockstep/kernels/device/grid.cuh"
 
 namespace lockstep::kernels::device::bn_kernels {
@@ -32,9 +33,30 @@ struct ChannelParams {
     float* bias_grad = nullptr;
     // the cumulative-average count
     std::int64_t* num_batches_tracked = nullptr;
+    // the centring: the forward payload (read and written), the local shifts, the shard's count
+    double* forward_payload = nullptr;
+    const float* shift = nullptr;
+    double local_count = 0;
 };
 
 inline constexpr int channel_threads = 128;
+
+//! Between the forward's all-reduces: [S | Q] about the local shift re-centred on the batch's
+//! shift mu = M/N (Note [shifted statistics]).
+struct Centre {
+    using Params = ChannelParams;
+    static constexpr int threads = channel_threads;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
+        if (c >= p.C) return;
+        const bn::ForwardPayload layout{p.C};
+        double* q = p.forward_payload;
+        const double mu = bn::batch_shift(q[layout.total(c)], q[layout.count()]);
+        const bn::ShiftedSums r = bn::centred(p.local_count, q[layout.sum(c)], q[layout.sum_sq(c)], p.shift[c], mu);
+        q[layout.sum(c)] = r.s;
+        q[layout.sum_sq(c)] = r.q;
+    }
+};
 
 //! Evaluation: constants from the running statistics.
 struct EvalConstants {
@@ -85,6 +107,17 @@ struct CountBatch {
 };
 
 // ---- the operations, for any runner (bn_passes.cuh) --------------------------------------------
+
+//! [S | Q] re-centred on mu = M/N, after the forward's first all-reduce.
+template <class Run>
+void centre(Run& run, const BnGeometry& g, const float* shift, double* payload) {
+    ChannelParams p;
+    p.C = g.channels;
+    p.forward_payload = payload;
+    p.shift = shift;
+    p.local_count = static_cast<double>(g.per_channel());
+    run.template map<Centre>(p, Grid{static_cast<int>((g.channels + channel_threads - 1) / channel_threads), 1, channel_threads});
+}
 
 //! Evaluation constants from the running statistics.
 template <class Run>

@@ -19,11 +19,13 @@ namespace lockstep::kernels::device::bn_kernels {
 
 // Note [batch-norm kernels]
 // A training step runs five kernels per layer, each reading or writing the tensors once:
-//   forward:  stats (read x) -> all-reduce -> normalize (read x, write y)
+//   forward:  stats (read x) -> all-reduce -> centre (per channel) -> all-reduce -> normalize (read x, write y)
 //   backward: sums (read x, dy) -> all-reduce -> dx (read x, dy, write dx)
 // plus one per-channel kernel for dgamma, dbeta. Per-channel work happens where it is needed, not
-// in kernels of its own: the stats kernel's last block per channel re-centres the sums on the
-// shared shift K and writes the payload; the normalize kernel's prologue finishes the statistics
+// in kernels of its own: the stats kernel's last block per channel writes the payload (sums about
+// the local shift, and the channel's total: Note [shifted statistics]); between the two forward
+// all-reduces, one thread per channel re-centres the sums on the batch's shift (`Centre`, in
+// bn_channel_kernels.cuh); the normalize kernel's prologue finishes the statistics
 // from the all-reduced payload (mean, invstd, scale, shift), and one thread per channel (the
 // first block's first thread) writes the constants backward needs and updates the running
 // statistics; the dx kernel's prologue turns the all-reduced backward payload into the three
@@ -241,9 +243,8 @@ template <class T>
 struct StatsParams {
     const T* x = nullptr;
     Span span;
-    const float* running_mean = nullptr;  // null: the shared shift K is 0
-    double* payload = nullptr;            // [S | Q | n], 2C + 1
-    float* shift_out = nullptr;           // K per channel, for the normalize prologue
+    double* payload = nullptr;   // [S | Q | M | n], 3C + 1 (bn::ForwardPayload)
+    float* shift_out = nullptr;  // the local shift k per channel, for the centring kernel
     Sums2* partials = nullptr;
     unsigned int* counters = nullptr;
 };
@@ -306,14 +307,14 @@ struct StatsChannelsFirst {
                        first_value(p.x, p.span, p.span.group(w), false));
     }
 
-    //! Re-centres a channel's sums about its local shift k on the shared shift K; writes the payload.
+    //! Writes a channel's payload: its sums about the local shift k, and its total n k + s (Note
+    //! [shifted statistics]); keeps k for the centring kernel.
     LOCKSTEP_HD static void finish_channel(const Params& p, std::int64_t c, const Value& total, double count, float k) {
-        const float K = p.running_mean != nullptr ? bn::usable_shift(p.running_mean[c]) : 0.0f;
-        const bn::ShiftedSums shared = bn::recentre(bn::ShiftedSums{count, total.a, total.b, static_cast<double>(k)}, K);
         const bn::ForwardPayload layout{p.span.C};
-        p.payload[layout.sum(c)] = shared.s;
-        p.payload[layout.sum_sq(c)] = shared.q;
-        p.shift_out[c] = K;
+        p.payload[layout.sum(c)] = total.a;
+        p.payload[layout.sum_sq(c)] = total.b;
+        p.payload[layout.total(c)] = count * static_cast<double>(k) + total.a;
+        p.shift_out[c] = k;
         if (c == 0) p.payload[layout.count()] = count;
     }
 };
@@ -375,8 +376,7 @@ struct StatsChannelsLast {
 
 //! The statistics' finish a training forward leaves to the normalize kernel's prologue.
 struct Finish {
-    const double* payload = nullptr;  // all-reduced [S | Q | N]
-    const float* shift = nullptr;     // K per channel (the stats kernel's)
+    const double* payload = nullptr;  // all-reduced [S | Q | M | N], S and Q about mu = M/N
     float* running_mean = nullptr;    // null: running statistics not updated
     float* running_var = nullptr;
     std::int64_t* num_batches_tracked = nullptr;
@@ -411,7 +411,8 @@ LOCKSTEP_HD inline ChannelConstants normalize_constants_of(const NormalizeParams
     if (!p.finish) return {p.folded[c], p.folded[2 * C + c], p.folded[3 * C + c]};
     const bn::ForwardPayload layout{C};
     const double n = p.f.payload[layout.count()];
-    const bn::ChannelStats st = bn::finish(n, p.f.payload[layout.sum(c)], p.f.payload[layout.sum_sq(c)], p.f.shift[c], p.f.eps);
+    const double mu = bn::batch_shift(p.f.payload[layout.total(c)], n);
+    const bn::ChannelStats st = bn::finish(n, p.f.payload[layout.sum(c)], p.f.payload[layout.sum_sq(c)], mu, p.f.eps);
     const bn::SplitMean split = bn::split_mean(st.mean);
     const bn::NormalizeConstants k =
         bn::normalize_constants(st.mean, st.invstd, p.weight != nullptr ? p.weight[c] : 1.0, p.bias != nullptr ? p.bias[c] : 0.0);
@@ -716,19 +717,6 @@ struct DxChannelsLast {
             }
             store_pack<V>(p.dx + off, out);
         }
-    }
-};
-
-// ---- an empty shard's shift (map over C; the others: bn_channel_kernels.cuh) ------------
-
-//! K per channel alone, for a shard with no values (its payload is all zeros).
-template <class T>
-struct ShiftOnly {
-    using Params = StatsParams<T>;
-    static constexpr int threads = channel_threads;
-    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
-        if (c < p.span.C) p.shift_out[c] = p.running_mean != nullptr ? bn::usable_shift(p.running_mean[c]) : 0.0f;
     }
 };
 

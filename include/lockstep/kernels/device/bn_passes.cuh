@@ -118,25 +118,23 @@ inline Span plan(const BnGeometry& g, int V, const DeviceInfo& info, Grid& grid,
 // The CUDA operations use the device runner (cuda_bn_ops.cuh), the emulation tests the host one,
 // so both go through the same choice of kernel, vector width and grid.
 
-//! Forward payload [S | Q | n] (2C + 1) of the local batch, re-centred on K = the running mean
-//! (zero where it is null or not finite); K per channel goes to `shift_out`.
+//! Forward payload [S | Q | M | n] (3C + 1) of the local batch: sums about the local shift k per
+//! channel, which goes to `shift_out` (Note [shifted statistics]).
 template <class Run, class T>
-void local_stats(Run& run, const T* x, const BnGeometry& g, const float* running_mean, double* payload, float* shift_out) {
+void local_stats(Run& run, const T* x, const BnGeometry& g, double* payload, float* shift_out) {
     const int V = vector_width<T>(g, {x});
     Grid grid;
     StatsParams<T> p;
     p.span = plan(g, V, run.info(), grid);
     p.x = x;
-    p.running_mean = running_mean;
     p.payload = payload;
     p.shift_out = shift_out;
     const Scratch s = run.scratch();
     p.partials = s.template partials_as<Sums2>(static_cast<std::int64_t>(grid.x) * grid.y * (g.channels_last ? tile * V : 1));
     p.counters = s.counters;
-    if (grid.x == 0) {  // an empty shard: nothing counted, and K is still the shared shift
-        run.zero(payload, static_cast<std::size_t>(2 * g.channels + 1) * sizeof(double));
-        run.template map<ShiftOnly<T>>(
-            p, Grid{static_cast<int>((g.channels + channel_threads - 1) / channel_threads), 1, channel_threads});
+    if (grid.x == 0) {  // an empty shard: nothing counted, and its local shifts are 0
+        run.zero(payload, static_cast<std::size_t>(bn::ForwardPayload{g.channels}.size()) * sizeof(double));
+        run.zero(shift_out, static_cast<std::size_t>(g.channels) * sizeof(float));
         return;
     }
     if (g.channels_last && V > 1)
@@ -150,7 +148,6 @@ void local_stats(Run& run, const T* x, const BnGeometry& g, const float* running
 //! The finish `forward_normalize` folds into its prologue: a training forward's.
 struct FinishRequest {
     const double* payload = nullptr;
-    const float* shift = nullptr;
     float* running_mean = nullptr;  // null: not updated
     float* running_var = nullptr;
     std::int64_t* num_batches_tracked = nullptr;
@@ -180,7 +177,6 @@ void forward_normalize(Run& run, const T* x, T* y, const BnGeometry& g, const Fi
     if (finish != nullptr) {
         p.finish = true;
         p.f.payload = finish->payload;
-        p.f.shift = finish->shift;
         p.f.running_mean = finish->running_mean;
         p.f.running_var = finish->running_var;
         p.f.num_batches_tracked = finish->num_batches_tracked;
