@@ -66,7 +66,8 @@ namespace lockstep::comm {
 //   destroyed once every rank's streams are idle, else aborted (Note [blocking communicators]);
 //   then the group's streams and events go; the replicas' compute streams go after
 //   (DataParallel's Core).
-// - Across processes (made with a ProcessGroup): Note [stream groups across processes].
+// - Across processes (made with a ProcessGroup): Note [stream groups across processes] in
+//   comm/process_group.hpp.
 //
 // The Api (NcclApi in cuda_group.cuh; doubles in tests/test_stream_group.cpp) provides:
 //   using backend, Stream, Event, Comm;
@@ -92,40 +93,6 @@ namespace lockstep::comm {
 //   void finalize(std::span<const Comm>, deadline) noexcept;  (this process's communicators, in one group call)
 //   void rank_sum(int device, Stream, std::span<void* const> buffers, std::size_t count, DType);
 //   void copy(int device, Stream, void* dst, const void* src, std::size_t bytes);
-
-// Note [stream groups across processes]
-// A stream group made with a ProcessGroup spans processes through its ProcessSpan (Note [replicas
-// across processes] in comm/process_group.hpp): every process runs L replicas laid out alike (the
-// span's arrangement: one per GPU or all on one), or all throw the same UsageError, as they do
-// when one refuses its own layout (a mix). Then no GPU may serve two processes (NCCL refuses a
-// GPU twice in a communicator; Api::device_key identifies GPUs across processes, whatever each
-// one's numbering, e.g. under CUDA_VISIBLE_DEVICES): every process sees every GPU's identity.
-// - Setup: process 0 makes the NCCL unique id and broadcasts it over the process group (MPI);
-//   every process then creates its communicators in one group call (ncclCommInitRankConfig).
-// - Layouts. `peer` (one replica per GPU): every replica holds a communicator of all P x L ranks,
-//   its rank the global one. `local` (all L replicas on one GPU) and `single`: local rank 0 alone
-//   holds a communicator, of the P processes. A collective sums the process's buffers in local
-//   rank order with the device-local kernel (local mode), all-reduces rank 0's buffer over the
-//   processes with NCCL, and copies the result to the other local buffers, all on rank 0's
-//   stream; the others wait for its event as in one process. A broadcast from global rank g
-//   goes from local rank g % L of process g / L to its rank 0, over the processes, then to
-//   every local buffer.
-// - Rendezvous before enqueue, across processes too: after the local rendezvous, local rank 0
-//   checks the collective's tag with every process (ProcessGroup::agree, a small MPI exchange
-//   with deadlines, which also receives abort messages), and a second local rendezvous lets the
-//   replicas enqueue. So no replica enters NCCL unless every replica of every process reached
-//   the same collective; a mismatch throws CollectiveMismatch everywhere instead of hanging.
-//   While rank 0 is in agree (bounded by the process group's timeout), the others wait for it
-//   at the second crossing that much longer than the group's timeout: a late process is named
-//   by agree's Timeout, not rank 0 by the local barrier's.
-// - Failures: abort() also tells the other processes (ProcessGroup::abort), naming the failing
-//   global rank when the failure started here (comm::tell_processes; a failure passed on from
-//   another process is sent on without naming a replica here); their next agree, or their
-//   replicas' waits on the GPU (DeviceWatch::poll consults ProcessGroup::check_peers), throw
-//   CollectiveAborted naming it, and their own abort() aborts
-//   their communicators, so a kernel waiting for a peer that is gone is ended too. A dead process
-//   is caught by the deadlines (agree's, the event waits'). The group is not rebuilt: after a
-//   failed step every later collective throws, as a multi-process DataParallel ends there.
 
 //! How a stream group's ranks exchange data (Note [stream-ordered collectives]).
 enum class StreamGroupMode { single, peer, local };
