@@ -184,7 +184,7 @@ struct MutatedBlock : dev::detail::EmulatedBlock<Value> {
 //! dev::emulate_reduce with the driver mutated.
 template <class K>
 void emulate_mutated(const typename K::Params& p, const dev::Grid& g, const Mutation& m) {
-    dev::emulated::Launch launch(g.x * g.y, g.x);
+    dev::emulated::Launch launch(g.x * g.y, g.x, true);
     std::vector<int> blocks, order;
     std::vector<typename K::Value> values(static_cast<std::size_t>(K::threads));
     MutatedBlock<typename K::Value> block(launch.memory(), g, K::threads, K::lanes, values, order);

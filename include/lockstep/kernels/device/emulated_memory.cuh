@@ -49,33 +49,34 @@ struct Stamp {
 //! One launch's memory on the emulating thread.
 class Memory {
 public:
-    //! Begins a launch of `blocks` blocks, `gx` along x.
-    void begin(int blocks, int gx) {
+    //! Begins a launch of `blocks` blocks, `gx` along x; `fences`: whether its threads fence (a
+    //! map kernel's do not, and its threads share their block's write record).
+    void begin(int blocks, int gx, bool fences) {
+        fences_ = fences;
         writes_.clear();
         tickets_.assign(static_cast<std::size_t>(blocks), Stamp{});
         gx_ = gx;
         for (auto& [key, page] : pages_) free_.push_back(std::move(page));
         pages_.clear();
-        recent_.fill(Recent{}), open_ = 0;
+        recent_.fill(Recent{});
     }
     //! Block `block` begins: its threads' unfenced stores and fences start empty.
     void enter_block(int block, int threads) {
-        block_ = block, open_ = 0;
-        pending_.resize(static_cast<std::size_t>(threads));
-        for (auto& p : pending_) p.clear();
+        block_ = block;
+        open_.assign(static_cast<std::size_t>(threads), 0);
         acquired_.assign(static_cast<std::size_t>(threads), Stamp{});
     }
-    void set_thread(int t) { thread_ = t, open_ = 0; }
+    void set_thread(int t) { thread_ = t; }
     //! A barrier of the current block.
     void sync() { ++epoch_; }
 
     //! The current thread stores `bytes` bytes at `p`.
     void store(const void* p, std::size_t bytes) {
-        // One record for a thread's stores between two fences, within one phase of its block.
-        if (open_ == 0) {
+        // One record for a thread's stores between two fences.
+        std::uint32_t& open = open_[fences_ ? static_cast<std::size_t>(thread_) : 0];
+        if (open == 0) {
             writes_.push_back(Write{block_, Stamp{}});
-            open_ = static_cast<std::uint32_t>(writes_.size());
-            pending_[static_cast<std::size_t>(thread_)].push_back(open_);
+            open = static_cast<std::uint32_t>(writes_.size());
         }
         const auto at = reinterpret_cast<std::uintptr_t>(p);
         for (std::size_t i = 0; i < bytes;) {
@@ -84,13 +85,13 @@ public:
             if (off % 4 == 0 && run % 4 == 0) {
                 for (std::size_t w = off / 4; w < (off + run) / 4; ++w) {
                     if (pg.word[w] == mixed) {
-                        for (std::size_t b = 4 * w; b < 4 * w + 4; ++b) claim(pg.byte[b], at - off + b);
+                        for (std::size_t b = 4 * w; b < 4 * w + 4; ++b) claim(pg.byte[b], open, at - off + b);
                     } else {
-                        claim(pg.word[w], at - off + 4 * w);
+                        claim(pg.word[w], open, at - off + 4 * w);
                     }
                 }
             } else {
-                for (std::size_t b = off; b < off + run; ++b) claim(pg.split(b / 4)[b % 4], at - off + b);
+                for (std::size_t b = off; b < off + run; ++b) claim(pg.split(b / 4)[b % 4], open, at - off + b);
             }
             i += run;
         }
@@ -98,10 +99,10 @@ public:
     //! The current thread fences: its earlier stores are published (to be released by a ticket).
     void fence() {
         const Stamp f = now();
-        for (const std::uint32_t i : pending_[static_cast<std::size_t>(thread_)]) writes_[i - 1].fenced = f;
-        pending_[static_cast<std::size_t>(thread_)].clear();
+        std::uint32_t& open = open_[fences_ ? static_cast<std::size_t>(thread_) : 0];
+        if (open != 0) writes_[open - 1].fenced = f;
+        open = 0;
         acquired_[static_cast<std::size_t>(thread_)] = f;
-        open_ = 0;
     }
     //! The current thread takes its block's ticket.
     void ticket() { tickets_[static_cast<std::size_t>(block_)] = now(); }
@@ -174,10 +175,10 @@ private:
         return recent.page;
     }
 
-    //! The current write record stores the byte or word whose shadow entry is `entry`.
-    void claim(std::uint32_t& entry, std::uintptr_t at) {
-        if (entry != 0 && entry != open_ && writes_[entry - 1].block != block_) second_writer(at, writes_[entry - 1].block);
-        entry = open_;
+    //! Write record `open` stores the byte or word whose shadow entry is `entry`.
+    void claim(std::uint32_t& entry, std::uint32_t open, std::uintptr_t at) {
+        if (entry != 0 && entry != open && writes_[entry - 1].block != block_) second_writer(at, writes_[entry - 1].block);
+        entry = open;
     }
 
     [[noreturn]] void second_writer(std::uintptr_t at, int other) const {
@@ -200,10 +201,10 @@ private:
 
     std::uint64_t clock_ = 0, epoch_ = 0;
     int gx_ = 1, block_ = 0, thread_ = 0;
-    std::uint32_t open_ = 0;                            // the current thread's write record (index + 1), 0: none
+    bool fences_ = true;
     std::vector<Write> writes_;                         // this launch's write records
     std::vector<Stamp> tickets_;                        // per block
-    std::vector<std::vector<std::uint32_t>> pending_;   // per thread of the current block: stores not yet fenced
+    std::vector<std::uint32_t> open_;                   // per thread of the current block: its unfenced record + 1, or 0
     std::vector<Stamp> acquired_;                       // per thread of the current block: its last fence
     std::unordered_map<std::uintptr_t, std::unique_ptr<Page>> pages_;  // this launch's, by address / page_bytes
     std::vector<std::unique_ptr<Page>> free_;                            // the earlier launches', for reuse
@@ -226,8 +227,8 @@ inline Memory& thread_memory() {
 //! Makes this thread's memory the active one for the launch in scope.
 class Launch {
 public:
-    Launch(int blocks, int gx) : memory_(thread_memory()) {
-        memory_.begin(blocks, gx);
+    Launch(int blocks, int gx, bool fences) : memory_(thread_memory()) {
+        memory_.begin(blocks, gx, fences);
         active = &memory_;
     }
     ~Launch() { active = nullptr; }

@@ -454,7 +454,7 @@ private:
 template <class K>
 void emulate_map(const typename K::Params& p, const Grid& grid) {
     if (grid.x <= 0 || grid.y <= 0) return;
-    emulated::Launch launch(grid.x * grid.y, grid.x);
+    emulated::Launch launch(grid.x * grid.y, grid.x, false);
     std::vector<int> blocks, threads;
     std::vector<char> none;
     detail::EmulatedBlock<char> block(launch.memory(), grid, grid.threads, 1, none, threads);
@@ -471,7 +471,7 @@ template <class K>
 void emulate_reduce(const typename K::Params& p, const Grid& grid) {
     static_assert(K::lanes * K::rows == K::threads, "a reducing kernel's block is lanes x rows threads");
     if (grid.x <= 0 || grid.y <= 0) return;
-    emulated::Launch launch(grid.x * grid.y, grid.x);
+    emulated::Launch launch(grid.x * grid.y, grid.x, true);
     std::vector<int> blocks, threads;
     std::vector<typename K::Value> values(static_cast<std::size_t>(K::threads));
     detail::EmulatedBlock<typename K::Value> block(launch.memory(), grid, K::threads, K::lanes, values, threads);
