@@ -53,8 +53,8 @@ struct Centre {
         double* q = p.forward_payload;
         const double mu = bn::batch_shift(q[layout.total(c)], q[layout.count()]);
         const bn::ShiftedSums r = bn::centred(p.local_count, q[layout.sum(c)], q[layout.sum_sq(c)], p.shift[c], mu);
-        q[layout.sum(c)] = r.s;
-        q[layout.sum_sq(c)] = r.q;
+        store(q + layout.sum(c), r.s);
+        store(q + layout.sum_sq(c), r.q);
     }
 };
 
@@ -67,7 +67,7 @@ struct EvalConstants {
         if (c > p.C) return;
         const std::int64_t C = p.C;
         if (c == C) {
-            p.stats[2 * C] = 0;  // no batch was counted
+            store(p.stats + 2 * C, 0.0);  // no batch was counted
             return;
         }
         const double mean = p.running_mean[c];
@@ -75,12 +75,12 @@ struct EvalConstants {
         const bn::SplitMean split = bn::split_mean(mean);
         const bn::NormalizeConstants k =
             bn::normalize_constants(mean, invstd, p.weight != nullptr ? p.weight[c] : 1.0, p.bias != nullptr ? p.bias[c] : 0.0);
-        p.stats[c] = mean;
-        p.stats[C + c] = invstd;
-        p.folded[c] = split.hi;
-        p.folded[C + c] = split.lo;
-        p.folded[2 * C + c] = k.scale;
-        p.folded[3 * C + c] = k.shift;
+        store(p.stats + c, mean);
+        store(p.stats + C + c, invstd);
+        store(p.folded + c, split.hi);
+        store(p.folded + C + c, split.lo);
+        store(p.folded + 2 * C + c, k.scale);
+        store(p.folded + 3 * C + c, k.shift);
     }
 };
 
@@ -92,8 +92,8 @@ struct ParamGrads {
         const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
         if (c >= p.C) return;
         const bn::BackwardPayload layout{p.C};
-        p.weight_grad[c] += static_cast<float>(p.payload[layout.sum_dy_xmu(c)] * p.stats_in[p.C + c]);
-        p.bias_grad[c] += static_cast<float>(p.payload[layout.sum_dy(c)]);
+        store(p.weight_grad + c, p.weight_grad[c] + static_cast<float>(p.payload[layout.sum_dy_xmu(c)] * p.stats_in[p.C + c]));
+        store(p.bias_grad + c, p.bias_grad[c] + static_cast<float>(p.payload[layout.sum_dy(c)]));
     }
 };
 
@@ -102,7 +102,7 @@ struct CountBatch {
     using Params = ChannelParams;
     static constexpr int threads = 32;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        if (w.bx == 0 && w.t == 0) *p.num_batches_tracked += 1;
+        if (w.bx == 0 && w.t == 0) store(p.num_batches_tracked, *p.num_batches_tracked + 1);
     }
 };
 

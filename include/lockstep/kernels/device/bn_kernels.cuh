@@ -122,7 +122,7 @@ LOCKSTEP_HD inline void store_window(T* p, const Window& w, const Pack<T, V>& v)
     if (w.template whole<V>()) return store_pack<V>(p + w.at, v);
     LOCKSTEP_UNROLL
     for (int e = 0; e < V; ++e)
-        if (w.has(e)) p[w.at + e] = v.v[e];
+        if (w.has(e)) store(p + w.at + e, v.v[e]);
 }
 
 //! Where a launch's items are: a channel's N planes of windows split into chunks (channels-first),
@@ -293,7 +293,7 @@ struct StatsChannelsFirst {
         return total + Value{s, q};
     }
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) {
-        p.partials[static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)] = v;
+        store(p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w), v);
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
@@ -311,11 +311,11 @@ struct StatsChannelsFirst {
     //! [shifted statistics]); keeps k for the centring kernel.
     LOCKSTEP_HD static void finish_channel(const Params& p, std::int64_t c, const Value& total, double count, float k) {
         const bn::ForwardPayload layout{p.span.C};
-        p.payload[layout.sum(c)] = total.a;
-        p.payload[layout.sum_sq(c)] = total.b;
-        p.payload[layout.total(c)] = count * static_cast<double>(k) + total.a;
-        p.shift_out[c] = k;
-        if (c == 0) p.payload[layout.count()] = count;
+        store(p.payload + layout.sum(c), total.a);
+        store(p.payload + layout.sum_sq(c), total.b);
+        store(p.payload + layout.total(c), count * static_cast<double>(k) + total.a);
+        store(p.shift_out + c, k);
+        if (c == 0) store(p.payload + layout.count(), count);
     }
 };
 
@@ -354,7 +354,7 @@ struct StatsChannelsLast {
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int column, const Value& v) {
         Sums2* out = column_slot<V>(p.partials, p.span, w, p.span.chunk(w), column);
         LOCKSTEP_UNROLL
-        for (int e = 0; e < V; ++e) out[e] = v.c[e];
+        for (int e = 0; e < V; ++e) store(out + e, v.c[e]);
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
@@ -417,19 +417,22 @@ LOCKSTEP_HD inline ChannelConstants normalize_constants_of(const NormalizeParams
     const bn::NormalizeConstants k =
         bn::normalize_constants(st.mean, st.invstd, p.weight != nullptr ? p.weight[c] : 1.0, p.bias != nullptr ? p.bias[c] : 0.0);
     if (writer) {
-        p.stats[c] = st.mean;
-        p.stats[C + c] = st.invstd;
-        p.folded[c] = split.hi;
-        p.folded[C + c] = split.lo;
-        p.folded[2 * C + c] = k.scale;
-        p.folded[3 * C + c] = k.shift;
+        store(p.stats + c, st.mean);
+        store(p.stats + C + c, st.invstd);
+        store(p.folded + c, split.hi);
+        store(p.folded + C + c, split.lo);
+        store(p.folded + 2 * C + c, k.scale);
+        store(p.folded + 3 * C + c, k.shift);
         if (c == 0) {
-            p.stats[2 * C] = n;
-            if (p.f.count_batch) *p.f.num_batches_tracked += 1;
+            store(p.stats + 2 * C, n);
+            if (p.f.count_batch) store(p.f.num_batches_tracked, *p.f.num_batches_tracked + 1);
         }
         if (p.f.running_mean != nullptr) {
             const double factor = p.f.cumulative ? 1.0 / static_cast<double>(*p.f.num_batches_tracked + 1) : p.f.momentum;
-            bn::update_running(p.f.running_mean[c], p.f.running_var[c], st, n, factor);
+            float mean = p.f.running_mean[c], var = p.f.running_var[c];
+            bn::update_running(mean, var, st, n, factor);
+            store(p.f.running_mean + c, mean);
+            store(p.f.running_var + c, var);
         }
     }
     return {split.hi, k.scale, k.shift};
@@ -527,8 +530,8 @@ struct BackwardSumsParams {
 template <class T>
 LOCKSTEP_HD inline void backward_finish_channel(const BackwardSumsParams<T>& p, std::int64_t c, const Sums2& total) {
     const bn::BackwardPayload layout{p.span.C};
-    p.payload[layout.sum_dy(c)] = total.a;
-    p.payload[layout.sum_dy_xmu(c)] = bn::centred_sum(total.b, total.a, p.folded[p.span.C + c]);
+    store(p.payload + layout.sum_dy(c), total.a);
+    store(p.payload + layout.sum_dy_xmu(c), bn::centred_sum(total.b, total.a, p.folded[p.span.C + c]));
 }
 
 template <class T, int V>
@@ -570,7 +573,7 @@ struct BackwardSumsChannelsFirst {
         return total + Value{a, b};
     }
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) {
-        p.partials[static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w)] = v;
+        store(p.partials + static_cast<std::int64_t>(p.span.group(w)) * w.gx + p.span.chunk(w), v);
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
@@ -623,7 +626,7 @@ struct BackwardSumsChannelsLast {
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int column, const Value& v) {
         Sums2* out = column_slot<V>(p.partials, p.span, w, p.span.chunk(w), column);
         LOCKSTEP_UNROLL
-        for (int e = 0; e < V; ++e) out[e] = v.c[e];
+        for (int e = 0; e < V; ++e) store(out + e, v.c[e]);
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + p.span.group(w); }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {

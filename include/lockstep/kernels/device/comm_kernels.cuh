@@ -43,11 +43,11 @@ struct RankSum {
                 float acc = to_float(p.buf[0][i]);
                 for (int r = 1; r < p.ranks; ++r) acc = acc + to_float(p.buf[r][i]);
                 const T out = from_float<T>(acc);
-                for (int r = 0; r < p.ranks; ++r) p.buf[r][i] = out;
+                for (int r = 0; r < p.ranks; ++r) store(p.buf[r] + i, out);
             } else {
                 T acc = p.buf[0][i];
                 for (int r = 1; r < p.ranks; ++r) acc = acc + p.buf[r][i];
-                for (int r = 0; r < p.ranks; ++r) p.buf[r][i] = acc;
+                for (int r = 0; r < p.ranks; ++r) store(p.buf[r] + i, acc);
             }
         }
     }

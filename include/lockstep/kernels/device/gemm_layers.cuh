@@ -77,9 +77,9 @@ struct Im2col {
                 v = p.x16 != nullptr ? to_float(p.x16[at]) : p.x[at];
             }
             if (p.cols16 != nullptr)
-                p.cols16[i] = from_float<__nv_bfloat16>(v);
+                store(p.cols16 + i, from_float<__nv_bfloat16>(v));
             else
-                p.cols[i] = v;
+                store(p.cols + i, v);
         }
     }
 };
@@ -117,9 +117,9 @@ struct Col2im {
                 }
             }
             if (p.dx16 != nullptr)
-                p.dx16[i] = from_float<__nv_bfloat16>(sum);
+                store(p.dx16 + i, from_float<__nv_bfloat16>(sum));
             else
-                p.dx[i] = sum;
+                store(p.dx + i, sum);
         }
     }
 };

@@ -18,6 +18,9 @@
 
 #include "lockstep/core/config.hpp"
 #include "lockstep/core/error.hpp"
+#if !defined(__CUDA_ARCH__)
+#include "lockstep/kernels/device/emulated_memory.cuh"
+#endif
 
 //! Unrolls the next loop in device code (host compilers unroll as they see fit);
 //! LOCKSTEP_NO_UNROLL keeps it rolled there, where copies of its body would exceed a register budget.
@@ -44,6 +47,15 @@ namespace lockstep::kernels::device {
 //   last-block-done logic all run in the host tests (CTest label `emulation`) with the launch
 //   configuration the device would use. Compiled by a host compiler, launch.cuh runs the same
 //   emulator on a stream of the host CUDA device (tests/host_cuda).
+// Both run the same drivers, `map_block` and `reduce_block` (Note [one barrier placement]): the
+// emulator checks the barriers, fences and ticket the device relies on, not a sequential
+// stand-in. It models global memory within a launch (Note [the emulator's memory model]): a
+// read of another block's store that was not released to the reader, or of a byte no block
+// wrote, and two blocks writing one byte, end the process as a misaligned access does; every
+// global store of a kernel goes through `store` or `store_pack` so that the emulator sees it.
+// What it does not model: blocks running at once (reads through plain loads of another block's
+// store in the same launch are not checked) and races between threads of one block outside the
+// drivers' shared flag and reduction storage.
 // Two kinds of kernel exist:
 // - a map kernel: `run(params, where)` per thread, no barrier (per-channel constants each thread
 //   needs are computed by that thread in its prologue);
@@ -194,6 +206,14 @@ LOCKSTEP_HD inline void check_pack_alignment([[maybe_unused]] const T* p) {
 #endif
 }
 
+//! Reports a global store of `bytes` bytes at `p` to the emulator's memory model (Note [the
+//! emulator's memory model]); nothing on the device.
+LOCKSTEP_HD inline void note_store([[maybe_unused]] const void* p, [[maybe_unused]] std::size_t bytes) {
+#if !defined(__CUDA_ARCH__)
+    if (emulated::Memory* m = emulated::active) m->store(p, bytes);
+#endif
+}
+
 template <int V, class T>
 LOCKSTEP_HD inline Pack<T, V> load_pack(const T* p) {
     if constexpr (V == 1) {
@@ -205,12 +225,21 @@ LOCKSTEP_HD inline Pack<T, V> load_pack(const T* p) {
 }
 template <int V, class T>
 LOCKSTEP_HD inline void store_pack(T* p, const Pack<T, V>& v) {
+    note_store(p, sizeof(T) * V);
     if constexpr (V == 1) {
         *p = v.v[0];
     } else {
         check_pack_alignment<V>(p);
         *reinterpret_cast<Pack<T, V>*>(p) = v;
     }
+}
+
+//! Stores one value to global memory. Every global store of a kernel goes through this or
+//! `store_pack`, so that the emulator sees it (Note [the emulator's memory model]).
+template <class T>
+LOCKSTEP_HD inline void store(T* p, const std::type_identity_t<T>& v) {
+    note_store(p, sizeof(T));
+    *p = v;
 }
 
 //! Whether `p` may be read in vectors of V elements (16-byte aligned for the widest).
@@ -222,11 +251,14 @@ inline bool aligned_for(const T* p, int V) {
 // ---- the device primitives a kernel body uses, with their host meaning ------------------------
 
 //! Reads a value another block wrote in this launch (through L2 on the device, never a stale L1 line).
+//! In the emulator, a read of a value no block wrote in this launch, or of another block's
+//! store not released to this thread, ends the process (Note [the emulator's memory model]).
 template <class T>
 LOCKSTEP_HD inline T load_other_block(const T* p) {
 #if defined(__CUDA_ARCH__)
     return __ldcg(p);
 #else
+    if (emulated::Memory* m = emulated::active) m->read_other(p, sizeof(T));
     return *p;
 #endif
 }
@@ -235,6 +267,8 @@ LOCKSTEP_HD inline T load_other_block(const T* p) {
 LOCKSTEP_HD inline void fence() {
 #if defined(__CUDA_ARCH__)
     __threadfence();
+#else
+    if (emulated::Memory* m = emulated::active) m->fence();
 #endif
 }
 
@@ -243,6 +277,7 @@ LOCKSTEP_HD inline bool take_ticket(unsigned int* counter, int blocks) {
 #if defined(__CUDA_ARCH__)
     return atomicAdd(counter, 1u) == static_cast<unsigned int>(blocks - 1);
 #else
+    if (emulated::Memory* m = emulated::active) m->ticket();
     return (*counter)++ == static_cast<unsigned int>(blocks - 1);
 #endif
 }
@@ -267,7 +302,64 @@ struct Divider {
     }
 };
 
+// ---- the drivers: one barrier placement for the device and the emulator -------------------------
+
+// Note [one barrier placement]
+// The order of a kernel's phases, barriers, fences and ticket is written once, in the drivers
+// below: templates over a block, which the device and the emulator each implement.
+// - launch.cuh's `DeviceBlock` is one thread of a CUDA block: `each` runs the thread's own
+//   phase, `sync` is __syncthreads, `column_sum` a CUB block reduction (or a column sum through
+//   shared memory), `fence` __threadfence, `ticket` an atomicAdd, `last` a shared flag.
+// - the emulator's `EmulatedBlock` (below) is the whole block: `each` runs the phase over all
+//   the block's threads in a seeded random order; `sync` starts a new barrier epoch; fences,
+//   tickets and epochs are reported to the memory model (Note [the emulator's memory model]),
+//   which orders two threads' events only across a barrier; the block reduction's storage may be
+//   reused, and the flag read, only after a barrier.
+// So a barrier or fence moved or dropped here changes what the emulator checks, and the
+// emulation tests fail (docs/design.md, "Mutation checks").
+// A block offers: `each(f)` (f(where) per thread), `sync()`, `fence(w)`, `ticket(w, counter,
+// blocks)` (true for the last of `blocks`), `reset_ticket(w, counter)`, `value(w)` (a Value per
+// thread), `column_sum()` (each lane's values summed over its rows, into row 0), and
+// `set_last(w, flag)` / `last()` (a flag thread 0 writes and every thread reads).
+
+//! Map kernel K over a block: every thread runs K::run.
+template <class K, class Block>
+LOCKSTEP_HD void map_block(const typename K::Params& p, Block& b) {
+    b.each([&](const Where& w) { K::run(p, w); });
+}
+
+//! Reducing kernel K over a block of a (chunks, groups) grid: accumulate, sum over the block's
+//! rows, store the block's partials, take a ticket; the last block of the group gathers the
+//! group's partials in chunk order, sums them and finishes (Note [kernels proven on the host]).
+template <class K, class Block>
+LOCKSTEP_HD void reduce_block(const typename K::Params& p, Block& b) {
+    b.each([&](const Where& w) { b.value(w) = K::accumulate(p, w); });
+    b.column_sum();
+    b.each([&](const Where& w) {
+        if (w.t / K::lanes != 0) return;
+        K::store_partial(p, w, w.t % K::lanes, b.value(w));
+        b.fence(w);  // the partial is visible to every block before this block's ticket
+    });
+    b.sync();
+    b.each([&](const Where& w) {
+        if (w.t == 0) b.set_last(w, b.ticket(w, K::counter(p, w), w.gx));
+    });
+    b.sync();
+    if (!b.last()) return;
+    b.each([&](const Where& w) {
+        b.fence(w);  // the partials the other blocks published before their tickets
+        b.value(w) = K::gather(p, w, w.t % K::lanes, w.t / K::lanes);
+    });
+    b.column_sum();
+    b.each([&](const Where& w) {
+        if (w.t / K::lanes == 0) K::finish(p, w, w.t % K::lanes, b.value(w));
+        if (w.t == 0) b.reset_ticket(w, K::counter(p, w));  // ready for the next launch on this stream
+    });
+}
+
 // ---- the host emulator -------------------------------------------------------------------------
+#if !defined(__CUDA_ARCH__)
+
 
 //! The seed of the emulator's block and thread orders: LOCKSTEP_TEST_SEED when set (a failing
 //! run's orders replay), else drawn once per process.
@@ -293,55 +385,102 @@ inline const std::vector<int>& shuffled(int n, std::vector<int>& order) {
     std::shuffle(order.begin(), order.end(), rng);
     return order;
 }
+//! The emulator's block (Note [one barrier placement]): the whole block, phase by phase.
+template <class Value>
+class EmulatedBlock {
+public:
+    EmulatedBlock(emulated::Memory& memory, const Grid& grid, int threads, int lanes, std::vector<Value>& values,
+                  std::vector<int>& order)
+        : memory_(memory), gx_(grid.x), gy_(grid.y), threads_(threads), lanes_(lanes), values_(values), order_(order) {}
+
+    //! Block (bx, by) begins.
+    void start(int bx, int by) {
+        bx_ = bx, by_ = by;
+        summed_ = false, last_ = false, last_writer_ = -1;
+        memory_.enter_block(by * gx_ + bx, threads_);
+    }
+    template <class F>
+    void each(F&& f) {
+        for (const int t : shuffled(threads_, order_)) {
+            memory_.set_thread(t);
+            f(Where{bx_, by_, gx_, gy_, t});
+        }
+    }
+    void sync() {
+        ++epoch_;
+        memory_.sync();
+    }
+    void fence(const Where&) { device::fence(); }
+    bool ticket(const Where&, unsigned int* counter, int blocks) { return take_ticket(counter, blocks); }
+    void reset_ticket(const Where&, unsigned int* counter) { *counter = 0; }
+    Value& value(const Where& w) { return values_[static_cast<std::size_t>(w.t)]; }
+    //! Sums each lane's values over its rows in row order, into row 0 (the device's result is valid there only).
+    void column_sum() {
+        if (summed_ && summed_epoch_ == epoch_) fail("reuses its block reduction's shared storage with no barrier since the last use");
+        summed_ = true, summed_epoch_ = epoch_;
+        const int rows = threads_ / lanes_;
+        for (int lane = 0; lane < lanes_; ++lane) {
+            Value s = values_[static_cast<std::size_t>(lane)];
+            for (int row = 1; row < rows; ++row) s = s + values_[static_cast<std::size_t>(row * lanes_ + lane)];
+            values_[static_cast<std::size_t>(lane)] = s;
+        }
+    }
+    void set_last(const Where& w, bool last) { last_ = last, last_writer_ = w.t, last_epoch_ = epoch_; }
+    bool last() const {
+        if (last_writer_ >= 0 && last_epoch_ == epoch_ && threads_ > 1) fail("reads the shared flag one thread wrote with no barrier between");
+        return last_;
+    }
+
+private:
+    [[noreturn]] void fail(const char* what) const {
+        std::fprintf(stderr, "lockstep: block (%d, %d) of an emulated launch %s\n", bx_, by_, what);
+        std::abort();
+    }
+
+    emulated::Memory& memory_;
+    int gx_, gy_, threads_, lanes_;
+    std::vector<Value>& values_;
+    std::vector<int>& order_;
+    int bx_ = 0, by_ = 0;
+    std::uint64_t epoch_ = 0, summed_epoch_ = 0, last_epoch_ = 0;
+    bool summed_ = false, last_ = false;
+    int last_writer_ = -1;
+};
 }  // namespace detail
 
 //! Runs map kernel K over `grid` on the host: the blocks in a random order (emulation_seed), each
-//! block's threads in a random order, one after another. A kernel whose result depends on either
-//! order is wrong on the device too.
+//! block's threads in a random order, one after another, under the memory model. A kernel whose
+//! result depends on either order is wrong on the device too.
 template <class K>
 void emulate_map(const typename K::Params& p, const Grid& grid) {
     if (grid.x <= 0 || grid.y <= 0) return;
+    emulated::Launch launch(grid.x * grid.y, grid.x, false);
     std::vector<int> blocks, threads;
+    std::vector<char> none;
+    detail::EmulatedBlock<char> block(launch.memory(), grid, grid.threads, 1, none, threads);
     for (const int b : detail::shuffled(grid.x * grid.y, blocks)) {
-        const int bx = b % grid.x, by = b / grid.x;
-        for (const int t : detail::shuffled(grid.threads, threads)) K::run(p, Where{bx, by, grid.x, grid.y, t});
+        block.start(b % grid.x, b / grid.x);
+        map_block<K>(p, block);
     }
 }
 
 //! Runs reducing kernel K over `grid` on the host (Note [kernels proven on the host]): blocks in a
-//! random order, so the last block of a group to take its ticket changes from run to run, and
-//! each phase's threads in a random order.
+//! random order, so the last block of a group to take its ticket changes from run to run, each
+//! through the reduce driver (Note [one barrier placement]) under the memory model.
 template <class K>
 void emulate_reduce(const typename K::Params& p, const Grid& grid) {
-    using Value = typename K::Value;
-    constexpr int lanes = K::lanes, rows = K::rows;
-    static_assert(lanes * rows == K::threads, "a reducing kernel's block is lanes x rows threads");
+    static_assert(K::lanes * K::rows == K::threads, "a reducing kernel's block is lanes x rows threads");
     if (grid.x <= 0 || grid.y <= 0) return;
-    std::vector<Value> values(static_cast<std::size_t>(K::threads));
-    const auto column_sums = [&] {
-        std::vector<Value> sums(lanes);
-        for (int lane = 0; lane < lanes; ++lane) {
-            Value s = values[static_cast<std::size_t>(lane)];
-            for (int row = 1; row < rows; ++row) s = s + values[static_cast<std::size_t>(row * lanes + lane)];
-            sums[static_cast<std::size_t>(lane)] = s;
-        }
-        return sums;
-    };
+    emulated::Launch launch(grid.x * grid.y, grid.x, true);
     std::vector<int> blocks, threads;
+    std::vector<typename K::Value> values(static_cast<std::size_t>(K::threads));
+    detail::EmulatedBlock<typename K::Value> block(launch.memory(), grid, K::threads, K::lanes, values, threads);
     for (const int b : detail::shuffled(grid.x * grid.y, blocks)) {
-        const int bx = b % grid.x, by = b / grid.x;
-        const Where w0{bx, by, grid.x, grid.y, 0};
-        for (const int t : detail::shuffled(K::threads, threads))
-            values[static_cast<std::size_t>(t)] = K::accumulate(p, Where{bx, by, grid.x, grid.y, t});
-        const auto partial = column_sums();
-        for (int lane = 0; lane < lanes; ++lane) K::store_partial(p, w0, lane, partial[static_cast<std::size_t>(lane)]);
-        if (!take_ticket(K::counter(p, w0), grid.x)) continue;
-        for (const int t : detail::shuffled(K::threads, threads))
-            values[static_cast<std::size_t>(t)] = K::gather(p, w0, t % lanes, t / lanes);
-        const auto total = column_sums();
-        for (int lane = 0; lane < lanes; ++lane) K::finish(p, w0, lane, total[static_cast<std::size_t>(lane)]);
-        *K::counter(p, w0) = 0;
+        block.start(b % grid.x, b / grid.x);
+        reduce_block<K>(p, block);
     }
 }
+
+#endif  // !__CUDA_ARCH__
 
 }  // namespace lockstep::kernels::device

@@ -33,13 +33,6 @@ constexpr int min_blocks_of() {
 
 #if defined(__CUDACC__)
 
-//! Map kernel K: every thread runs K::run.
-template <class K>
-__global__ void __launch_bounds__(K::threads, min_blocks_of<K>()) map_kernel(const typename K::Params p) {
-    K::run(p, Where{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(gridDim.x),
-                    static_cast<int>(gridDim.y), static_cast<int>(threadIdx.x)});
-}
-
 namespace detail {
 
 // Sums a value over the rows of each lane of a lanes x rows block; the sum is valid in row 0.
@@ -73,31 +66,70 @@ struct ColumnSum {
     }
 };
 
+//! A block as the drivers see it (Note [one barrier placement]), on the device: this thread of
+//! it, with the block's shared storage. Host-device members, as the drivers are; only the
+//! device runs them.
+template <class K>
+struct DeviceBlock {
+    using Sum = ColumnSum<K>;
+    typename Sum::Storage& storage;
+    bool& last_flag;
+    Where w;
+    typename K::Value v{};
+
+    template <class F>
+    LOCKSTEP_HD void each(F&& f) {
+        f(w);
+    }
+    LOCKSTEP_HD void sync() {
+#if defined(__CUDA_ARCH__)
+        __syncthreads();
+#endif
+    }
+    LOCKSTEP_HD void fence(const Where&) { device::fence(); }
+    LOCKSTEP_HD bool ticket(const Where&, unsigned int* counter, int blocks) { return take_ticket(counter, blocks); }
+    LOCKSTEP_HD void reset_ticket(const Where&, unsigned int* counter) { *counter = 0; }
+    LOCKSTEP_HD typename K::Value& value(const Where&) { return v; }
+    LOCKSTEP_HD void column_sum() {
+#if defined(__CUDA_ARCH__)
+        v = Sum::sum(storage, v, w.t % K::lanes, w.t / K::lanes);
+#endif
+    }
+    LOCKSTEP_HD void set_last(const Where&, bool last) { last_flag = last; }
+    LOCKSTEP_HD bool last() const { return last_flag; }
+};
+
+//! A map kernel's block on the device: this thread.
+struct DeviceThread {
+    Where w;
+    template <class F>
+    LOCKSTEP_HD void each(F&& f) {
+        f(w);
+    }
+};
+
+__device__ inline Where this_thread() {
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(gridDim.x),
+            static_cast<int>(gridDim.y), static_cast<int>(threadIdx.x)};
+}
+
 }  // namespace detail
 
-//! Reducing kernel K over a (chunks, groups) grid: accumulate, sum over the block's rows, store
-//! the block's partials, take a ticket; the last block of the group gathers, sums and finishes.
+//! Map kernel K: every thread runs K::run (map_block).
+template <class K>
+__global__ void __launch_bounds__(K::threads, min_blocks_of<K>()) map_kernel(const typename K::Params p) {
+    detail::DeviceThread b{detail::this_thread()};
+    map_block<K>(p, b);
+}
+
+//! Reducing kernel K over a (chunks, groups) grid: the reduce driver (reduce_block) as one thread
+//! of the block.
 template <class K>
 __global__ void __launch_bounds__(K::threads, min_blocks_of<K>()) reduce_kernel(const typename K::Params p) {
-    using Sum = detail::ColumnSum<K>;
-    __shared__ typename Sum::Storage storage;
+    __shared__ typename detail::ColumnSum<K>::Storage storage;
     __shared__ bool last;
-    const Where w{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(gridDim.x),
-                  static_cast<int>(gridDim.y), static_cast<int>(threadIdx.x)};
-    const int lane = w.t % K::lanes, row = w.t / K::lanes;
-    const auto partial = Sum::sum(storage, K::accumulate(p, w), lane, row);
-    if (row == 0) {
-        K::store_partial(p, w, lane, partial);
-        fence();  // the partial is visible to every block before this block's ticket
-    }
-    __syncthreads();
-    if (w.t == 0) last = take_ticket(K::counter(p, w), w.gx);
-    __syncthreads();
-    if (!last) return;
-    fence();
-    const auto total = Sum::sum(storage, K::gather(p, w, lane, row), lane, row);
-    if (row == 0) K::finish(p, w, lane, total);
-    if (w.t == 0) *K::counter(p, w) = 0;  // ready for the next launch on this stream
+    detail::DeviceBlock<K> b{storage, last, detail::this_thread()};
+    reduce_block<K>(p, b);
 }
 
 //! Launches map kernel K on `stream`; an empty grid launches nothing.

@@ -41,7 +41,7 @@ struct Fill {
         for (int e = 0; e < V; ++e) v.v[e] = p.value;
         for (std::int64_t i = first_index(w); i < vectors; i += grid_threads(w)) store_pack<V>(p.p + i * V, v);
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.p[tail] = p.value;
+        if (V > 1 && tail < p.n) store(p.p + tail, p.value);
     }
 };
 
@@ -108,7 +108,7 @@ struct Add {
             store_pack<V>(p.acc + i * V, a);
         }
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.acc[tail] += widened(p.x[tail]);
+        if (V > 1 && tail < p.n) store(p.acc + tail, p.acc[tail] + widened(p.x[tail]));
     }
 };
 
@@ -136,7 +136,7 @@ struct Convert {
             store_pack<V>(p.y + i * V, o);
         }
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.y[tail] = from_float<To>(to_float(p.x[tail]));
+        if (V > 1 && tail < p.n) store(p.y + tail, from_float<To>(to_float(p.x[tail])));
     }
 };
 
@@ -183,8 +183,8 @@ struct ReluForward {
         const std::int64_t tail = vectors * V + first_index(w);
         if (V > 1 && tail < p.n) {
             const float f = to_float(p.x[tail]);
-            if (p.mask != nullptr) p.mask[tail] = f > 0.0f;
-            if (!relu_keeps(f)) p.x[tail] = from_float<T>(0.0f);
+            if (p.mask != nullptr) store(p.mask + tail, static_cast<std::uint8_t>(f > 0.0f));
+            if (!relu_keeps(f)) store(p.x + tail, from_float<T>(0.0f));
         }
     }
 };
@@ -205,7 +205,7 @@ struct ReluBackward {
             store_pack<V>(p.dx + i * V, v);
         }
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) p.dx[tail] = p.kept[tail] != 0 ? p.dy[tail] : from_float<T>(0.0f);
+        if (V > 1 && tail < p.n) store(p.dx + tail, p.kept[tail] != 0 ? p.dy[tail] : from_float<T>(0.0f));
     }
 };
 
@@ -348,8 +348,8 @@ struct MaxPoolForward {
                     best = take ? v : best;
                     at = take ? idx : at;
                 }
-            p.y[i] = winner;
-            p.argmax[i] = at;
+            store(p.y + i, winner);
+            store(p.argmax + i, at);
         }
     }
 };
@@ -384,7 +384,7 @@ struct MaxPoolBackward {
                     const std::int64_t o = base + static_cast<std::int64_t>(oh) * p.OW + ow;
                     if (p.at[o] == self) sum += to_float(p.dy[o]);
                 }
-            p.dx[i] = from_float<T>(sum);
+            store(p.dx + i, from_float<T>(sum));
         }
     }
 };
@@ -420,7 +420,7 @@ struct ChannelSumPlanes {
         return {s};
     }
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) {
-        p.partials[static_cast<std::int64_t>(w.by) * w.gx + w.bx] = v;
+        store(p.partials + static_cast<std::int64_t>(w.by) * w.gx + w.bx, v);
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + w.by; }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
@@ -430,7 +430,7 @@ struct ChannelSumPlanes {
         return {s};
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int, const Value& total) {
-        p.out[w.by] += static_cast<float>(total.v);
+        store(p.out + w.by, p.out[w.by] + static_cast<float>(total.v));
     }
 };
 
@@ -451,7 +451,7 @@ struct ChannelSumRows {
         return {s};
     }
     LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int lane, const Value& v) {
-        p.partials[(static_cast<std::int64_t>(w.by) * w.gx + w.bx) * tile + lane] = v;
+        store(p.partials + (static_cast<std::int64_t>(w.by) * w.gx + w.bx) * tile + lane, v);
     }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where& w) { return p.counters + w.by; }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int lane, int row) {
@@ -462,7 +462,7 @@ struct ChannelSumRows {
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where& w, int lane, const Value& total) {
         const std::int64_t c = static_cast<std::int64_t>(w.by) * tile + lane;
-        if (c < p.C) p.out[c] += static_cast<float>(total.v);
+        if (c < p.C) store(p.out + c, p.out[c] + static_cast<float>(total.v));
     }
 };
 
@@ -494,14 +494,14 @@ struct SumSquares {
         if (V > 1 && tail < p.n) s += static_cast<double>(p.x[tail]) * p.x[tail];
         return {s};
     }
-    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) { p.partials[w.bx] = v; }
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) { store(p.partials + w.bx, v); }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where&) { return p.counters; }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
         double s = 0;
         for (int i = row; i < w.gx; i += rows) s += load_other_block(&p.partials[i].v);
         return {s};
     }
-    LOCKSTEP_HD static void finish(const Params& p, const Where&, int, const Value& total) { *p.acc += total.v; }
+    LOCKSTEP_HD static void finish(const Params& p, const Where&, int, const Value& total) { store(p.acc, *p.acc + total.v); }
 };
 
 // ---- the operations, for any runner (Note [kernel runners]) -------------------------------------

@@ -57,12 +57,12 @@ struct SoftmaxCrossEntropy {
             LOCKSTEP_NO_UNROLL
             for (std::int64_t k = 0; k < p.K; ++k) {
                 const double q = ::exp(static_cast<double>(z[k]) - zmax - log_denom);
-                gr[k] = static_cast<float>((q - (k == label ? 1.0 : 0.0)) * p.inv_count);
+                store(gr + k, static_cast<float>((q - (k == label ? 1.0 : 0.0)) * p.inv_count));
             }
         }
         return total;
     }
-    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) { p.partials2[w.bx] = v; }
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) { store(p.partials2 + w.bx, v); }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where&) { return p.counters; }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
         Value v;
@@ -71,8 +71,8 @@ struct SoftmaxCrossEntropy {
         return v;
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where&, int, const Value& total) {
-        p.totals[0] = total.a;
-        p.totals[1] = total.b;
+        store(p.totals, total.a);
+        store(p.totals + 1, total.b);
     }
 };
 
@@ -101,10 +101,14 @@ struct MeanSquaredError {
             store_pack<V>(p.grad + i * V, g);
         }
         const std::int64_t tail = vectors * V + first_index(w);
-        if (V > 1 && tail < p.n) s += one(p, p.out[tail], p.target[tail], p.grad[tail]);
+        if (V > 1 && tail < p.n) {
+            float g = 0.0f;
+            s += one(p, p.out[tail], p.target[tail], g);
+            store(p.grad + tail, g);
+        }
         return {s};
     }
-    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) { p.partials1[w.bx] = v; }
+    LOCKSTEP_HD static void store_partial(const Params& p, const Where& w, int, const Value& v) { store(p.partials1 + w.bx, v); }
     LOCKSTEP_HD static unsigned int* counter(const Params& p, const Where&) { return p.counters; }
     LOCKSTEP_HD static Value gather(const Params& p, const Where& w, int, int row) {
         double s = 0;
@@ -112,8 +116,8 @@ struct MeanSquaredError {
         return {s};
     }
     LOCKSTEP_HD static void finish(const Params& p, const Where&, int, const Value& total) {
-        p.totals[0] = total.v / static_cast<double>(p.K);
-        p.totals[1] = 0;
+        store(p.totals, total.v / static_cast<double>(p.K));
+        store(p.totals + 1, 0.0);
     }
 };
 
@@ -128,8 +132,8 @@ struct Store2 {
     static constexpr int threads = 32;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
         if (w.bx == 0 && w.t == 0) {
-            p.p[0] = p.a;
-            p.p[1] = p.b;
+            store(p.p, p.a);
+            store(p.p + 1, p.b);
         }
     }
 };

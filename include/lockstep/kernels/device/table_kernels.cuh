@@ -125,8 +125,10 @@ struct SgdTable {
                 store_pack<4>(wp, wv);
                 if constexpr (Momentum) store_pack<4>(vp, vv);
             } else {
-                float dummy = 0;
-                sgd_one(p.lr, p.mu, p.damp, p.wd, first, p.nesterov, Momentum, *wp, *gp, Momentum ? *vp : dummy);
+                float wv = *wp, vv = Momentum ? *vp : 0.0f;
+                sgd_one(p.lr, p.mu, p.damp, p.wd, first, p.nesterov, Momentum, wv, *gp, vv);
+                store(wp, wv);
+                if constexpr (Momentum) store(vp, vv);
             }
         }
     }
@@ -154,7 +156,7 @@ struct CopyTable {
             if (it.is_vector)
                 store_pack<4>(p.dst[t] + it.element, load_pack<4>(p.src[t] + it.element));
             else
-                p.dst[t][it.element] = p.src[t][it.element];
+                store(p.dst[t] + it.element, p.src[t][it.element]);
         }
     }
 };
