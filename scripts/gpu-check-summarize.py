@@ -461,6 +461,37 @@ def judge_train_step(log, rc):
              "exit %d: %s" % (rc, tail_line(text, r"(?i)error|skip")[:200] or tail_line(text)[:200]))
 
 
+KERNELS_ROW = "kernel spills and vector accesses"
+
+
+def judge_kernels(log, rc, arch, cut):
+    """The static gate's run for this GPU's architecture (tests/cuda_static/gate.cmake): counts
+    from check-kernel-resources.py's table (arch, regs, budget, smem, lmem, V, vst/vld, kernel)."""
+    text = read(log)
+    rows = []
+    for line in text.splitlines():
+        f = line.split()
+        if f[:1] == ["--"]:
+            f = f[1:]
+        if len(f) >= 8 and re.fullmatch(r"sm_\d+", f[0]) and f[1].isdigit() and f[4].isdigit():
+            rows.append(f)
+    vec = [f for f in rows if f[5] != "1" and "/" in f[6]]
+    loads = [f for f in vec if f[6].split("/")[1] != "0"]
+    maps = [f for f in vec if f[7].startswith("map_kernel")]
+    stores = [f for f in maps if f[6].split("/")[0] != "0"]
+    lmem = sum(int(f[4]) for f in rows)
+    figures = ("sm_%s: %d kernels, %d bytes of local memory; of the %d of vector width > 1, %d with vector loads, "
+               "and %d of the %d map kernels with vector stores" % (arch, len(rows), lmem, len(vec), len(loads), len(stores),
+                                                                   len(maps)))
+    if rc == 0 and rows:
+        emit(KERNELS_ROW, "ok", figures + "; no spills (ptxas -Werror)")
+    elif rc in TIMED_OUT and cut:
+        emit(KERNELS_ROW, "not run (budget)", "stopped by the run's budget (exit %d)" % rc)
+    else:
+        why = " ".join(l.strip() for l in text.splitlines() if re.search(r"FAILED|violation|spill|error", l))[:300]
+        emit(KERNELS_ROW, "FAIL", "exit %d: %s" % (rc, why or tail_line(text)[:200]))
+
+
 ARGS_CUT = [False]
 
 
@@ -742,6 +773,20 @@ def self_test():
         r = rows_of(judge_bf16, ns)
         check([x[1] for x in r] == ["not run (budget)", "not run (budget)"], "bf16: cut by the budget: %s" % (r,))
 
+        # the kernels' static gate
+        gate = ("arch  regs  budget  smem  lmem  V  vst/vld  kernel\n"
+                "sm_90    26     255      0     0  1        -  map_kernel<bn_kernels::Centre>\n"
+                "sm_90    37      64      0     0  4      2/4  map_kernel<bn_kernels::DxChannelsFirst<__half, 4> >\n"
+                "sm_90    40      64      0     0  4      0/2  reduce_kernel<bn_kernels::StatsChannelsFirst<float, 4> >\n"
+                "sm_90    30      64      0     0  4      0/0  map_kernel<Fill<4> >\n"
+                "OK: no local memory\n")
+        r = rows_of(judge_kernels, put("gate.log", gate), 0, "90", 0)
+        check(r == [[KERNELS_ROW, "ok", "sm_90: 4 kernels, 0 bytes of local memory; of the 3 of vector width > 1, 2 with vector "
+                                        "loads, and 1 of the 2 map kernels with vector stores; no spills (ptxas -Werror)"]],
+              "kernels: the gate's counts: %s" % (r,))
+        r = rows_of(judge_kernels, put("gate2.log", "FAILED: 1 violation(s)\n  sm_90 x: spills registers\n"), 1, "90", 0)
+        check(r and r[0][1] == "FAIL" and "spills" in r[0][2], "kernels: a failed gate: %s" % (r,))
+
         # summary
         tsv = put("s.tsv", "step\tresult\tdetail\nbuild\tok\t60 s\ntest_gpu_core\tpass\t3 passed, 0 failed\n"
                            "memcheck x\tnot run (budget)\ta | b\n")
@@ -788,6 +833,8 @@ def main(argv=None):
     s.add_argument("--cut", type=int, default=0)
     s = sub.add_parser("train-step")
     s.add_argument("log"); s.add_argument("rc", type=int); s.add_argument("--cut", type=int, default=0)
+    s = sub.add_parser("kernels")
+    s.add_argument("log"); s.add_argument("rc", type=int); s.add_argument("arch"); s.add_argument("cut", type=int)
     s = sub.add_parser("syncbn")
     s.add_argument("bench_json"); s.add_argument("torch_jsonl")
     for name in ("table", "markdown", "verdict"):
@@ -808,6 +855,8 @@ def main(argv=None):
     elif a.cmd == "train-step":
         ARGS_CUT[0] = bool(a.cut)
         judge_train_step(a.log, a.rc)
+    elif a.cmd == "kernels":
+        judge_kernels(a.log, a.rc, a.arch, a.cut)
     elif a.cmd == "syncbn":
         judge_syncbn(a.bench_json, a.torch_jsonl)
     elif a.cmd == "table":

@@ -11,8 +11,7 @@
 #                                    into a local prefix, builds Release with -lineinfo for the
 #                                    GPU's architecture, then, cheap and decisive steps first:
 #     1. the GPU tests: test_gpu_core, test_gpu_bn_math, test_gpu_layers, test_gpu_data_parallel
-#        (each ends with "N passed, M failed"; the row quotes it), and the kernels' static gate for
-#        the GPU's own architecture (spills, local memory, vector loads and stores in the PTX);
+#        (each ends with "N passed, M failed"; the row quotes it);
 #     2. the example, 200 steps in file order (--no-shuffle --seed 7, batch 64) at 1 and 4 replicas
 #        on cuda:0 and at 8 host replicas (started in the background right after the build): the
 #        first 10 losses of 1 vs 4 replicas agree to 1e-4, and each CUDA run's test accuracy is
@@ -32,7 +31,9 @@
 #        bench_cuda_graph (a captured step by hand and through DataParallel, vs_eager);
 #     5. bench_cuda_batch_norm against cuDNN and PyTorch's BatchNorm2d
 #        (bench/torch_cuda_batch_norm.py: vs_torch), and bench_cuda_allreduce;
-#     6. last, compute-sanitizer memcheck, racecheck, synccheck and initcheck on the four tests
+#     6. the kernels' static gate for the GPU's own architecture (spills, local memory, vector
+#        loads and stores in the PTX: figures nvcc gives without a GPU, for the table);
+#     7. last, compute-sanitizer memcheck, racecheck, synccheck and initcheck on the four tests
 #        (API errors made on purpose, by NCCL's probing or a test, are not reported:
 #        --report-api-errors no), GPU_CHECK_SANITIZER_JOBS (default 8) at a time, while the
 #        budget lasts.
@@ -183,7 +184,6 @@ for tool in "${sanitizer_tools[@]}"; do for t in "${gpu_tests[@]}"; do sanitizer
 # name | seconds it needs to be worth starting | function | the rows it reports when skipped (;)
 plan=()
 for t in "${gpu_tests[@]}"; do plan+=("$t|10|step_test|$t"); done
-plan+=("kernels|30|step_kernels|kernel spills and vector accesses")
 plan+=("example|25|step_example|example 10 steps, 1 vs 4 replicas;example accuracy vs host")
 plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
 plan+=("train|45|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024;training img/s, batch 64, graphs")
@@ -193,6 +193,7 @@ plan+=("conv|15|step_conv|conv cuDNN vs im2col;conv bf16 vs fp32;conv bf16 cuDNN
 plan+=("graph|15|step_graph|graph step vs eager;DataParallel graphs vs eager")
 plan+=("syncbn|30|step_syncbn|SyncBN benchmark")
 plan+=("allreduce|15|step_allreduce|rendezvous_overhead;NCCL blocking vs non-blocking")
+plan+=("kernels|30|step_kernels|kernel spills and vector accesses")
 plan+=("sanitizers|20|step_sanitizers|$(IFS=';'; echo "${sanitizer_rows[*]}")")
 declare -A step_done=()
 current=""
@@ -498,31 +499,14 @@ step_graph() {
 # The static gate (tests/cuda_static) for sm_$arch alone: every kernel compiled with ptxas's
 # -warn-spills,-warn-lmem-usage,-Werror, its registers against its launch bounds, and in the PTX
 # its vector loads and stores (check-kernel-resources.py's table: vst/vld per kernel of width > 1).
-# The row gives the counts; the table is in the logs.
+# The row gives the counts (gpu-check-summarize.py kernels); the table is in the logs.
 step_kernels() {
   local includes
   includes="$root/include|$(dirname "$(dirname "$nvcc")")/include"
   capped 90 "$logs/kernel-gate.log" cmake -DNVCC="$nvcc" -DPYTHON=python3 \
     -DSCRIPT="$root/scripts/check-kernel-resources.py" -DARCHS="$arch" -DINCLUDES="$includes" -DMODE=gate \
     -DSOURCE="$root/tests/cuda_static/all_kernels.cu" -DWORK="$build/kernel-gate" -P "$root/tests/cuda_static/gate.cmake"
-  local figures
-  figures=$(python3 - "$logs/kernel-gate.log" <<'PY'
-import re, sys
-text = open(sys.argv[1], errors="replace").read()
-rows = [l.split() for l in text.splitlines() if re.match(r"^\s*(--\s*)?sm_\d+\s+\d+\s+\d+", l)]
-rows = [r[1:] if r[0] == "--" else r for r in rows]
-vec = [r for r in rows if len(r) >= 8 and r[5] != "1" and "/" in r[6]]
-loads = [r for r in vec if r[6].split("/")[1] != "0"]
-maps = [r for r in vec if r[7].startswith("map_kernel")]
-stores = [r for r in maps if r[6].split("/")[0] != "0"]
-lmem = sum(int(r[4]) for r in rows if r[4].isdigit())
-print(f"{len(rows)} kernels, {lmem} bytes of local memory; of the {len(vec)} of vector width > 1, "
-      f"{len(loads)} with vector loads, and {len(stores)} of the {len(maps)} map kernels with vector stores")
-PY
-)
-  if ((rc == 0)); then row "kernel spills and vector accesses" ok "sm_$arch: $figures; no spills (ptxas -Werror)"
-  elif ((rc == 124 || rc == 137)) && ((cut)); then row "kernel spills and vector accesses" "not run (budget)" "stopped after $lim s"
-  else row "kernel spills and vector accesses" FAIL "exit $rc: $(grep -m3 -E 'FAILED|violation|spill' "$logs/kernel-gate.log" | tr '\n' ' ')"; fi
+  judge kernels "$logs/kernel-gate.log" "$rc" "$arch" "$cut"
 }
 
 # ---- 5. SyncBatchNorm, all-reduce ---------------------------------------------------------------------------
