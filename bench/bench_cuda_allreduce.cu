@@ -1,16 +1,16 @@
 // SPDX-License-Identifier: MIT
 //! The CUDA replica group's all-reduce (comm::CudaGroup): latency of SyncBatchNorm's payload
-//! (2C + 1 doubles, C = 64) and bus bandwidth at 25 MiB of floats, through the group (the host
+//! (129 doubles, the size of a SyncBatchNorm collective at C = 64) and bus bandwidth at 25 MiB of floats, through the group (the host
 //! rendezvous, then the enqueue) against the bare device call (ncclAllReduce on communicators of
 //! its own, or the rank-order kernel where replicas share a GPU) in the same process. Reports
-//! `rendezvous_overhead`, group time over bare time (goal <= 1.2 at the 2C + 1 payload). Replicas:
+//! `rendezvous_overhead`, group time over bare time (goal <= 1.2 at the 129-double payload). Replicas:
 //! every GPU where there are at least 2 (NCCL), else 2 on cuda:0 (the device-local group). Each
 //! measurement is 100 collectives per replica, then one wait for the replica's stream.
 //! The device-local group also runs its device calls alone (`calls`: one thread makes every
 //! replica's calls of a collective in the group's order, with no host rendezvous), so that its
 //! overhead splits into the stream events between the replicas (calls over bare) and the host
 //! rendezvous (group over calls).
-//! `BM_NcclLaunch` enqueues eager ncclAllReduce calls of the 2C + 1 payload on blocking and on
+//! `BM_NcclLaunch` enqueues eager ncclAllReduce calls of the 129-double payload on blocking and on
 //! non-blocking communicators (one per GPU, a 1-rank one where there is one GPU), each call
 //! polled to completion as lockstep does before its next: what NCCL's launch costs either way
 //! (Note [blocking communicators] in comm/cuda_group.cuh), reported as eager collectives per second.
@@ -164,7 +164,7 @@ void BM_Path(benchmark::State& state) {
     else
         run_case<float>(state, P);
 }
-// 129 doubles: SyncBatchNorm's 2C + 1 at C = 64; 6553600 floats: 25 MiB, a gradient bucket.
+// 129 doubles: about a SyncBatchNorm collective at C = 64 (C + 1 and 2C forward, 2C backward); 6553600 floats: 25 MiB, a gradient bucket.
 // Registered in this order (bare, calls where the group is device-local, group): each ratio
 // needs its baseline measured first.
 void register_paths(bool local) {

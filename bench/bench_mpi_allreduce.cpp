@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 //! comm::MpiCommunicator's all-reduce against MPI_Allreduce itself, in the same processes: run it
 //! under mpirun (`mpirun -np 2 build/release/bench/bench_mpi_allreduce`). SyncBatchNorm's payload
-//! (2C + 1 doubles, C = 64) for latency and 25 MiB of floats (a gradient bucket) for bus bandwidth.
+//! (129 doubles, the size of a SyncBatchNorm collective at C = 64) for latency and 25 MiB of floats (a gradient bucket) for bus bandwidth.
 //! Reports `vs_mpi`: MPI_Allreduce's time over lockstep's (goal >= 0.8 at 25 MiB: lockstep adds in
 //! rank order to stay bit-deterministic, MPI_Allreduce may not). Rank 0 prints; every process runs
 //! the same fixed iterations, so the collectives pair up.

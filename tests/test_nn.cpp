@@ -680,6 +680,7 @@ TEST_CASE("number_layers gives layers the ids of their place in the module, what
     CHECK(nn::clone(a, Device::host(1)).get<2>().layer_id() == first + 2);  // copies keep them
     CHECK(comm::CollectiveSite::layer(first + 1, 1).str() == "layer #2 of the model's communicating layers (backward)");
     CHECK(comm::CollectiveSite::layer(7, 0).str() == "layer 7 (forward)");
+    CHECK(comm::CollectiveSite::layer(7, 2).str() == "layer 7 (forward, second)");
 }
 
 // ---- independent references: direct fp64 loops written here, not the layers' own code ----

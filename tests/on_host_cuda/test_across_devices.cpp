@@ -439,7 +439,7 @@ TEST_CASE("teardown after an aborted step leaves no thread running", "[hostcuda]
         nn::Sgd<Cuda> sgd({.lr = 0.05});
         (void)dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd);
         CHECK(threads_now() > baseline);
-        host_cuda::fail_nccl(0, 2);  // a bucket fails on rank 0: every communicator is aborted
+        host_cuda::fail_nccl(0, 3);  // a bucket fails on rank 0 (after SyncBatchNorm's two): every communicator is aborted
         CHECK_THROWS(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd));
         host_cuda::fail_nccl(0, 0);
     }

@@ -411,9 +411,9 @@ TEST_CASE("a thread's NCCL communicators are finalized in one group call", "[hos
 // Issue 23, item 8, and issue 25: without check_finite, a collective that fails on the device
 // is seen only after every replica enqueued its optimizer step; the step must not pass for
 // applied on replicas that may hold a partly reduced update. Rank 1 enqueues, per step:
-// SyncBatchNorm's forward all-reduce (1), the buckets of the linear layer's bias and weight (2,
-// 3), SyncBatchNorm's backward all-reduce (4), then the last bucket (5), which nothing reads
-// before the commit barrier unless check_finite does. Each one fails in turn: the step fails on
+// SyncBatchNorm's two forward all-reduces (1, 2), the buckets of the linear layer's bias and
+// weight (3, 4), SyncBatchNorm's backward all-reduce (5), then the last bucket (6), which nothing
+// reads before the commit barrier unless check_finite does. Each one fails in turn: the step fails on
 // both replicas, none applies it or both are marked diverged, and the next step runs on rebuilt
 // communicators. Mutation-checked
 // (release build): without the device_failed mark (a step counted as applied once enqueued, as
@@ -425,7 +425,7 @@ TEST_CASE("an NCCL failure after the commit point marks the replicas diverged, a
     const std::vector<Device> two{Device::cuda(0), Device::cuda(1)};
     const auto b = make_batch(8, 4);
     const auto x = b.x.to<Cuda>(Device::cuda(0));
-    const int failing = GENERATE(1, 4, 5);
+    const int failing = GENERATE(1, 2, 5, 6);
     const bool check_finite = GENERATE(false, true);
     CAPTURE(failing, check_finite);
     DataParallelOptions o;
@@ -443,7 +443,7 @@ TEST_CASE("an NCCL failure after the commit point marks the replicas diverged, a
     host_cuda::fail_nccl(1, 0);
     // A failure in SyncBatchNorm's collectives may also be seen before the commit barrier, by a
     // later enqueue on the failed communicator: then, too, no replica applies the step.
-    if (!check_finite && failing == 5) CHECK(dp.diverged());
+    if (!check_finite && failing == 6) CHECK(dp.diverged());
     if (check_finite) CHECK_FALSE(dp.diverged());
     if (dp.diverged()) {
         CHECK_THROWS_WITH(dp.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, sgd), Catch::Contains("load() a checkpoint"));

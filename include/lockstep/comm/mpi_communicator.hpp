@@ -175,8 +175,8 @@ namespace lockstep::comm {
 //    library runs underneath.
 // An all-reduce of at most `folded_limit` bytes (one that goes whole to every rank) makes the
 // two steps one: its payload travels in the tag's message, every rank checks the tags and then
-// sums the operands it received, so a SyncBatchNorm layer across processes waits for one
-// message exchange, not two. A rank at a collective without a payload sends its tag alone in the
+// sums the operands it received, so each of a SyncBatchNorm layer's collectives across processes
+// waits for one message exchange, not two. A rank at a collective without a payload sends its tag alone in the
 // same kind of message, so a mismatch between any two collectives is still found in the tags.
 // A communicator that timed out or was aborted stays failed: later calls throw at once.
 

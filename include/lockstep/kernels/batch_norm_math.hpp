@@ -20,7 +20,9 @@ namespace lockstep::kernels::bn {
 //    replica then shares, within rounding of the batch mean;
 // 2. the local sums re-centred on mu, [S_c = sum(x - mu), Q_c = sum((x - mu)^2)] (2C doubles),
 //    from the local ones about k_r (`recentre`: delta = k_r - mu is a few standard deviations, as
-//    k_r is one of the values), so no pass over x is repeated.
+//    k_r is one of the values), so no pass over x is repeated. A first value far out in its
+//    batch (an outlier 1e3 standard deviations away) costs digits through the fp32 partial sums
+//    about it, as it did before the re-centring.
 // mean = mu + S/N and var = Q/N - (S/N)^2 then cancel almost nothing in fp64: S/N is the rounding
 // of mu. A shift known before the batch (the running mean, as lockstep once used) leaves
 // var = Q/N - (S/N)^2 with (S/N)^2 ~ (mean - K)^2, which loses every digit of the variance when

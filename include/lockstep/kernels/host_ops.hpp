@@ -481,6 +481,8 @@ struct Ops<Host> {
 
     //! Between the two all-reduces: [S | Q] re-centred on the batch's shift mu = M/N.
     static void bn_centre(const Ex&, const BnGeometry& g, const BnConstants<Host>& k, T_<double>& payload) {
+        LOCKSTEP_CHECK_AS(UsageError, k.shift.numel() == g.channels,
+                          "SyncBatchNorm: bn_centre ran without its statistics pass (bn_local_stats) before it");
         host::bn_centre(g, k.shift.data(), payload.data());
     }
 

@@ -18,11 +18,11 @@
 namespace lockstep::kernels::device::bn_kernels {
 
 // Note [batch-norm kernels]
-// A training step runs five kernels per layer, each reading or writing the tensors once:
+// A training step runs five tensor passes per layer, each reading or writing the tensors once:
 //   forward:  stats (read x) -> all-reduce -> centre (per channel) -> all-reduce -> normalize (read x, write y)
 //   backward: sums (read x, dy) -> all-reduce -> dx (read x, dy, write dx)
-// plus one per-channel kernel for dgamma, dbeta. Per-channel work happens where it is needed, not
-// in kernels of its own: the stats kernel's last block per channel writes the payload (sums about
+// plus two per-channel kernels, the centring and dgamma, dbeta. Other per-channel work happens
+// where it is needed, not in kernels of its own: the stats kernel's last block per channel writes the payload (sums about
 // the local shift, and the channel's total: Note [shifted statistics]); between the two forward
 // all-reduces, one thread per channel re-centres the sums on the batch's shift (`Centre`, in
 // bn_channel_kernels.cuh); the normalize kernel's prologue finishes the statistics
