@@ -348,10 +348,9 @@ inline void bn_local_stats(const float* LOCKSTEP_RESTRICT x, const BnGeometry& g
 inline void bn_centre(const BnGeometry& g, const float* shift, double* payload) {
     const std::int64_t C = g.channels;
     const bn::ForwardPayload layout{C};
-    const double n = static_cast<double>(g.per_channel()), N = payload[layout.count()];
+    const double n = static_cast<double>(g.per_channel());
     for (std::int64_t c = 0; c < C; ++c) {
-        const double mu = bn::batch_shift(payload[layout.total(c)], N);
-        const bn::ShiftedSums r = bn::centred(n, payload[layout.sum(c)], payload[layout.sum_sq(c)], shift[c], mu);
+        const bn::ShiftedSums r = bn::centred(payload, layout, c, n, shift[c]);
         payload[layout.sum(c)] = r.s;
         payload[layout.sum_sq(c)] = r.q;
     }

@@ -83,12 +83,16 @@ struct ChannelStats {
     double invstd;  // 1 / sqrt(var + eps)
 };
 
-//! The shared shift mu of a channel after the first all-reduce: M/N (Note [shifted statistics]).
-LOCKSTEP_HD inline double batch_shift(double total, double n) { return total / n; }
+//! The shared shift mu of channel c after the first all-reduce: M/N (Note [shifted statistics]).
+LOCKSTEP_HD inline double batch_shift(const double* payload, const ForwardPayload& layout, std::int64_t c) {
+    return payload[layout.total(c)] / payload[layout.count()];
+}
 
-//! A replica's part of the second all-reduce: its sums about its local shift k re-centred on mu.
-LOCKSTEP_HD inline ShiftedSums centred(double n, double s, double q, double k, double mu) {
-    return recentre(ShiftedSums{n, s, q, k}, mu);
+//! A replica's part of the second all-reduce for channel c: its sums in `payload` about its local
+//! shift k (n values) re-centred on mu.
+LOCKSTEP_HD inline ShiftedSums centred(const double* payload, const ForwardPayload& layout, std::int64_t c, double n,
+                                       double k) {
+    return recentre(ShiftedSums{n, payload[layout.sum(c)], payload[layout.sum_sq(c)], k}, batch_shift(payload, layout, c));
 }
 
 //! mean = K + S/N, var = Q/N - (S/N)^2 (a tiny negative from rounding becomes 0; NaN stays NaN).
@@ -97,6 +101,12 @@ LOCKSTEP_HD inline ChannelStats finish(double n, double s, double q, double shif
     double var = q / n - m * m;
     if (var < 0.0) var = 0.0;
     return {shift + m, var, 1.0 / ::sqrt(var + eps)};
+}
+
+//! Channel c's statistics from the all-reduced forward payload (its count is the global one).
+LOCKSTEP_HD inline ChannelStats channel_stats(const double* payload, const ForwardPayload& layout, std::int64_t c, double eps) {
+    return finish(payload[layout.count()], payload[layout.sum(c)], payload[layout.sum_sq(c)], batch_shift(payload, layout, c),
+                  eps);
 }
 
 // Note [split mean]

@@ -501,8 +501,7 @@ struct Ops<Host> {
             if (!o.momentum) factor = 1.0 / static_cast<double>((*num_batches_tracked)[0]);
         }
         for (std::int64_t c = 0; c < C; ++c) {
-            const double shift = bn::batch_shift(payload[layout.total(c)], count);
-            const auto st = bn::finish(count, payload[layout.sum(c)], payload[layout.sum_sq(c)], shift, o.eps);
+            const auto st = bn::channel_stats(payload.data(), layout, c, o.eps);
             k.stats[c] = st.mean;
             k.stats[C + c] = st.invstd;
             if (o.update_running) bn::update_running((*running_mean)[c], (*running_var)[c], st, count, factor);

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 //! The per-channel kernels of SyncBatchNorm on CUDA (the centring between the forward's
-//! all-reduces, evaluation constants, parameter gradients, the cumulative batch count): maps over C, written once for the device and the host emulator
-//! (Note [kernels proven on the host]), and the operations that launch them (Note [batch-norm
-//! kernels]).
+//! all-reduces, evaluation constants, parameter gradients, the cumulative batch count): maps over
+//! C, written once for the device and the host emulator (Note [kernels proven on the host]), and
+//! the operations that launch them (Note [batch-norm kernels]).
 #pragma once
 
 #include <cmath>
@@ -50,11 +50,9 @@ struct Centre {
         const std::int64_t c = static_cast<std::int64_t>(w.bx) * threads + w.t;
         if (c >= p.C) return;
         const bn::ForwardPayload layout{p.C};
-        double* q = p.forward_payload;
-        const double mu = bn::batch_shift(q[layout.total(c)], q[layout.count()]);
-        const bn::ShiftedSums r = bn::centred(p.local_count, q[layout.sum(c)], q[layout.sum_sq(c)], p.shift[c], mu);
-        store(q + layout.sum(c), r.s);
-        store(q + layout.sum_sq(c), r.q);
+        const bn::ShiftedSums r = bn::centred(p.forward_payload, layout, c, p.local_count, p.shift[c]);
+        store(p.forward_payload + layout.sum(c), r.s);
+        store(p.forward_payload + layout.sum_sq(c), r.q);
     }
 };
 

@@ -411,8 +411,7 @@ LOCKSTEP_HD inline ChannelConstants normalize_constants_of(const NormalizeParams
     if (!p.finish) return {p.folded[c], p.folded[2 * C + c], p.folded[3 * C + c]};
     const bn::ForwardPayload layout{C};
     const double n = p.f.payload[layout.count()];
-    const double mu = bn::batch_shift(p.f.payload[layout.total(c)], n);
-    const bn::ChannelStats st = bn::finish(n, p.f.payload[layout.sum(c)], p.f.payload[layout.sum_sq(c)], mu, p.f.eps);
+    const bn::ChannelStats st = bn::channel_stats(p.f.payload, layout, c, p.f.eps);
     const bn::SplitMean split = bn::split_mean(st.mean);
     const bn::NormalizeConstants k =
         bn::normalize_constants(st.mean, st.invstd, p.weight != nullptr ? p.weight[c] : 1.0, p.bias != nullptr ? p.bias[c] : 0.0);
