@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Installs the Debian packages lockstep's build, tests, benchmarks and example need, only when
-# one is missing (so a configured machine pays nothing). Needs root or sudo for apt-get.
+# one is missing (so a configured machine pays nothing), and libtorch for the torch component
+# (scripts/install-torch.sh; LOCKSTEP_TORCH=OFF skips it). Needs root or sudo for apt-get.
 set -euo pipefail
 
 packages=(
@@ -22,16 +23,19 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
-if ((${#missing[@]} == 0)); then
-  exit 0
+if ((${#missing[@]} > 0)); then
+  echo "lockstep: installing missing Debian packages: ${missing[*]}"
+  sudo_cmd=()
+  if ((EUID != 0)); then
+    command -v sudo >/dev/null || { echo "lockstep: run as root or install sudo to install: ${missing[*]}" >&2; exit 1; }
+    sudo_cmd=(sudo)
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-echo "lockstep: installing missing Debian packages: ${missing[*]}"
-sudo_cmd=()
-if ((EUID != 0)); then
-  command -v sudo >/dev/null || { echo "lockstep: run as root or install sudo to install: ${missing[*]}" >&2; exit 1; }
-  sudo_cmd=(sudo)
+# libtorch for the torch component (PyPI's wheel, project-local): LOCKSTEP_TORCH=OFF skips it.
+if [[ ${LOCKSTEP_TORCH:-AUTO} != OFF ]]; then
+  "$(dirname "$0")/install-torch.sh"
 fi
-export DEBIAN_FRONTEND=noninteractive
-"${sudo_cmd[@]}" apt-get update -qq
-"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -22,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,28 @@ public:
     template <BackendTag B>
     void put(const std::string& name, const Tensor<std::int64_t, B>& t) {
         put_host(name, "I64", t.to_host());
+    }
+
+    //! Adds (or replaces) tensor `name` from its host bytes: dtype "F32" or "I64", row-major
+    //! `shape` (any rank), `bytes` exactly shape's product x the dtype's size (a library's own
+    //! tensors, e.g. libtorch's in <lockstep/torch.hpp>).
+    void put_bytes(const std::string& name, const std::string& dtype, std::vector<std::int64_t> shape,
+                   std::span<const unsigned char> bytes) {
+        LOCKSTEP_CHECK(!name.empty() && name != "__metadata__", "invalid checkpoint tensor name '", name, "'");
+        LOCKSTEP_CHECK_AS(NotImplemented, dtype == "F32" || dtype == "I64", "checkpoint tensor '", name, "' of dtype ", dtype,
+                          ": lockstep's checkpoints hold F32 and I64 tensors; convert it to float32 or int64");
+        std::int64_t n = 1;
+        for (const auto d : shape) {
+            LOCKSTEP_CHECK(d >= 0, "checkpoint tensor '", name, "' has a negative extent ", d);
+            n *= d;
+        }
+        LOCKSTEP_CHECK(static_cast<std::uint64_t>(n) * 4u * (dtype == "I64" ? 2u : 1u) == bytes.size(), "checkpoint tensor '",
+                       name, "': ", bytes.size(), " bytes for ", n, " values of dtype ", dtype);
+        Entry e;
+        e.dtype = dtype;
+        e.shape = std::move(shape);
+        e.data.assign(bytes.begin(), bytes.end());
+        entries_[name] = std::move(e);
     }
 
     //! Where this checkpoint was read from ("" when built in memory), for error messages.

@@ -1,0 +1,336 @@
+// SPDX-License-Identifier: MIT
+//! `lockstep::torch::SyncBatchNorm`: batch normalization over the global batch of a
+//! lockstep::torch::DataParallel, as a libtorch module with its own autograd function, and
+//! `convert_sync_batchnorm`, which swaps a model's BatchNorm layers for it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/comm/collective_tag.hpp"
+#include "lockstep/comm/collectives.hpp"
+#include "lockstep/core/device_span.hpp"
+#include "lockstep/core/error.hpp"
+
+namespace lockstep::torch {
+
+// Note [libtorch SyncBatchNorm]
+// A forward in training mode computes each channel's mean and biased variance of the replica's
+// shard (at::var_mean, in fp32), turns them into the shard's sums in fp64 (S = n*m,
+// Q = n*(v + m^2), n) and all-reduces [S | Q | n], 2C+1 doubles, once on the replica's layer
+// group: mean = S/N, var = Q/N - mean^2. The fp64 sums keep the variance's digits unless
+// |mean|/std approaches 1e6; the shard's own statistics are Welford's, so they do not depend on
+// where the data sits. y = (x - mean) * invstd * weight + bias. The running statistics are updated
+// once per forward, from the global statistics, identically on every replica (unbiased variance
+// N/(N-1), PyTorch's momentum or cumulative average). The backward all-reduces the shard's
+// [sum dy | sum dy*(x-mean)] (2C doubles) once and computes
+//   dx = weight*invstd * (dy - sum_dy/N - (x-mean)*invstd^2 * sum_dy_xmu/N),
+// while the weight's and bias's gradients are the shard's own (DataParallel's gradient
+// all-reduce sums them). Outside a DataParallel (no replica group) the layer is a BatchNorm of
+// its own batch, and computes the same numbers, so a model keeps its SyncBatchNorm layers when it
+// runs alone. In eval mode it normalizes by the running statistics and makes no collective.
+
+namespace detail {
+
+//! What a replica's SyncBatchNorm layers reach their peers through, set by DataParallel on the
+//! replica's thread for the duration of a call (null: the layer runs alone).
+struct ReplicaLink {
+    comm::Collectives* layer = nullptr;  // the replica's layer group
+};
+
+inline ReplicaLink*& current_link() noexcept {
+    thread_local ReplicaLink* link = nullptr;
+    return link;
+}
+
+//! Sets the calling thread's replica link for a scope.
+class LinkScope {
+public:
+    explicit LinkScope(ReplicaLink* link) noexcept : saved_(std::exchange(current_link(), link)) {}
+    LinkScope(const LinkScope&) = delete;
+    LinkScope& operator=(const LinkScope&) = delete;
+    ~LinkScope() { current_link() = saved_; }
+
+private:
+    ReplicaLink* saved_;
+};
+
+// Sums `t` (a contiguous fp64 CPU tensor) over the replicas in place.
+inline void all_reduce(comm::Collectives* comm, at::Tensor& t, comm::CollectiveSite site) {
+    if (comm == nullptr) return;
+    LOCKSTEP_CHECK_AS(NotImplemented, t.device().is_cpu(),
+                      "lockstep::torch::SyncBatchNorm on CUDA tensors is not available yet; use it on CPU replicas");
+    comm->all_reduce_sum(DeviceSpan<double>(t.data_ptr<double>(), static_cast<std::size_t>(t.numel()), Device::host()),
+                         site);
+}
+
+inline std::vector<std::int64_t> reduced_dims(const at::Tensor& x) {
+    std::vector<std::int64_t> dims{0};
+    for (std::int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+    return dims;
+}
+
+// A per-channel vector shaped to broadcast against `x` (channel dimension 1).
+inline at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x) {
+    std::vector<std::int64_t> shape(static_cast<std::size_t>(x.dim()), 1);
+    shape[1] = v.numel();
+    return v.view(shape);
+}
+
+struct SyncBnArgs {
+    comm::Collectives* comm = nullptr;
+    std::uint64_t layer_id = 0;
+    double eps = 1e-5;
+    std::optional<double> momentum = 0.1;
+    at::Tensor running_mean;  // undefined: not tracked
+    at::Tensor running_var;
+    at::Tensor num_batches_tracked;
+    std::string name;  // for messages
+};
+
+//! The autograd function of a training-mode forward (Note [libtorch SyncBatchNorm]).
+struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
+    static at::Tensor forward(::torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& bias, const SyncBnArgs* args) {
+        const std::int64_t C = x.size(1);
+        const std::int64_t n = C > 0 ? x.numel() / C : 0;
+        const auto dims = reduced_dims(x);
+        auto payload = at::zeros({2 * C + 1}, x.options().dtype(at::kDouble).device(at::kCPU));
+        if (n > 0) {
+            const auto [var, mean] = at::var_mean(x, dims, /*correction=*/0, /*keepdim=*/false);
+            const auto m = mean.to(at::kDouble).cpu();
+            const auto v = var.to(at::kDouble).cpu();
+            payload.narrow(0, 0, C).copy_(m * static_cast<double>(n));
+            payload.narrow(0, C, C).copy_((v + m * m) * static_cast<double>(n));
+            payload[2 * C] = static_cast<double>(n);
+        }
+        all_reduce(args->comm, payload, comm::CollectiveSite::layer(args->layer_id, 0));
+        const double N = payload[2 * C].item<double>();
+        LOCKSTEP_CHECK_AS(ShapeError, N > 1, args->name, ": expected more than 1 value per channel when training, got ",
+                          static_cast<std::int64_t>(N), " over the global batch (input of shape ", x.sizes(), ")");
+        const auto mean64 = payload.narrow(0, 0, C) / N;
+        const auto var64 = (payload.narrow(0, C, C) / N - mean64 * mean64).clamp_min(0.0);
+        const auto invstd64 = (var64 + args->eps).rsqrt();
+        const auto mean = mean64.to(x.scalar_type()).to(x.device());
+        const auto invstd = invstd64.to(x.scalar_type()).to(x.device());
+        if (args->running_mean.defined()) {
+            ::torch::NoGradGuard no_grad;
+            args->num_batches_tracked.add_(1);
+            const double f = args->momentum ? *args->momentum
+                                            : 1.0 / static_cast<double>(args->num_batches_tracked.item<std::int64_t>());
+            const auto unbiased = var64 * (N / (N - 1.0));
+            args->running_mean.mul_(1.0 - f).add_(mean64.to(args->running_mean.scalar_type()).to(x.device()), f);
+            args->running_var.mul_(1.0 - f).add_(unbiased.to(args->running_var.scalar_type()).to(x.device()), f);
+        }
+        auto y = (x - per_channel(mean, x)) * per_channel(invstd, x);
+        if (weight.defined()) y = y * per_channel(weight, x) + per_channel(bias, x);
+        ctx->save_for_backward({x, weight, mean, invstd});
+        ctx->saved_data["comm"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(args->comm));
+        ctx->saved_data["layer"] = static_cast<std::int64_t>(args->layer_id);
+        ctx->saved_data["count"] = N;
+        return y;
+    }
+
+    static ::torch::autograd::variable_list backward(::torch::autograd::AutogradContext* ctx,
+                                                     ::torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const auto& x = saved[0];
+        const auto& weight = saved[1];
+        const auto& mean = saved[2];
+        const auto& invstd = saved[3];
+        auto* comm = reinterpret_cast<comm::Collectives*>(static_cast<std::intptr_t>(ctx->saved_data["comm"].toInt()));
+        const auto layer = static_cast<std::uint64_t>(ctx->saved_data["layer"].toInt());
+        const double N = ctx->saved_data["count"].toDouble();
+        const std::int64_t C = x.size(1);
+        const auto dims = reduced_dims(x);
+        auto dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
+        const auto xmu = x - per_channel(mean, x);
+        const auto sum_dy = dy.sum(dims);
+        const auto sum_dy_xmu = (dy * xmu).sum(dims);
+        auto sums = at::cat({sum_dy.to(at::kDouble).cpu(), sum_dy_xmu.to(at::kDouble).cpu()}).contiguous();
+        all_reduce(comm, sums, comm::CollectiveSite::layer(layer, 1));
+        const auto mean_dy = (sums.narrow(0, 0, C) / N).to(x.scalar_type()).to(x.device());
+        const auto mean_dy_xmu = (sums.narrow(0, C, C) / N).to(x.scalar_type()).to(x.device());
+        auto scale = weight.defined() ? invstd * weight : invstd;
+        const auto dx = (dy - per_channel(mean_dy, x) - xmu * per_channel(invstd * invstd * mean_dy_xmu, x)) *
+                        per_channel(scale, x);
+        at::Tensor dweight, dbias;
+        if (weight.defined()) {
+            dweight = sum_dy_xmu * invstd;
+            dbias = sum_dy;
+        }
+        return {dx, dweight, dbias, at::Tensor()};
+    }
+};
+
+}  // namespace detail
+
+//! Batch normalization whose statistics cover every replica's shard of the global batch under a
+//! lockstep::torch::DataParallel (Note [libtorch SyncBatchNorm]); alone, a BatchNorm. Takes
+//! torch::nn::BatchNormOptions, holds PyTorch's state_dict names (weight, bias, running_mean,
+//! running_var, num_batches_tracked), and accepts inputs of rank 2 to 5 (BatchNorm1d/2d/3d).
+class SyncBatchNormImpl : public ::torch::nn::Cloneable<SyncBatchNormImpl> {
+public:
+    explicit SyncBatchNormImpl(std::int64_t num_features) : SyncBatchNormImpl(::torch::nn::BatchNormOptions(num_features)) {}
+    explicit SyncBatchNormImpl(const ::torch::nn::BatchNormOptions& options) : options(options) { reset(); }
+
+    void reset() override {
+        LOCKSTEP_CHECK(options.num_features() > 0, "SyncBatchNorm needs a positive num_features, got ",
+                       options.num_features());
+        if (options.affine()) {
+            weight = register_parameter("weight", ::torch::ones({options.num_features()}));
+            bias = register_parameter("bias", ::torch::zeros({options.num_features()}));
+        } else {
+            weight = register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
+            bias = register_parameter("bias", at::Tensor(), /*requires_grad=*/false);
+        }
+        if (options.track_running_stats()) {
+            running_mean = register_buffer("running_mean", ::torch::zeros({options.num_features()}));
+            running_var = register_buffer("running_var", ::torch::ones({options.num_features()}));
+            num_batches_tracked = register_buffer("num_batches_tracked", ::torch::tensor(std::int64_t{0}, ::torch::kLong));
+        } else {
+            running_mean = register_buffer("running_mean", at::Tensor());
+            running_var = register_buffer("running_var", at::Tensor());
+            num_batches_tracked = register_buffer("num_batches_tracked", at::Tensor());
+        }
+    }
+
+    at::Tensor forward(const at::Tensor& x) {
+        LOCKSTEP_CHECK_AS(ShapeError, x.dim() >= 2 && x.dim() <= 5, "SyncBatchNorm expects an input of rank 2 to 5 (N, C, ...), got ",
+                          x.sizes());
+        LOCKSTEP_CHECK_AS(ShapeError, x.size(1) == options.num_features(), "SyncBatchNorm(", options.num_features(),
+                          ") got an input of ", x.size(1), " channels (shape ", x.sizes(), ")");
+        if (!is_training() && options.track_running_stats())
+            return at::batch_norm(x, weight, bias, running_mean, running_var, false, 0.0, options.eps(), false);
+        detail::SyncBnArgs args;
+        const auto* link = detail::current_link();
+        args.comm = link != nullptr ? link->layer : nullptr;
+        args.layer_id = layer_id;
+        args.eps = options.eps();
+        args.momentum = options.momentum();
+        if (is_training() && options.track_running_stats()) {
+            args.running_mean = running_mean;
+            args.running_var = running_var;
+            args.num_batches_tracked = num_batches_tracked;
+        }
+        args.name = "SyncBatchNorm(" + std::to_string(options.num_features()) + ")";
+        return detail::SyncBnFunction::apply(x, weight, bias, &args);
+    }
+
+    void pretty_print(std::ostream& stream) const override {
+        stream << "lockstep::torch::SyncBatchNorm(" << options.num_features() << ", eps=" << options.eps()
+               << ", momentum=";
+        if (options.momentum())
+            stream << *options.momentum();
+        else
+            stream << "None";
+        stream << ", affine=" << options.affine() << ", track_running_stats=" << options.track_running_stats() << ")";
+    }
+
+    ::torch::nn::BatchNormOptions options;
+    at::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+    //! The layer's collectives' id, the same on every replica (DataParallel numbers its layers).
+    std::uint64_t layer_id = 0;
+};
+//! The module holder of SyncBatchNormImpl (what TORCH_MODULE would declare).
+class SyncBatchNorm : public ::torch::nn::ModuleHolder<SyncBatchNormImpl> {
+public:
+    using ::torch::nn::ModuleHolder<SyncBatchNormImpl>::ModuleHolder;
+    using Impl = SyncBatchNormImpl;
+};
+
+namespace detail {
+
+template <class Impl>
+std::shared_ptr<SyncBatchNormImpl> sync_from(const std::shared_ptr<::torch::nn::Module>& m) {
+    auto bn = std::dynamic_pointer_cast<Impl>(m);
+    if (!bn) return nullptr;
+    auto sync = std::make_shared<SyncBatchNormImpl>(bn->options);
+    ::torch::NoGradGuard no_grad;
+    if (bn->options.affine()) {
+        sync->weight.copy_(bn->weight);
+        sync->bias.copy_(bn->bias);
+        sync->weight.set_requires_grad(bn->weight.requires_grad());
+        sync->bias.set_requires_grad(bn->bias.requires_grad());
+    }
+    if (bn->options.track_running_stats()) {
+        sync->running_mean.copy_(bn->running_mean);
+        sync->running_var.copy_(bn->running_var);
+        sync->num_batches_tracked.copy_(bn->num_batches_tracked);
+    }
+    sync->to(bn->running_mean.defined() ? bn->running_mean.device()
+                                        : (bn->weight.defined() ? bn->weight.device() : ::torch::Device(::torch::kCPU)));
+    if (!bn->is_training()) sync->eval();
+    return sync;
+}
+
+inline std::shared_ptr<SyncBatchNormImpl> as_sync(const std::shared_ptr<::torch::nn::Module>& m) {
+    if (auto s = sync_from<::torch::nn::BatchNorm1dImpl>(m)) return s;
+    if (auto s = sync_from<::torch::nn::BatchNorm2dImpl>(m)) return s;
+    return sync_from<::torch::nn::BatchNorm3dImpl>(m);
+}
+
+inline void convert_children(const std::shared_ptr<::torch::nn::Module>& m, const std::string& path) {
+    const auto where = [&](const std::string& key) { return path.empty() ? key : path + "." + key; };
+    if (auto seq = std::dynamic_pointer_cast<::torch::nn::SequentialImpl>(m)) {
+        std::size_t i = 0;
+        for (auto it = seq->begin(); it != seq->end(); ++it, ++i) {
+            auto child = it->ptr();
+            if (auto sync = as_sync(child)) {
+                *it = ::torch::nn::AnyModule(sync);
+                seq->replace_module(std::to_string(i), sync);
+            } else {
+                convert_children(child, where(std::to_string(i)));
+            }
+        }
+        return;
+    }
+    if (auto list = std::dynamic_pointer_cast<::torch::nn::ModuleListImpl>(m)) {
+        std::size_t i = 0;
+        for (auto it = list->begin(); it != list->end(); ++it, ++i) {
+            if (auto sync = as_sync(*it)) {
+                *it = sync;
+                list->replace_module(std::to_string(i), sync);
+            } else {
+                convert_children(*it, where(std::to_string(i)));
+            }
+        }
+        return;
+    }
+    for (const auto& item : m->named_children()) {
+        if (as_sync(item.value()))
+            throw UsageError("convert_sync_batchnorm: '" + where(item.key()) + "' is a " + item.value()->name() +
+                             " held by a module of type " + m->name() +
+                             ", which calls it through its own member, so it cannot be swapped from outside; declare it "
+                             "as lockstep::torch::SyncBatchNorm (a plain BatchNorm when the model runs alone), or hold it "
+                             "in a torch::nn::Sequential or ModuleList");
+        convert_children(item.value(), where(item.key()));
+    }
+}
+
+}  // namespace detail
+
+//! Swaps every torch::nn::BatchNorm1d/2d/3d of `module` for a SyncBatchNorm with the same options,
+//! parameters, buffers and mode, and returns the module (the new layer when `module` is itself a
+//! BatchNorm). Layers inside torch::nn::Sequential and ModuleList are swapped in place; a BatchNorm
+//! that a custom module holds as a member cannot be rebound from outside and is refused with
+//! UsageError naming it (declare that one as SyncBatchNorm).
+inline std::shared_ptr<::torch::nn::Module> convert_sync_batchnorm(std::shared_ptr<::torch::nn::Module> module) {
+    LOCKSTEP_CHECK(module != nullptr, "convert_sync_batchnorm: the module is null");
+    if (auto sync = detail::as_sync(module)) return sync;
+    detail::convert_children(module, "");
+    return module;
+}
+
+template <class Impl>
+::torch::nn::ModuleHolder<Impl> convert_sync_batchnorm(::torch::nn::ModuleHolder<Impl> module) {
+    detail::convert_children(module.ptr(), "");
+    return module;
+}
+
+}  // namespace lockstep::torch

@@ -1,0 +1,425 @@
+// SPDX-License-Identifier: MIT
+// lockstep for libtorch (issue #44): SyncBatchNorm against PyTorch's BatchNorm in fp64, the
+// equivalence of DataParallel's steps with the plain module's on the whole batch, its failures,
+// convert_sync_batchnorm and checkpoints.
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+
+#include "torch_models.hpp"
+
+// libtorch's headers define a glog-style CHECK (c10/util/logging_is_not_google_glog.h) that logs
+// and goes on: Catch's must be the one these tests use.
+#undef CHECK
+#include <catch2/catch.hpp>
+
+namespace models = lockstep_test_torch;
+namespace lt = lockstep::torch;
+using lockstep_test_torch::ResNet;
+
+namespace {
+
+at::Tensor images(std::int64_t n, std::uint64_t seed) {
+    ::torch::manual_seed(seed);
+    return ::torch::randn({n, 1, 8, 8});
+}
+at::Tensor labels(std::int64_t n, std::uint64_t seed) {
+    ::torch::manual_seed(seed + 1000);
+    return ::torch::randint(0, 10, {n}, ::torch::kLong);
+}
+
+ResNet fresh_model(std::uint64_t seed = 7) {
+    ::torch::manual_seed(seed);
+    return ResNet(6);
+}
+
+// K steps of the plain module on the whole batch, as PyTorch trains it in one process.
+void reference_steps(ResNet& model, ::torch::optim::Optimizer& opt, int steps, std::int64_t batch) {
+    model->train();
+    for (int k = 0; k < steps; ++k) {
+        opt.zero_grad();
+        auto loss = models::cross_entropy(model->forward(images(batch, 100 + k)), labels(batch, 100 + k));
+        loss.backward();
+        opt.step();
+    }
+}
+
+}  // namespace
+
+TEST_CASE("torch SyncBatchNorm alone equals PyTorch's BatchNorm in fp64: output, gradients, running statistics", "[torch]") {
+    for (const int rank : {2, 3, 4, 5}) {
+        std::vector<std::int64_t> shape{6, 3};
+        for (int d = 2; d < rank; ++d) shape.push_back(5 - d);
+        ::torch::manual_seed(rank);
+        // A mean far from zero: the statistics must not lose it (Note [libtorch SyncBatchNorm]).
+        const auto x = ::torch::randn(shape) * 3.0 + 40.0;
+        const auto dy = ::torch::randn(shape);
+        lt::SyncBatchNorm sync(::torch::nn::BatchNormOptions(3).momentum(0.3));
+        ::torch::nn::BatchNorm2d ref(::torch::nn::BatchNormOptions(3).momentum(0.3));
+        {
+            ::torch::NoGradGuard g;
+            sync->weight.copy_(::torch::tensor({0.5f, 1.5f, -2.0f}));
+            sync->bias.copy_(::torch::tensor({0.1f, -0.2f, 0.3f}));
+        }
+        ref->to(at::kDouble);
+        {
+            ::torch::NoGradGuard g;
+            ref->weight.copy_(sync->weight);
+            ref->bias.copy_(sync->bias);
+        }
+        auto xs = x.clone().requires_grad_(true);
+        auto xr = x.to(at::kDouble).requires_grad_(true);
+        auto ys = sync(xs);
+        // BatchNorm2d's implementation takes any rank: at::batch_norm through the functional API.
+        auto yr = ::torch::nn::functional::batch_norm(xr, ref->running_mean, ref->running_var,
+                                                      ::torch::nn::functional::BatchNormFuncOptions()
+                                                          .weight(ref->weight)
+                                                          .bias(ref->bias)
+                                                          .training(true)
+                                                          .momentum(0.3));
+        (ys * dy).sum().backward();
+        (yr * dy.to(at::kDouble)).sum().backward();
+        const auto close = [](const at::Tensor& a, const at::Tensor& b) {
+            return (a.to(at::kDouble) - b).abs().max().item<double>() <= 1e-5 * std::max(1.0, b.abs().max().item<double>());
+        };
+        INFO("rank " << rank);
+        CHECK(close(ys, yr));
+        CHECK(close(xs.grad(), xr.grad()));
+        CHECK(close(sync->weight.grad(), ref->weight.grad()));
+        CHECK(close(sync->bias.grad(), ref->bias.grad()));
+        CHECK(close(sync->running_mean, ref->running_mean));
+        CHECK(close(sync->running_var, ref->running_var));
+        CHECK(sync->num_batches_tracked.item<std::int64_t>() == 1);
+        sync->eval();
+        CHECK(close(sync(x), ::torch::nn::functional::batch_norm(x.to(at::kDouble), ref->running_mean, ref->running_var,
+                                                                ::torch::nn::functional::BatchNormFuncOptions()
+                                                                    .weight(ref->weight)
+                                                                    .bias(ref->bias)
+                                                                    .training(false))));
+    }
+}
+
+TEST_CASE("torch SyncBatchNorm refuses a batch with one value per channel, as PyTorch does", "[torch]") {
+    lt::SyncBatchNorm bn(4);
+    CHECK_THROWS_AS(bn(::torch::randn({1, 4})), lockstep::ShapeError);
+    CHECK_THROWS_WITH(bn(::torch::randn({2, 3, 5})), Catch::Contains("got an input of 3 channels"));
+}
+
+TEST_CASE("torch DataParallel: K steps on 1-4 replicas with uneven shards equal the plain module's on the whole batch",
+          "[torch]") {
+    constexpr int steps = 3;
+    constexpr std::int64_t batch = 11;  // shards 11 / 6,5 / 4,4,3 / 3,3,3,2
+    auto reference = fresh_model();
+    auto ref_opt = models::sgd(*reference);
+    reference_steps(reference, *ref_opt, steps, batch);
+
+    for (const int replicas : {1, 2, 3, 4}) {
+        INFO(replicas << " replicas");
+        auto model = fresh_model();
+        lt::Options options;
+        options.bucket_bytes = 2048;  // several buckets, most launched from the hooks
+        lt::DataParallel dp(model, replicas, models::sgd, options);
+        REQUIRE(dp.bucket_count() > 2);
+        for (int k = 0; k < steps; ++k) {
+            const auto result = dp.train_step(images(batch, 100 + k), labels(batch, 100 + k), models::cross_entropy);
+            CHECK(result.count == batch);
+        }
+        std::string where;
+        const double worst = models::worst_relative(*dp.module(), *reference, &where);
+        INFO("worst tensor " << where);
+        CHECK(worst <= 1e-5);
+        for (int r = 1; r < replicas; ++r) CHECK(models::identical(*dp.replica(r), *dp.module()));
+        // Each SyncBatchNorm layer: one all-reduce forward, one backward; plus the step's totals.
+        CHECK(dp.layer_collectives(0) > 0);
+        if (replicas > 1) CHECK(dp.overlapped_buckets(0) > 0);
+    }
+}
+
+TEST_CASE("torch DataParallel: the loss and accuracy it reports are the global batch's", "[torch]") {
+    auto model = fresh_model();
+    auto plain = fresh_model();
+    lt::DataParallel dp(model, 3, models::sgd);
+    const auto x = images(10, 1), y = labels(10, 1);
+    const auto out = plain->forward(x);
+    const double loss = models::cross_entropy(out, y).item<double>();
+    const auto correct = out.argmax(1).eq(y).sum().item<std::int64_t>();
+    const auto r = dp.train_step(x, y, models::cross_entropy);
+    CHECK(r.loss == Approx(loss).epsilon(1e-6));
+    CHECK(r.correct == correct);
+    CHECK(r.count == 10);
+}
+
+TEST_CASE("torch DataParallel: accumulate then train_step equals one step on both batches for a model without batch norm",
+          "[torch]") {
+    struct MlpImpl : ::torch::nn::Cloneable<MlpImpl> {
+        MlpImpl() { reset(); }
+        void reset() override {
+            l1 = register_module("l1", ::torch::nn::Linear(64, 16));
+            l2 = register_module("l2", ::torch::nn::Linear(16, 10));
+        }
+        at::Tensor forward(const at::Tensor& x) { return l2(::torch::tanh(l1(x.flatten(1)))); }
+        ::torch::nn::Linear l1{nullptr}, l2{nullptr};
+    };
+    ::torch::manual_seed(3);
+    auto proto = std::make_shared<MlpImpl>();
+    auto reference = std::dynamic_pointer_cast<MlpImpl>(proto->clone());
+    auto ref_opt = models::sgd(*reference);
+    const auto x1 = images(5, 11), y1 = labels(5, 11), x2 = images(8, 12), y2 = labels(8, 12);
+    ref_opt->zero_grad();
+    models::cross_entropy(reference->forward(::torch::cat({x1, x2})), ::torch::cat({y1, y2})).backward();
+    ref_opt->step();
+
+    lt::DataParallel dp(proto, 2, [](MlpImpl& m) { return models::sgd(m); });
+    dp.accumulate(x1, y1, models::cross_entropy);
+    CHECK(dp.accumulated_samples() == 5);
+    CHECK(dp.gradient_collectives(0) == 0);
+    const auto r = dp.train_step(x2, y2, models::cross_entropy);
+    CHECK(r.count == 13);
+    CHECK(models::worst_relative(*dp.module(), *reference) <= 1e-5);
+}
+
+TEST_CASE("torch DataParallel: clipping is applied to the all-reduced gradients, as clip_grad_norm_ on the whole batch",
+          "[torch]") {
+    auto reference = fresh_model();
+    auto ref_opt = models::sgd(*reference);
+    ref_opt->zero_grad();
+    models::cross_entropy(reference->forward(images(9, 5)), labels(9, 5)).backward();
+    const double norm = ::torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
+    REQUIRE(norm > 0.05);  // the clip does act
+    ref_opt->step();
+    lt::Options options;
+    options.clip_grad_norm = 0.05;
+    auto model = fresh_model();
+    lt::DataParallel dp(model, 2, models::sgd, options);
+    dp.train_step(images(9, 5), labels(9, 5), models::cross_entropy);
+    CHECK(models::worst_relative(*dp.module(), *reference) <= 1e-5);
+}
+
+TEST_CASE("torch DataParallel: forward in eval mode gathers every replica's rows in order", "[torch]") {
+    auto model = fresh_model();
+    lt::DataParallel dp(model, 3, models::sgd);
+    dp.train_step(images(12, 1), labels(12, 1), models::cross_entropy);
+    dp.eval();
+    auto copy = std::dynamic_pointer_cast<models::ResNetImpl>(dp.module()->clone());
+    copy->eval();
+    const auto x = images(7, 9);
+    ::torch::NoGradGuard g;
+    CHECK(dp.forward(x).equal(copy->forward(x)));
+}
+
+namespace {
+
+// A module that fails where a test tells it to, on one replica.
+struct FlakyImpl : ::torch::nn::Cloneable<FlakyImpl> {
+    FlakyImpl() { reset(); }
+    void reset() override {
+        net = register_module("net", ResNet(4));
+    }
+    at::Tensor forward(const at::Tensor& x) {
+        if (fail_forward) throw std::runtime_error("replica forward failed on purpose");
+        auto y = net->forward(x);
+        if (nan_output) y = y * std::numeric_limits<float>::quiet_NaN();
+        return y;
+    }
+    ResNet net{nullptr};
+    bool fail_forward = false;
+    bool nan_output = false;
+};
+
+struct ThrowingSgd : ::torch::optim::SGD {
+    ThrowingSgd(std::vector<at::Tensor> p, std::shared_ptr<std::atomic<bool>> fail)
+        : ::torch::optim::SGD(std::move(p), ::torch::optim::SGDOptions(0.1).momentum(0.9)), fail(std::move(fail)) {}
+    at::Tensor step(LossClosure closure = nullptr) override {
+        if (fail->load()) throw std::runtime_error("optimizer failed on purpose");
+        return ::torch::optim::SGD::step(std::move(closure));
+    }
+    std::shared_ptr<std::atomic<bool>> fail;
+};
+
+std::vector<at::Tensor> snapshot(const ::torch::nn::Module& m) {
+    std::vector<at::Tensor> all;
+    for (const auto& p : m.parameters(true)) all.push_back(p.detach().clone());
+    for (const auto& b : m.buffers(true)) all.push_back(b.clone());
+    return all;
+}
+bool same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t i = 0; i < a.size(); ++i)
+        if (!a[i].equal(b[i])) return false;
+    return true;
+}
+
+}  // namespace
+
+TEST_CASE("torch DataParallel: a replica that throws in forward, in a hook or under check_finite fails the step everywhere: "
+          "nothing is applied and the object stays usable",
+          "[torch]") {
+    ::torch::manual_seed(5);
+    auto proto = std::make_shared<FlakyImpl>();
+    lt::Options options;
+    options.check_finite = true;
+    options.bucket_bytes = 1024;
+    options.timeout = std::chrono::seconds(20);
+    lt::DataParallel dp(proto, 3, [](FlakyImpl& m) { return models::sgd(m); }, options);
+    dp.train_step(images(9, 1), labels(9, 1), models::cross_entropy);
+    const auto before = snapshot(*dp.module());
+
+    const auto expect_nothing_applied = [&] {
+        for (int r = 0; r < dp.size(); ++r) CHECK(same(snapshot(*dp.replica(r)), before));
+    };
+    SECTION("forward") {
+        dp.parallel_apply([](FlakyImpl& m, int r) { m.fail_forward = r == 1; });
+        const auto t0 = std::chrono::steady_clock::now();
+        CHECK_THROWS_WITH(dp.train_step(images(9, 2), labels(9, 2), models::cross_entropy),
+                          Catch::Contains("replica forward failed on purpose"));
+        CHECK(std::chrono::steady_clock::now() - t0 < options.timeout);  // the peers were released, not timed out
+        expect_nothing_applied();
+        dp.parallel_apply([](FlakyImpl& m, int) { m.fail_forward = false; });
+    }
+    SECTION("a gradient hook") {
+        dp.parallel_apply([](FlakyImpl& m, int r) {
+            if (r == 2)
+                m.net->block1->conv1->weight.register_hook([](at::Tensor) -> at::Tensor {
+                    throw std::runtime_error("hook failed on purpose");
+                });
+        });
+        CHECK_THROWS_WITH(dp.train_step(images(9, 2), labels(9, 2), models::cross_entropy),
+                          Catch::Contains("hook failed on purpose"));
+        expect_nothing_applied();
+        dp.parallel_apply([](FlakyImpl& m, int r) {
+            if (r == 2) m.net->block1->conv1->weight.remove_hook(0);
+        });
+    }
+    SECTION("NaN under check_finite") {
+        dp.parallel_apply([](FlakyImpl& m, int r) { m.nan_output = r == 0; });
+        CHECK_THROWS_AS(dp.train_step(images(9, 2), labels(9, 2), models::cross_entropy), lockstep::NonFinite);
+        expect_nothing_applied();
+        dp.parallel_apply([](FlakyImpl& m, int) { m.nan_output = false; });
+    }
+    // Usable again: the next step runs and keeps the replicas identical.
+    dp.train_step(images(9, 3), labels(9, 3), models::cross_entropy);
+    CHECK_FALSE(same(snapshot(*dp.module()), before));
+    for (int r = 1; r < dp.size(); ++r) CHECK(models::identical(*dp.replica(r), *dp.module()));
+}
+
+TEST_CASE("torch DataParallel: an optimizer that throws after the commit point marks the object diverged until resync",
+          "[torch]") {
+    auto fail = std::make_shared<std::atomic<bool>>(false);
+    auto model = fresh_model();
+    std::atomic<int> made{0};
+    lt::DataParallel dp(model, 2, [&](models::ResNetImpl& m) -> std::unique_ptr<::torch::optim::Optimizer> {
+        return std::make_unique<ThrowingSgd>(m.parameters(), made++ == 1 ? fail : std::make_shared<std::atomic<bool>>(false));
+    });
+    dp.train_step(images(8, 1), labels(8, 1), models::cross_entropy);
+    fail->store(true);
+    CHECK_THROWS_WITH(dp.train_step(images(8, 2), labels(8, 2), models::cross_entropy), Catch::Contains("optimizer failed"));
+    CHECK(dp.diverged());
+    CHECK_FALSE(models::identical(*dp.replica(1), *dp.module()));
+    CHECK_THROWS_AS(dp.train_step(images(8, 3), labels(8, 3), models::cross_entropy), lockstep::Diverged);
+    fail->store(false);
+    dp.resync();
+    CHECK_FALSE(dp.diverged());
+    CHECK(models::identical(*dp.replica(1), *dp.module()));
+    dp.train_step(images(8, 3), labels(8, 3), models::cross_entropy);
+    CHECK(models::identical(*dp.replica(1), *dp.module()));
+}
+
+namespace {
+// A module whose clone cannot be made (its reset() registers a parameter the original lacks).
+std::atomic<int> resets{0};
+struct UnevenImpl : ::torch::nn::Cloneable<UnevenImpl> {
+    UnevenImpl() { reset(); }
+    void reset() override {
+        fc = register_module("fc", ::torch::nn::Linear(64, 10));
+        if (resets++ > 0) extra = register_parameter("extra", ::torch::zeros({3}));
+    }
+    at::Tensor forward(const at::Tensor& x) { return fc(x.flatten(1)); }
+    ::torch::nn::Linear fc{nullptr};
+    at::Tensor extra;
+};
+}  // namespace
+
+// Replicas in one process are clones and cannot differ; processes that build different models
+// are refused by tests/torch/test_torch_mpi.cpp.
+TEST_CASE("torch DataParallel refuses a module it cannot clone, and CUDA devices for now", "[torch]") {
+    resets = 0;
+    auto proto = std::make_shared<UnevenImpl>();
+    CHECK_THROWS_WITH(lt::DataParallel(proto, 2, [](UnevenImpl& m) { return models::sgd(m); }),
+                      Catch::Contains("cloning it failed (derive the module from torch::nn::Cloneable<Impl>"));
+    CHECK_THROWS_AS(lt::DataParallel(fresh_model(), std::vector<::torch::Device>{::torch::Device("cuda:0")}, models::sgd),
+                    lockstep::NotImplemented);
+}
+
+TEST_CASE("torch DataParallel: replica 0's values are broadcast at construction", "[torch]") {
+    auto model = fresh_model();
+    lt::DataParallel dp(model, 3, models::sgd);
+    for (int r = 1; r < 3; ++r) CHECK(models::identical(*dp.replica(r), *model));
+}
+
+TEST_CASE("convert_sync_batchnorm swaps BatchNorm in Sequential and ModuleList, keeping values, and names what it cannot swap",
+          "[torch]") {
+    ::torch::manual_seed(1);
+    // A Sequential held as a custom module's member: its entries are swapped in place.
+    struct NetImpl : ::torch::nn::Module {
+        NetImpl() {
+            body = register_module("body", ::torch::nn::Sequential(::torch::nn::Conv2d(::torch::nn::Conv2dOptions(1, 3, 3)),
+                                                                   ::torch::nn::BatchNorm2d(3), ::torch::nn::ReLU(),
+                                                                   ::torch::nn::Flatten(), ::torch::nn::BatchNorm1d(3 * 6 * 6)));
+        }
+        at::Tensor forward(const at::Tensor& x) { return body->forward(x); }
+        ::torch::nn::Sequential body{nullptr};
+    };
+    auto net = std::make_shared<NetImpl>();
+    auto& seq = net->body;
+    {
+        ::torch::NoGradGuard g;
+        seq[1]->as<::torch::nn::BatchNorm2d>()->weight.uniform_();
+        seq[1]->as<::torch::nn::BatchNorm2d>()->running_mean.uniform_();
+    }
+    const auto x = images(4, 2);
+    net->eval();
+    const auto before = net->forward(x);
+    const auto weight = seq[1]->as<::torch::nn::BatchNorm2d>()->weight.clone();
+    lt::convert_sync_batchnorm(net);
+    auto* bn = seq[1]->as<lt::SyncBatchNormImpl>();
+    REQUIRE(bn != nullptr);
+    CHECK(bn->weight.equal(weight));
+    CHECK(seq[4]->as<lt::SyncBatchNormImpl>() != nullptr);
+    CHECK(net->named_modules()["body.1"]->as<lt::SyncBatchNormImpl>() != nullptr);
+    CHECK(net->forward(x).allclose(before, 1e-5, 1e-6));  // eval mode kept, the same function
+
+    ::torch::nn::ModuleList list(::torch::nn::BatchNorm1d(2));
+    lt::convert_sync_batchnorm(list.ptr());
+    CHECK(list[0]->as<lt::SyncBatchNormImpl>() != nullptr);
+
+    struct HeldImpl : ::torch::nn::Module {
+        HeldImpl() { bn = register_module("bn", ::torch::nn::BatchNorm2d(3)); }
+        ::torch::nn::BatchNorm2d bn{nullptr};
+    };
+    CHECK_THROWS_WITH(lt::convert_sync_batchnorm(std::make_shared<HeldImpl>()), Catch::Contains("'bn' is a torch::nn::BatchNorm2d"));
+}
+
+TEST_CASE("torch checkpoints: written atomically, read back exactly, another model's refused whole", "[torch]") {
+    const auto dir = std::filesystem::temp_directory_path() / ("lockstep_torch_ck_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    const auto path = (dir / "model.safetensors").string();
+    auto model = fresh_model();
+    lt::DataParallel dp(model, 2, models::sgd);
+    dp.train_step(images(8, 1), labels(8, 1), models::cross_entropy);
+    dp.save(path);
+    auto other = fresh_model(99);
+    lt::load(*other, path);
+    CHECK(models::identical(*other, *dp.module()));
+    // A checkpoint of another architecture changes nothing.
+    auto wide = ResNet(8);
+    const auto before = snapshot(*wide);
+    CHECK_THROWS_AS(lt::load(*wide, path), lockstep::IoError);
+    CHECK(same(snapshot(*wide), before));
+    // DataParallel::load puts it into every replica.
+    dp.train_step(images(8, 2), labels(8, 2), models::cross_entropy);
+    dp.load(path);
+    CHECK(models::identical(*dp.replica(1), *other));
+    std::filesystem::remove_all(dir);
+}
