@@ -7,7 +7,8 @@
 #   LOCKSTEP_TORCH_LINK_OPTIONS
 #     where libtorch comes from PyPI's wheel, the folders of the NVIDIA libraries the wheel loads
 #     (nvidia/*/lib beside torch/), as a run path that applies to libtorch's own dependencies
-#     (DT_RPATH: libtorch_cuda.so has none of its own) and as the link-time path for them.
+#     (DT_RPATH: libtorch_cuda.so has none of its own) and as the link-time path for them
+#   LOCKSTEP_TORCH_PYTHONPATH the folder holding the wheel's torch Python package, if any
 # The search runs in a function, so what Torch's package sets (CUDA flags among them) stays out of
 # the caller's scope; its imported targets are the directory's. A project-local install made by
 # scripts/install-torch.sh (.deps/torch-*/torch/share/cmake under `hint_root`) is searched last.
@@ -34,4 +35,8 @@ function(lockstep_find_torch hint_root)
     list(APPEND _options "LINKER:--disable-new-dtags" "LINKER:-rpath,${_path}" "LINKER:-rpath-link,${_path}")
   endif()
   set(LOCKSTEP_TORCH_LINK_OPTIONS "${_options}" PARENT_SCOPE)
+  # The folder holding the torch Python package, where the wheel's was installed (tests import it).
+  if(EXISTS "${_site}/torch/__init__.py")
+    set(LOCKSTEP_TORCH_PYTHONPATH "${_site}" PARENT_SCOPE)
+  endif()
 endfunction()

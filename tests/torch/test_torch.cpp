@@ -2,6 +2,10 @@
 // lockstep for libtorch (issue #44): SyncBatchNorm against PyTorch's BatchNorm in fp64, the
 // equivalence of DataParallel's steps with the plain module's on the whole batch, its failures,
 // convert_sync_batchnorm and checkpoints.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <nlohmann/json.hpp>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
@@ -422,4 +426,69 @@ TEST_CASE("torch checkpoints: written atomically, read back exactly, another mod
     dp.load(path);
     CHECK(models::identical(*dp.replica(1), *other));
     std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("torch DataParallel matches PyTorch DDP with synchronized batch norm (gloo, 2 processes) step for step", "[torch]") {
+    // tests/golden/make_torch_golden.py: the same network, batches and optimizer under DDP.
+    const auto ck = lockstep::nn::Checkpoint::load(std::string(LOCKSTEP_GOLDEN_DIR) + "/torch_resnet.safetensors");
+    const auto tensor = [&](const std::string& name) {
+        const auto& e = ck.at(name);
+        const auto dtype = e.dtype == "F32" ? at::kFloat : at::kLong;
+        return at::from_blob(const_cast<unsigned char*>(e.data.data()), e.shape, at::TensorOptions().dtype(dtype)).clone();
+    };
+    auto model = ResNet(6);
+    {
+        ::torch::NoGradGuard g;
+        for (auto& item : model->named_parameters()) item.value().copy_(tensor("init." + item.key()));
+        for (auto& item : model->named_buffers()) item.value().copy_(tensor("init." + item.key()));
+    }
+    const auto losses = nlohmann::json::parse(ck.metadata.at("losses"));
+    lt::DataParallel dp(model, 2, models::sgd);  // shards 6 and 5, as the two DDP processes'
+    for (int k = 0; k < 3; ++k) {
+        const auto r = dp.train_step(tensor("x." + std::to_string(k)), tensor("y." + std::to_string(k)), models::cross_entropy);
+        CHECK(r.loss == Approx(losses[static_cast<std::size_t>(k)].get<double>()).epsilon(1e-5));
+    }
+    int compared = 0;
+    const auto compare = [&](const std::string& name, const at::Tensor& ours) {
+        const auto theirs = tensor("final." + name);
+        INFO(name);
+        if (ours.is_floating_point())
+            CHECK((ours.to(at::kDouble) - theirs.to(at::kDouble)).norm().item<double>() <=
+                  1e-5 * std::max(theirs.to(at::kDouble).norm().item<double>(), 1e-30));
+        else
+            CHECK(ours.equal(theirs));
+        ++compared;
+    };
+    for (const auto& item : dp.module()->named_parameters()) compare(item.key(), item.value());
+    for (const auto& item : dp.module()->named_buffers()) compare(item.key(), item.value());
+    CHECK(compared == 32);
+}
+
+TEST_CASE("torch checkpoint for PyTorch: a trained model with an input and its eval output", "[torch]") {
+    // tests/torch/load_in_pytorch.py runs this case with LOCKSTEP_TORCH_EXPORT set, then loads the
+    // files into the Python twin of the network and compares its output.
+    const char* where = std::getenv("LOCKSTEP_TORCH_EXPORT");
+    const auto dir = where != nullptr ? std::filesystem::path(where)
+                                      : std::filesystem::temp_directory_path() / ("lockstep_torch_export_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    auto model = fresh_model();
+    lt::DataParallel dp(model, 2, models::sgd);
+    for (int k = 0; k < 2; ++k) dp.train_step(images(10, k), labels(10, k), models::cross_entropy);
+    const auto report = dp.save((dir / "model.safetensors").string());
+    CHECK(std::filesystem::exists(report.written));
+    dp.eval();
+    const auto x = images(5, 42);
+    const auto y = dp.forward(x);
+    lockstep::nn::Checkpoint io;
+    for (const auto& [name, t] : {std::pair{std::string("x"), x}, std::pair{std::string("y"), y}}) {
+        const auto c = t.contiguous();
+        io.put_bytes(name, "F32", c.sizes().vec(),
+                     std::span<const unsigned char>(static_cast<const unsigned char*>(c.data_ptr()), c.numel() * 4));
+    }
+    io.save((dir / "io.safetensors").string());
+    // What the Python side will read: every tensor by its state_dict name, num_batches_tracked as I64.
+    const auto ck = lockstep::nn::Checkpoint::load((dir / "model.safetensors").string());
+    CHECK(ck.at("block1.bn2.num_batches_tracked").dtype == "I64");
+    CHECK(ck.at("fc.weight").shape == std::vector<std::int64_t>{10, 6});
+    if (where == nullptr) std::filesystem::remove_all(dir);
 }
