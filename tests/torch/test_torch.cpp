@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <iostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -491,4 +493,66 @@ TEST_CASE("torch checkpoint for PyTorch: a trained model with an input and its e
     CHECK(ck.at("block1.bn2.num_batches_tracked").dtype == "I64");
     CHECK(ck.at("fc.weight").shape == std::vector<std::int64_t>{10, 6});
     if (where == nullptr) std::filesystem::remove_all(dir);
+}
+
+namespace {
+struct NoParamsImpl : ::torch::nn::Cloneable<NoParamsImpl> {
+    NoParamsImpl() { reset(); }
+    void reset() override {}
+    at::Tensor forward(const at::Tensor& x) { return ::torch::relu(x); }
+};
+struct PlainBnImpl : ::torch::nn::Cloneable<PlainBnImpl> {
+    PlainBnImpl() { reset(); }
+    void reset() override {
+        conv = register_module("conv", ::torch::nn::Conv2d(::torch::nn::Conv2dOptions(1, 2, 3)));
+        norm = register_module("norm", ::torch::nn::BatchNorm2d(2));
+        fc = register_module("fc", ::torch::nn::Linear(2 * 6 * 6, 10));
+    }
+    at::Tensor forward(const at::Tensor& x) { return fc(norm(conv(x)).flatten(1)); }
+    ::torch::nn::Conv2d conv{nullptr};
+    ::torch::nn::BatchNorm2d norm{nullptr};
+    ::torch::nn::Linear fc{nullptr};
+};
+}  // namespace
+
+TEST_CASE("torch DataParallel: misuse gets a typed error that says what to do", "[torch]") {
+    SECTION("a module with no parameters") {
+        CHECK_THROWS_AS(lt::DataParallel(std::make_shared<NoParamsImpl>(), 2, [](NoParamsImpl& m) { return models::sgd(m); }),
+                        lockstep::UsageError);
+    }
+    SECTION("a batch smaller than the replicas") {
+        auto model = fresh_model();
+        lt::DataParallel dp(model, 3, models::sgd);
+        CHECK_THROWS_WITH(dp.train_step(images(2, 1), labels(2, 1), models::cross_entropy),
+                          Catch::Contains("cannot be split over 3 replicas"));
+        CHECK_THROWS_AS(dp.train_step(images(4, 1), labels(3, 1), models::cross_entropy), lockstep::ShapeError);
+        dp.train_step(images(3, 1), labels(3, 1), models::cross_entropy);  // still usable
+    }
+    SECTION("a module whose tensors are elsewhere than its replicas") {
+        struct ElsewhereImpl : ::torch::nn::Cloneable<ElsewhereImpl> {  // as a CUDA module given CPU devices
+            ElsewhereImpl() { reset(); }
+            void reset() override { w = register_parameter("w", ::torch::empty({3}, ::torch::kMeta)); }
+            at::Tensor forward(const at::Tensor& x) { return x * w; }
+            at::Tensor w;
+        };
+        CHECK_THROWS_WITH(lt::DataParallel(std::make_shared<ElsewhereImpl>(), 2, [](ElsewhereImpl& m) { return models::sgd(m); }),
+                          Catch::Contains("the module's parameters are on meta but its replicas are to run on cpu"));
+    }
+    SECTION("an optimizer over another module's parameters") {
+        auto model = fresh_model();
+        CHECK_THROWS_WITH(lt::DataParallel(model, 2, [&](models::ResNetImpl&) { return models::sgd(*model); }),
+                          Catch::Contains("not a parameter of the replica it was given"));
+    }
+    SECTION("a BatchNorm left unconverted is warned of once") {
+        std::ostringstream captured;
+        auto* old = std::cerr.rdbuf(captured.rdbuf());
+        {
+            lt::DataParallel dp(std::make_shared<PlainBnImpl>(), 2, [](PlainBnImpl& m) { return models::sgd(m); });
+            lt::DataParallel again(std::make_shared<PlainBnImpl>(), 2, [](PlainBnImpl& m) { return models::sgd(m); });
+        }
+        std::cerr.rdbuf(old);
+        const auto text = captured.str();
+        CHECK_THAT(text, Catch::Contains("'norm' is a torch::nn::BatchNorm2d") && Catch::Contains("convert_sync_batchnorm"));
+        CHECK(text.find("warning") == text.rfind("warning"));  // once
+    }
 }

@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <iostream>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -520,6 +522,16 @@ private:
             rep->build_buckets(options.bucket_bytes);
             rep->optimizer = make_optimizer(*rep->module);
             LOCKSTEP_CHECK_AS(UsageError, rep->optimizer != nullptr, "the optimizer factory returned no optimizer");
+            // An optimizer over another module's parameters (the prototype's, say) would step
+            // tensors that no replica trains.
+            std::vector<const void*> own;
+            for (const auto& p : rep->module->parameters(true)) own.push_back(p.unsafeGetTensorImpl());
+            for (const auto& group : rep->optimizer->param_groups())
+                for (const auto& p : group.params())
+                    LOCKSTEP_CHECK_AS(UsageError, std::find(own.begin(), own.end(), p.unsafeGetTensorImpl()) != own.end(),
+                                      "the optimizer factory returned an optimizer over a tensor of shape ", p.sizes(),
+                                      " that is not a parameter of the replica it was given; build the optimizer from "
+                                      "that replica's parameters (replica.parameters()), not from the prototype's");
             replicas[static_cast<std::size_t>(r)] = std::move(rep);
         }
 
@@ -599,9 +611,17 @@ private:
         LOCKSTEP_CHECK(static_cast<bool>(optimizer), "lockstep::torch::DataParallel needs an optimizer factory");
         LOCKSTEP_CHECK(options.bucket_bytes > 0, "Options::bucket_bytes must be positive");
         LOCKSTEP_CHECK(!options.clip_grad_norm || *options.clip_grad_norm > 0, "Options::clip_grad_norm must be positive");
+        LOCKSTEP_CHECK_AS(UsageError, !module->parameters(true).empty(), "lockstep::torch::DataParallel: the module (",
+                          module->name(), ") has no parameters, so there is nothing to train; run it as it is");
         for (const auto& d : devices)
             LOCKSTEP_CHECK_AS(NotImplemented, d.is_cpu(), "lockstep::torch::DataParallel runs CPU replicas; device ", d.str(),
                               " is not supported yet (CUDA replicas are planned: see the README)");
+        for (const auto& t : module->parameters(true))
+            LOCKSTEP_CHECK_AS(DeviceMismatch, t.device().type() == devices.front().type(),
+                              "lockstep::torch::DataParallel: the module's parameters are on ", t.device().str(),
+                              " but its replicas are to run on ", devices.front().str(),
+                              "; pass devices of the module's kind (or move the module first with module->to(device))");
+        warn_unconverted(*module);
         auto core = std::make_shared<Core>();
         core->options = options;
         core->devices = devices;
@@ -617,6 +637,26 @@ private:
         core->global_world = core->layer_group->communicator(0).size();
         core->replicas.resize(devices.size());
         return core;
+    }
+
+    // A torch::nn::BatchNorm normalizes each replica's shard alone: its running statistics drift
+    // apart across replicas and training differs from one process on the whole batch. Warned once
+    // per process, naming the first such layer.
+    static void warn_unconverted(const ::torch::nn::Module& module) {
+        for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+            const auto& m = item.value();
+            if (!m->as<::torch::nn::BatchNorm1d>() && !m->as<::torch::nn::BatchNorm2d>() && !m->as<::torch::nn::BatchNorm3d>())
+                continue;
+            static std::once_flag once;
+            std::call_once(once, [&] {
+                std::cerr << "lockstep::torch::DataParallel: warning: '" << (item.key().empty() ? "the module" : item.key())
+                          << "' is a " << m->name()
+                          << ", whose statistics cover each replica's shard alone (its running statistics drift apart "
+                             "across replicas); call lockstep::torch::convert_sync_batchnorm(module) first, or declare "
+                             "it as lockstep::torch::SyncBatchNorm\n";
+            });
+            return;
+        }
     }
 
     static void set_threads(int requested, int world) {
