@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,11 +28,12 @@ namespace lockstep::torch {
 // |mean|/std approaches 1e6; the shard's own statistics are Welford's, so they do not depend on
 // where the data sits. y = (x - mean) * invstd * weight + bias. The running statistics are updated
 // once per forward, from the global statistics, identically on every replica (unbiased variance
-// N/(N-1), PyTorch's momentum or cumulative average). The backward all-reduces the shard's
-// [sum dy | sum dy*(x-mean)] (2C doubles) once and computes
-//   dx = weight*invstd * (dy - sum_dy/N - (x-mean)*invstd^2 * sum_dy_xmu/N),
-// while the weight's and bias's gradients are the shard's own (DataParallel's gradient
-// all-reduce sums them). Outside a DataParallel (no replica group) the layer is a BatchNorm of
+// N/(N-1), PyTorch's momentum or cumulative average). The normalization is libtorch's fused
+// eval-mode batch norm given the global statistics. The backward runs libtorch's fused eval-mode
+// backward with them (dy*weight*invstd, and the shard's sums of dy and dy*xhat, which are the
+// weight's and bias's gradients of this replica: DataParallel's gradient all-reduce sums them),
+// all-reduces those sums (2C doubles) once and computes
+//   dx = weight*invstd * (dy - sum_dy/N - xhat * sum_dy_xhat/N). Outside a DataParallel (no replica group) the layer is a BatchNorm of
 // its own batch, and computes the same numbers, so a model keeps its SyncBatchNorm layers when it
 // runs alone. In eval mode it normalizes by the running statistics and makes no collective.
 
@@ -115,9 +117,8 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
                           static_cast<std::int64_t>(N), " over the global batch (input of shape ", x.sizes(), ")");
         const auto mean64 = payload.narrow(0, 0, C) / N;
         const auto var64 = (payload.narrow(0, C, C) / N - mean64 * mean64).clamp_min(0.0);
-        const auto invstd64 = (var64 + args->eps).rsqrt();
         const auto mean = mean64.to(x.scalar_type()).to(x.device());
-        const auto invstd = invstd64.to(x.scalar_type()).to(x.device());
+        const auto var = var64.to(x.scalar_type()).to(x.device());
         if (args->running_mean.defined()) {
             ::torch::NoGradGuard no_grad;
             args->num_batches_tracked.add_(1);
@@ -127,12 +128,13 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
             args->running_mean.mul_(1.0 - f).add_(mean64.to(args->running_mean.scalar_type()).to(x.device()), f);
             args->running_var.mul_(1.0 - f).add_(unbiased.to(args->running_var.scalar_type()).to(x.device()), f);
         }
-        auto y = (x - per_channel(mean, x)) * per_channel(invstd, x);
-        if (weight.defined()) y = y * per_channel(weight, x) + per_channel(bias, x);
-        ctx->save_for_backward({x, weight, mean, invstd});
+        // The normalization with the global statistics: libtorch's fused eval-mode batch norm.
+        auto y = at::batch_norm(x, weight, bias, mean, var, /*training=*/false, 0.0, args->eps, /*cudnn_enabled=*/false);
+        ctx->save_for_backward({x, weight, mean, var});
         ctx->saved_data["comm"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(args->comm));
         ctx->saved_data["layer"] = static_cast<std::int64_t>(args->layer_id);
         ctx->saved_data["count"] = N;
+        ctx->saved_data["eps"] = args->eps;
         return y;
     }
 
@@ -142,26 +144,32 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         const auto& x = saved[0];
         const auto& weight = saved[1];
         const auto& mean = saved[2];
-        const auto& invstd = saved[3];
+        const auto& var = saved[3];
         auto* comm = reinterpret_cast<comm::Collectives*>(static_cast<std::intptr_t>(ctx->saved_data["comm"].toInt()));
         const auto layer = static_cast<std::uint64_t>(ctx->saved_data["layer"].toInt());
         const double N = ctx->saved_data["count"].toDouble();
+        const double eps = ctx->saved_data["eps"].toDouble();
         const std::int64_t C = x.size(1);
-        const auto dims = reduced_dims(x);
-        auto dy = grads[0].defined() ? grads[0] : at::zeros_like(x);
-        const auto xmu = x - per_channel(mean, x);
-        const auto sum_dy = dy.sum(dims);
-        const auto sum_dy_xmu = (dy * xmu).sum(dims);
-        auto sums = at::cat({sum_dy.to(at::kDouble).cpu(), sum_dy_xmu.to(at::kDouble).cpu()}).contiguous();
+        const auto dy = grads[0].defined() ? grads[0].contiguous(x.suggest_memory_format()) : at::zeros_like(x);
+        // libtorch's fused eval-mode backward with the global statistics gives, in one pass over
+        // the shard: gi = dy * weight * invstd, and the shard's own sums sum(dy * xhat) and sum(dy),
+        // which are the weight's and the bias's gradients of this replica.
+        const auto [gi, sum_dy_xhat, sum_dy] = at::native_batch_norm_backward(
+            dy, x, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, mean, var, std::nullopt, std::nullopt,
+            /*train=*/false, eps, {true, true, true});
+        auto sums = at::cat({sum_dy.to(at::kDouble).cpu(), sum_dy_xhat.to(at::kDouble).cpu()}).contiguous();
         all_reduce(comm, sums, comm::CollectiveSite::layer(layer, 1));
-        const auto mean_dy = (sums.narrow(0, 0, C) / N).to(x.scalar_type()).to(x.device());
-        const auto mean_dy_xmu = (sums.narrow(0, C, C) / N).to(x.scalar_type()).to(x.device());
-        auto scale = weight.defined() ? invstd * weight : invstd;
-        const auto dx = (dy - per_channel(mean_dy, x) - xmu * per_channel(invstd * invstd * mean_dy_xmu, x)) *
-                        per_channel(scale, x);
+        // dx = weight * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), the means over the global batch
+        //    = gi - k * (x - mean) - weight * invstd * mean(dy),  k = weight * invstd^2 * mean(dy * xhat).
+        const auto invstd = (var.to(at::kDouble) + eps).rsqrt().to(x.device());
+        const auto scale = weight.defined() ? invstd * weight.to(at::kDouble) : invstd;
+        const auto k = (scale * invstd * sums.narrow(0, C, C).to(x.device()) / N).to(x.scalar_type());
+        const auto shift = (scale * sums.narrow(0, 0, C).to(x.device()) / N).to(x.scalar_type());
+        auto dx = at::addcmul(gi, x - per_channel(mean, x), per_channel(k, x), -1.0);
+        dx.sub_(per_channel(shift, x));
         at::Tensor dweight, dbias;
         if (weight.defined()) {
-            dweight = sum_dy_xmu * invstd;
+            dweight = sum_dy_xhat;
             dbias = sum_dy;
         }
         return {dx, dweight, dbias, at::Tensor()};
