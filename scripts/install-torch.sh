@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: MIT
 # Provides libtorch (PyTorch's C++ library and its CMake package, TorchConfig.cmake) for the
 # lockstep::torch component, from PyPI's torch wheel, into a project-local folder:
-#   .deps/torch-<version>/torch/share/cmake   (CMakePresets.json points CMAKE_PREFIX_PATH here)
+#   .deps/torch-<version>/torch/share/cmake   (cmake/lockstepTorch.cmake looks there)
 # The wheel is built for CUDA and runs on the CPU; of its NVIDIA dependencies it loads only the
 # few installed here without their own dependencies (NCCL, NVSHMEM, cuSPARSELt, cuFile); the
 # rest come from the CUDA toolkit. The pure-Python packages `import torch` needs are installed

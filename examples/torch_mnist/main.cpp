@@ -114,14 +114,17 @@ int main(int argc, char** argv) {
             dp.eval();
             std::vector<std::int64_t> all(static_cast<std::size_t>(test.count()));
             std::iota(all.begin(), all.end(), 0);
-            std::int64_t right = 0;
-            for (std::int64_t b = 0; b < test.count(); b += 1000) {
-                const auto n = std::min<std::int64_t>(1000, test.count() - b);
-                if (n < dp.size()) break;
+            std::int64_t right = 0, evaluated = 0;
+            for (std::int64_t b = 0; b < test.count();) {
+                // A last batch smaller than the replicas joins the one before it.
+                auto n = std::min<std::int64_t>(1000, test.count() - b);
+                if (test.count() - (b + n) < dp.size()) n = test.count() - b;
                 const auto [x, y] = batch(test, all, b, n);
                 right += dp.forward(x).argmax(1).eq(y).sum().item<std::int64_t>();
+                evaluated += n;
+                b += n;
             }
-            accuracy = static_cast<double>(right) / static_cast<double>(test.count());
+            accuracy = static_cast<double>(right) / static_cast<double>(std::max<std::int64_t>(evaluated, 1));
             std::printf("epoch %d: train loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, %.0f images/s\n", epoch,
                         loss_sum / static_cast<double>(std::max<std::int64_t>(seen, 1)),
                         100.0 * static_cast<double>(correct) / static_cast<double>(std::max<std::int64_t>(seen, 1)),

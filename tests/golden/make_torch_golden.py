@@ -9,7 +9,7 @@ Writes tests/golden/torch_resnet.safetensors:
   x.<k>, y.<k>  the global batch of step k (11 images 1x8x8, 11 labels); process 0 trains on its
                 first 6 rows, process 1 on the last 5
   __metadata__  the three global losses
-lockstep's test (tests/torch/test_torch_golden.cpp) loads init.*, trains 2 replicas on the same
+lockstep's test (tests/torch/test_torch.cpp, "... matches PyTorch DDP ...") loads init.*, trains 2 replicas on the same
 batches and compares every tensor with final.*.
 
 nn.SyncBatchNorm refuses CPU tensors, so the processes' batch norm here is a synchronized batch

@@ -4,7 +4,8 @@
 //! "FAIL rank R: ..." lines for tests/mpi/run.cmake. Scenarios (argv[1]):
 //!   train    3 steps of the residual network with SyncBatchNorm on a global batch of 11 (process
 //!            0 holds the first 6 rows): every tensor, running statistics included, within 1e-5 of
-//!            the plain module's after 3 steps on the whole batch; both replicas of a process
+//!            the plain module's after 3 steps on the whole batch (each process seeds its own model:
+//!            the construction's broadcast makes them all process 0's); both replicas of a process
 //!            bit-identical; every process holding the same values
 //!   differ   process 1 builds a wider model: every process refuses, naming the difference
 #include <lockstep/mpi.hpp>
@@ -39,7 +40,9 @@ void train(lockstep::comm::MpiProcessGroup& world) {
     constexpr std::int64_t batch = 11, first = 6;
     ::torch::manual_seed(7);
     models::ResNet reference(6);
-    ::torch::manual_seed(7);
+    // Each process initializes its own model differently: the construction's broadcast of global
+    // replica 0's values makes them all process 0's, which equals the reference.
+    ::torch::manual_seed(7 + static_cast<std::uint64_t>(world.rank()));
     models::ResNet model(6);
     auto opt = models::sgd(*reference);
     lt::Options options;

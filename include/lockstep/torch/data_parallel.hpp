@@ -217,6 +217,7 @@ public:
         auto outs = std::make_shared<std::vector<at::Tensor>>(static_cast<std::size_t>(size()));
         run_job([core = core_, split, outs, inputs, training = training_](int r) {
             auto& rep = core->replica(r);
+            rep.link.held.clear();
             detail::LinkScope scope(&rep.link);
             ::torch::NoGradGuard no_grad;
             rep.module->train(training);
@@ -247,11 +248,17 @@ public:
     }
     //! Loads a checkpoint of this model into every replica (checked whole first: a checkpoint of
     //! another model throws IoError and changes nothing).
+    //! The replicas' optimizers are made equal to replica 0's (a diverged object is usable again).
     void load(const std::string& path) {
-        check_usable("load");
+        pool_.check_usable("DataParallel::load");
         auto ck = std::make_shared<const nn::Checkpoint>(nn::Checkpoint::load(path));
         torch::check_fits(*ck, *core_->replicas.front()->module);
-        run_job([core = core_, ck](int r) { torch::assign(*ck, *core->replica(r).module); });
+        run_job([core = core_, ck](int r) {
+            auto& rep = core->replica(r);
+            rep.link.held.clear();
+            torch::assign(*ck, *rep.module);
+            rep.broadcast_optimizer_from(0);
+        });
         diverged_.reset();
         pending_ = {};
     }
@@ -262,6 +269,7 @@ public:
         pool_.check_usable("DataParallel::resync");
         pool_.run([core = core_](int r) {
             auto& rep = core->replica(r);
+            rep.link.held.clear();
             rep.broadcast_from(0, 0);
             rep.broadcast_optimizer_from(0);
         });
@@ -271,9 +279,10 @@ public:
 
 private:
     struct Call {
-        const at::Tensor* inputs = nullptr;  // the caller's, alive for the call (pool_.run returns first)
-        const at::Tensor* targets = nullptr;
-        const Loss* loss = nullptr;
+        // Owned by the call (Note [jobs own their state] in parallel/call_state.hpp): a replica the
+        // pool gave up on may still read them after the call has thrown.
+        at::Tensor inputs, targets;
+        Loss loss;
         parallel::BatchSplit split;
         std::int64_t batch = 0;    // global samples of this call
         std::int64_t pending = 0;  // global samples accumulated before it
@@ -312,13 +321,17 @@ private:
         std::size_t launched_in_backward = 0;
         std::vector<at::Tensor> saved_buffers;
         std::vector<c10::intrusive_ptr<::torch::autograd::Node>> accumulators;  // kept: they hold the hooks
+        std::vector<std::uintptr_t> hook_keys;
+        std::vector<double> totals = {0.0, 0.0};
+        std::vector<std::int64_t> words;  // broadcast_optimizer_from's bytes
         detail::ReplicaLink link;
         comm::Collectives* grad = nullptr;
         std::unique_ptr<SerialWorker> worker;
 
         void build_buckets(std::size_t bucket_bytes) {
             for (const auto& item : module->named_parameters(true))
-                if (item.value().requires_grad()) {
+                if (item.value().requires_grad() &&
+                    std::none_of(params.begin(), params.end(), [&](const at::Tensor& p) { return p.is_same(item.value()); })) {
                     LOCKSTEP_CHECK_AS(NotImplemented, item.value().scalar_type() == at::kFloat, "parameter '", item.key(),
                                       "' is of dtype ", item.value().scalar_type(),
                                       "; lockstep::torch::DataParallel all-reduces float32 gradients");
@@ -347,13 +360,21 @@ private:
             for (std::size_t k = 0; k < params.size(); ++k) {
                 auto acc = ::torch::autograd::impl::grad_accumulator(params[k]);
                 LOCKSTEP_CHECK(acc != nullptr, "parameter '", names[k], "' has no gradient accumulator");
-                acc->add_post_hook(std::make_unique<::torch::autograd::utils::LambdaPostHook>(
+                hook_keys.push_back(acc->add_post_hook(std::make_unique<::torch::autograd::utils::LambdaPostHook>(
                     [this, k](const ::torch::autograd::variable_list& outputs, const ::torch::autograd::variable_list&) {
                         on_grad_ready(k);
                         return outputs;
-                    }));
+                    })));
                 accumulators.push_back(std::move(acc));
             }
+        }
+
+        // A graph the user keeps may outlive the replica: its accumulators must not call back here.
+        Replica() = default;
+        Replica(const Replica&) = delete;
+        Replica& operator=(const Replica&) = delete;
+        ~Replica() {
+            for (std::size_t k = 0; k < hook_keys.size(); ++k) accumulators[k]->del_post_hook(hook_keys[k]);
         }
 
         void on_grad_ready(std::size_t k) {
@@ -471,11 +492,12 @@ private:
             std::int64_t size = static_cast<std::int64_t>(bytes.size());
             link.layer->broadcast(DeviceSpan<std::int64_t>(&size, 1, Device::host()), root,
                                   comm::CollectiveSite::broadcast(std::uint64_t{1} << 32));
-            std::vector<std::int64_t> words(static_cast<std::size_t>((size + 7) / 8), 0);
+            words.assign(static_cast<std::size_t>((size + 7) / 8), 0);
             std::memcpy(words.data(), bytes.data(), bytes.size());
             link.layer->broadcast(DeviceSpan<std::int64_t>(words.data(), words.size(), Device::host()), root,
                                   comm::CollectiveSite::broadcast((std::uint64_t{1} << 32) + 1));
             if (link.layer->rank() == root) return;
+            optimizer->state().clear();  // load() keeps states the root lacks: none may remain
             std::istringstream in(std::string(reinterpret_cast<const char*>(words.data()), static_cast<std::size_t>(size)));
             ::torch::serialize::InputArchive archive;
             archive.load_from(in);
@@ -537,6 +559,7 @@ private:
 
         void train_part(int r, Call& call) {
             auto& rep = replica(r);
+            rep.link.held.clear();  // the last call's collective buffers: its groups are reset since
             detail::LinkScope scope(&rep.link);
             const auto& shard = call.split.shards[static_cast<std::size_t>(r)];
             const double total = static_cast<double>(call.pending + call.batch);
@@ -551,22 +574,18 @@ private:
                     for (auto& p : rep.params)
                         if (p.grad().defined()) p.mutable_grad().mul_(static_cast<double>(call.pending) / total);
                 }
-                const at::Tensor x = call.inputs->narrow(0, shard.begin, shard.count).to(rep.device);
-                const at::Tensor t = call.targets->narrow(0, shard.begin, shard.count).to(rep.device);
+                const at::Tensor x = call.inputs.narrow(0, shard.begin, shard.count).to(rep.device);
+                const at::Tensor t = call.targets.narrow(0, shard.begin, shard.count).to(rep.device);
                 const at::Tensor out = rep.module->forward(x);
-                at::Tensor objective;
-                double loss_sum = 0, correct = 0;
-                if (shard.count > 0) {
-                    const at::Tensor l = (*call.loss)(out, t);
-                    LOCKSTEP_CHECK_AS(ShapeError, l.numel() == 1, "the loss returned a tensor of shape ", l.sizes(),
-                                      "; it must return the shard's mean loss, a scalar");
-                    loss_sum = l.item<double>() * static_cast<double>(shard.count);
-                    if (t.scalar_type() == at::kLong && t.dim() == 1 && out.dim() == 2)
-                        correct = static_cast<double>(out.argmax(1).eq(t).sum().item<std::int64_t>());
-                    objective = l.reshape({}) * (static_cast<double>(shard.count) / total);
-                } else {
-                    objective = out.sum() * 0.0;  // reaches every layer's backward (SyncBatchNorm's collectives)
-                }
+                // Shards are never empty: parallel::shard_ranges refuses a batch smaller than the replicas.
+                const at::Tensor l = call.loss(out, t);
+                LOCKSTEP_CHECK_AS(ShapeError, l.numel() == 1, "the loss returned a tensor of shape ", l.sizes(),
+                                  "; it must return the shard's mean loss, a scalar");
+                const double loss_sum = l.item<double>() * static_cast<double>(shard.count);
+                double correct = 0;
+                if (t.scalar_type() == at::kLong && t.dim() == 1 && out.dim() == 2)
+                    correct = static_cast<double>(out.argmax(1).eq(t).sum().item<std::int64_t>());
+                const at::Tensor objective = l.reshape({}) * (static_cast<double>(shard.count) / total);
                 rep.start_backward();
                 rep.collecting = call.step;
                 objective.backward();
@@ -575,7 +594,8 @@ private:
                 } else {
                     rep.collecting = false;
                 }
-                std::vector<double> totals{loss_sum, correct};
+                auto& totals = rep.totals;  // a member: a peer may read it after an abort (Note [libtorch replicas])
+                totals = {loss_sum, correct};
                 rep.link.layer->all_reduce_sum(DeviceSpan<double>::host(std::span<double>(totals)),
                                                comm::CollectiveSite::user(0));
                 if (r == 0) call.totals = totals;
@@ -593,6 +613,9 @@ private:
                 if (options.clip_grad_norm) ::torch::nn::utils::clip_grad_norm_(rep.params, *options.clip_grad_norm);
                 rep.grad->barrier(comm::CollectiveSite::commit(0));
             } catch (...) {
+                // Abort the groups now, so that no peer (nor this replica's communication thread)
+                // waits on a collective this replica will never reach.
+                ReplicaPool::report_failure(r, std::current_exception());
                 rep.collecting = false;
                 rep.worker->wait_quietly();
                 rep.restore_buffers();
@@ -647,8 +670,7 @@ private:
             const auto& m = item.value();
             if (!m->as<::torch::nn::BatchNorm1d>() && !m->as<::torch::nn::BatchNorm2d>() && !m->as<::torch::nn::BatchNorm3d>())
                 continue;
-            static std::once_flag once;
-            std::call_once(once, [&] {
+            std::call_once(detail::unconverted_warning(), [&] {
                 std::cerr << "lockstep::torch::DataParallel: warning: '" << (item.key().empty() ? "the module" : item.key())
                           << "' is a " << m->name()
                           << ", whose statistics cover each replica's shard alone (its running statistics drift apart "
@@ -715,9 +737,9 @@ private:
                           targets.sizes(), " for a batch of ", inputs.size(0), "; pass one per sample");
         LOCKSTEP_CHECK(static_cast<bool>(loss), "DataParallel::", what, " needs a loss");
         auto call = std::make_shared<Call>();
-        call->inputs = &inputs;
-        call->targets = &targets;
-        call->loss = &loss;
+        call->inputs = inputs;
+        call->targets = targets;
+        call->loss = loss;
         call->split = split_batch(inputs.size(0), what);
         call->batch = call->split.batch;
         call->pending = pending_.count;

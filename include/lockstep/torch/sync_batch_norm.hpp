@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -43,7 +44,16 @@ namespace detail {
 //! replica's thread for the duration of a call (null: the layer runs alone).
 struct ReplicaLink {
     comm::Collectives* layer = nullptr;  // the replica's layer group
+    // The buffers of this call's collectives: a peer may still read one after an abort, so they
+    // live until the replica's next call (HostCommunicator's rule).
+    std::vector<at::Tensor> held;
 };
+
+//! DataParallel's warning of an unconverted BatchNorm, once per process.
+inline std::once_flag& unconverted_warning() {
+    static std::once_flag once;
+    return once;
+}
 
 inline ReplicaLink*& current_link() noexcept {
     thread_local ReplicaLink* link = nullptr;
@@ -63,8 +73,10 @@ private:
 };
 
 // Sums `t` (a contiguous fp64 CPU tensor) over the replicas in place.
-inline void all_reduce(comm::Collectives* comm, at::Tensor& t, comm::CollectiveSite site) {
-    if (comm == nullptr) return;
+inline void all_reduce(ReplicaLink* link, at::Tensor& t, comm::CollectiveSite site) {
+    if (link == nullptr || link->layer == nullptr) return;
+    link->held.push_back(t);
+    auto* comm = link->layer;
     LOCKSTEP_CHECK_AS(NotImplemented, t.device().is_cpu(),
                       "lockstep::torch::SyncBatchNorm on CUDA tensors is not available yet; use it on CPU replicas");
     comm->all_reduce_sum(DeviceSpan<double>(t.data_ptr<double>(), static_cast<std::size_t>(t.numel()), Device::host()),
@@ -85,7 +97,7 @@ inline at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x) {
 }
 
 struct SyncBnArgs {
-    comm::Collectives* comm = nullptr;
+    ReplicaLink* link = nullptr;
     std::uint64_t layer_id = 0;
     double eps = 1e-5;
     std::optional<double> momentum = 0.1;
@@ -111,7 +123,7 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
             payload.narrow(0, C, C).copy_((v + m * m) * static_cast<double>(n));
             payload[2 * C] = static_cast<double>(n);
         }
-        all_reduce(args->comm, payload, comm::CollectiveSite::layer(args->layer_id, 0));
+        all_reduce(args->link, payload, comm::CollectiveSite::layer(args->layer_id, 0));
         const double N = payload[2 * C].item<double>();
         LOCKSTEP_CHECK_AS(ShapeError, N > 1, args->name, ": expected more than 1 value per channel when training, got ",
                           static_cast<std::int64_t>(N), " over the global batch (input of shape ", x.sizes(), ")");
@@ -131,7 +143,7 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         // The normalization with the global statistics: libtorch's fused eval-mode batch norm.
         auto y = at::batch_norm(x, weight, bias, mean, var, /*training=*/false, 0.0, args->eps, /*cudnn_enabled=*/false);
         ctx->save_for_backward({x, weight, mean, var});
-        ctx->saved_data["comm"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(args->comm));
+        ctx->saved_data["link"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(args->link));
         ctx->saved_data["layer"] = static_cast<std::int64_t>(args->layer_id);
         ctx->saved_data["count"] = N;
         ctx->saved_data["eps"] = args->eps;
@@ -145,7 +157,7 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         const auto& weight = saved[1];
         const auto& mean = saved[2];
         const auto& var = saved[3];
-        auto* comm = reinterpret_cast<comm::Collectives*>(static_cast<std::intptr_t>(ctx->saved_data["comm"].toInt()));
+        auto* link = reinterpret_cast<ReplicaLink*>(static_cast<std::intptr_t>(ctx->saved_data["link"].toInt()));
         const auto layer = static_cast<std::uint64_t>(ctx->saved_data["layer"].toInt());
         const double N = ctx->saved_data["count"].toDouble();
         const double eps = ctx->saved_data["eps"].toDouble();
@@ -158,7 +170,7 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
             dy, x, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, mean, var, std::nullopt, std::nullopt,
             /*train=*/false, eps, {true, true, true});
         auto sums = at::cat({sum_dy.to(at::kDouble).cpu(), sum_dy_xhat.to(at::kDouble).cpu()}).contiguous();
-        all_reduce(comm, sums, comm::CollectiveSite::layer(layer, 1));
+        all_reduce(link, sums, comm::CollectiveSite::layer(layer, 1));
         // dx = weight * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), the means over the global batch
         //    = gi - k * (x - mean) - weight * invstd * mean(dy),  k = weight * invstd^2 * mean(dy * xhat).
         const auto invstd = (var.to(at::kDouble) + eps).rsqrt().to(x.device());
@@ -216,8 +228,7 @@ public:
         if (!is_training() && options.track_running_stats())
             return at::batch_norm(x, weight, bias, running_mean, running_var, false, 0.0, options.eps(), false);
         detail::SyncBnArgs args;
-        const auto* link = detail::current_link();
-        args.comm = link != nullptr ? link->layer : nullptr;
+        args.link = detail::current_link();
         args.layer_id = layer_id;
         args.eps = options.eps();
         args.momentum = options.momentum();
@@ -285,15 +296,18 @@ inline std::shared_ptr<SyncBatchNormImpl> as_sync(const std::shared_ptr<::torch:
 
 inline void convert_children(const std::shared_ptr<::torch::nn::Module>& m, const std::string& path) {
     const auto where = [&](const std::string& key) { return path.empty() ? key : path + "." + key; };
+    // A container's entries, in order, are its children, under their names ("0", "1", ... or the
+    // names given to a Sequential); each BatchNorm entry is swapped in the list and in the registry.
+    const auto names = m->named_children().keys();
     if (auto seq = std::dynamic_pointer_cast<::torch::nn::SequentialImpl>(m)) {
         std::size_t i = 0;
         for (auto it = seq->begin(); it != seq->end(); ++it, ++i) {
             auto child = it->ptr();
             if (auto sync = as_sync(child)) {
+                seq->replace_module(names.at(i), sync);
                 *it = ::torch::nn::AnyModule(sync);
-                seq->replace_module(std::to_string(i), sync);
             } else {
-                convert_children(child, where(std::to_string(i)));
+                convert_children(child, where(names.at(i)));
             }
         }
         return;
@@ -302,10 +316,10 @@ inline void convert_children(const std::shared_ptr<::torch::nn::Module>& m, cons
         std::size_t i = 0;
         for (auto it = list->begin(); it != list->end(); ++it, ++i) {
             if (auto sync = as_sync(*it)) {
+                list->replace_module(names.at(i), sync);
                 *it = sync;
-                list->replace_module(std::to_string(i), sync);
             } else {
-                convert_children(*it, where(std::to_string(i)));
+                convert_children(*it, where(names.at(i)));
             }
         }
         return;
