@@ -22,19 +22,12 @@
 #include <catch2/catch.hpp>
 
 namespace models = lockstep_test_torch;
+using lockstep_test_torch::images;
+using lockstep_test_torch::labels;
 namespace lt = lockstep::torch;
 using lockstep_test_torch::ResNet;
 
 namespace {
-
-at::Tensor images(std::int64_t n, std::uint64_t seed) {
-    ::torch::manual_seed(seed);
-    return ::torch::randn({n, 1, 8, 8});
-}
-at::Tensor labels(std::int64_t n, std::uint64_t seed) {
-    ::torch::manual_seed(seed + 1000);
-    return ::torch::randint(0, 10, {n}, ::torch::kLong);
-}
 
 ResNet fresh_model(std::uint64_t seed = 7) {
     ::torch::manual_seed(seed);

@@ -18,19 +18,12 @@
 
 using namespace std::chrono_literals;
 namespace models = lockstep_test_torch;
+using lockstep_test_torch::images;
+using lockstep_test_torch::labels;
 namespace lt = lockstep::torch;
 using lockstep::test::mpi::expect;
 
 namespace {
-
-at::Tensor images(std::int64_t n, std::uint64_t seed) {
-    ::torch::manual_seed(seed);
-    return ::torch::randn({n, 1, 8, 8});
-}
-at::Tensor labels(std::int64_t n, std::uint64_t seed) {
-    ::torch::manual_seed(seed + 1000);
-    return ::torch::randint(0, 10, {n}, ::torch::kLong);
-}
 
 std::shared_ptr<lockstep::comm::ProcessGroup> borrowed(lockstep::comm::MpiProcessGroup& world) {
     return {&world, [](lockstep::comm::ProcessGroup*) {}};

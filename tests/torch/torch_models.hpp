@@ -57,6 +57,16 @@ struct ResNetImpl : tnn::Cloneable<ResNetImpl> {
 };
 TORCH_MODULE(ResNet);
 
+//! A batch of n 1x8x8 images and its n class labels, drawn from `seed`.
+inline at::Tensor images(std::int64_t n, std::uint64_t seed) {
+    ::torch::manual_seed(seed);
+    return ::torch::randn({n, 1, 8, 8});
+}
+inline at::Tensor labels(std::int64_t n, std::uint64_t seed) {
+    ::torch::manual_seed(seed + 1000);
+    return ::torch::randint(0, 10, {n}, ::torch::kLong);
+}
+
 inline at::Tensor cross_entropy(const at::Tensor& out, const at::Tensor& targets) {
     return ::torch::nn::functional::cross_entropy(out, targets);
 }

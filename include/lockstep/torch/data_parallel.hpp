@@ -702,15 +702,10 @@ private:
             const auto mix = [&](const std::string& s) {
                 for (const unsigned char c : s) h = (h ^ c) * 1099511628211ull;
             };
-            for (const auto& item : rep.module->named_parameters(true)) {
-                mix(item.key() + ":" + c10::toString(item.value().scalar_type()) + ":" + c10::str(item.value().sizes()) + ";");
+            detail::each_state(*rep.module, [&](const std::string& name, const at::Tensor& t) {
+                mix(name + ":" + c10::toString(t.scalar_type()) + ":" + c10::str(t.sizes()) + ";");
                 ++count;
-            }
-            for (const auto& item : rep.module->named_buffers(true))
-                if (item.value().defined()) {
-                    mix(item.key() + ":" + c10::toString(item.value().scalar_type()) + ":" + c10::str(item.value().sizes()) + ";");
-                    ++count;
-                }
+            });
             std::vector<double> mine(fingerprints->size(), 0.0);
             const auto g = static_cast<std::size_t>(rep.link.layer->rank());
             mine[2 * g] = static_cast<double>(h >> 12);  // exact in a double
