@@ -23,6 +23,13 @@ template class nn::ReLU<Cuda>;
 template class nn::MaxPool2d<Cuda>;
 template class nn::Flatten<Cuda>;
 template class nn::Sgd<Cuda>;
+template class nn::AvgPool2d<Cuda>;
+template class nn::AdaptiveAvgPool2d<Cuda>;
+template class nn::Dropout<Cuda>;
+template class nn::Identity<Cuda>;
+using CudaBlock = nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>>;
+template class nn::Residual<CudaBlock, CudaBlock>;
+template class nn::Add<CudaBlock, nn::Identity<Cuda>>;
 template class nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>, nn::ReLU<Cuda>, nn::MaxPool2d<Cuda>, nn::Flatten<Cuda>,
                               nn::Linear<Cuda>>;
 template class DataParallel<mnist::Net<Cuda>>;
@@ -51,6 +58,13 @@ void instantiate_cuda_training(nn::Generator& gen, const Tensor<float, Cuda>& x,
     nn::Sequential reg(nn::Linear<Cuda>(4, 8, true, gen), nn::ReLU<Cuda>(), nn::Linear<Cuda>(8, 2, true, gen));
     DataParallel rdp(reg, 2);
     (void)rdp.train_step(x, y, nn::MseLoss{}, sgd);
+    // The kit for real models: a residual network with pooling and dropout, checked by gradcheck.
+    nn::Sequential res(nn::Residual(CudaBlock(nn::Conv2d<Cuda>(1, 1, 3, {.padding = 1}, gen), nn::SyncBatchNorm<Cuda>(1))),
+                       nn::Dropout<Cuda>(0.1, gen), nn::AdaptiveAvgPool2d<Cuda>(1), nn::Flatten<Cuda>(),
+                       nn::Linear<Cuda>(1, 2, true, gen));
+    (void)nn::gradcheck(res, x, {}, ctx);
+    DataParallel resdp(res, 2);
+    (void)resdp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
 }
 
 }  // namespace lockstep

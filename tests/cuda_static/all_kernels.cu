@@ -97,6 +97,11 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     const kernels::PoolGeometry pool;
     Ops::maxpool_forward(ex, pool, f, f, index);
     Ops::maxpool_backward(ex, pool, f, index, f);
+    const kernels::AvgPoolGeometry avg;
+    Ops::avgpool_forward(ex, avg, f, f);
+    Ops::avgpool_backward(ex, avg, f, f);
+    Ops::dropout_forward(ex, f, kernels::DropoutDraw{}, mask);
+    Ops::dropout_backward(ex, f, mask, kernels::DropoutDraw{}, f);
     Ops::softmax_cross_entropy(ex, f, labels, 1.0, f, d);
     Ops::mse(ex, f, f, 1.0, f, d);
     Ops::sgd_step(ex, f, f, f, true, kernels::SgdUpdate{});

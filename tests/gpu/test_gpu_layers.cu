@@ -867,6 +867,51 @@ int main() {
             nn::Generator g1(7), g2(7);
             compare_layer("Flatten", nn::Flatten<Host>(), nn::Flatten<Cuda>(), Shape{2, 3, 4, 5}, MemoryFormat::nchw, ctx, rng);
         }
+        // The kit for real models (issue #45): pooling and dropout per element as the host
+        // computes them (Note [pooling and dropout per element]), the branches of a residual block.
+        compare_layer("AvgPool2d 3 stride 2", nn::AvgPool2d<Host>(3, 2), nn::AvgPool2d<Cuda>(3, 2), Shape{2, 3, 9, 7},
+                      MemoryFormat::nchw, ctx, rng);
+        compare_layer("AvgPool2d 2x3 stride 1x2", nn::AvgPool2d<Host>(2, 3, 1, 2), nn::AvgPool2d<Cuda>(2, 3, 1, 2),
+                      Shape{2, 3, 5, 9}, MemoryFormat::nchw, ctx, rng);
+        compare_layer("AdaptiveAvgPool2d 3x2", nn::AdaptiveAvgPool2d<Host>(3, 2), nn::AdaptiveAvgPool2d<Cuda>(3, 2),
+                      Shape{2, 3, 7, 5}, MemoryFormat::nchw, ctx, rng);
+        compare_layer("AdaptiveAvgPool2d 1 (global)", nn::AdaptiveAvgPool2d<Host>(1), nn::AdaptiveAvgPool2d<Cuda>(1),
+                      Shape{4, 33, 6, 6}, MemoryFormat::nchw, ctx, rng);
+        compare_layer("Dropout 0.3", nn::Dropout<Host>(0.3, 11), nn::Dropout<Cuda>(0.3, 11), Shape{3, 4, 5, 7},
+                      MemoryFormat::nchw, ctx, rng);
+        {
+            // No bias before a batch norm: its gradient is zero in exact arithmetic, all rounding.
+            nn::Generator g1(7), g2(7);
+            nn::Residual host_block(
+                nn::Sequential(nn::Conv2d<Host>(4, 6, 3, {.stride = 2, .padding = 1, .bias = false}, g1),
+                               nn::SyncBatchNorm<Host>(6)),
+                nn::Sequential(nn::Conv2d<Host>(4, 6, 1, {.stride = 2, .bias = false}, g1), nn::SyncBatchNorm<Host>(6)));
+            nn::Residual cuda_block(
+                nn::Sequential(nn::Conv2d<Cuda>(4, 6, 3, {.stride = 2, .padding = 1, .bias = false}, g2),
+                               nn::SyncBatchNorm<Cuda>(6)),
+                nn::Sequential(nn::Conv2d<Cuda>(4, 6, 1, {.stride = 2, .bias = false}, g2), nn::SyncBatchNorm<Cuda>(6)));
+            compare_layer("Residual with a projection", std::move(host_block), std::move(cuda_block), Shape{3, 4, 8, 8},
+                          MemoryFormat::nchw, ctx, rng);
+            nn::Add cuda_add(nn::Conv2d<Cuda>(4, 3, 3, {.padding = 1}, g2), nn::Identity<Cuda>());
+            bool refused = false;
+            try {
+                cuda_add.forward(ctx, Tensor<float, Cuda>(Shape{2, 4, 5, 5}, MemoryFormat::nchw, Device::cuda(ctx.exec.device)));
+            } catch (const ShapeError& e) {
+                refused = std::string(e.what()).find("projection on the shortcut") != std::string::npos;
+            }
+            expect(refused, "Add of branches of different shapes is refused on CUDA, naming the fix");
+        }
+        {
+            // The custom-module tools on CUDA: nn::gradcheck of a residual block run on the device.
+            nn::Generator g2(9);
+            nn::Residual block(
+                nn::Sequential(nn::Conv2d<Cuda>(2, 3, 3, {.padding = 1, .bias = false}, g2), nn::SyncBatchNorm<Cuda>(3)),
+                nn::Sequential(nn::Conv2d<Cuda>(2, 3, 1, {.bias = false}, g2), nn::SyncBatchNorm<Cuda>(3)), {.relu = false});
+            const auto x = random_host(Shape{2, 2, 4, 4}, rng).template to<Cuda>(Device::cuda(ctx.exec.device));
+            const auto check = nn::gradcheck(block, x, {}, ctx);
+            expect(check.passed() && check.parameter_errors.size() == 6,
+                   "nn::gradcheck of a Residual on CUDA:\n" + check.report());
+        }
         for (const bool relu : {false, true}) {
             const std::string tail = relu ? " + ReLU" : "";
             compare_layer("SyncBatchNorm NCHW" + tail, nn::SyncBatchNorm<Host>(33, {.fused_relu = relu}),
@@ -976,8 +1021,8 @@ int main() {
         // Issue 43, item 11: batch statistics independent of the running mean, against fp64.
         for (const bool nhwc : {false, true}) {
             const std::string layout = nhwc ? " NHWC" : " NCHW";
-            bn_against_fp64(Shape{5, 3, 6, 5}, nhwc, ctx, rng, "SyncBatchNorm vs fp64, unit variance under a running mean of 1e8" + layout,
-                            0.0, 1.0f, 1e8f);
+            bn_against_fp64(Shape{5, 3, 6, 5}, nhwc, ctx, rng,
+                            "SyncBatchNorm vs fp64, unit variance under a running mean of 1e8" + layout, 0.0, 1.0f, 1e8f);
             bn_against_fp64(Shape{5, 3, 6, 5}, nhwc, ctx, rng,
                             "SyncBatchNorm vs fp64, a first batch 1e6 standard deviations from zero" + layout, 3e3, 3e-3f, 0.0f);
         }

@@ -361,6 +361,42 @@ struct LayerOps {
         device::layer_kernels::maxpool_backward(run, g, on_device(dy.data()), argmax.data(), on_device(dx.data()));
     }
 
+    //! y = the mean of each window, as the host (Note [pooling and dropout per element]).
+    static void avgpool_forward(const Ex& ex, const AvgPoolGeometry& g, const T_<float>& x, T_<float>& y) {
+        layer_detail::check_on(ex, x, "avgpool_forward's input");
+        layer_detail::check_numel(x, g.in_numel(), "avgpool_forward", "x");
+        layer_detail::check_numel(y, g.out_numel(), "avgpool_forward", "y");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::avgpool(run, g, on_device(x.data()), on_device(y.data()), false);
+    }
+
+    //! dx = each window's share of dy, gathered per input element (deterministic, no atomics).
+    static void avgpool_backward(const Ex& ex, const AvgPoolGeometry& g, const T_<float>& dy, T_<float>& dx) {
+        layer_detail::check_on(ex, dy, "avgpool_backward's dy");
+        layer_detail::check_numel(dy, g.out_numel(), "avgpool_backward", "dy");
+        layer_detail::check_numel(dx, g.in_numel(), "avgpool_backward", "dx");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::avgpool(run, g, on_device(dy.data()), on_device(dx.data()), true);
+    }
+
+    //! x *= (kept ? scale : 0) in place, mask = kept: the host's draw, element for element.
+    static void dropout_forward(const Ex& ex, T_<float>& x, const DropoutDraw& d, T_<std::uint8_t>& mask) {
+        layer_detail::check_on(ex, x, "dropout_forward's input");
+        layer_detail::check_numel(mask, x.numel(), "dropout_forward", "the mask");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::dropout_forward(run, d, on_device(x.data()), mask.data(), x.numel());
+    }
+
+    //! dx = dy * (mask ? scale : 0).
+    static void dropout_backward(const Ex& ex, const T_<float>& dy, const T_<std::uint8_t>& mask, const DropoutDraw& d,
+                                 T_<float>& dx) {
+        layer_detail::check_on(ex, dy, "dropout_backward's dy");
+        layer_detail::check_numel(mask, dy.numel(), "dropout_backward", "the mask");
+        layer_detail::check_numel(dx, dy.numel(), "dropout_backward", "dx");
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::dropout_backward(run, d, on_device(dy.data()), mask.data(), on_device(dx.data()), dy.numel());
+    }
+
     // ---- losses and optimizer -----------------------------------------------------------------
 
     //! Softmax cross-entropy of `logits` (N, K) against `labels` (checked by the caller), in fp64:

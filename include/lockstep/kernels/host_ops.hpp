@@ -328,6 +328,47 @@ struct Ops<Host> {
             for (std::int64_t o = plane * per; o < (plane + 1) * per; ++o) out[plane * HW + a[o]] += d[o];
     }
 
+    //! y = the mean of each window (Note [pooling and dropout per element]: the CUDA kernel's bits).
+    static void avgpool_forward(const Ex&, const AvgPoolGeometry& g, const T_<float>& x, T_<float>& y) {
+        check_count(x.numel(), g.in_numel(), "avgpool_forward", "x");
+        check_count(y.numel(), g.out_numel(), "avgpool_forward", "y");
+        const float* src = x.data();
+        float* LOCKSTEP_RESTRICT out = y.data();
+        for (std::int64_t i = 0; i < g.out_numel(); ++i) out[i] = pool::forward_at(g, src, i);
+    }
+
+    //! dx = each window's share of dy, gathered per input element.
+    static void avgpool_backward(const Ex&, const AvgPoolGeometry& g, const T_<float>& dy, T_<float>& dx) {
+        check_count(dy.numel(), g.out_numel(), "avgpool_backward", "dy");
+        check_count(dx.numel(), g.in_numel(), "avgpool_backward", "dx");
+        const float* src = dy.data();
+        float* LOCKSTEP_RESTRICT out = dx.data();
+        for (std::int64_t i = 0; i < g.in_numel(); ++i) out[i] = pool::backward_at(g, src, i);
+    }
+
+    //! x *= (kept ? scale : 0) in place, element i kept where dropout::keep(d, i); mask = kept.
+    static void dropout_forward(const Ex&, T_<float>& x, const DropoutDraw& d, T_<std::uint8_t>& mask) {
+        check_count(mask.numel(), x.numel(), "dropout_forward", "the mask");
+        float* LOCKSTEP_RESTRICT p = x.data();
+        std::uint8_t* LOCKSTEP_RESTRICT m = mask.data();
+        for (std::int64_t i = 0; i < x.numel(); ++i) {
+            const bool k = dropout::keep(d, static_cast<std::uint64_t>(i));
+            m[i] = k ? 1 : 0;
+            p[i] = p[i] * (k ? d.scale : 0.0f);
+        }
+    }
+
+    //! dx = dy * (mask ? scale : 0).
+    static void dropout_backward(const Ex&, const T_<float>& dy, const T_<std::uint8_t>& mask, const DropoutDraw& d,
+                                 T_<float>& dx) {
+        check_count(mask.numel(), dy.numel(), "dropout_backward", "the mask");
+        check_count(dx.numel(), dy.numel(), "dropout_backward", "dx");
+        const float* LOCKSTEP_RESTRICT g = dy.data();
+        const std::uint8_t* LOCKSTEP_RESTRICT m = mask.data();
+        float* LOCKSTEP_RESTRICT out = dx.data();
+        for (std::int64_t i = 0; i < dy.numel(); ++i) out[i] = g[i] * (m[i] != 0 ? d.scale : 0.0f);
+    }
+
     // ---- losses -------------------------------------------------------------------------------
 
     //! The values of `labels`, readable here without a wait: host memory is.
@@ -643,6 +684,9 @@ private:
 
     static std::int64_t channels_of(const BnConstants<Host>& k) { return k.folded.numel() / 4; }
 
+    static void check_count(std::int64_t got, std::int64_t expected, const char* op, const char* what) {
+        LOCKSTEP_CHECK_AS(ShapeError, got == expected, op, ": ", what, " has ", got, " elements, expected ", expected);
+    }
     static void check_same_count(std::int64_t src, std::int64_t dst, const char* op) {
         LOCKSTEP_CHECK_AS(ShapeError, src == dst, op, ": the source has ", src, " elements but the destination ", dst,
                           "; give both the same shape");

@@ -11,6 +11,10 @@ template <BackendTag B = Host>
 struct Parameter {
     Tensor<float, B> value;
     Tensor<float, B> grad;
+    //! Not trained: optimizers leave it as it is, and DataParallel does not warn that it received
+    //! no gradient (Note [parameters without a gradient] in parallel/replica.hpp). Its gradient is
+    //! still computed and all-reduced.
+    bool frozen = false;
 
     Parameter() = default;
     //! Zero value and gradient on the calling thread's current device of the backend.

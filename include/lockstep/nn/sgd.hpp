@@ -119,6 +119,14 @@ public:
             state.items.push_back({&p.value, &p.grad, &buffers[i], first});
         }
         if (options_.momentum != 0) place_buffers(ctx, state);
+        // Frozen parameters keep their values and momentum (PyTorch skips a parameter without a
+        // gradient); the rest is one call still.
+        if (std::any_of(state.params.begin(), state.params.end(), [](const Parameter<B>* p) { return p->frozen; })) {
+            std::size_t kept = 0;
+            for (std::size_t i = 0; i < count; ++i)
+                if (!state.params[i]->frozen) state.items[kept++] = state.items[i];
+            state.items.resize(kept);
+        }
         K::sgd_step_many(ctx.exec, state.items, u);
     }
 
@@ -131,6 +139,7 @@ public:
         const auto bits = [](double v) { return std::bit_cast<std::int64_t>(v); };
         std::vector<std::int64_t> key{bits(options_.lr), bits(options_.momentum), bits(options_.dampening),
                                       bits(options_.weight_decay), options_.nesterov ? 1 : 0};
+        for_each_parameter(module, [&](const std::string&, const Parameter<B>& p) { key.push_back(p.frozen ? 1 : 0); });
         if (options_.momentum == 0) return key;
         const auto* state =
             rank >= 0 && rank < static_cast<int>(states_.size()) ? &states_[static_cast<std::size_t>(rank)] : nullptr;

@@ -4,6 +4,7 @@
 //! copies that let a failed step leave nothing behind.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -184,7 +185,14 @@ struct Replica {
 
     void on_ready(const void* p) {
         auto it = slots.find(p);
-        if (it == slots.end() || it->second.ready) return;  // not a parameter of this model, or counted
+        // A parameter that a layer computes but visit() never listed (Note [parameters without a
+        // gradient]): it would train frozen on each replica alone and be missing from checkpoints.
+        LOCKSTEP_CHECK_AS(UsageError, it != slots.end(),
+                          "a layer marked the gradient of a parameter ready (Context::mark_grad_ready) that DataParallel does "
+                          "not know: a module's visit() leaves out the child or parameter that holds it, so it would be "
+                          "neither all-reduced, stepped nor saved; list it in that module's visit() (v.module(name, child) "
+                          "or v.parameter(name, p))");
+        if (it->second.ready) return;  // counted
         it->second.ready = true;
         auto& b = buckets[it->second.bucket];
         if (--b.pending == 0 && overlap) launch(it->second.bucket);
@@ -299,6 +307,38 @@ struct Replica {
                                   "' was replaced after its layer marked it ready (Context::mark_grad_ready), so it "
                                   "missed the all-reduce; write into the gradient, or assign it before marking it ready");
         ctx.grad_ready = nullptr;
+    }
+
+    // Note [parameters without a gradient]
+    // A parameter listed by visit() whose gradient is all zero after the all-reduce of a replica's
+    // first step, and which no layer marked ready, is used by nothing in forward (a child that
+    // visit() lists but forward skips) or has a backward that never writes it: it would train
+    // frozen without a word. The first step (not a captured one) warns once, on the first
+    // replica, naming each such parameter, unless it is marked frozen (Parameter::frozen). The
+    // opposite mistake, a child that forward uses but visit() leaves out, is caught as its layer
+    // marks a gradient ready that DataParallel does not know (on_ready throws UsageError).
+    bool gradients_checked = false;
+
+    //! The names of the parameters without a gradient in this step (Note [parameters without a
+    //! gradient]); empty after the replica's first step.
+    std::vector<std::string> parameters_without_gradient() {
+        std::vector<std::string> out;
+        if (gradients_checked) return out;
+        gradients_checked = true;
+        std::vector<std::size_t> found;  // visit indices
+        Tensor<double, backend> sum;
+        for (auto& b : buckets)
+            for (std::size_t i = 0; i < b.params.size(); ++i) {
+                const auto* p = b.params[i];
+                if (p->frozen || slots.at(p).ready) continue;
+                if (sum.empty()) sum = Tensor<double, backend>(Shape{1}, MemoryFormat::nchw, b.flat.device());
+                K::fill(ctx.exec, sum, 0.0);
+                K::add_sum_squares(ctx.exec, p->grad, sum, 0);
+                if (K::read(ctx.exec, sum, 0) == 0.0) found.push_back(b.visit_index[i]);
+            }
+        std::sort(found.begin(), found.end());
+        for (const std::size_t v : found) out.push_back(param_names[v]);
+        return out;
     }
 
     // Buffers as they were when the step began (running statistics are the step's only

@@ -9,9 +9,11 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <span>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <typeinfo>
@@ -580,13 +582,33 @@ void update_graphed(Replica<Module>& rep, Optimizer& optimizer, const DataParall
     }
 }
 
+//! At a replica's first step, after the all-reduce: a warning on std::cerr from the first
+//! replica naming each parameter that received no gradient (Note [parameters without a gradient]
+//! in parallel/replica.hpp).
+template <class Module>
+void warn_parameters_without_gradient(Replica<Module>& rep, int r) {
+    const auto names = rep.parameters_without_gradient();
+    if (r != 0 || names.empty()) return;
+    std::ostringstream s;
+    s << "lockstep: DataParallel: " << names.size() << (names.size() == 1 ? " parameter" : " parameters")
+      << " received no gradient in the first step:";
+    for (const auto& n : names) s << " '" << n << "'";
+    s << ". Nothing in forward uses it, or its layer's backward never writes its gradient (a custom module's "
+         "backward, or a child that visit() lists but forward skips), so it trains frozen; set Parameter::frozen "
+         "where that is meant.\n";
+    std::cerr << s.str() << std::flush;
+}
+
 //! After backward, in a step: the gradient all-reduce, the finite check and the clipping, then
 //! the commit barrier (Notes [step order] and [commit point]). With graphs the clipping is part of
 //! the update, after the barrier (the same bits: it reads only the all-reduced gradients).
 template <class Module, class Loss>
 void reduce_and_commit(Replica<Module>& rep, const DataParallelOptions& options, int r, StepCall<Loss>& call, bool captured) {
     const auto ur = static_cast<std::size_t>(r);
-    if (!captured) rep.finish_buckets();  // a captured step's graph joins its buckets itself
+    if (!captured) {
+        rep.finish_buckets();  // a captured step's graph joins its buckets itself
+        warn_parameters_without_gradient(rep, r);
+    }
     if (options.check_finite) {
         if (captured)  // its graph (a) left the values in pinned memory
             judge_finite(rep, captured_scalars(rep, rep.param_names.size() + 2), r, call.step_number, call.sums[ur],

@@ -389,6 +389,66 @@ struct MaxPoolBackward {
     }
 };
 
+// ---- average pooling and dropout (maps, Note [pooling and dropout per element]) -------------------
+
+struct AvgPoolParams {
+    AvgPoolGeometry g;
+    const float* src = nullptr;  // forward: x; backward: dy
+    float* dst = nullptr;        // forward: y; backward: dx
+    std::int64_t n = 0;          // elements of dst
+};
+
+//! y = the mean of each window (pool::forward_at, as the host computes it).
+struct AvgPoolForward {
+    using Params = AvgPoolParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w)) store(p.dst + i, pool::forward_at(p.g, p.src, i));
+    }
+};
+
+//! dx = the windows' shares of dy gathered per input element (pool::backward_at): no atomics.
+struct AvgPoolBackward {
+    using Params = AvgPoolParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w)) store(p.dst + i, pool::backward_at(p.g, p.src, i));
+    }
+};
+
+struct DropoutParams {
+    DropoutDraw draw;
+    float* x = nullptr;                  // forward: in place
+    std::uint8_t* mask = nullptr;        // forward: written
+    const float* dy = nullptr;           // backward
+    const std::uint8_t* kept = nullptr;  // backward: the forward's mask
+    float* dx = nullptr;                 // backward
+    std::int64_t n = 0;
+};
+
+//! x *= (keep ? scale : 0) in place, mask = keep, keep drawn per element (dropout::keep).
+struct DropoutForward {
+    using Params = DropoutParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w)) {
+            const bool k = dropout::keep(p.draw, static_cast<std::uint64_t>(i));
+            store(p.mask + i, static_cast<std::uint8_t>(k ? 1 : 0));
+            store(p.x + i, p.x[i] * (k ? p.draw.scale : 0.0f));
+        }
+    }
+};
+
+//! dx = dy * (kept ? scale : 0).
+struct DropoutBackward {
+    using Params = DropoutParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w))
+            store(p.dx + i, p.dy[i] * (p.kept[i] != 0 ? p.draw.scale : 0.0f));
+    }
+};
+
 // ---- per-channel sums (reducing) ----------------------------------------------------------------
 
 template <class T = float>
@@ -708,6 +768,37 @@ void maxpool_backward(Run& run, const PoolGeometry& g, const T* dy, const std::i
     p.items = static_cast<unsigned int>(planes * g.height * g.width);
     p.cols = divider(g.width), p.rows = divider(g.height), p.stride = divider(g.stride);
     run.template map<MaxPoolBackward<T>>(p, map_grid(p.items, run.info()));
+}
+
+//! Average pooling forward (y: g.out_numel() elements) or backward (dx: g.in_numel()), one thread
+//! per element written.
+template <class Run>
+void avgpool(Run& run, const AvgPoolGeometry& g, const float* src, float* dst, bool backward) {
+    AvgPoolParams p;
+    p.g = g, p.src = src, p.dst = dst, p.n = backward ? g.in_numel() : g.out_numel();
+    if (p.n == 0) return;
+    if (backward)
+        run.template map<AvgPoolBackward>(p, map_grid(p.n, run.info()));
+    else
+        run.template map<AvgPoolForward>(p, map_grid(p.n, run.info()));
+}
+
+//! Dropout forward in place on x[0, n), its mask written.
+template <class Run>
+void dropout_forward(Run& run, const DropoutDraw& d, float* x, std::uint8_t* mask, std::int64_t n) {
+    if (n == 0) return;
+    DropoutParams p;
+    p.draw = d, p.x = x, p.mask = mask, p.n = n;
+    run.template map<DropoutForward>(p, map_grid(n, run.info()));
+}
+
+//! Dropout backward: dx[0, n) = dy * (mask ? scale : 0).
+template <class Run>
+void dropout_backward(Run& run, const DropoutDraw& d, const float* dy, const std::uint8_t* mask, float* dx, std::int64_t n) {
+    if (n == 0) return;
+    DropoutParams p;
+    p.draw = d, p.dy = dy, p.kept = mask, p.dx = dx, p.n = n;
+    run.template map<DropoutBackward>(p, map_grid(n, run.info()));
 }
 
 //! dst (C, N, P) = src (N, C, P); From, To: float, or __nv_bfloat16 (fp32 to bf16 rounds; bf16 to
