@@ -6,6 +6,7 @@
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/adam.hpp"
 #include "lockstep/nn/activation_precision.hpp"
 #include "lockstep/nn/checkpoint.hpp"
 #include "lockstep/nn/composition.hpp"
@@ -18,6 +19,7 @@
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/module.hpp"
 #include "lockstep/nn/pooling.hpp"
+#include "lockstep/nn/schedule.hpp"
 #include "lockstep/nn/sequential.hpp"
 #include "lockstep/nn/sgd.hpp"
 #include "lockstep/nn/sync_batch_norm.hpp"

@@ -65,6 +65,12 @@ void instantiate_cuda_training(nn::Generator& gen, const Tensor<float, Cuda>& x,
     (void)nn::gradcheck(res, x, {}, ctx);
     DataParallel resdp(res, 2);
     (void)resdp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd);
+    nn::AdamW<Cuda> adamw({.lr = 1e-3}, {nn::no_decay_on_norms_and_biases()});
+    adamw.set_lr(nn::OneCycleLR(0.1, 10).lr(3));
+    (void)resdp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, adamw);
+    resdp.save("res.safetensors", adamw);
+    resdp.load("res.safetensors", adamw);
+    resdp.resync(adamw);
 }
 
 }  // namespace lockstep

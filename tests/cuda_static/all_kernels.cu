@@ -108,6 +108,8 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     Ops::sgd_step(ex, f, f, f, false, kernels::SgdUpdate{});
     const kernels::SgdTensors<Cuda> sgd[] = {{&f, &f, &f, true}};
     Ops::sgd_step_many(ex, sgd, kernels::SgdUpdate{});
+    const kernels::AdamTensors<Cuda> adam[] = {{&f, &f, &f, &f}};
+    Ops::adam_step_many(ex, adam, kernels::AdamUpdate{});
     const kernels::CopyPiece<Cuda> pieces[] = {{&f, 0, &f, 0, 1}};
     Ops::copy_many(ex, pieces);
 }

@@ -357,6 +357,57 @@ void captured_nan_returns(const std::vector<Device>& devices, const std::string&
     expect(ok && dp.graph_launches(0) > launched + 1, label + ": the steps after it run, captured again");
 }
 
+// Issue 45: AdamW with a group free of weight decay and a schedule, on CUDA against the host
+// (the same per-element update: Note [Adam state]), and with captured steps against eager ones
+// (the update runs eagerly after the captured forward and backward), bit for bit.
+void adamw_steps(const std::vector<Device>& devices, const std::string& label) {
+    const int n = static_cast<int>(devices.size());
+    const nn::CosineWithWarmup schedule(0.01, 2, 8);
+    const auto make = [](auto backend) {
+        using B = decltype(backend);
+        return nn::AdamW<B>({.lr = 0.01, .weight_decay = 0.05}, {nn::no_decay_on_norms_and_biases()});
+    };
+    DataParallel<Small<Host>> host(make_small<Host>(), n, options());
+    auto graphed_options = options();
+    graphed_options.graphs = true;
+    DataParallel<Small<Cuda>> eager(make_small<Cuda>(), devices, options());
+    DataParallel<Small<Cuda>> graphed(make_small<Cuda>(), devices, graphed_options);
+    auto ah = make(Host{});
+    auto ae = make(Cuda{}), ag = make(Cuda{});
+    double worst = 0;
+    bool same = true;
+    // Bit for bit on up to two devices; on more, NCCL's summation order may differ between a
+    // captured plan and an eager one (docs/design.md, "How a graph runs"): within rounding.
+    const bool exact = devices.size() <= 2;
+    for (int s = 0; s < 6; ++s) {
+        const auto b = make_batch(13, 60 + static_cast<std::uint64_t>(s));
+        ah.set_lr(schedule.lr(s)), ae.set_lr(schedule.lr(s)), ag.set_lr(schedule.lr(s));
+        const double lh = host.train_step(b.x, b.labels, nn::SoftmaxCrossEntropy{}, ah).loss;
+        const auto x = b.x.to<Cuda>(devices[0]);
+        const double le = eager.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, ae).loss;
+        const double lg = graphed.train_step(x, b.labels, nn::SoftmaxCrossEntropy{}, ag).loss;
+        worst = std::max(worst, std::abs(le - lh) / std::max(std::abs(lh), 1e-12));
+        same &= exact ? le == lg : std::abs(le - lg) <= 1e-6 * std::abs(le);
+    }
+    const auto te = tensors_of(eager.module()), th = tensors_of(host.module());
+    double state_error = 0;
+    // Tensor 1 is the convolution's bias, whose gradient the batch norm after it cancels: zero
+    // in exact arithmetic, rounding noise on each backend, which Adam divides by its own size
+    // into full steps of either sign. It changes no loss, only the batch norm's running mean
+    // (tensor 4), which follows the mean of its input; every other tensor must agree.
+    for (std::size_t i = 0; i < te.size(); ++i)
+        if (i != 1 && i != 4) state_error = std::max(state_error, rel_norm(te[i], th[i]));
+    expect(worst <= 1e-4 && state_error <= 1e-4, label + ": AdamW on CUDA follows the host (worst loss " + std::to_string(worst) +
+                                                     ", tensors " + std::to_string(state_error) + ")");
+    const auto tg = tensors_of(graphed.module());
+    double graph_error = 0;
+    for (std::size_t i = 0; i < te.size(); ++i)
+        if (i != 1 && i != 4) graph_error = std::max(graph_error, rel_norm(tg[i], te[i]));
+    expect(same && (exact ? same_bits(te, tg) : graph_error <= 1e-5) && graphed.graph_launches(0) > 0,
+           label + (exact ? ": AdamW with captured steps gives the eager steps' bits"
+                          : ": AdamW with captured steps follows the eager steps within rounding"));
+}
+
 // Issue 43, item 2: a graph's allocations get memory at its upload; a captured step whose graph
 // does not fit beside what the GPU holds is refused at its capture (OutOfMemory), before any
 // launch, nothing applied, and once the memory is back the steps capture and launch.
@@ -437,6 +488,7 @@ int main() {
         golden_steps({Device::cuda(0)}, "1 replica on cuda:0");
         golden_steps({Device::cuda(0), Device::cuda(0)}, "2 replicas on cuda:0");
         captured_nan_returns({Device::cuda(0)}, "1 replica on cuda:0");
+        adamw_steps({Device::cuda(0)}, "1 replica on cuda:0");
         graph_memory_refused_at_capture();
         if (gpus >= 2) {
             std::vector<Device> each;
@@ -444,6 +496,7 @@ int main() {
             compare_with_host(each, std::to_string(each.size()) + " GPUs through NCCL");
             failures_end_the_step(each, std::to_string(each.size()) + " GPUs through NCCL");
             captured_nan_returns(each, std::to_string(each.size()) + " GPUs through NCCL");
+            adamw_steps(each, std::to_string(each.size()) + " GPUs through NCCL");
         } else {
             std::puts("SKIP NCCL across GPUs: this machine has 1 GPU (not run, not counted)");
         }

@@ -496,6 +496,28 @@ struct LayerOps {
         device::layer_kernels::sgd_step_many(run, entries, u);
     }
 
+    //! One torch.optim.Adam (or AdamW) update of every entry, one launch per 32 tensors (Note
+    //! [tensor tables]), the host's bits.
+    static void adam_step_many(const Ex& ex, std::span<const AdamTensors<Cuda>> items, const AdamUpdate& u) {
+        std::vector<device::layer_kernels::AdamEntry> entries;
+        entries.reserve(items.size());
+        for (const auto& it : items) {
+            LOCKSTEP_CHECK_AS(UsageError, it.value && it.grad && it.exp_avg && it.exp_avg_sq,
+                              "adam_step_many on CUDA: an entry without its parameter, gradient or moment estimates");
+            layer_detail::check_on(ex, *it.value, "adam_step_many's parameter");
+            layer_detail::check_on(ex, *it.grad, "adam_step_many's gradient");
+            layer_detail::check_on(ex, *it.exp_avg, "adam_step_many's exp_avg");
+            layer_detail::check_on(ex, *it.exp_avg_sq, "adam_step_many's exp_avg_sq");
+            const std::int64_t n = it.value->numel();
+            layer_detail::check_numel(*it.grad, n, "adam_step_many", "a gradient");
+            layer_detail::check_numel(*it.exp_avg, n, "adam_step_many", "an exp_avg");
+            layer_detail::check_numel(*it.exp_avg_sq, n, "adam_step_many", "an exp_avg_sq");
+            entries.push_back({it.value->data(), it.grad->data(), it.exp_avg->data(), it.exp_avg_sq->data(), n});
+        }
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::adam_step_many(run, entries, u);
+    }
+
     //! copy for every piece, on the replica's device, one launch per 32 pieces (Note [tensor tables]).
     static void copy_many(const Ex& ex, std::span<const CopyPiece<Cuda>> pieces) {
         std::vector<device::layer_kernels::CopyEntry> entries;

@@ -507,6 +507,24 @@ struct Ops<Host> {
     }
 
     //! copy for every piece (on CUDA one launch for many pieces).
+    //! One torch.optim.Adam (or AdamW) update of every entry (optim::adam_one per element, the
+    //! CUDA kernel's bits).
+    static void adam_step_many(const Ex&, std::span<const AdamTensors<Host>> items, const AdamUpdate& u) {
+        for (const auto& it : items) {
+            LOCKSTEP_CHECK_AS(UsageError, it.value && it.grad && it.exp_avg && it.exp_avg_sq,
+                              "adam_step_many: an entry without its parameter, gradient or moment estimates");
+            const std::int64_t n = it.value->numel();
+            check_count(it.grad->numel(), n, "adam_step_many", "a gradient");
+            check_count(it.exp_avg->numel(), n, "adam_step_many", "an exp_avg");
+            check_count(it.exp_avg_sq->numel(), n, "adam_step_many", "an exp_avg_sq");
+            float* LOCKSTEP_RESTRICT w = it.value->data();
+            const float* LOCKSTEP_RESTRICT g = it.grad->data();
+            float* LOCKSTEP_RESTRICT m = it.exp_avg->data();
+            float* LOCKSTEP_RESTRICT v = it.exp_avg_sq->data();
+            for (std::int64_t k = 0; k < n; ++k) optim::adam_one(u, w[k], g[k], m[k], v[k]);
+        }
+    }
+
     static void copy_many(const Ex& ex, std::span<const CopyPiece<Host>> pieces) {
         for (const auto& p : pieces) copy(ex, *p.dst, p.dst_offset, *p.src, p.src_offset, p.count);
     }

@@ -14,6 +14,7 @@
 #include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/batch_norm_math.hpp"  // the batch-norm payload layout layers and backends share
+#include "lockstep/kernels/optim_math.hpp"       // Adam per element on both backends
 #include "lockstep/kernels/pool_math.hpp"        // average pooling and dropout, per element on both backends
 
 namespace lockstep::kernels {
@@ -135,6 +136,15 @@ struct SgdTensors {
     bool first = false;
 };
 
+//! One parameter of `Ops<B>::adam_step_many`: its value, gradient and moment estimates.
+template <BackendTag B>
+struct AdamTensors {
+    Tensor<float, B>* value = nullptr;
+    const Tensor<float, B>* grad = nullptr;
+    Tensor<float, B>* exp_avg = nullptr;
+    Tensor<float, B>* exp_avg_sq = nullptr;
+};
+
 //! One piece of `Ops<B>::copy_many`: dst[dst_offset, +count) = src[src_offset, +count), on one
 //! device, the pieces not overlapping (DataParallel moving tensors into their bucket buffers).
 template <BackendTag B>
@@ -155,7 +165,8 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
                               Tensor<std::int32_t, B>& i32, const Tensor<std::int32_t, B>& ci32, Tensor<std::uint8_t, B>& mask,
                               const Tensor<std::uint8_t, B>& cmask, std::span<const std::int64_t> labels,
                               typename K::ConvScratch& conv, BnConstants<B>& bn, const BnConstants<B>& cbn,
-                              std::span<const SgdTensors<B>> sgd, std::span<const CopyPiece<B>> pieces) {
+                              std::span<const SgdTensors<B>> sgd, std::span<const AdamTensors<B>> adam,
+                              std::span<const CopyPiece<B>> pieces) {
     // A replica's resources: made for its device, entered by a thread (a guard) or bound to it.
     typename K::ReplicaResources;
     requires std::constructible_from<typename K::ReplicaResources, const Device&>;
@@ -202,6 +213,7 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
     { K::host_values(std::as_const(i64)) } -> std::same_as<std::optional<std::span<const std::int64_t>>>;
     K::mse(ex, cf, cf, 1.0, f, d);
     K::sgd_step_many(ex, sgd, SgdUpdate{});
+    K::adam_step_many(ex, adam, AdamUpdate{});
     // Batch norm (Note [batch-norm kernels]).
     K::bn_local_stats(ex, cf, BnGeometry{}, bn, d);
     K::bn_centre(ex, BnGeometry{}, cbn, d);

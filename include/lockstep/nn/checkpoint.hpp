@@ -539,12 +539,41 @@ void get_module(const Checkpoint& ck, M& module, std::string_view prefix = {}, U
     assign_module(ck, module, prefix);
 }
 
+namespace detail {
+
+// Whether optimizer O counts steps per parameter (Note [optimizer protocol]: visit_counters).
+template <class O, class M>
+concept has_counters = requires(O& o, M& m, void (*f)(const std::string&, std::int64_t&)) {
+    o.visit_counters(0, m, f);
+};
+
+}  // namespace detail
+
+//! The step count saved as `key` (a float32 scalar, PyTorch's "step"), 0 where `ck` has none;
+//! IoError unless it is a whole number >= 0.
+inline std::int64_t get_counter(const Checkpoint& ck, const std::string& key) {
+    if (!ck.contains(key)) return 0;
+    Tensor<float, Host> scalar(Shape{});
+    ck.get(key, scalar);
+    const float v = scalar[0];
+    if (!(v >= 0.0f) || v != static_cast<float>(static_cast<std::int64_t>(v)))
+        throw IoError(ck.label() + " holds step count '" + key + "' = " + std::to_string(v) + ", not a whole number >= 0");
+    return static_cast<std::int64_t>(v);
+}
+
 //! Adds replica `rank`'s optimizer state for `module` under `prefix` ("optimizer.<parameter>.momentum_buffer").
 template <class O, class M>
 void put_optimizer(Checkpoint& ck, O& optimizer, const M& module, int rank = 0, std::string_view prefix = "optimizer") {
     optimizer.visit_state(rank, module, [&](const std::string& name, const auto& state, const auto&) {
         if (state.numel() > 0) ck.put(std::string(prefix) + "." + name, state);
     });
+    if constexpr (detail::has_counters<O, M>)
+        optimizer.visit_counters(rank, module, [&](const std::string& name, const std::int64_t& count) {
+            if (count == 0) return;  // PyTorch has no state before a parameter's first step
+            Tensor<float, Host> scalar(Shape{});
+            scalar[0] = static_cast<float>(count);  // PyTorch's float32 "step"
+            ck.put(std::string(prefix) + "." + name, scalar);
+        });
 }
 
 //! Sets replica `rank`'s optimizer state for `module` from `ck`: a state the checkpoint has is
@@ -562,6 +591,10 @@ void get_optimizer(const Checkpoint& ck, O& optimizer, const M& module, int rank
         ck.get(key, loaded);
         state = std::move(loaded);
     });
+    if constexpr (detail::has_counters<O, M>)
+        optimizer.visit_counters(rank, module, [&](const std::string& name, std::int64_t& count) {
+            count = get_counter(ck, std::string(prefix) + "." + name);
+        });
 }
 
 //! Saves `module`'s state_dict to `path` atomically.

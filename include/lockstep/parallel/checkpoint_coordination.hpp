@@ -58,6 +58,15 @@ void check_loadable(const nn::Checkpoint& ck, Module& module, Optimizer* optimiz
             states.insert(key);
             if (ck.contains(key)) ck.check_fits(key, p.value);
         });
+        if constexpr (nn::detail::has_counters<Optimizer, Module>)
+            optimizer->visit_counters(0, module, [&](const std::string& name, const std::int64_t&) {
+                const std::string key = "optimizer." + name;
+                states.insert(key);
+                if (ck.contains(key)) {
+                    ck.check_fits(key, Tensor<float, Host>(Shape{}));
+                    (void)nn::get_counter(ck, key);  // a whole number, or IoError before anything changes
+                }
+            });
         for (const auto& name : ck.names())
             if (name.rfind("optimizer.", 0) == 0 && states.count(name) == 0)
                 throw IoError(ck.label() + " has optimizer state '" + name + "' that this model's optimizer does not have");

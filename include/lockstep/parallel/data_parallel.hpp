@@ -430,9 +430,14 @@ private:
                 root, core_->replicas[static_cast<std::size_t>(root)]->module,
                 [&](const std::string&, const auto& state, const auto&) { root_has.push_back(state.numel() > 0); });
         }
+        std::vector<double> root_counts;  // step counts (nn::Adam's), exact in fp64
+        if constexpr (nn::detail::has_counters<Optimizer, Module>)
+            optimizer->visit_counters(
+                root, core_->replicas[static_cast<std::size_t>(root)]->module,
+                [&](const std::string&, const std::int64_t& c) { root_counts.push_back(static_cast<double>(c)); });
         drop_graphs();  // the optimizer's state may be made anew (Note [captured steps])
         // Note [jobs own their state]: the job holds its own copy of `root_has`.
-        pool_.run([core = core_, root, root_has = std::move(root_has), optimizer](int r) {
+        pool_.run([core = core_, root, root_has = std::move(root_has), root_counts = std::move(root_counts), optimizer](int r) {
             auto& rep = core->replica(r);
             const std::uint64_t next = rep.broadcast_from(root);
             if constexpr (parallel::detail::has_optimizer<Optimizer>) {
@@ -447,6 +452,16 @@ private:
                     }
                     ++i;
                 });
+                if constexpr (nn::detail::has_counters<Optimizer, Module>) {
+                    Tensor<double, Host> counts(Shape{static_cast<std::int64_t>(root_counts.size())});
+                    for (std::size_t k = 0; k < root_counts.size(); ++k) counts[static_cast<std::int64_t>(k)] = root_counts[k];
+                    auto on_device = counts.template to<backend>(core->devices[static_cast<std::size_t>(r)]);
+                    rep.layer_comm->broadcast(DeviceSpan(on_device), root, comm::CollectiveSite::broadcast(next + i));
+                    const auto got = kernels::Ops<backend>::to_vector(rep.ctx.exec, on_device);
+                    std::size_t k = 0;
+                    optimizer->visit_counters(
+                        r, rep.module, [&](const std::string&, std::int64_t& c) { c = static_cast<std::int64_t>(got[k++]); });
+                }
             }
         });
         diverged_.reset();

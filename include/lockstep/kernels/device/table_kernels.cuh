@@ -134,6 +134,52 @@ struct SgdTable {
     }
 };
 
+struct AdamTableParams {
+    float* w[table_max];
+    const float* g[table_max];
+    float* m[table_max];
+    float* v[table_max];
+    long long n[table_max];
+    long long begin[table_max + 1];  // prefix sums of the tensors' items
+    unsigned char vec[table_max];
+    int count = 0;
+    AdamUpdate u;
+};
+
+//! One torch.optim.Adam update of every tensor of the table (optim::adam_one, as the host).
+struct AdamTable {
+    using Params = AdamTableParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const long long items = p.begin[p.count];
+        for (long long i = first_index(w); i < items; i += grid_threads(w)) {
+            const int t = table_find(p.begin, p.count, i);
+            const TableItem it = table_item(i - p.begin[t], p.n[t], p.vec[t]);
+            float* wp = p.w[t] + it.element;
+            const float* gp = p.g[t] + it.element;
+            float* mp = p.m[t] + it.element;
+            float* vp = p.v[t] + it.element;
+            if (it.is_vector) {
+                auto wv = load_pack<4>(wp);
+                const auto gv = load_pack<4>(gp);
+                auto mv = load_pack<4>(mp);
+                auto vv = load_pack<4>(vp);
+                LOCKSTEP_UNROLL
+                for (int e = 0; e < 4; ++e) optim::adam_one(p.u, wv.v[e], gv.v[e], mv.v[e], vv.v[e]);
+                store_pack<4>(wp, wv);
+                store_pack<4>(mp, mv);
+                store_pack<4>(vp, vv);
+            } else {
+                float wv = *wp, mv = *mp, vv = *vp;
+                optim::adam_one(p.u, wv, *gp, mv, vv);
+                store(wp, wv);
+                store(mp, mv);
+                store(vp, vv);
+            }
+        }
+    }
+};
+
 struct CopyTableParams {
     float* dst[table_max];
     const float* src[table_max];
@@ -209,6 +255,39 @@ template <class Run>
 void sgd_step(Run& run, float* value, const float* grad, float* momentum, std::int64_t n, bool first, const SgdUpdate& u) {
     const SgdEntry e{value, grad, momentum, n, first};
     sgd_step_many(run, std::span<const SgdEntry>(&e, 1), u);
+}
+
+//! One entry of adam_step_many: a parameter, its gradient and its two moment estimates.
+struct AdamEntry {
+    float* value = nullptr;
+    const float* grad = nullptr;
+    float* exp_avg = nullptr;
+    float* exp_avg_sq = nullptr;
+    std::int64_t n = 0;
+};
+
+//! One torch.optim.Adam update of every entry, a launch per `table_max` entries (Note [tensor tables]).
+template <class Run>
+void adam_step_many(Run& run, std::span<const AdamEntry> entries, const AdamUpdate& u) {
+    AdamTableParams p;
+    p.u = u;
+    const auto launch = [&] {
+        if (p.count == 0) return;
+        run.template map<AdamTable>(p, map_grid(p.begin[p.count], run.info()));
+        p.count = 0;
+    };
+    p.begin[0] = 0;
+    for (const AdamEntry& e : entries) {
+        if (e.n <= 0) continue;
+        const int t = p.count;
+        const int vec = all_aligned(16, {e.value, e.grad, e.exp_avg, e.exp_avg_sq}) ? 4 : 1;
+        p.w[t] = e.value, p.g[t] = e.grad, p.m[t] = e.exp_avg, p.v[t] = e.exp_avg_sq, p.n[t] = e.n;
+        p.vec[t] = static_cast<unsigned char>(vec);
+        p.begin[t + 1] = p.begin[t] + vector_items(e.n, vec);
+        ++p.count;
+        if (p.count == table_max) launch();
+    }
+    launch();
 }
 
 //! One entry of copy_many: n floats from src to dst (not overlapping).
