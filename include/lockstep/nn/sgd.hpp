@@ -30,7 +30,11 @@ namespace lockstep::nn {
 //                                      for every state tensor of replica `rank`, named as in
 //                                      PyTorch's optimizer state ("<parameter>.momentum_buffer");
 //                                      an empty tensor is a state not created yet (PyTorch's None).
-// DataParallel saves and loads optimizer state through visit_state, so a resume is exact.
+//   visit_counters(rank, module, f)    (optional) calls f(name, std::int64_t& count) for every
+//                                      per-parameter counter ("<parameter>.step" of nn::Adam),
+//                                      saved as PyTorch's float32 scalar.
+// DataParallel saves, loads and resyncs optimizer state through visit_state and visit_counters,
+// so a resume is exact.
 
 namespace detail {
 template <class B>
