@@ -75,7 +75,7 @@ def precision(mode):
     return how
 
 
-# ---- IDX files, as examples/mnist/idx.hpp reads them -------------------------------------------
+# ---- IDX files, as include/lockstep/data/idx.hpp reads them -------------------------------------------
 
 def find_file(data_dir, name):
     """`name` or `name.gz` in `data_dir`, whichever exists (train.hpp, find_file)."""

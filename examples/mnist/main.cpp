@@ -245,7 +245,7 @@ int main(int argc, char** argv) {
     }
     try {
         return run(opt);
-    } catch (const mnist::DataError& e) {
+    } catch (const lockstep::data::DataError& e) {
         std::fprintf(stderr, "mnist: %s\n", e.what());
     } catch (const lockstep::Error& e) {
         std::fprintf(stderr, "mnist: %s\n", e.what());

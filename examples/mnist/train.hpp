@@ -25,9 +25,9 @@
 #include <type_traits>
 #include <vector>
 
+#include <lockstep/data/idx.hpp>
 #include <lockstep/parallel.hpp>
 
-#include "idx.hpp"
 #include "net.hpp"
 
 namespace mnist_example {
@@ -65,14 +65,15 @@ struct Options {
 // "name" or "name.gz" in dir, whichever exists.
 inline std::string find_file(const std::string& dir, const std::string& name) {
     namespace fs = std::filesystem;
-    if (!fs::is_directory(dir)) throw mnist::DataError(dir + ": no such data directory (pass --data DIR with the IDX files)");
+    if (!fs::is_directory(dir))
+        throw lockstep::data::DataError(dir + ": no such data directory (pass --data DIR with the IDX files)");
     for (const auto& candidate : {fs::path(dir) / name, fs::path(dir) / (name + ".gz")})
         if (fs::exists(candidate)) return candidate.string();
-    throw mnist::DataError((std::filesystem::path(dir) / name).string() + "[.gz]: missing in the data directory");
+    throw lockstep::data::DataError((std::filesystem::path(dir) / name).string() + "[.gz]: missing in the data directory");
 }
 
 // Note [each process reads its rows]
-// The data sets are opened, not loaded (mnist::IdxSource): the labels (one byte per sample) are
+// The data sets are opened, not loaded (lockstep::data::IdxSource): the labels (one byte per sample) are
 // kept, the images stay in their files. Every process computes the same global order of an epoch
 // (the same seed) and the same batch boundaries; for each step it reads, from the files, only
 // the images of its own rows of the global batch (my_rows: those of its replicas' global ranks),
@@ -98,8 +99,8 @@ std::pair<std::int64_t, std::int64_t> my_rows(const Dp& dp, std::int64_t n) {
 // Samples `order[begin, begin + n)` as a (n, 1, 28, 28) batch scaled to [0, 1], with labels: their
 // images read from the data file now, runs of consecutive samples in one read (Note [each
 // process reads its rows]).
-inline void make_batch(const mnist::IdxSource& ds, const std::vector<std::int64_t>& order, std::int64_t begin, std::int64_t n,
-                       Tensor<float>& x, std::vector<std::int64_t>& labels) {
+inline void make_batch(const lockstep::data::IdxSource& ds, const std::vector<std::int64_t>& order, std::int64_t begin,
+                       std::int64_t n, Tensor<float>& x, std::vector<std::int64_t>& labels) {
     x = Tensor<float>(Shape{n, 1, 28, 28}, lockstep::MemoryFormat::nchw, lockstep::Device::host(0), lockstep::uninitialized);
     labels.resize(static_cast<std::size_t>(n));
     const std::int64_t bytes = ds.image_bytes();
@@ -145,7 +146,7 @@ struct Eval {
 // Test loss and accuracy, in chunks of 1000 images (the last folded into the one before when it
 // has fewer images than there are replicas, as in training).
 template <class B>
-Eval evaluate(DataParallel<mnist::Net<B>>& dp, const mnist::IdxSource& test) {
+Eval evaluate(DataParallel<mnist::Net<B>>& dp, const lockstep::data::IdxSource& test) {
     dp.eval();
     const auto order = epoch_order(test.count(), 0, 0, false);
     double loss = 0;
@@ -213,8 +214,8 @@ inline void check_same_run(const nn::Checkpoint& ck, const std::string& path, co
 }
 
 // The checkpoint of --resume, checked against this run, and the counters it continues from.
-inline void load_resume(const Options& opt, const mnist::IdxSource& train, int replicas, std::optional<nn::Checkpoint>& resume,
-                        int& start_epoch, std::int64_t& epoch_step, std::int64_t& step) {
+inline void load_resume(const Options& opt, const lockstep::data::IdxSource& train, int replicas,
+                        std::optional<nn::Checkpoint>& resume, int& start_epoch, std::int64_t& epoch_step, std::int64_t& step) {
     resume = nn::Checkpoint::load(opt.resume);
     const auto& ck = *resume;
     check_same_run(ck, opt.resume, "seed", "--seed", std::to_string(opt.seed));
@@ -265,25 +266,26 @@ int train(const Options& opt, const std::vector<lockstep::Device>& devices,
     std::int64_t step = 0, epoch_step = 0;
     int start_epoch = 0;
     std::optional<nn::Checkpoint> resume;
-    std::optional<mnist::IdxSource> train_data, test_data;
+    std::optional<lockstep::data::IdxSource> train_data, test_data;
     std::exception_ptr setup_failure;
     try {  // this process's own checks, then agree_on_setup
         // Before any training, not after an epoch; process 0 alone writes checkpoints.
         if (!opt.save.empty() && leader) nn::Checkpoint::check_writable(opt.save);
         // Note [each process reads its rows]: the images stay in the files until a step needs them.
+        // The network takes 28x28 images of 10 classes: anything else is refused when opened.
         train_data.emplace(find_file(opt.data, "train-images-idx3-ubyte"), find_file(opt.data, "train-labels-idx1-ubyte"),
-                           opt.train_limit);
+                           lockstep::data::IdxOptions{.limit = opt.train_limit, .rows = 28, .cols = 28, .classes = 10});
         test_data.emplace(find_file(opt.data, "t10k-images-idx3-ubyte"), find_file(opt.data, "t10k-labels-idx1-ubyte"),
-                          opt.test_limit);
+                          lockstep::data::IdxOptions{.limit = opt.test_limit, .rows = 28, .cols = 28, .classes = 10});
         const auto& train = *train_data;
         const auto& test = *test_data;
         if (train.count() < replicas)
             throw lockstep::InvalidArgument("only " + std::to_string(train.count()) + " training images for " +
                                             std::to_string(replicas) + " replicas");
         if (test.count() < replicas)
-            throw mnist::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count()) +
-                                   " test images, fewer than the " + std::to_string(replicas) +
-                                   " replicas; the test set must give every replica an image");
+            throw lockstep::data::DataError(find_file(opt.data, "t10k-images-idx3-ubyte") + ": " + std::to_string(test.count()) +
+                                            " test images, fewer than the " + std::to_string(replicas) +
+                                            " replicas; the test set must give every replica an image");
         if (!opt.init.empty())
             nn::get_module(nn::Checkpoint::load(opt.init), prototype, {}, nn::Unmatched::refused, "optimizer.");
         if (!opt.resume.empty()) load_resume(opt, train, replicas, resume, start_epoch, epoch_step, step);

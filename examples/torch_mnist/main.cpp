@@ -4,6 +4,7 @@
 //! lockstep::torch::DataParallel on host replicas; evaluates it on the test set after each epoch.
 //! Usage: torch_mnist [--replicas 2] [--epochs 2] [--batch 64] [--lr 0.01] [--data DIR] ...
 #include <CLI/CLI.hpp>
+#include <lockstep/data/idx.hpp>
 #include <lockstep/torch.hpp>
 
 #include <algorithm>
@@ -14,7 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "../mnist/idx.hpp"
 #include "net.hpp"
 
 namespace {
@@ -24,7 +24,7 @@ using torch_mnist::NetImpl;
 
 
 // Samples order[begin, begin + n) as an (n, 1, 28, 28) batch scaled to [0, 1], and their labels.
-std::pair<torch::Tensor, torch::Tensor> batch(const mnist::IdxSource& ds, const std::vector<std::int64_t>& order,
+std::pair<torch::Tensor, torch::Tensor> batch(const lockstep::data::IdxSource& ds, const std::vector<std::int64_t>& order,
                                               std::int64_t begin, std::int64_t n) {
     auto pixels = torch::empty({n, 1, 28, 28}, torch::kUInt8);
     auto labels = torch::empty({n}, torch::kLong);
@@ -70,10 +70,13 @@ int main(int argc, char** argv) {
                     std::fclose(f);
                     return data + "/" + name + suffix;
                 }
-            throw mnist::DataError(data + "/" + name + "[.gz] not found; pass --data DIR (Debian: dataset-fashion-mnist)");
+            throw lockstep::data::DataError(data + "/" + name +
+                                            "[.gz] not found; pass --data DIR (Debian: dataset-fashion-mnist)");
         };
-        const mnist::IdxSource train(file("train-images-idx3-ubyte"), file("train-labels-idx1-ubyte"), train_limit);
-        const mnist::IdxSource test(file("t10k-images-idx3-ubyte"), file("t10k-labels-idx1-ubyte"), test_limit);
+        const lockstep::data::IdxSource train(file("train-images-idx3-ubyte"), file("train-labels-idx1-ubyte"),
+                                              {.limit = train_limit, .rows = 28, .cols = 28, .classes = 10});
+        const lockstep::data::IdxSource test(file("t10k-images-idx3-ubyte"), file("t10k-labels-idx1-ubyte"),
+                                             {.limit = test_limit, .rows = 28, .cols = 28, .classes = 10});
 
         torch::manual_seed(seed);
         Net net;

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-//! libFuzzer target for the MNIST example's IDX reader, `mnist::IdxSource` (examples/mnist/idx.hpp),
+//! libFuzzer target for the MNIST example's IDX reader, `lockstep::data::IdxSource` (include/lockstep/data/idx.hpp),
 //! on plain and gzipped files: opening them, then reading every image.
 //!
 //! An input is an images file and a labels file with a small frame around them:
@@ -11,7 +11,7 @@
 //! A part that is not gzipped by the flags is written as it is: the reader inflates whatever starts
 //! with the gzip magic (zlib's transparent read), so raw parts also reach corrupt gzip streams.
 //! Each part goes to a per-process scratch file (an in-memory memfd, opened again through
-//! /proc/self/fd). `mnist::DataError` is the expected outcome for bad files; a data set that loads
+//! /proc/self/fd). `lockstep::data::DataError` is the expected outcome for bad files; a data set that loads
 //! must be self-consistent. Anything else (a sanitizer report, a crash, another exception, a
 //! broken invariant) is a finding.
 //!
@@ -23,7 +23,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include "idx.hpp"
+#include <lockstep/data/idx.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -63,7 +63,7 @@ std::vector<std::uint8_t> gzip(const std::uint8_t* data, std::size_t size) {
 
 // What `IdxSource` promises about a data set it opens: every image can be read, in one read or one
 // by one with the same bytes, and every label is a class. Returns the images.
-std::vector<std::uint8_t> check_opened(const mnist::IdxSource& ds, std::int64_t limit) {
+std::vector<std::uint8_t> check_opened(const lockstep::data::IdxSource& ds, std::int64_t limit) {
     if (ds.rows() != 28 || ds.cols() != 28 || ds.image_bytes() != 28 * 28) finding("images are not 28x28");
     if (ds.count() < 0 || (limit > 0 && ds.count() > limit)) finding("count is negative or beyond the limit");
     std::vector<std::uint8_t> all(static_cast<std::size_t>(ds.count() * ds.image_bytes()));
@@ -122,10 +122,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const std::string images_path = write(images, (flags & 1) != 0, data, images_size);
     const std::string labels_path = write(labels, (flags & 2) != 0, data + images_size, size - images_size);
     try {
-        const mnist::IdxSource ds(images_path, labels_path, limit, false);  // no shared copies of fuzz inputs in TMPDIR
+        const lockstep::data::IdxSource ds(images_path, labels_path,
+                                           {.limit = limit,
+                                            .share_inflated = false,
+                                            .rows = 28,
+                                            .cols = 28,
+                                            .classes = 10});  // no shared copies of fuzz inputs in TMPDIR
         const auto pixels = check_opened(ds, limit);
         if (self_test()) read_past_the_end(pixels);
-    } catch (const mnist::DataError&) {
+    } catch (const lockstep::data::DataError&) {
         // a refused file: the expected outcome
     }
     return 0;

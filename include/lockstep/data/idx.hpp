@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-//! Reading MNIST-style IDX files (gzipped or not) with every check a corrupt file can fail, the
-//! images read from the file when they are needed (`mnist::IdxSource`).
+//! `lockstep::data::IdxSource`: MNIST-style IDX files (gzipped or not) read with every check a
+//! corrupt file can fail, the images read from the file when they are needed. Link
+//! lockstep::data (zlib).
 #pragma once
 
 #include <fcntl.h>
@@ -17,17 +18,35 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-namespace mnist {
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/shape.hpp"
 
-//! A data error: which file and what is wrong with it (the example prints it and exits 2).
-struct DataError : std::runtime_error {
-    using std::runtime_error::runtime_error;
+namespace lockstep::data {
+
+//! A data error: which file and what is wrong with it.
+class DataError : public IoError {
+public:
+    using IoError::IoError;
+};
+
+//! What an IdxSource checks and keeps.
+struct IdxOptions {
+    //! > 0: keep the first `limit` samples.
+    std::int64_t limit = 0;
+    //! A gzipped images file is inflated once per machine into a copy its processes share
+    //! (detail::shared_copy); false: into an anonymous file of this object's own.
+    bool share_inflated = true;
+    //! > 0: the images must be this many rows and columns (a network's input size).
+    std::int64_t rows = 0, cols = 0;
+    //! > 0: every label must be a class below it.
+    std::int64_t classes = 0;
 };
 
 namespace detail {
@@ -88,7 +107,7 @@ std::int64_t inflate_chunks(const std::string& path, gzFile f, Sink&& sink) {
             if (n == 0) break;
             sink(buf.data(), static_cast<std::size_t>(n));
             size += n;
-            if (size > (std::int64_t{1} << 31)) throw DataError(path + ": larger than 2 GiB; not an MNIST-style file");
+            if (size > (std::int64_t{1} << 31)) throw DataError(path + ": larger than 2 GiB; not an MNIST-style IDX file");
         }
     } catch (...) {
         gzclose(f);
@@ -247,9 +266,9 @@ public:
     //! `limit` > 0 keeps the first `limit` samples. `share_inflated`: a gzipped images file is
     //! inflated once per machine into a copy its processes share (detail::shared_copy), else
     //! into an anonymous file of this object's own.
-    IdxSource(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0, bool share_inflated = true)
-        : path_(images_path) {
-        auto [fd, size] = detail::open_uncompressed(images_path, share_inflated, inflated_);
+    IdxSource(const std::string& images_path, const std::string& labels_path, IdxOptions options = {}) : path_(images_path) {
+        const std::int64_t limit = options.limit;
+        auto [fd, size] = detail::open_uncompressed(images_path, options.share_inflated, inflated_);
         fd_ = std::move(fd);
         const auto lab = detail::read_all(labels_path);
         std::uint8_t header[16] = {};
@@ -276,15 +295,17 @@ public:
         if (nlabels != count_)
             throw DataError(labels_path + ": " + std::to_string(nlabels) + " labels for " + std::to_string(count_) +
                             " images in " + images_path);
-        if (rows_ != 28 || cols_ != 28)
+        if ((options.rows > 0 && rows_ != options.rows) || (options.cols > 0 && cols_ != options.cols))
             throw DataError(images_path + ": images are " + std::to_string(rows_) + "x" + std::to_string(cols_) +
-                            "; this network takes 28x28");
+                            "; this network takes " + std::to_string(options.rows) + "x" + std::to_string(options.cols));
         if (limit > 0 && limit < count_) count_ = limit;
         labels_.assign(lab.begin() + 8, lab.begin() + 8 + count_);
-        for (std::int64_t i = 0; i < count_; ++i)
-            if (labels_[static_cast<std::size_t>(i)] > 9)
-                throw DataError(labels_path + ": label " + std::to_string(labels_[static_cast<std::size_t>(i)]) + " of sample " +
-                                std::to_string(i) + " is not a digit class 0-9");
+        if (options.classes > 0)
+            for (std::int64_t i = 0; i < count_; ++i)
+                if (labels_[static_cast<std::size_t>(i)] >= options.classes)
+                    throw DataError(labels_path + ": label " + std::to_string(labels_[static_cast<std::size_t>(i)]) +
+                                    " of sample " + std::to_string(i) + " is not a class 0-" +
+                                    std::to_string(options.classes - 1));
     }
 
     //! Samples, and each image's height and width.
@@ -305,6 +326,19 @@ public:
         read_ += n;
     }
 
+    //! The dataset protocol of data::BatchLoader: samples, one sample's shape (1, rows, cols),
+    //! and sample i's pixels scaled to [0, 1] into `out`.
+    std::int64_t size() const noexcept { return count_; }
+    Shape sample_shape() const { return Shape{1, rows_, cols_}; }
+    void read(std::int64_t i, std::span<float> out) const {
+        if (static_cast<std::int64_t>(out.size()) != image_bytes())
+            throw InvalidArgument("IdxSource::read: room for " + std::to_string(out.size()) + " values, an image has " +
+                                  std::to_string(image_bytes()));
+        std::vector<std::uint8_t> px(static_cast<std::size_t>(image_bytes()));
+        read_images(i, 1, px.data());
+        for (std::size_t k = 0; k < px.size(); ++k) out[k] = static_cast<float>(px[k]) / 255.0f;
+    }
+
     //! Whether opening inflated the gzipped images file here (not when a shared copy was there).
     bool inflated() const noexcept { return inflated_; }
 
@@ -320,4 +354,4 @@ private:
     bool inflated_ = false;
 };
 
-}  // namespace mnist
+}  // namespace lockstep::data
