@@ -452,3 +452,66 @@ TEST_CASE("DataParallel names a parameter that received no gradient, once, unles
         CHECK(test::rel_error(dp.module().first.weight.value.span(), before.span()) == 0);  // nothing applied
     }
 }
+
+TEST_CASE("LayerNorm matches an fp64 layer norm, forward and backward, and gradcheck passes", "[nn]") {
+    const auto seed = test::fresh_seed();
+    CAPTURE(seed);
+    std::mt19937_64 gen(seed);
+    for (const bool affine : {true, false}) {
+        CAPTURE(affine);
+        const std::int64_t R = 6, M = 10;
+        nn::LayerNorm<> ln(Shape{2, 5}, {.eps = 1e-5, .elementwise_affine = affine});
+        if (affine) {
+            ln.weight.value = random_tensor(Shape{2, 5}, gen, 0.5, 1.5);
+            ln.bias.value = random_tensor(Shape{2, 5}, gen);
+        }
+        const auto x = random_tensor(Shape{3, 2, 2, 5}, gen, -2.0, 3.0);  // 6 rows of 10
+        nn::Context<> ctx;
+        nn::zero_grad(ln);
+        const auto y = ln.forward(ctx, x);
+        const auto dy = random_tensor(y.shape(), gen);
+        const auto dx = ln.backward(ctx, dy);
+        // fp64: y = xhat w + b; dx from the definition; dw = sum dy xhat, db = sum dy.
+        std::vector<double> ry(static_cast<std::size_t>(R * M)), rdx(ry.size()), rdw(M, 0.0), rdb(M, 0.0);
+        for (std::int64_t i = 0; i < R; ++i) {
+            double mu = 0, var = 0;
+            for (std::int64_t j = 0; j < M; ++j) mu += x[i * M + j];
+            mu /= M;
+            for (std::int64_t j = 0; j < M; ++j) var += (x[i * M + j] - mu) * (x[i * M + j] - mu);
+            var /= M;
+            const double r = 1 / std::sqrt(var + 1e-5);
+            double a = 0, c = 0;
+            for (std::int64_t j = 0; j < M; ++j) {
+                const double w = affine ? ln.weight.value[j] : 1.0, b = affine ? ln.bias.value[j] : 0.0;
+                const double xhat = (x[i * M + j] - mu) * r;
+                ry[static_cast<std::size_t>(i * M + j)] = xhat * w + b;
+                a += dy[i * M + j] * w;
+                c += dy[i * M + j] * w * xhat;
+                rdw[static_cast<std::size_t>(j)] += dy[i * M + j] * xhat;
+                rdb[static_cast<std::size_t>(j)] += dy[i * M + j];
+            }
+            for (std::int64_t j = 0; j < M; ++j) {
+                const double w = affine ? ln.weight.value[j] : 1.0;
+                const double xhat = (x[i * M + j] - mu) * r;
+                rdx[static_cast<std::size_t>(i * M + j)] = r * (dy[i * M + j] * w - a / M - xhat * c / M);
+            }
+        }
+        CHECK(test::rel_error(y.span(), ry) <= 1e-6);
+        CHECK(test::rel_error(dx.span(), rdx) <= 1e-6);
+        if (affine) {
+            CHECK(test::rel_error(ln.weight.grad.span(), rdw) <= 1e-6);
+            CHECK(test::rel_error(ln.bias.grad.span(), rdb) <= 1e-6);
+        }
+        const auto check = nn::gradcheck(ln, x);
+        INFO(check.report());
+        CHECK(check.passed());
+    }
+    nn::LayerNorm<> ln(8);
+    nn::Context<> ctx;
+    CHECK_THROWS_WITH(ln.forward(ctx, Tensor<float>(Shape{4, 7})),
+                      Catch::Contains("LayerNorm(8)") && Catch::Contains("(N, ..., 8)"));
+    CHECK_THROWS_AS(ln.backward(ctx, Tensor<float>(Shape{4, 8})), UsageError);
+    std::vector<std::string> names;
+    nn::for_each_parameter(ln, [&](const std::string& n, auto&) { names.push_back(n); });
+    CHECK(names == std::vector<std::string>{"weight", "bias"});
+}

@@ -15,6 +15,7 @@
 #include "lockstep/nn/dropout.hpp"
 #include "lockstep/nn/gradcheck.hpp"
 #include "lockstep/nn/init.hpp"
+#include "lockstep/nn/layer_norm.hpp"
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/module.hpp"

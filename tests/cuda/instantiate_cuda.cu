@@ -26,6 +26,7 @@ template class nn::Sgd<Cuda>;
 template class nn::AvgPool2d<Cuda>;
 template class nn::AdaptiveAvgPool2d<Cuda>;
 template class nn::Dropout<Cuda>;
+template class nn::LayerNorm<Cuda>;
 template class nn::Identity<Cuda>;
 using CudaBlock = nn::Sequential<nn::Conv2d<Cuda>, nn::SyncBatchNorm<Cuda>>;
 template class nn::Residual<CudaBlock, CudaBlock>;

@@ -102,6 +102,8 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     Ops::avgpool_backward(ex, avg, f, f);
     Ops::dropout_forward(ex, f, kernels::DropoutDraw{}, mask);
     Ops::dropout_backward(ex, f, mask, kernels::DropoutDraw{}, f);
+    Ops::layer_norm_forward(ex, f, 1, &f, &f, 1e-5, f, f, f);
+    Ops::layer_norm_backward(ex, f, f, 1, &f, f, f, f, &f, &f);
     Ops::softmax_cross_entropy(ex, f, labels, 1.0, f, d);
     Ops::mse(ex, f, f, 1.0, f, d);
     Ops::sgd_step(ex, f, f, f, true, kernels::SgdUpdate{});

@@ -877,6 +877,10 @@ int main() {
                       Shape{2, 3, 7, 5}, MemoryFormat::nchw, ctx, rng);
         compare_layer("AdaptiveAvgPool2d 1 (global)", nn::AdaptiveAvgPool2d<Host>(1), nn::AdaptiveAvgPool2d<Cuda>(1),
                       Shape{4, 33, 6, 6}, MemoryFormat::nchw, ctx, rng);
+        compare_layer("LayerNorm (5, 7)", nn::LayerNorm<Host>(Shape{5, 7}), nn::LayerNorm<Cuda>(Shape{5, 7}), Shape{3, 4, 5, 7},
+                      MemoryFormat::nchw, ctx, rng);
+        compare_layer("LayerNorm 300, no affine", nn::LayerNorm<Host>(300, {.elementwise_affine = false}),
+                      nn::LayerNorm<Cuda>(300, {.elementwise_affine = false}), Shape{70, 300}, MemoryFormat::nchw, ctx, rng);
         compare_layer("Dropout 0.3", nn::Dropout<Host>(0.3, 11), nn::Dropout<Cuda>(0.3, 11), Shape{3, 4, 5, 7},
                       MemoryFormat::nchw, ctx, rng);
         {

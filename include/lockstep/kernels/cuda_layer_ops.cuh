@@ -397,6 +397,37 @@ struct LayerOps {
         device::layer_kernels::dropout_backward(run, d, on_device(dy.data()), mask.data(), on_device(dx.data()), dy.numel());
     }
 
+    //! Layer norm of each row of M values, as the host (Note [layer norm per row]).
+    static void layer_norm_forward(const Ex& ex, const T_<float>& x, std::int64_t M, const T_<float>* weight,
+                                   const T_<float>* bias, double eps, T_<float>& y, T_<float>& mean, T_<float>& rstd) {
+        layer_detail::check_on(ex, x, "layer_norm_forward's input");
+        const std::int64_t R = M > 0 ? x.numel() / M : 0;
+        layer_detail::check_numel(y, x.numel(), "layer_norm_forward", "y");
+        layer_detail::check_numel(mean, R, "layer_norm_forward", "mean");
+        layer_detail::check_numel(rstd, R, "layer_norm_forward", "rstd");
+        device::layer_kernels::LayerNormParams p;
+        p.x = x.data(), p.w = weight != nullptr ? weight->data() : nullptr, p.b = bias != nullptr ? bias->data() : nullptr;
+        p.y = y.data(), p.mean = mean.data(), p.rstd = rstd.data(), p.rows = R, p.M = M, p.eps = eps;
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::layer_norm_forward(run, p);
+    }
+
+    //! Layer norm backward: dx per row; weight_grad and bias_grad (may be null) += their sums over rows.
+    static void layer_norm_backward(const Ex& ex, const T_<float>& x, const T_<float>& dy, std::int64_t M,
+                                    const T_<float>* weight, const T_<float>& mean, const T_<float>& rstd, T_<float>& dx,
+                                    T_<float>* weight_grad, T_<float>* bias_grad) {
+        layer_detail::check_on(ex, dy, "layer_norm_backward's dy");
+        layer_detail::check_numel(dy, x.numel(), "layer_norm_backward", "dy");
+        layer_detail::check_numel(dx, x.numel(), "layer_norm_backward", "dx");
+        device::layer_kernels::LayerNormParams p;
+        p.x = x.data(), p.dy = dy.data(), p.w = weight != nullptr ? weight->data() : nullptr;
+        p.y = dx.data(), p.mean = const_cast<float*>(mean.data()), p.rstd = const_cast<float*>(rstd.data());
+        p.dw = weight_grad != nullptr ? weight_grad->data() : nullptr, p.db = bias_grad != nullptr ? bias_grad->data() : nullptr;
+        p.rows = M > 0 ? x.numel() / M : 0, p.M = M;
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::layer_norm_backward(run, p);
+    }
+
     // ---- losses and optimizer -----------------------------------------------------------------
 
     //! Softmax cross-entropy of `logits` (N, K) against `labels` (checked by the caller), in fp64:

@@ -369,6 +369,44 @@ struct Ops<Host> {
         for (std::int64_t i = 0; i < dy.numel(); ++i) out[i] = g[i] * (m[i] != 0 ? d.scale : 0.0f);
     }
 
+    //! Layer norm of each row of M values (Note [layer norm per row]): y, and each row's mean and
+    //! 1/sqrt(var + eps) for backward; weight and bias (M each) may be null.
+    static void layer_norm_forward(const Ex&, const T_<float>& x, std::int64_t M, const T_<float>* weight, const T_<float>* bias,
+                                   double eps, T_<float>& y, T_<float>& mean, T_<float>& rstd) {
+        const std::int64_t R = M > 0 ? x.numel() / M : 0;
+        check_count(y.numel(), x.numel(), "layer_norm_forward", "y");
+        check_count(mean.numel(), R, "layer_norm_forward", "mean");
+        check_count(rstd.numel(), R, "layer_norm_forward", "rstd");
+        const float* w = weight != nullptr ? weight->data() : nullptr;
+        const float* b = bias != nullptr ? bias->data() : nullptr;
+        for (std::int64_t i = 0; i < R; ++i) {
+            const float* row = x.data() + i * M;
+            float mu = 0, r = 0;
+            layer_norm::row_stats(row, M, eps, mu, r);
+            mean[i] = mu;
+            rstd[i] = r;
+            float* out = y.data() + i * M;
+            for (std::int64_t j = 0; j < M; ++j) out[j] = layer_norm::forward_at(row[j], mu, r, w, b, j);
+        }
+    }
+
+    //! Layer norm backward: dx per row; weight_grad and bias_grad (may be null) += their sums over rows.
+    static void layer_norm_backward(const Ex&, const T_<float>& x, const T_<float>& dy, std::int64_t M, const T_<float>* weight,
+                                    const T_<float>& mean, const T_<float>& rstd, T_<float>& dx, T_<float>* weight_grad,
+                                    T_<float>* bias_grad) {
+        const std::int64_t R = M > 0 ? x.numel() / M : 0;
+        check_count(dy.numel(), x.numel(), "layer_norm_backward", "dy");
+        check_count(dx.numel(), x.numel(), "layer_norm_backward", "dx");
+        const float* w = weight != nullptr ? weight->data() : nullptr;
+        for (std::int64_t i = 0; i < R; ++i)
+            layer_norm::backward_row(x.data() + i * M, dy.data() + i * M, M, w, mean[i], rstd[i], dx.data() + i * M);
+        if (weight_grad == nullptr && bias_grad == nullptr) return;
+        for (std::int64_t j = 0; j < M; ++j)
+            layer_norm::param_grads_at(x.data(), dy.data(), R, M, mean.data(), rstd.data(), j,
+                                       weight_grad != nullptr ? weight_grad->data() : nullptr,
+                                       bias_grad != nullptr ? bias_grad->data() : nullptr);
+    }
+
     // ---- losses -------------------------------------------------------------------------------
 
     //! The values of `labels`, readable here without a wait: host memory is.

@@ -14,6 +14,7 @@
 #include "lockstep/core/bfloat16.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/kernels/batch_norm_math.hpp"  // the batch-norm payload layout layers and backends share
+#include "lockstep/kernels/norm_math.hpp"        // layer norm per row on both backends
 #include "lockstep/kernels/optim_math.hpp"       // Adam per element on both backends
 #include "lockstep/kernels/pool_math.hpp"        // average pooling and dropout, per element on both backends
 
@@ -208,6 +209,8 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
     K::avgpool_backward(ex, AvgPoolGeometry{}, cf, f);
     K::dropout_forward(ex, f, DropoutDraw{}, mask);
     K::dropout_backward(ex, cf, cmask, DropoutDraw{}, f);
+    K::layer_norm_forward(ex, cf, 1, &cf, &cf, 1e-5, f, f, f);
+    K::layer_norm_backward(ex, cf, cf, 1, &cf, cf, cf, f, &f, &f);
     K::softmax_cross_entropy(ex, cf, labels, 1.0, f, d);
     // A tensor's values where the host reads them without a wait (labels checked in a loss), or none.
     { K::host_values(std::as_const(i64)) } -> std::same_as<std::optional<std::span<const std::int64_t>>>;

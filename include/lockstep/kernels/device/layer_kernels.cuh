@@ -449,6 +449,58 @@ struct DropoutBackward {
     }
 };
 
+// ---- layer norm (maps over rows and columns, Note [layer norm per row]) --------------------------
+
+struct LayerNormParams {
+    const float* x = nullptr;
+    const float* dy = nullptr;  // backward
+    const float* w = nullptr;   // may be null
+    const float* b = nullptr;   // forward; may be null
+    float* y = nullptr;         // forward: y; backward: dx
+    float* mean = nullptr;
+    float* rstd = nullptr;
+    float* dw = nullptr;  // parameter gradients (may be null)
+    float* db = nullptr;
+    std::int64_t rows = 0, M = 0;
+    double eps = 1e-5;
+};
+
+//! One thread per row: its statistics, then the row normalized.
+struct LayerNormForward {
+    using Params = LayerNormParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.rows; i += grid_threads(w)) {
+            const float* row = p.x + i * p.M;
+            float mu = 0, r = 0;
+            layer_norm::row_stats(row, p.M, p.eps, mu, r);
+            store(p.mean + i, mu);
+            store(p.rstd + i, r);
+            for (std::int64_t j = 0; j < p.M; ++j) store(p.y + i * p.M + j, layer_norm::forward_at(row[j], mu, r, p.w, p.b, j));
+        }
+    }
+};
+
+//! One thread per row: the row's dx.
+struct LayerNormDx {
+    using Params = LayerNormParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.rows; i += grid_threads(w))
+            layer_norm::backward_row(p.x + i * p.M, p.dy + i * p.M, p.M, p.w, p.mean[i], p.rstd[i], p.y + i * p.M);
+    }
+};
+
+//! One thread per column: its parameters' gradients, summed over the rows in row order.
+struct LayerNormParamGrads {
+    using Params = LayerNormParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t j = first_index(w); j < p.M; j += grid_threads(w))
+            layer_norm::param_grads_at(p.x, p.dy, p.rows, p.M, p.mean, p.rstd, j, p.dw, p.db);
+    }
+};
+
 // ---- per-channel sums (reducing) ----------------------------------------------------------------
 
 template <class T = float>
@@ -781,6 +833,21 @@ void avgpool(Run& run, const AvgPoolGeometry& g, const float* src, float* dst, b
         run.template map<AvgPoolBackward>(p, map_grid(p.n, run.info()));
     else
         run.template map<AvgPoolForward>(p, map_grid(p.n, run.info()));
+}
+
+//! Layer norm forward over `rows` rows of M values (Note [layer norm per row]).
+template <class Run>
+void layer_norm_forward(Run& run, LayerNormParams p) {
+    if (p.rows == 0 || p.M == 0) return;
+    run.template map<LayerNormForward>(p, map_grid(p.rows, run.info()));
+}
+
+//! Layer norm backward: dx (p.y) per row, then the parameters' gradients per column.
+template <class Run>
+void layer_norm_backward(Run& run, LayerNormParams p) {
+    if (p.rows == 0 || p.M == 0) return;
+    run.template map<LayerNormDx>(p, map_grid(p.rows, run.info()));
+    if (p.dw != nullptr || p.db != nullptr) run.template map<LayerNormParamGrads>(p, map_grid(p.M, run.info()));
 }
 
 //! Dropout forward in place on x[0, n), its mask written.
