@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 //! One training step of the MNIST example network (batch 64, 1x28x28) on 1 and 2 host replicas,
-//! and what overlapping the gradient all-reduce with backward buys.
+//! and what overlapping the gradient all-reduce with backward buys; the residual example's step
+//! (batch 128, AdamW) on 1 and 2 replicas, which scripts/bench-resnet.sh sets against PyTorch.
 #include <benchmark/benchmark.h>
 
 #include <atomic>
@@ -13,6 +14,7 @@
 #include <lockstep/parallel.hpp>
 
 #include "../examples/mnist/net.hpp"
+#include "../examples/resnet/net.hpp"
 
 namespace {
 
@@ -109,6 +111,40 @@ void BM_TrainStepOverlap(benchmark::State& state) {
     state.counters["overlap_speedup"] = overlapped / serial;
 }
 BENCHMARK(BM_TrainStepOverlap)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The residual example (examples/resnet): images per second of `steps` AdamW steps of batch 128
+// on `replicas` replicas.
+double resnet_images_per_second(int replicas, int steps) {
+    static const auto data = [] {
+        std::pair<Tensor<float>, std::vector<std::int64_t>> d{Tensor<float>(Shape{128, 1, 28, 28}),
+                                                              std::vector<std::int64_t>(128)};
+        std::mt19937 gen(5);
+        std::uniform_real_distribution<float> u(0.0f, 1.0f);
+        for (auto& v : d.first.span()) v = u(gen);
+        for (std::size_t i = 0; i < d.second.size(); ++i) d.second[i] = static_cast<std::int64_t>(i % 10);
+        return d;
+    }();
+    nn::Generator gen(1);
+    DataParallel dp(resnet::make_net<Host>(16, gen), replicas);
+    nn::AdamW adamw({.lr = 3e-3, .weight_decay = 0.05}, {nn::no_decay_on_norms_and_biases()});
+    dp.train_step(data.first, data.second, nn::SoftmaxCrossEntropy{}, adamw);  // warm-up
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int s = 0; s < steps; ++s) dp.train_step(data.first, data.second, nn::SoftmaxCrossEntropy{}, adamw);
+    return 128.0 * steps / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The residual example's step on 1 and 2 replicas, back to back: `resnet_scaling` is their ratio.
+void BM_ResnetSteps(benchmark::State& state) {
+    double one = 0, two = 0;
+    for (auto _ : state) {
+        one = resnet_images_per_second(1, 6);
+        two = resnet_images_per_second(2, 6);
+    }
+    state.counters["resnet_images_per_s_1"] = one;
+    state.counters["resnet_images_per_s_2"] = two;
+    state.counters["resnet_scaling"] = two / one;
+}
+BENCHMARK(BM_ResnetSteps)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -337,13 +337,26 @@ struct Ops<Host> {
         for (std::int64_t i = 0; i < g.out_numel(); ++i) out[i] = pool::forward_at(g, src, i);
     }
 
-    //! dx = each window's share of dy, gathered per input element.
+    //! dx = each window's share of dy. Scattered window by window from zero: every input element
+    //! receives its shares in the windows' row order, the order in which the CUDA kernel gathers
+    //! them (pool::backward_at), so the bits are the same without a division per element.
     static void avgpool_backward(const Ex&, const AvgPoolGeometry& g, const T_<float>& dy, T_<float>& dx) {
         check_count(dy.numel(), g.out_numel(), "avgpool_backward", "dy");
         check_count(dx.numel(), g.in_numel(), "avgpool_backward", "dx");
-        const float* src = dy.data();
-        float* LOCKSTEP_RESTRICT out = dx.data();
-        for (std::int64_t i = 0; i < g.in_numel(); ++i) out[i] = pool::backward_at(g, src, i);
+        dx.zero();
+        const float* LOCKSTEP_RESTRICT src = dy.data();
+        for (std::int64_t plane = 0; plane < g.planes(); ++plane) {
+            float* LOCKSTEP_RESTRICT out = dx.data() + plane * g.height * g.width;
+            for (std::int64_t oh = 0; oh < g.out_height; ++oh) {
+                const auto r = pool::window(oh, g.height, g.out_height, g.kernel_h, g.stride_h, g.adaptive);
+                for (std::int64_t ow = 0; ow < g.out_width; ++ow) {
+                    const auto c = pool::window(ow, g.width, g.out_width, g.kernel_w, g.stride_w, g.adaptive);
+                    const float share = *src++ / static_cast<float>((r.end - r.begin) * (c.end - c.begin));
+                    for (std::int64_t h = r.begin; h < r.end; ++h)
+                        for (std::int64_t w = c.begin; w < c.end; ++w) out[h * g.width + w] += share;
+                }
+            }
+        }
     }
 
     //! x *= (kept ? scale : 0) in place, element i kept where dropout::keep(d, i); mask = kept.
