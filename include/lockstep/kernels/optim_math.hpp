@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "lockstep/core/config.hpp"
+#include "lockstep/kernels/rounding.hpp"
 
 namespace lockstep::kernels {
 
@@ -43,42 +44,12 @@ struct AdamUpdate {
 
 namespace optim {
 
-// fp32 operations each rounded on its own: on the device never contracted into an FMA.
-LOCKSTEP_HD inline float mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-LOCKSTEP_HD inline float add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    return __fadd_rn(a, b);
-#else
-    return a + b;
-#endif
-}
-LOCKSTEP_HD inline float sub(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    return __fsub_rn(a, b);
-#else
-    return a - b;
-#endif
-}
-LOCKSTEP_HD inline float div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    return __fdiv_rn(a, b);
-#else
-    return a / b;
-#endif
-}
-LOCKSTEP_HD inline float sqrt(float a) {
-#if defined(__CUDA_ARCH__)
-    return __fsqrt_rn(a);
-#else
-    return std::sqrt(a);
-#endif
-}
+// fp32 operations each rounded on its own (Note [rounded once]).
+using rounding::add_rn;
+using rounding::div_rn;
+using rounding::mul_rn;
+using rounding::sqrt_rn;
+using rounding::sub_rn;
 
 //! torch.optim.Adam's update of one element (its single-tensor path, in its order):
 //!   AdamW: w *= 1 - lr wd;  Adam: g += wd w;
@@ -86,13 +57,13 @@ LOCKSTEP_HD inline float sqrt(float a) {
 //!   w = w - (step_size m) / (sqrt(v) / bias_sqrt + eps)   (addcdiv's order: value * t1 / t2).
 LOCKSTEP_HD inline void adam_one(const AdamUpdate& u, float& w, float g, float& m, float& v) {
     if (u.decoupled)
-        w = mul(w, u.decay);
+        w = mul_rn(w, u.decay);
     else
-        g = add(g, mul(u.weight_decay, w));
-    m = add(m, mul(u.one_minus_beta1, sub(g, m)));
-    v = add(mul(v, u.beta2), mul(mul(u.one_minus_beta2, g), g));
-    const float denom = add(div(sqrt(v), u.bias_sqrt), u.eps);
-    w = sub(w, div(mul(u.step_size, m), denom));
+        g = add_rn(g, mul_rn(u.weight_decay, w));
+    m = add_rn(m, mul_rn(u.one_minus_beta1, sub_rn(g, m)));
+    v = add_rn(mul_rn(v, u.beta2), mul_rn(mul_rn(u.one_minus_beta2, g), g));
+    const float denom = add_rn(div_rn(sqrt_rn(v), u.bias_sqrt), u.eps);
+    w = sub_rn(w, div_rn(mul_rn(u.step_size, m), denom));
 }
 
 }  // namespace optim

@@ -10,6 +10,7 @@
 #include "lockstep/kernels/device/grid.cuh"
 #include "lockstep/kernels/device/launch_config.cuh"
 #include "lockstep/kernels/ops.hpp"
+#include "lockstep/kernels/rounding.hpp"
 
 namespace lockstep::kernels::device::layer_kernels {
 
@@ -27,28 +28,10 @@ namespace lockstep::kernels::device::layer_kernels {
 
 inline constexpr int table_max = 32;
 
-//! fp32 a * b, a + b, a - b, each rounded on its own: on the device never contracted into an FMA.
-LOCKSTEP_HD inline float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-LOCKSTEP_HD inline float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    return __fadd_rn(a, b);
-#else
-    return a + b;
-#endif
-}
-LOCKSTEP_HD inline float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-    return __fsub_rn(a, b);
-#else
-    return a - b;
-#endif
-}
+// fp32 a * b, a + b, a - b, each rounded on its own (Note [rounded once] in kernels/rounding.hpp).
+using rounding::add_rn;
+using rounding::mul_rn;
+using rounding::sub_rn;
 
 //! Where item i of a table's concatenated items lies: the largest t with begin[t] <= i (empty
 //! tensors share their begin with the next one, so a non-empty tensor is found).
