@@ -28,12 +28,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Tensor<float> random_tensor(Shape s, std::mt19937_64& gen, double lo = -1.0, double hi = 1.0) {
-    Tensor<float> t(s);
-    std::uniform_real_distribution<double> d(lo, hi);
-    for (auto& v : t.span()) v = static_cast<float>(d(gen));
-    return t;
-}
+using test::random_tensor;
 
 double dot(const Tensor<float>& a, const Tensor<float>& w) {
     double s = 0;

@@ -23,12 +23,7 @@ using namespace lockstep;
 
 namespace {
 
-Tensor<float> random_tensor(Shape s, std::mt19937_64& gen, double lo = -1.0, double hi = 1.0) {
-    Tensor<float> t(s);
-    std::uniform_real_distribution<double> d(lo, hi);
-    for (auto& v : t.span()) v = static_cast<float>(d(gen));
-    return t;
-}
+using test::random_tensor;
 
 // PyTorch's windows, computed in fp64 from their definition: AvgPool2d's [o s, o s + k),
 // AdaptiveAvgPool2d's [floor(o in / out), ceil((o + 1) in / out)).

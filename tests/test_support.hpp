@@ -27,6 +27,14 @@ inline std::uint64_t fresh_seed() {
     return unique_number();
 }
 
+//! A host tensor of shape `s` with values uniform in [lo, hi).
+inline Tensor<float> random_tensor(Shape s, std::mt19937_64& gen, double lo = -1.0, double hi = 1.0) {
+    Tensor<float> t(s);
+    std::uniform_real_distribution<double> d(lo, hi);
+    for (auto& v : t.span()) v = static_cast<float>(d(gen));
+    return t;
+}
+
 //! Memory offset of logical element (n, c, p) of an (N, C, P) batch in `format`.
 inline std::int64_t offset(std::int64_t n, std::int64_t c, std::int64_t p, std::int64_t C, std::int64_t P, MemoryFormat format) {
     return format == MemoryFormat::nhwc ? (n * P + p) * C + c : (n * C + c) * P + p;
