@@ -24,3 +24,4 @@
 #include "lockstep/nn/sequential.hpp"
 #include "lockstep/nn/sgd.hpp"
 #include "lockstep/nn/sync_batch_norm.hpp"
+#include "lockstep/nn/tensor_ops.hpp"

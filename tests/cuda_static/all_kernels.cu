@@ -105,6 +105,17 @@ void all_layer_kernels(const Execution<Cuda>& ex, T_<float>& f, T_<double>& d, T
     Ops::layer_norm_forward(ex, f, 1, &f, &f, 1e-5, f, f, f);
     Ops::layer_norm_backward(ex, f, f, 1, &f, f, f, f, &f, &f);
     Ops::softmax_cross_entropy(ex, f, labels, 1.0, f, d);
+    // The public tensor operations (nn/tensor_ops.hpp).
+    T_<std::int64_t> i64;
+    Ops::axpby(ex, 1.0f, f, 1.0f, f, f);
+    Ops::multiply(ex, f, f, f);
+    Ops::reduce(ex, kernels::ReduceGeometry{}, f, f);
+    Ops::broadcast(ex, kernels::BroadcastGeometry{}, f, f);
+    Ops::softmax_forward(ex, kernels::LineGeometry{}, f, f);
+    Ops::softmax_backward(ex, kernels::LineGeometry{}, f, f, f);
+    Ops::argmax(ex, kernels::LineGeometry{}, f, i64);
+    Ops::place(ex, kernels::PlaceGeometry{}, f, f);
+    Ops::take(ex, kernels::PlaceGeometry{}, f, f);
     Ops::mse(ex, f, f, 1.0, f, d);
     Ops::sgd_step(ex, f, f, f, true, kernels::SgdUpdate{});
     Ops::sgd_step(ex, f, f, f, false, kernels::SgdUpdate{});

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../../examples/mnist/net.hpp"
+#include "../../examples/resnet/channel_gate.hpp"
 #include "gpu_check.hpp"
 #if defined(LOCKSTEP_HOST_CUDA)
 #include "../host_cuda/host_cuda.hpp"  // the calls cuDNN's double accepted
@@ -787,6 +788,54 @@ void network_bf16_activations(nn::Context<Cuda> ctx, std::mt19937& rng, const st
            std::string("Sequential<Cuda> in bf16 evaluation: the fp32 interface's logits are the bf16 ones widened") + engine);
 }
 
+// The public tensor operations (nn/tensor_ops.hpp) on CUDA against the host: the same bits
+// (Note [tensor operations per element]), in NCHW and NHWC; softmax within 2 fp32 units, as
+// CUDA's fp64 exp may differ from the host's in its last place.
+void tensor_ops_against_host(nn::Context<Cuda>& cctx, std::mt19937& rng) {
+    const nn::Context<Host> hctx;
+    const Device d = Device::cuda(cctx.exec.device);
+    const auto bits = [](const Tensor<float, Host>& got, const Tensor<float, Host>& want) {
+        return got.shape() == want.shape() && got.format() == want.format() && same_bits(got, want);
+    };
+    for (MemoryFormat f : {MemoryFormat::nchw, MemoryFormat::nhwc}) {
+        const std::string in = f == MemoryFormat::nhwc ? " (NHWC)" : " (NCHW)";
+        const auto a = random_host(Shape{3, 5, 4, 6}, rng, f), b = random_host(Shape{3, 5, 4, 6}, rng, f);
+        const auto ac = a.to<Cuda>(d), bc = b.to<Cuda>(d);
+        expect(bits(ops::axpby(cctx, 0.7f, ac, -1.3f, bc).to_host(), ops::axpby(hctx, 0.7f, a, -1.3f, b)),
+               "ops::axpby on CUDA" + in);
+        expect(bits(ops::mul(cctx, ac, bc).to_host(), ops::mul(hctx, a, b)), "ops::mul on CUDA" + in);
+        for (const ops::Dims& dims : std::vector<ops::Dims>{{2, 3}, {0}, {1, 3}, {}}) {
+            const auto sh = ops::mean(hctx, a, dims), sc = ops::mean(cctx, ac, dims).to_host();
+            expect(bits(sc, sh), "ops::mean over " + std::to_string(dims.size()) + " dimensions on CUDA" + in);
+            const auto dh = ops::mean_backward(hctx, sh, a.shape(), dims, f);
+            expect(bits(ops::mean_backward(cctx, sh.to<Cuda>(d), a.shape(), dims, f).to_host(), dh),
+                   "ops::mean_backward on CUDA" + in);
+        }
+        for (int dim : {1, 3}) {
+            const auto yh = ops::softmax(hctx, a, dim), yc = ops::softmax(cctx, ac, dim).to_host();
+            expect_close(values(yc), values(yh), 2e-7, "ops::softmax along " + std::to_string(dim) + " on CUDA" + in);
+            expect(bits(ops::softmax_backward(cctx, yh.to<Cuda>(d), bc, dim).to_host(), ops::softmax_backward(hctx, yh, b, dim)),
+                   "ops::softmax_backward along " + std::to_string(dim) + " on CUDA" + in);
+            const auto ih = ops::argmax(hctx, a, dim), ic = ops::argmax(cctx, ac, dim).to_host();
+            expect(ih.shape() == ic.shape() && std::equal(ih.data(), ih.data() + ih.numel(), ic.data()),
+                   "ops::argmax along " + std::to_string(dim) + " on CUDA" + in);
+        }
+        const auto c = random_host(Shape{3, 2, 4, 6}, rng, f);
+        const auto cc = c.to<Cuda>(d);
+        const auto jh = ops::concat(hctx, {a, c, b}, 1), jc = ops::concat(cctx, {ac, cc, bc}, 1).to_host();
+        expect(bits(jc, jh), "ops::concat along channels on CUDA" + in);
+        const auto parts = ops::split(cctx, jh.to<Cuda>(d), {5, 2, 5}, 1);
+        expect(parts.size() == 3 && bits(parts[0].to_host(), a) && bits(parts[1].to_host(), c) && bits(parts[2].to_host(), b),
+               "ops::split undoes ops::concat on CUDA" + in);
+    }
+    // A custom module written with them (examples/resnet/channel_gate.hpp), forward, dx and its
+    // weight's gradient.
+    compare_layer("ChannelGate (a custom module)", resnet::ChannelGate<Host>(5), resnet::ChannelGate<Cuda>(5), Shape{3, 5, 4, 4},
+                  MemoryFormat::nchw, cctx, rng);
+    compare_layer("ChannelGate (a custom module), NHWC", resnet::ChannelGate<Host>(5), resnet::ChannelGate<Cuda>(5),
+                  Shape{3, 5, 4, 4}, MemoryFormat::nhwc, cctx, rng);
+}
+
 }  // namespace
 
 int main() {
@@ -883,6 +932,7 @@ int main() {
                       nn::LayerNorm<Cuda>(300, {.elementwise_affine = false}), Shape{70, 300}, MemoryFormat::nchw, ctx, rng);
         compare_layer("Dropout 0.3", nn::Dropout<Host>(0.3, 11), nn::Dropout<Cuda>(0.3, 11), Shape{3, 4, 5, 7},
                       MemoryFormat::nchw, ctx, rng);
+        tensor_ops_against_host(ctx, rng);
         {
             // No bias before a batch norm: its gradient is zero in exact arithmetic, all rounding.
             nn::Generator g1(7), g2(7);

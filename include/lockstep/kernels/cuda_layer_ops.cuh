@@ -397,6 +397,106 @@ struct LayerOps {
         device::layer_kernels::dropout_backward(run, d, on_device(dy.data()), mask.data(), on_device(dx.data()), dy.numel());
     }
 
+    // ---- the public tensor operations (nn/tensor_ops.hpp), as the host (Note [tensor operations
+    // per element]) ----
+
+    //! out = alpha a + beta b, element by element (out may be a or b).
+    static void axpby(const Ex& ex, float alpha, const T_<float>& a, float beta, const T_<float>& b, T_<float>& out) {
+        layer_detail::check_on(ex, a, "axpby's a");
+        layer_detail::check_numel(b, a.numel(), "axpby", "b");
+        layer_detail::check_numel(out, a.numel(), "axpby", "out");
+        device::layer_kernels::TensorOpParams p;
+        p.a = a.data(), p.b = b.data(), p.out = out.data(), p.alpha = alpha, p.beta = beta, p.n = a.numel();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::Axpby>(run, p);
+    }
+
+    //! out = a * b, element by element (out may be a or b).
+    static void multiply(const Ex& ex, const T_<float>& a, const T_<float>& b, T_<float>& out) {
+        layer_detail::check_on(ex, a, "multiply's a");
+        layer_detail::check_numel(b, a.numel(), "multiply", "b");
+        layer_detail::check_numel(out, a.numel(), "multiply", "out");
+        device::layer_kernels::TensorOpParams p;
+        p.a = a.data(), p.b = b.data(), p.out = out.data(), p.n = a.numel();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::Multiply>(run, p);
+    }
+
+    //! y (contiguous) = the scaled sums of x over the reduced dimensions.
+    static void reduce(const Ex& ex, const ReduceGeometry& g, const T_<float>& x, T_<float>& y) {
+        layer_detail::check_on(ex, x, "reduce's input");
+        layer_detail::check_numel(y, g.kept.count(), "reduce", "y");
+        layer_detail::check_numel(x, g.kept.count() * g.reduced.count(), "reduce", "x");
+        device::layer_kernels::TensorOpParams p;
+        p.a = x.data(), p.out = y.data(), p.reduce = g, p.n = y.numel();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::Reduce>(run, p);
+    }
+
+    //! dx = dy broadcast back over the reduced dimensions, scaled.
+    static void broadcast(const Ex& ex, const BroadcastGeometry& g, const T_<float>& dy, T_<float>& dx) {
+        layer_detail::check_on(ex, dy, "broadcast's dy");
+        layer_detail::check_numel(dx, g.input.count(), "broadcast", "dx");
+        device::layer_kernels::TensorOpParams p;
+        p.a = dy.data(), p.out = dx.data(), p.broadcast = g, p.n = dx.numel();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::Broadcast>(run, p);
+    }
+
+    //! y = softmax of x along the geometry's lines (y may be x).
+    static void softmax_forward(const Ex& ex, const LineGeometry& g, const T_<float>& x, T_<float>& y) {
+        layer_detail::check_on(ex, x, "softmax_forward's input");
+        layer_detail::check_numel(x, g.lines.count() * g.length, "softmax_forward", "x");
+        layer_detail::check_numel(y, x.numel(), "softmax_forward", "y");
+        device::layer_kernels::TensorOpParams p;
+        p.a = x.data(), p.out = y.data(), p.line = g, p.n = g.lines.count();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::SoftmaxForward>(run, p);
+    }
+
+    //! dx = y (dy - sum(dy y)) along the lines.
+    static void softmax_backward(const Ex& ex, const LineGeometry& g, const T_<float>& y, const T_<float>& dy, T_<float>& dx) {
+        layer_detail::check_on(ex, y, "softmax_backward's y");
+        layer_detail::check_numel(y, g.lines.count() * g.length, "softmax_backward", "y");
+        layer_detail::check_numel(dy, y.numel(), "softmax_backward", "dy");
+        layer_detail::check_numel(dx, y.numel(), "softmax_backward", "dx");
+        device::layer_kernels::TensorOpParams p;
+        p.a = y.data(), p.b = dy.data(), p.out = dx.data(), p.line = g, p.n = g.lines.count();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::SoftmaxBackward>(run, p);
+    }
+
+    //! index[l] = the position of line l's largest element.
+    static void argmax(const Ex& ex, const LineGeometry& g, const T_<float>& x, T_<std::int64_t>& index) {
+        layer_detail::check_on(ex, x, "argmax's input");
+        layer_detail::check_numel(x, g.lines.count() * g.length, "argmax", "x");
+        layer_detail::check_numel(index, g.lines.count(), "argmax", "the index");
+        device::layer_kernels::TensorOpParams p;
+        p.a = x.data(), p.index = index.data(), p.line = g, p.n = g.lines.count();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::Argmax>(run, p);
+    }
+
+    //! dst[base + walk.offset(i)] = src[i] for every element of src.
+    static void place(const Ex& ex, const PlaceGeometry& g, const T_<float>& src, T_<float>& dst) {
+        layer_detail::check_on(ex, src, "place's source");
+        layer_detail::check_numel(src, g.walk.count(), "place", "src");
+        device::layer_kernels::TensorOpParams p;
+        p.a = src.data(), p.out = dst.data(), p.place = g, p.n = src.numel();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::Place>(run, p);
+    }
+
+    //! dst[i] = src[base + walk.offset(i)] for every element of dst.
+    static void take(const Ex& ex, const PlaceGeometry& g, const T_<float>& src, T_<float>& dst) {
+        layer_detail::check_on(ex, src, "take's source");
+        layer_detail::check_numel(dst, g.walk.count(), "take", "dst");
+        device::layer_kernels::TensorOpParams p;
+        p.a = src.data(), p.out = dst.data(), p.place = g, p.n = dst.numel();
+        layer_detail::LayerRun run(ex);
+        device::layer_kernels::tensor_op<device::layer_kernels::Take>(run, p);
+    }
+
     //! Layer norm of each row of M values, as the host (Note [layer norm per row]).
     static void layer_norm_forward(const Ex& ex, const T_<float>& x, std::int64_t M, const T_<float>* weight,
                                    const T_<float>* bias, double eps, T_<float>& y, T_<float>& mean, T_<float>& rstd) {

@@ -382,6 +382,87 @@ struct Ops<Host> {
         for (std::int64_t i = 0; i < dy.numel(); ++i) out[i] = g[i] * (m[i] != 0 ? d.scale : 0.0f);
     }
 
+    // ---- the public tensor operations (nn/tensor_ops.hpp, Note [tensor operations per element]) ----
+
+    //! out = alpha a + beta b, element by element (out may be a or b).
+    static void axpby(const Ex&, float alpha, const T_<float>& a, float beta, const T_<float>& b, T_<float>& out) {
+        check_count(b.numel(), a.numel(), "axpby", "b");
+        check_count(out.numel(), a.numel(), "axpby", "out");
+        const float* pa = a.data();
+        const float* pb = b.data();
+        float* po = out.data();
+        for (std::int64_t i = 0; i < a.numel(); ++i) po[i] = tensor_math::axpby(alpha, pa[i], beta, pb[i]);
+    }
+
+    //! out = a * b, element by element (out may be a or b).
+    static void multiply(const Ex&, const T_<float>& a, const T_<float>& b, T_<float>& out) {
+        check_count(b.numel(), a.numel(), "multiply", "b");
+        check_count(out.numel(), a.numel(), "multiply", "out");
+        const float* pa = a.data();
+        const float* pb = b.data();
+        float* po = out.data();
+        for (std::int64_t i = 0; i < a.numel(); ++i) po[i] = pa[i] * pb[i];
+    }
+
+    //! y (contiguous) = the scaled sums of x over the reduced dimensions.
+    static void reduce(const Ex&, const ReduceGeometry& g, const T_<float>& x, T_<float>& y) {
+        check_count(y.numel(), g.kept.count(), "reduce", "y");
+        check_count(x.numel(), g.kept.count() * g.reduced.count(), "reduce", "x");
+        for (std::int64_t o = 0; o < y.numel(); ++o) y.data()[o] = tensor_math::reduce_at(g, x.data(), o);
+    }
+
+    //! dx = dy broadcast back over the reduced dimensions, scaled.
+    static void broadcast(const Ex&, const BroadcastGeometry& g, const T_<float>& dy, T_<float>& dx) {
+        check_count(dx.numel(), g.input.count(), "broadcast", "dx");
+        for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data()[i] = tensor_math::broadcast_at(g, dy.data(), i);
+    }
+
+    //! y = softmax of x along the geometry's lines (y may be x).
+    static void softmax_forward(const Ex&, const LineGeometry& g, const T_<float>& x, T_<float>& y) {
+        check_count(x.numel(), g.lines.count() * g.length, "softmax_forward", "x");
+        check_count(y.numel(), x.numel(), "softmax_forward", "y");
+        for (std::int64_t l = 0; l < g.lines.count(); ++l) {
+            const auto line = tensor_math::softmax_stats(g, x.data(), l);
+            const std::int64_t start = g.lines.offset(l);
+            for (std::int64_t k = 0; k < g.length; ++k)
+                y.data()[start + k * g.step] = tensor_math::softmax_value(x.data()[start + k * g.step], line);
+        }
+    }
+
+    //! dx = y (dy - sum(dy y)) along the lines.
+    static void softmax_backward(const Ex&, const LineGeometry& g, const T_<float>& y, const T_<float>& dy, T_<float>& dx) {
+        check_count(y.numel(), g.lines.count() * g.length, "softmax_backward", "y");
+        check_count(dy.numel(), y.numel(), "softmax_backward", "dy");
+        check_count(dx.numel(), y.numel(), "softmax_backward", "dx");
+        for (std::int64_t l = 0; l < g.lines.count(); ++l) {
+            const double dot = tensor_math::softmax_dot(g, y.data(), dy.data(), l);
+            const std::int64_t start = g.lines.offset(l);
+            for (std::int64_t k = 0; k < g.length; ++k) {
+                const std::int64_t at = start + k * g.step;
+                dx.data()[at] = tensor_math::softmax_grad_value(y.data()[at], dy.data()[at], dot);
+            }
+        }
+    }
+
+    //! index[l] = the position of line l's largest element.
+    static void argmax(const Ex&, const LineGeometry& g, const T_<float>& x, T_<std::int64_t>& index) {
+        check_count(x.numel(), g.lines.count() * g.length, "argmax", "x");
+        check_count(index.numel(), g.lines.count(), "argmax", "the index");
+        for (std::int64_t l = 0; l < index.numel(); ++l) index.data()[l] = tensor_math::argmax_line(g, x.data(), l);
+    }
+
+    //! dst[base + walk.offset(i)] = src[i] for every element of src (a slice put in its place).
+    static void place(const Ex&, const PlaceGeometry& g, const T_<float>& src, T_<float>& dst) {
+        check_count(src.numel(), g.walk.count(), "place", "src");
+        for (std::int64_t i = 0; i < src.numel(); ++i) dst.data()[g.base + g.walk.offset(i)] = src.data()[i];
+    }
+
+    //! dst[i] = src[base + walk.offset(i)] for every element of dst (a slice taken out).
+    static void take(const Ex&, const PlaceGeometry& g, const T_<float>& src, T_<float>& dst) {
+        check_count(dst.numel(), g.walk.count(), "take", "dst");
+        for (std::int64_t i = 0; i < dst.numel(); ++i) dst.data()[i] = src.data()[g.base + g.walk.offset(i)];
+    }
+
     //! Layer norm of each row of M values (Note [layer norm per row]): y, and each row's mean and
     //! 1/sqrt(var + eps) for backward; weight and bias (M each) may be null.
     static void layer_norm_forward(const Ex&, const T_<float>& x, std::int64_t M, const T_<float>* weight, const T_<float>* bias,

@@ -17,6 +17,7 @@
 #include "lockstep/kernels/norm_math.hpp"        // layer norm per row on both backends
 #include "lockstep/kernels/optim_math.hpp"       // Adam per element on both backends
 #include "lockstep/kernels/pool_math.hpp"        // average pooling and dropout, per element on both backends
+#include "lockstep/kernels/tensor_math.hpp"      // the public tensor operations, per element on both backends
 
 namespace lockstep::kernels {
 
@@ -212,6 +213,16 @@ concept BackendOps = requires(const Execution<B>& ex, const Device& device, Tens
     K::layer_norm_forward(ex, cf, 1, &cf, &cf, 1e-5, f, f, f);
     K::layer_norm_backward(ex, cf, cf, 1, &cf, cf, cf, f, &f, &f);
     K::softmax_cross_entropy(ex, cf, labels, 1.0, f, d);
+    // The public tensor operations (nn/tensor_ops.hpp, Note [tensor operations per element]).
+    K::axpby(ex, 1.0f, cf, 1.0f, cf, f);
+    K::multiply(ex, cf, cf, f);
+    K::reduce(ex, ReduceGeometry{}, cf, f);
+    K::broadcast(ex, BroadcastGeometry{}, cf, f);
+    K::softmax_forward(ex, LineGeometry{}, cf, f);
+    K::softmax_backward(ex, LineGeometry{}, cf, cf, f);
+    K::argmax(ex, LineGeometry{}, cf, i64);
+    K::place(ex, PlaceGeometry{}, cf, f);
+    K::take(ex, PlaceGeometry{}, cf, f);
     // A tensor's values where the host reads them without a wait (labels checked in a loss), or none.
     { K::host_values(std::as_const(i64)) } -> std::same_as<std::optional<std::span<const std::int64_t>>>;
     K::mse(ex, cf, cf, 1.0, f, d);

@@ -389,6 +389,122 @@ struct MaxPoolBackward {
     }
 };
 
+// ---- the public tensor operations (maps, Note [tensor operations per element]) ------------------
+
+struct TensorOpParams {
+    const float* a = nullptr;
+    const float* b = nullptr;
+    float* out = nullptr;
+    std::int64_t* index = nullptr;
+    float alpha = 1.0f, beta = 1.0f;
+    std::int64_t n = 0;  // threads' items: elements, outputs or lines
+    ReduceGeometry reduce;
+    BroadcastGeometry broadcast;
+    LineGeometry line;
+    PlaceGeometry place;
+};
+
+//! out = alpha a + beta b.
+struct Axpby {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w))
+            store(p.out + i, tensor_math::axpby(p.alpha, p.a[i], p.beta, p.b[i]));
+    }
+};
+
+//! out = a * b.
+struct Multiply {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w)) store(p.out + i, p.a[i] * p.b[i]);
+    }
+};
+
+//! One thread per output: its scaled fp64 sum (tensor_math::reduce_at).
+struct Reduce {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t o = first_index(w); o < p.n; o += grid_threads(w))
+            store(p.out + o, tensor_math::reduce_at(p.reduce, p.a, o));
+    }
+};
+
+//! One thread per input element: dy broadcast back (tensor_math::broadcast_at).
+struct Broadcast {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w))
+            store(p.out + i, tensor_math::broadcast_at(p.broadcast, p.a, i));
+    }
+};
+
+//! One thread per line: softmax (a: x, out: y).
+struct SoftmaxForward {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const LineGeometry& g = p.line;
+        for (std::int64_t l = first_index(w); l < p.n; l += grid_threads(w)) {
+            const auto line = tensor_math::softmax_stats(g, p.a, l);
+            const std::int64_t start = g.lines.offset(l);
+            for (std::int64_t k = 0; k < g.length; ++k)
+                store(p.out + start + k * g.step, tensor_math::softmax_value(p.a[start + k * g.step], line));
+        }
+    }
+};
+
+//! One thread per line: softmax backward (a: y, b: dy, out: dx).
+struct SoftmaxBackward {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        const LineGeometry& g = p.line;
+        for (std::int64_t l = first_index(w); l < p.n; l += grid_threads(w)) {
+            const double dot = tensor_math::softmax_dot(g, p.a, p.b, l);
+            const std::int64_t start = g.lines.offset(l);
+            for (std::int64_t k = 0; k < g.length; ++k) {
+                const std::int64_t at = start + k * g.step;
+                store(p.out + at, tensor_math::softmax_grad_value(p.a[at], p.b[at], dot));
+            }
+        }
+    }
+};
+
+//! One thread per line: the index of its largest element.
+struct Argmax {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t l = first_index(w); l < p.n; l += grid_threads(w))
+            store(p.index + l, tensor_math::argmax_line(p.line, p.a, l));
+    }
+};
+
+//! out[base + walk.offset(i)] = a[i] (a slice put in its place).
+struct Place {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w))
+            store(p.out + p.place.base + p.place.walk.offset(i), p.a[i]);
+    }
+};
+
+//! out[i] = a[base + walk.offset(i)] (a slice taken out).
+struct Take {
+    using Params = TensorOpParams;
+    static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
+    LOCKSTEP_HD static void run(const Params& p, const Where& w) {
+        for (std::int64_t i = first_index(w); i < p.n; i += grid_threads(w))
+            store(p.out + i, p.a[p.place.base + p.place.walk.offset(i)]);
+    }
+};
+
 // ---- average pooling and dropout (maps, Note [pooling and dropout per element]) -------------------
 
 struct AvgPoolParams {
@@ -833,6 +949,13 @@ void avgpool(Run& run, const AvgPoolGeometry& g, const float* src, float* dst, b
         run.template map<AvgPoolBackward>(p, map_grid(p.n, run.info()));
     else
         run.template map<AvgPoolForward>(p, map_grid(p.n, run.info()));
+}
+
+//! Launches tensor operation K over p.n items (elements, outputs or lines); nothing for none.
+template <class K, class Run>
+void tensor_op(Run& run, const TensorOpParams& p) {
+    if (p.n == 0) return;
+    run.template map<K>(p, map_grid(p.n, run.info()));
 }
 
 //! Layer norm forward over `rows` rows of M values (Note [layer norm per row]).
