@@ -510,3 +510,51 @@ TEST_CASE("LayerNorm matches an fp64 layer norm, forward and backward, and gradc
     nn::for_each_parameter(ln, [&](const std::string& n, auto&) { names.push_back(n); });
     CHECK(names == std::vector<std::string>{"weight", "bias"});
 }
+
+namespace {
+
+// A module that runs one Linear twice per forward (y = lin(relu(lin(x)))): what the kit cannot
+// train correctly, since the second forward overwrites what the first kept for backward.
+struct LinearTwice {
+    using backend = Host;
+    nn::Linear<> lin;
+    nn::ReLU<> relu;
+    template <class V>
+    void visit(V&& v) {
+        v.module("lin", lin);
+    }
+    Tensor<float> forward(const nn::Context<Host>& ctx, Tensor<float> x) {
+        return lin.forward(ctx, relu.forward(ctx, lin.forward(ctx, std::move(x))));
+    }
+    Tensor<float> backward(const nn::Context<Host>& ctx, const Tensor<float>& dy) {
+        return lin.backward(ctx, relu.backward(ctx, lin.backward(ctx, dy)));
+    }
+};
+
+}  // namespace
+
+TEST_CASE("a layer instance used twice in one training forward is refused, naming the layer", "[nn][kit]") {
+    nn::Generator gen(4);
+    std::mt19937_64 rng(4);
+    DataParallel dp(LinearTwice{nn::Linear<>(3, 3, true, gen), nn::ReLU<>()}, 2);
+    nn::Sgd sgd({.lr = 0.1});
+    const auto x = random_tensor(Shape{4, 3}, rng);
+    const std::vector<std::int64_t> labels = {0, 1, 2, 0};
+    const auto before = dp.module().lin.weight.value;
+    CHECK_THROWS_WITH(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd),
+                      Catch::Contains("Linear(") && Catch::Contains("ran twice in one training forward") &&
+                          Catch::Contains("Give each use its own instance"));
+    // Nothing was applied, and the refusal repeats on the next step (it is no leftover of the first).
+    for (std::int64_t i = 0; i < before.numel(); ++i) CHECK(dp.module().lin.weight.value[i] == before[i]);
+    CHECK_THROWS_AS(dp.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd), UsageError);
+    // An evaluation keeps nothing, so there reuse is harmless and allowed.
+    dp.eval();
+    CHECK(dp.forward(x).shape() == (Shape{4, 3}));
+    dp.train();
+    // One use per pass is fine step after step, and outside DataParallel (pass 0) nothing is checked.
+    nn::Generator g2(4);
+    DataParallel ok(nn::Sequential(nn::Linear<>(3, 3, true, g2), nn::ReLU<>(), nn::Linear<>(3, 3, true, g2)), 2);
+    for (int step = 0; step < 3; ++step) CHECK_NOTHROW(ok.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd));
+    LinearTwice alone{nn::Linear<>(3, 3, true, gen), nn::ReLU<>()};
+    CHECK_NOTHROW(alone.forward(nn::Context<Host>{}, x));
+}

@@ -41,8 +41,10 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     template <class T>
     Tensor<T, B> run_forward(const Context<B>& ctx, Tensor<T, B> x) {
+        use_.enter(ctx, [] { return std::string("ReLU"); });
         if (!ctx.training) {
             K::relu_forward(ctx.exec, x, nullptr);
             return x;
@@ -98,8 +100,10 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     template <class T>
     Tensor<T, B> run_forward(const Context<B>& ctx, const Tensor<T, B>& x) {
+        use_.enter(ctx, [&] { return describe(); });
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 4 && x.format() == MemoryFormat::nchw, describe(),
                           ": expected an NCHW (N, C, H, W) input, got shape ", x.shape(), " ", to_string(x.format()));
         LOCKSTEP_CHECK_AS(ShapeError, x.dim(2) >= k_ && x.dim(3) >= k_, describe(), ": input ", x.shape(),
@@ -146,7 +150,8 @@ public:
     template <class V>
     void visit(V&&) {}
 
-    Tensor<float, B> forward(const Context<B>&, Tensor<float, B> x) {
+    Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
+        use_.enter(ctx, [] { return std::string("Flatten"); });
         check_input(x.shape(), x.format());
         input_shape_ = x.shape();
         return std::move(x).reshaped(Shape{x.dim(0), x.shape().row_numel()});
@@ -159,7 +164,8 @@ public:
     }
 
     //! The activation protocol, on every backend: the type is kept, the storage reshaped.
-    Activation<B> forward(const Context<B>&, Activation<B> x) {
+    Activation<B> forward(const Context<B>& ctx, Activation<B> x) {
+        use_.enter(ctx, [] { return std::string("Flatten"); });
         check_input(x.shape(), x.format());
         input_shape_ = x.shape();
         gave_ = x.precision();
@@ -174,6 +180,7 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     static void check_input(const Shape& x, MemoryFormat format) {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() >= 2, "Flatten: expected at least 2 dimensions, got shape ", x);
         LOCKSTEP_CHECK_AS(ShapeError, format == MemoryFormat::nchw,

@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include "lockstep/comm/collectives.hpp"
 #include "lockstep/core/backend.hpp"
+#include "lockstep/core/error.hpp"
 
 namespace lockstep::nn {
 
@@ -28,6 +30,10 @@ struct Context {
     //! Samples of this forward over all replicas (the global batch); -1: this replica's input is
     //! the whole batch. Losses average over it.
     std::int64_t global_batch = -1;
+    //! Which forward pass this is: DataParallel numbers each forward of a replica from 1, so that a
+    //! layer can tell a second use within one pass (`OneUse`); 0 outside DataParallel, where
+    //! nothing is checked.
+    std::uint64_t pass = 0;
     //! Called by a layer when the gradient of one of its parameters is final (backward is done
     //! with it): DataParallel starts that bucket's all-reduce without waiting for the rest.
     std::function<void(const void* parameter)> grad_ready;
@@ -37,6 +43,34 @@ struct Context {
     void mark_grad_ready(const void* parameter) const {
         if (grad_ready) grad_ready(parameter);
     }
+};
+
+// Note [one instance, one use]
+// A layer keeps what its backward needs (its input, a mask, statistics) in itself, so one layer
+// instance can serve one place in a forward pass: used twice, the second forward overwrites what
+// the first kept and backward computes a wrong gradient without a word (where PyTorch's autograd
+// would keep both). Each of the kit's layers therefore holds a `OneUse` and enters it at every
+// training forward: within one DataParallel pass (Context::pass) the second entry throws
+// UsageError naming the layer, before anything is overwritten. A module that needs the same
+// weights twice holds two layers and ties nothing, or writes its own module; a module of one's
+// own can hold a OneUse as the kit's layers do.
+
+//! Refuses a second training forward of one layer instance within one pass (Note [one instance, one use]).
+class OneUse {
+public:
+    //! Call at the start of a forward; `describe()` names the layer in the error.
+    template <BackendTag B, class Describe>
+    void enter(const Context<B>& ctx, Describe&& describe) {
+        if (!ctx.training || ctx.pass == 0) return;
+        LOCKSTEP_CHECK_AS(UsageError, last_ != ctx.pass, describe(),
+                          ": this layer instance ran twice in one training forward; the second use would overwrite what "
+                          "backward needs from the first. Give each use its own instance (a module that reuses one "
+                          "cannot train correctly without autograd)");
+        last_ = ctx.pass;
+    }
+
+private:
+    std::uint64_t last_ = 0;
 };
 
 }  // namespace lockstep::nn

@@ -64,6 +64,7 @@ public:
     std::int64_t out_extent(std::int64_t extent) const { return (extent + 2 * options_.padding - k_) / options_.stride + 1; }
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
+        use_.enter(ctx, [&] { return describe(); });
         check_input(x.shape(), x.device());
         const auto g = geometry(x.shape(), x.format());
         Tensor<float, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);
@@ -98,6 +99,7 @@ public:
             return y;
         }
         given_ = x.precision();
+        use_.enter(ctx, [&] { return describe(); });
         check_input(x.shape(), x.device());
         const auto g = geometry(x.shape(), x.format());
         Tensor<BFloat16, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);
@@ -129,6 +131,7 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     kernels::ConvGeometry geometry(const Shape& x, MemoryFormat format) const {
         kernels::ConvGeometry g;
         g.channels_last = format == MemoryFormat::nhwc;

@@ -42,6 +42,7 @@ public:
     std::uint64_t calls() const noexcept { return calls_; }
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
+        use_.enter(ctx, [&] { return describe(); });
         if (!ctx.training || p_ == 0.0) {
             mask_ = Tensor<std::uint8_t, B>();
             identity_ = true;
@@ -66,6 +67,7 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     kernels::DropoutDraw draw(int rank, std::uint64_t call) const {
         kernels::DropoutDraw d;
         d.seed = seed_;

@@ -56,6 +56,7 @@ public:
     std::string describe() const { return "LayerNorm(" + dims() + ")"; }
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
+        use_.enter(ctx, [&] { return describe(); });
         check_input(x);
         const std::int64_t rows = x.numel() / shape_.numel();
         Tensor<float, B> y(x.shape(), x.format(), x.device(), uninitialized);
@@ -87,6 +88,7 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     void check_input(const Tensor<float, B>& x) const {
         const int k = shape_.rank();
         bool fits = x.rank() > k && x.format() == MemoryFormat::nchw;

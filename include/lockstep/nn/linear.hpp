@@ -70,6 +70,7 @@ public:
     }
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
+        use_.enter(ctx, [&] { return describe(); });
         check_input(x.shape(), x.device());
         Tensor<float, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
         if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);
@@ -104,6 +105,7 @@ public:
             return y;
         }
         given_ = x.precision();
+        use_.enter(ctx, [&] { return describe(); });
         check_input(x.shape(), x.device());
         Tensor<BFloat16, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
         if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);
@@ -135,6 +137,7 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     void check_input(const Shape& x, const Device& device) const {
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 2 && x[1] == in_, describe(), ": expected input (N, ", in_, "), got shape ", x,
                           x.rank() == 4 ? "; put a Flatten before it" : "");

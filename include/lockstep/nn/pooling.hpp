@@ -27,6 +27,7 @@ public:
 
     Tensor<float, B> forward(const Context<B>& ctx, Tensor<float, B> x) {
         const auto& self = static_cast<const Layer&>(*this);
+        use_.enter(ctx, [&] { return self.describe(); });
         LOCKSTEP_CHECK_AS(ShapeError, x.rank() == 4 && x.format() == MemoryFormat::nchw, self.describe(),
                           ": expected an NCHW (N, C, H, W) input, got shape ", x.shape(), " ", to_string(x.format()));
         const kernels::AvgPoolGeometry g = self.geometry(x.shape());
@@ -51,6 +52,7 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     Shape input_shape_{};
 };
 

@@ -114,6 +114,7 @@ public:
     //! parameters.
     template <class T = float>
     requires kernels::bn_storage<B, T> Tensor<T, B> forward(const Context<B>& ctx, Tensor<T, B> x) {
+        use_.enter(ctx, [&] { return describe(); });
         const auto g = geometry(x);
         const bool batch_stats = ctx.training || !options_.track_running_stats;
         LOCKSTEP_CHECK_AS(UsageError, !batch_stats || ctx.world <= 1 || ctx.comm != nullptr, describe(),
@@ -201,6 +202,7 @@ public:
     }
 
 private:
+    OneUse use_;  // Note [one instance, one use]
     // Training needs more than one value per channel over all replicas. A replica that holds more
     // than one itself knows that without asking; only one that holds at most one reads the global
     // count (a device read on CUDA). The global count is the same everywhere, so every replica

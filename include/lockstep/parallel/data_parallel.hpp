@@ -173,6 +173,7 @@ public:
             rep.ctx.training = training;
             rep.ctx.global_batch = batch;
             rep.ctx.grad_ready = nullptr;
+            ++rep.ctx.pass;  // Note [one instance, one use]
             Tensor<float, backend> in;
             if (!call->caller.read(
                     [&] {
