@@ -112,6 +112,51 @@ TEST_CASE("BatchLoader gives each sample's values and class in batches, the last
     for (std::int64_t e = 0; e < 3; ++e) CHECK(samples_of(epoch(eager, e)) == samples_of(epoch(ahead, e)));
 }
 
+TEST_CASE("BatchLoader stores batches where LoaderOptions::memory says, each block kept by its batch", "[data]") {
+    // The hook of lockstep::cuda::pinned_batch_memory(), with counted host blocks.
+    struct Blocks {
+        std::atomic<int> made{0}, live{0};
+        std::atomic<std::size_t> bytes{0};
+    };
+    auto blocks = std::make_shared<Blocks>();
+    const auto memory = [blocks](std::size_t bytes) -> std::shared_ptr<void> {
+        ++blocks->made;
+        ++blocks->live;
+        blocks->bytes += bytes;
+        return std::shared_ptr<void>(::operator new(bytes), [blocks](void* p) {
+            --blocks->live;
+            ::operator delete(p);
+        });
+    };
+    Counting ds;
+    for (const bool prefetch : {false, true}) {
+        CAPTURE(prefetch);
+        blocks->made = 0;
+        blocks->bytes = 0;
+        std::vector<data::Batch> batches;
+        {
+            data::BatchLoader loader(ds, {.batch_size = 5, .shuffle = false, .prefetch = prefetch, .memory = memory});
+            batches = epoch(loader, 0);
+        }
+        // Every batch in a block of its own, of its size, alive after the loader is gone.
+        REQUIRE(batches.size() == 5);
+        CHECK(blocks->made == 5);
+        CHECK(blocks->bytes == static_cast<std::size_t>(23 * 3) * sizeof(float));
+        CHECK(blocks->live == 5);
+        for (std::size_t b = 0; b < batches.size(); ++b) {
+            CHECK(batches[b].memory != nullptr);
+            CHECK(static_cast<const void*>(batches[b].x.data()) == batches[b].memory.get());
+            CHECK(batches[b].x[0] == static_cast<float>(5 * b));  // sample 5b, unshuffled
+        }
+        batches.clear();
+        CHECK(blocks->live == 0);
+    }
+    // A hook that gives no block is a usage error, reported at next().
+    data::BatchLoader bad(ds, {.batch_size = 5, .memory = [](std::size_t) { return std::shared_ptr<void>(); }});
+    bad.start_epoch(0);
+    CHECK_THROWS_WITH(bad.next(), Catch::Contains("LoaderOptions::memory gave no block"));
+}
+
 TEST_CASE("BatchLoader restarts an epoch mid-way, rethrows a failed read once and goes on", "[data]") {
     Counting ds;
     ds.poison = 6;

@@ -12,7 +12,9 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -64,6 +66,38 @@ inline int device_count() noexcept {
         return 0;
     }
     return n;
+}
+
+//! Page-locked host memory for batches on their way to a GPU, as `data::LoaderOptions::memory`
+//! takes it: a copy from it to the device runs at the bus's speed and may be asynchronous, where
+//! a copy from pageable memory is staged by the driver first. Blocks are pinned once and reused
+//! (pinning is slow): a block returns to the function's pool when the last batch holding it is
+//! gone, and the pool frees them all when nothing holds the function or a block any more.
+inline std::function<std::shared_ptr<void>(std::size_t)> pinned_batch_memory() {
+    struct Pool {
+        std::mutex mutex;
+        std::multimap<std::size_t, void*> free;
+        ~Pool() {
+            for (auto& [bytes, p] : free) (void)cudaFreeHost(p);
+        }
+    };
+    auto pool = std::make_shared<Pool>();
+    return [pool](std::size_t bytes) -> std::shared_ptr<void> {
+        bytes = std::max<std::size_t>(bytes, 1);
+        void* p = nullptr;
+        {
+            std::lock_guard lock(pool->mutex);
+            if (auto it = pool->free.find(bytes); it != pool->free.end()) {
+                p = it->second;
+                pool->free.erase(it);
+            }
+        }
+        if (p == nullptr) LOCKSTEP_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+        return std::shared_ptr<void>(p, [pool, bytes](void* q) {
+            std::lock_guard lock(pool->mutex);
+            pool->free.emplace(bytes, q);
+        });
+    };
 }
 
 //! Makes `device` current for the guard's lifetime and restores the previous one after.

@@ -9,6 +9,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -49,6 +51,10 @@ struct LoaderOptions {
     int world = 1;
     //! Make the next batch on a background thread while the caller uses this one.
     bool prefetch = true;
+    //! Where batches are stored: given a size in bytes, a block the returned pointer keeps alive
+    //! (the batch holds it). `lockstep::cuda::pinned_batch_memory()` gives page-locked memory, from
+    //! which a copy to a GPU is fastest; empty: ordinary host memory.
+    std::function<std::shared_ptr<void>(std::size_t bytes)> memory = {};
 };
 
 //! One batch: samples (n, sample_shape...) on the host and their classes.
@@ -57,6 +63,8 @@ struct Batch {
     std::vector<std::int64_t> labels;
     std::int64_t epoch = 0;
     std::int64_t index = 0;  //!< the batch's place in its epoch
+    //! The block `x` views when the loader was given `LoaderOptions::memory` (else null).
+    std::shared_ptr<void> memory;
 };
 
 //! The samples process `rank` of `world` visits in epoch `epoch`, in order: DistributedSampler's
@@ -184,7 +192,15 @@ private:
         const auto n = static_cast<std::int64_t>(samples.size());
         const std::int64_t per = s.numel();
         Batch b;
-        b.x = Tensor<float, Host>(with_batch(n, s), MemoryFormat::nchw, Device::host(), uninitialized);
+        if (o_.memory) {
+            const auto bytes = static_cast<std::size_t>(n * per) * sizeof(float);
+            b.memory = o_.memory(bytes);
+            LOCKSTEP_CHECK_AS(UsageError, b.memory != nullptr, "BatchLoader: LoaderOptions::memory gave no block for ", bytes,
+                              " bytes; return a block that holds them, or leave it empty for ordinary host memory");
+            b.x = Tensor<float, Host>::view(static_cast<float*>(b.memory.get()), with_batch(n, s), Device::host());
+        } else {
+            b.x = Tensor<float, Host>(with_batch(n, s), MemoryFormat::nchw, Device::host(), uninitialized);
+        }
         b.epoch = epoch;
         b.index = index;
         for (std::int64_t k = 0; k < n; ++k) {
