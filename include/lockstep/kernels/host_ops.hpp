@@ -422,8 +422,8 @@ struct Ops<Host> {
         check_count(x.numel(), g.lines.count() * g.length, "softmax_forward", "x");
         check_count(y.numel(), x.numel(), "softmax_forward", "y");
         for (std::int64_t l = 0; l < g.lines.count(); ++l) {
-            const auto line = tensor_math::softmax_stats(g, x.data(), l);
             const std::int64_t start = g.lines.offset(l);
+            const auto line = tensor_math::softmax_stats(x.data() + start, g.length, g.step);
             for (std::int64_t k = 0; k < g.length; ++k)
                 y.data()[start + k * g.step] = tensor_math::softmax_value(x.data()[start + k * g.step], line);
         }
@@ -435,8 +435,8 @@ struct Ops<Host> {
         check_count(dy.numel(), y.numel(), "softmax_backward", "dy");
         check_count(dx.numel(), y.numel(), "softmax_backward", "dx");
         for (std::int64_t l = 0; l < g.lines.count(); ++l) {
-            const double dot = tensor_math::softmax_dot(g, y.data(), dy.data(), l);
             const std::int64_t start = g.lines.offset(l);
+            const double dot = tensor_math::softmax_dot(y.data() + start, dy.data() + start, g.length, g.step);
             for (std::int64_t k = 0; k < g.length; ++k) {
                 const std::int64_t at = start + k * g.step;
                 dx.data()[at] = tensor_math::softmax_grad_value(y.data()[at], dy.data()[at], dot);

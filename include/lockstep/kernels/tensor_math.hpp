@@ -114,16 +114,16 @@ struct SoftmaxLine {
     double max = 0, sum = 0;
 };
 
-LOCKSTEP_HD inline SoftmaxLine softmax_stats(const LineGeometry& g, const float* x, std::int64_t l) {
-    const std::int64_t start = g.lines.offset(l);
+//! The line of `length` elements `step` apart from x.
+LOCKSTEP_HD inline SoftmaxLine softmax_stats(const float* x, std::int64_t length, std::int64_t step) {
     double m = -HUGE_VAL;
-    for (std::int64_t k = 0; k < g.length; ++k) {
-        const double v = x[start + k * g.step];
+    for (std::int64_t k = 0; k < length; ++k) {
+        const double v = x[k * step];
         if (v != v) return {v, 1.0};
         if (v > m) m = v;
     }
     double s = 0;
-    for (std::int64_t k = 0; k < g.length; ++k) s = add_rn(s, exp(sub_rn(static_cast<double>(x[start + k * g.step]), m)));
+    for (std::int64_t k = 0; k < length; ++k) s = add_rn(s, exp(sub_rn(static_cast<double>(x[k * step]), m)));
     return {m, s};
 }
 
@@ -132,14 +132,11 @@ LOCKSTEP_HD inline float softmax_value(float x, const SoftmaxLine& line) {
     return static_cast<float>(div_rn(exp(sub_rn(static_cast<double>(x), line.max)), line.sum));
 }
 
-//! Softmax backward's sum(dy y) over line l, in fp64.
-LOCKSTEP_HD inline double softmax_dot(const LineGeometry& g, const float* y, const float* dy, std::int64_t l) {
-    const std::int64_t start = g.lines.offset(l);
+//! Softmax backward's sum(dy y) over a line of `length` elements `step` apart, in fp64.
+LOCKSTEP_HD inline double softmax_dot(const float* y, const float* dy, std::int64_t length, std::int64_t step) {
     double dot = 0;
-    for (std::int64_t k = 0; k < g.length; ++k) {
-        const std::int64_t at = start + k * g.step;
-        dot = add_rn(dot, mul_rn(static_cast<double>(dy[at]), static_cast<double>(y[at])));
-    }
+    for (std::int64_t k = 0; k < length; ++k)
+        dot = add_rn(dot, mul_rn(static_cast<double>(dy[k * step]), static_cast<double>(y[k * step])));
     return dot;
 }
 

@@ -448,12 +448,13 @@ struct SoftmaxForward {
     using Params = TensorOpParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const LineGeometry& g = p.line;
+        const std::int64_t length = p.line.length, step = p.line.step;
         for (std::int64_t l = first_index(w); l < p.n; l += grid_threads(w)) {
-            const auto line = tensor_math::softmax_stats(g, p.a, l);
-            const std::int64_t start = g.lines.offset(l);
-            for (std::int64_t k = 0; k < g.length; ++k)
-                store(p.out + start + k * g.step, tensor_math::softmax_value(p.a[start + k * g.step], line));
+            const std::int64_t start = p.line.lines.offset(l);
+            const float* x = p.a + start;
+            float* y = p.out + start;
+            const auto line = tensor_math::softmax_stats(x, length, step);
+            for (std::int64_t k = 0; k < length; ++k) store(y + k * step, tensor_math::softmax_value(x[k * step], line));
         }
     }
 };
@@ -463,14 +464,15 @@ struct SoftmaxBackward {
     using Params = TensorOpParams;
     static constexpr int threads = layer_kernels::threads, min_blocks = layer_kernels::min_blocks;
     LOCKSTEP_HD static void run(const Params& p, const Where& w) {
-        const LineGeometry& g = p.line;
+        const std::int64_t length = p.line.length, step = p.line.step;
         for (std::int64_t l = first_index(w); l < p.n; l += grid_threads(w)) {
-            const double dot = tensor_math::softmax_dot(g, p.a, p.b, l);
-            const std::int64_t start = g.lines.offset(l);
-            for (std::int64_t k = 0; k < g.length; ++k) {
-                const std::int64_t at = start + k * g.step;
-                store(p.out + at, tensor_math::softmax_grad_value(p.a[at], p.b[at], dot));
-            }
+            const std::int64_t start = p.line.lines.offset(l);
+            const float* y = p.a + start;
+            const float* dy = p.b + start;
+            float* dx = p.out + start;
+            const double dot = tensor_math::softmax_dot(y, dy, length, step);
+            for (std::int64_t k = 0; k < length; ++k)
+                store(dx + k * step, tensor_math::softmax_grad_value(y[k * step], dy[k * step], dot));
         }
     }
 };
