@@ -9,6 +9,8 @@
 
 #include <lockstep/nn.hpp>
 
+#include "channel_gate.hpp"
+
 namespace resnet {
 
 namespace nn = lockstep::nn;
@@ -46,5 +48,17 @@ auto make_net(std::int64_t width, nn::Generator& g) {
 
 template <class B>
 using Net = decltype(make_net<B>(1, std::declval<nn::Generator&>()));
+
+//! The same network with a ChannelGate (channel_gate.hpp, a module of one's own written with the
+//! tensor operations) after each residual block: `--gate`.
+template <class B>
+auto make_gated_net(std::int64_t width, nn::Generator& g) {
+    const std::int64_t w = width;
+    return nn::Sequential(nn::Conv2d<B>(1, w, 3, {.padding = 1, .bias = false}, g), nn::SyncBatchNorm<B>(w, {.fused_relu = true}),
+                          nn::Residual(branch<B>(w, w, 1, g)), ChannelGate<B>(w),
+                          nn::Residual(branch<B>(w, 2 * w, 2, g), projection<B>(w, 2 * w, 2, g)), ChannelGate<B>(2 * w),
+                          nn::Residual(branch<B>(2 * w, 4 * w, 2, g), projection<B>(2 * w, 4 * w, 2, g)), ChannelGate<B>(4 * w),
+                          nn::AdaptiveAvgPool2d<B>(1), nn::Flatten<B>(), nn::Linear<B>(4 * w, 10, true, g));
+}
 
 }  // namespace resnet
