@@ -557,4 +557,15 @@ TEST_CASE("a layer instance used twice in one training forward is refused, namin
     for (int step = 0; step < 3; ++step) CHECK_NOTHROW(ok.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd));
     LinearTwice alone{nn::Linear<>(3, 3, true, gen), nn::ReLU<>()};
     CHECK_NOTHROW(alone.forward(nn::Context<Host>{}, x));
+    // A module copied out of one DataParallel trains in another: pass numbers are unique in the
+    // process, so the copy's layers have seen none of the new one's.
+    DataParallel again(ok.module(), 2);
+    for (int step = 0; step < 3; ++step) CHECK_NOTHROW(again.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd));
+    // parallel_apply's function drives the module itself: its forwards are not numbered.
+    CHECK_NOTHROW(ok.parallel_apply([](auto& m, nn::Context<Host>& c) {
+        const Tensor<float> in(Shape{2, 3});
+        m.forward(c, in);
+        m.forward(c, in);
+    }));
+    CHECK_NOTHROW(ok.train_step(x, labels, nn::SoftmaxCrossEntropy{}, sgd));
 }

@@ -32,8 +32,10 @@ public:
     //! The activation protocol where the backend has bf16 activation kernels (Note [activation
     //! precision]): y and dx in the type of x and dy, exact (a selection needs no rounding).
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
-        gave_ = x.precision();
-        return x.visit([&](auto& t) { return Activation<B>(run_forward(ctx, std::move(t))); });
+        const Precision given = x.precision();
+        auto y = x.visit([&](auto& t) { return Activation<B>(run_forward(ctx, std::move(t))); });
+        gave_ = given;  // after run_forward's OneUse check (Note [one instance, one use])
+        return y;
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
         if (dy.precision() != gave_) return backward(ctx, converted(ctx, dy, gave_));  // dy in y's type
@@ -91,8 +93,10 @@ public:
     //! The activation protocol where the backend has bf16 pooling kernels (Note [activation
     //! precision]): y and dx in the type of x and dy; y exact, dx summed in fp32, rounded once.
     Activation<B> forward(const Context<B>& ctx, Activation<B> x) requires K::bf16_activations {
-        gave_ = x.precision();
-        return x.visit([&](const auto& t) { return Activation<B>(run_forward(ctx, t)); });
+        const Precision given = x.precision();
+        auto y = x.visit([&](const auto& t) { return Activation<B>(run_forward(ctx, t)); });
+        gave_ = given;  // after run_forward's OneUse check (Note [one instance, one use])
+        return y;
     }
     Activation<B> backward(const Context<B>& ctx, const Activation<B>& dy) requires K::bf16_activations {
         if (dy.precision() != gave_) return backward(ctx, converted(ctx, dy, gave_));  // dy in y's type

@@ -2,6 +2,7 @@
 //! `nn::Context<B>`: a replica's execution context, what its layers know about the step they run in.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -30,9 +31,10 @@ struct Context {
     //! Samples of this forward over all replicas (the global batch); -1: this replica's input is
     //! the whole batch. Losses average over it.
     std::int64_t global_batch = -1;
-    //! Which forward pass this is: DataParallel numbers each forward of a replica from 1, so that a
-    //! layer can tell a second use within one pass (`OneUse`); 0 outside DataParallel, where
-    //! nothing is checked.
+    //! Which forward pass this is: DataParallel gives each forward of a replica a number no other
+    //! pass of the process has (`next_pass()`), so that a layer can tell a second use within one
+    //! pass (`OneUse`); 0 outside DataParallel, where nothing is checked. Code that drives a module
+    //! itself may number its passes the same way.
     std::uint64_t pass = 0;
     //! Called by a layer when the gradient of one of its parameters is final (backward is done
     //! with it): DataParallel starts that bucket's all-reduce without waiting for the rest.
@@ -50,10 +52,17 @@ struct Context {
 // instance can serve one place in a forward pass: used twice, the second forward overwrites what
 // the first kept and backward computes a wrong gradient without a word (where PyTorch's autograd
 // would keep both). Each of the kit's layers therefore holds a `OneUse` and enters it at every
-// training forward: within one DataParallel pass (Context::pass) the second entry throws
+// training forward: within one DataParallel pass (Context::pass, unique in the process) the second entry throws
 // UsageError naming the layer, before anything is overwritten. A module that needs the same
 // weights twice holds two layers and ties nothing, or writes its own module; a module of one's
 // own can hold a OneUse as the kit's layers do.
+
+//! A pass number no earlier call gave in this process (Context::pass): a module copied from one
+//! DataParallel into another never meets a number it has seen.
+inline std::uint64_t next_pass() noexcept {
+    static std::atomic<std::uint64_t> passes{0};
+    return passes.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 
 //! Refuses a second training forward of one layer instance within one pass (Note [one instance, one use]).
 class OneUse {

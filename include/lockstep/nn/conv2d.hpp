@@ -98,8 +98,8 @@ public:
             given_ = given;
             return y;
         }
-        given_ = x.precision();
         use_.enter(ctx, [&] { return describe(); });
+        given_ = x.precision();
         check_input(x.shape(), x.device());
         const auto g = geometry(x.shape(), x.format());
         Tensor<BFloat16, B> y(Shape{g.batch, out_, g.out_height(), g.out_width()}, x.format(), x.device(), uninitialized);

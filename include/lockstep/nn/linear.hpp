@@ -104,8 +104,8 @@ public:
             given_ = given;
             return y;
         }
-        given_ = x.precision();
         use_.enter(ctx, [&] { return describe(); });
+        given_ = x.precision();
         check_input(x.shape(), x.device());
         Tensor<BFloat16, B> y(Shape{x.dim(0), out_}, MemoryFormat::nchw, x.device(), uninitialized);
         if (relu_ && ctx.training) relu_mask_ = Tensor<std::uint8_t, B>::empty_like(y);

@@ -149,6 +149,9 @@ public:
             rep.ctx.training = training;
             rep.ctx.global_batch = -1;
             rep.ctx.grad_ready = nullptr;
+            // fn drives the module itself, perhaps through several forwards: it numbers its passes
+            // if it wants the check (Note [one instance, one use]).
+            rep.ctx.pass = 0;
             (*f)(rep.module, rep.ctx);
         });
     }
@@ -173,7 +176,7 @@ public:
             rep.ctx.training = training;
             rep.ctx.global_batch = batch;
             rep.ctx.grad_ready = nullptr;
-            ++rep.ctx.pass;  // Note [one instance, one use]
+            rep.ctx.pass = nn::next_pass();  // Note [one instance, one use]
             Tensor<float, backend> in;
             if (!call->caller.read(
                     [&] {

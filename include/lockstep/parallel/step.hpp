@@ -243,7 +243,7 @@ void begin_part(Replica<Module>& rep, const StepCall<Loss>& call, bool clear = t
     rep.ctx.training = true;
     rep.ctx.global_batch = call.batch;
     rep.ctx.grad_ready = nullptr;
-    ++rep.ctx.pass;  // Note [one instance, one use]
+    rep.ctx.pass = nn::next_pass();  // Note [one instance, one use]
     rep.place_all();
     if (call.before == 0 && clear) rep.clear_step();
     rep.save_buffers();
