@@ -131,6 +131,9 @@ std::size_t live_device_blocks();
 
 //! cudaLaunchHostFunc calls accepted so far (each one is a kernel launch).
 std::uint64_t launches();
+//! Host-to-device copies accepted so far whose source is page-locked memory (the library's
+//! staging buffer or a pinned block of the caller's).
+std::uint64_t uploads_from_pinned();
 
 }  // namespace lockstep::host_cuda
 

@@ -99,6 +99,7 @@ struct State {
     std::mutex stall_m;
     std::condition_variable stall_cv;
     std::uint64_t launches = 0;
+    std::uint64_t uploads_from_pinned = 0;  // host-to-device copies whose source is page-locked memory
 };
 
 State& state() {
@@ -348,6 +349,10 @@ cudaError_t copy(void* dst, const void* src, std::size_t count, cudaMemcpyKind k
         default: return fail(cudaErrorInvalidMemcpyDirection);
     }
     const bool to_device = ds == Space::device, from_device = ss == Space::device;
+    if (to_device && ss == Space::pinned) {
+        std::lock_guard lock(state().m);
+        ++state().uploads_from_pinned;
+    }
     // A graph copies between device and pinned memory only.
     if (ds == Space::pageable || ss == Space::pageable)
         if (const cudaError_t e = capture_refuse(s); e != cudaSuccess) return e;
@@ -742,6 +747,11 @@ std::size_t live_device_blocks() {
 std::uint64_t launches() {
     std::lock_guard lock(state().m);
     return state().launches;
+}
+
+std::uint64_t uploads_from_pinned() {
+    std::lock_guard lock(state().m);
+    return state().uploads_from_pinned;
 }
 
 }  // namespace lockstep::host_cuda

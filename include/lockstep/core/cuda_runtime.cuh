@@ -69,8 +69,10 @@ inline int device_count() noexcept {
 }
 
 //! Page-locked host memory for batches on their way to a GPU, as `data::LoaderOptions::memory`
-//! takes it: a copy from it to the device runs at the bus's speed and may be asynchronous, where
-//! a copy from pageable memory is staged by the driver first. Blocks are pinned once and reused
+//! takes it: `to<Cuda>()` copies from it to the device in one DMA transfer, where a batch in
+//! pageable memory is first copied, a chunk at a time, into a staging buffer (`write_from_host`).
+//! The function is thread-safe (the loader calls it from its worker thread and batches release
+//! their blocks on the caller's). Blocks are pinned once and reused
 //! (pinning is slow): a block returns to the function's pool when the last batch holding it is
 //! gone, and the pool frees them all when nothing holds the function or a block any more.
 inline std::function<std::shared_ptr<void>(std::size_t)> pinned_batch_memory() {
@@ -487,10 +489,27 @@ void read_to_host(void* dst, const void* src, std::size_t bytes, cudaStream_t st
     detail::staged_copy(dst, src, bytes, cudaMemcpyDeviceToHost, stream, std::forward<Wait>(wait));
 }
 
-//! Copies `bytes` of host memory at `src` (pageable or not) to device memory at `dst` on `stream`,
-//! through pinned staging with a bounded wait per chunk (detail::staged_copy).
+//! Whether `p` is page-locked host memory (cudaHostAlloc, cudaMallocHost, cudaHostRegister).
+inline bool is_page_locked(const void* p) noexcept {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return a.type == cudaMemoryTypeHost;
+}
+
+//! Copies `bytes` of host memory at `src` to device memory at `dst` on `stream`: from page-locked
+//! memory in one copy straight from it (a batch of `pinned_batch_memory`), from pageable memory
+//! through pinned staging (detail::staged_copy); a bounded wait after each copy either way, so
+//! that `src` may be reused when this returns.
 template <class Wait>
 void write_from_host(void* dst, const void* src, std::size_t bytes, cudaStream_t stream, Wait&& wait) {
+    if (is_page_locked(src)) {
+        LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+        wait();
+        return;
+    }
     detail::staged_copy(dst, src, bytes, cudaMemcpyHostToDevice, stream, std::forward<Wait>(wait));
 }
 

@@ -52,8 +52,9 @@ struct LoaderOptions {
     //! Make the next batch on a background thread while the caller uses this one.
     bool prefetch = true;
     //! Where batches are stored: given a size in bytes, a block the returned pointer keeps alive
-    //! (the batch holds it). `lockstep::cuda::pinned_batch_memory()` gives page-locked memory, from
-    //! which a copy to a GPU is fastest; empty: ordinary host memory.
+    //! (the batch holds it). Called on the loader's worker thread, and the blocks are released on
+    //! whichever thread drops a batch: it must be thread-safe. `lockstep::cuda::pinned_batch_memory()`
+    //! gives page-locked memory, from which a copy to a GPU is one transfer; empty: ordinary host memory.
     std::function<std::shared_ptr<void>(std::size_t bytes)> memory = {};
 };
 
@@ -63,7 +64,9 @@ struct Batch {
     std::vector<std::int64_t> labels;
     std::int64_t epoch = 0;
     std::int64_t index = 0;  //!< the batch's place in its epoch
-    //! The block `x` views when the loader was given `LoaderOptions::memory` (else null).
+    //! The block `x` views when the loader was given `LoaderOptions::memory` (else null): `x` is
+    //! valid while this batch (or a copy of this pointer) lives; moving `x` out of the batch and
+    //! dropping the batch returns the block for reuse under it. Copy `x` to keep it.
     std::shared_ptr<void> memory;
 };
 
