@@ -299,6 +299,9 @@ TEST_CASE("tensor operations refuse bad input with a typed error", "[ops]") {
     CHECK_THROWS_WITH(ops::concat(ctx, {a, b}, 1), Catch::Contains("may differ only along dimension 1"));
     CHECK_THROWS_WITH(ops::split(ctx, a, {1, 1}, 1), Catch::Contains("add up to 2 but dimension 1"));
     CHECK_THROWS_WITH(ops::expand(ctx, a, Shape{2, 4, 5}, {2}), Catch::Contains("does not repeat into"));
+    CHECK_THROWS_WITH(
+        ops::expand(ctx, relayout(random_tensor(Shape{2, 3, 4, 1}, gen), MemoryFormat::nhwc), Shape{2, 3, 4, 5}, {3}),
+        Catch::Contains("reads the repeated tensor in NCHW order"));
     CHECK_THROWS_AS(ops::argmax(ctx, random_tensor(Shape{2, 0}, gen), 1), ShapeError);
     const auto x4 = random_tensor(Shape{1, 2, 2, 2}, gen);
     CHECK_THROWS_WITH(ops::add(ctx, x4, relayout(x4, MemoryFormat::nhwc)), Catch::Contains("same memory format"));

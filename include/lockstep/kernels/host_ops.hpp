@@ -408,13 +408,25 @@ struct Ops<Host> {
     static void reduce(const Ex&, const ReduceGeometry& g, const T_<float>& x, T_<float>& y) {
         check_count(y.numel(), g.kept.count(), "reduce", "y");
         check_count(x.numel(), g.kept.count() * g.reduced.count(), "reduce", "x");
-        for (std::int64_t o = 0; o < y.numel(); ++o) y.data()[o] = tensor_math::reduce_at(g, x.data(), o);
+        // tensor_math::reduce_at's sums, in its order, the reduced walk's innermost dimension in a tight loop.
+        const float* src = x.data();
+        for (std::int64_t o = 0; o < y.numel(); ++o) {
+            const float* base = src + g.kept.offset(o);
+            double sum = 0;
+            tensor_math::for_each_offset(
+                g.reduced, [&](std::int64_t, std::int64_t off) { sum = rounding::add_rn(sum, static_cast<double>(base[off])); });
+            y.data()[o] = static_cast<float>(rounding::mul_rn(sum, g.scale));
+        }
     }
 
     //! dx = dy broadcast back over the reduced dimensions, scaled.
     static void broadcast(const Ex&, const BroadcastGeometry& g, const T_<float>& dy, T_<float>& dx) {
         check_count(dx.numel(), g.input.count(), "broadcast", "dx");
-        for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data()[i] = tensor_math::broadcast_at(g, dy.data(), i);
+        const float* src = dy.data();
+        float* out = dx.data();
+        tensor_math::for_each_offset(g.input, [&](std::int64_t i, std::int64_t off) {
+            out[i] = static_cast<float>(rounding::mul_rn(static_cast<double>(src[off]), g.scale));  // broadcast_at
+        });
     }
 
     //! y = softmax of x along the geometry's lines (y may be x).
@@ -454,13 +466,17 @@ struct Ops<Host> {
     //! dst[base + walk.offset(i)] = src[i] for every element of src (a slice put in its place).
     static void place(const Ex&, const PlaceGeometry& g, const T_<float>& src, T_<float>& dst) {
         check_count(src.numel(), g.walk.count(), "place", "src");
-        for (std::int64_t i = 0; i < src.numel(); ++i) dst.data()[g.base + g.walk.offset(i)] = src.data()[i];
+        const float* in = src.data();
+        float* out = dst.data() + g.base;
+        tensor_math::for_each_offset(g.walk, [&](std::int64_t i, std::int64_t off) { out[off] = in[i]; });
     }
 
     //! dst[i] = src[base + walk.offset(i)] for every element of dst (a slice taken out).
     static void take(const Ex&, const PlaceGeometry& g, const T_<float>& src, T_<float>& dst) {
         check_count(dst.numel(), g.walk.count(), "take", "dst");
-        for (std::int64_t i = 0; i < dst.numel(); ++i) dst.data()[i] = src.data()[g.base + g.walk.offset(i)];
+        const float* in = src.data() + g.base;
+        float* out = dst.data();
+        tensor_math::for_each_offset(g.walk, [&](std::int64_t i, std::int64_t off) { out[i] = in[off]; });
     }
 
     //! Layer norm of each row of M values (Note [layer norm per row]): y, and each row's mean and

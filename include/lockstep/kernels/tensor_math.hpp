@@ -91,6 +91,23 @@ using rounding::div_rn;
 using rounding::mul_rn;
 using rounding::sub_rn;
 
+//! Calls f(i, walk.offset(i)) for every i in order, the innermost dimension in a tight loop (how
+//! the host walks: the same offsets as `DimWalk::offset` without a division per element).
+template <class F>
+inline void for_each_offset(const DimWalk& walk, F&& f) {
+    if (walk.rank == 0) {
+        f(std::int64_t{0}, std::int64_t{0});
+        return;
+    }
+    DimWalk outer = walk;
+    outer.rank = walk.rank - 1;
+    const std::int64_t inner = walk.size[outer.rank], step = walk.stride[outer.rank], lines = outer.count();
+    for (std::int64_t o = 0; o < lines; ++o) {
+        const std::int64_t base = outer.offset(o);
+        for (std::int64_t k = 0; k < inner; ++k) f(o * inner + k, base + k * step);
+    }
+}
+
 //! alpha a + beta b, each product and the sum rounded on its own (the same bits with or without FMA).
 LOCKSTEP_HD inline float axpby(float alpha, float a, float beta, float b) { return add_rn(mul_rn(alpha, a), mul_rn(beta, b)); }
 

@@ -31,8 +31,10 @@ namespace lockstep::ops {
 // Dimensions count from 0 and may be negative (from the end), as in PyTorch. Reductions, softmax,
 // argmax and concatenation read NCHW and NHWC tensors by their logical (N, C, H, W) dimensions;
 // elementwise operations need their operands in one memory format. The arithmetic is written once
-// for both backends (Note [tensor operations per element]): a GPU gives the host's bits, sums and
-// softmax in fp64.
+// for both backends (Note [tensor operations per element]): a GPU gives the host's bits (softmax
+// within its last fp32 place: CUDA's fp64 exp may differ from the host's), sums and softmax in fp64.
+// One thread computes each output element: fine for a module's per-channel or per-sample tensors,
+// a serial loop on a GPU for a sum over a whole large tensor.
 
 template <BackendTag B>
 using FloatTensor = Tensor<float, B>;
@@ -264,8 +266,8 @@ FloatTensor<B> mean(const nn::Context<B>& ctx, const FloatTensor<B>& x, const Di
 }
 
 //! `t` repeated along `dims` of `shape` (t holds `shape` without those dimensions, or with them as
-//! 1), in memory format `format`: what sum's backward is, and how a per-channel value meets a
-//! batch (expand(ctx, gate, x.shape(), {2, 3}, x.format()) gives gate[n, c] at every pixel).
+//! 1, in NCHW order as sums and means give it), in memory format `format`: what sum's backward is, and how a per-channel value
+//! meets a batch (expand(ctx, gate, x.shape(), {2, 3}, x.format()) gives gate[n, c] at every pixel).
 template <BackendTag B>
 FloatTensor<B> expand(const nn::Context<B>& ctx, const FloatTensor<B>& t, const Shape& shape, const Dims& dims,
                       MemoryFormat format = MemoryFormat::nchw, double factor = 1.0) {
@@ -275,6 +277,9 @@ FloatTensor<B> expand(const nn::Context<B>& ctx, const FloatTensor<B>& t, const 
         ShapeError, t.numel() == kept.numel() && (t.shape() == kept || t.shape() == detail::reduced_shape(shape, reduced, true)),
         "ops::expand: a tensor of shape ", t.shape(), " does not repeat into ", shape,
         " along the named dimensions; it should have shape ", kept, " or ", detail::reduced_shape(shape, reduced, true));
+    LOCKSTEP_CHECK_AS(ShapeError, t.rank() != 4 || t.format() == MemoryFormat::nchw,
+                      "ops::expand reads the repeated tensor in NCHW order, but it is NHWC; pass a sum's or mean's "
+                      "output (always NCHW) or a tensor without the repeated dimensions");
     const MemoryFormat f = shape.rank() == 4 ? format : MemoryFormat::nchw;
     FloatTensor<B> out(shape, f, t.device(), uninitialized);
     auto g = detail::broadcast_geometry(shape, f, reduced);
