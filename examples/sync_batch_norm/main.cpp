@@ -15,7 +15,7 @@ int main() {
     Tensor<float> batch(Shape{5, 3, 4, 4});
     for (std::int64_t i = 0; i < batch.numel(); ++i) batch[i] = std::sin(0.37f * static_cast<float>(i)) * 4.0f + 10.0f;
 
-    // --- the snippet shown in README.md ---
+    // --- the snippet shown in docs/reference.md ("SyncBatchNorm") ---
     auto comms = comm::HostCommunicator::create_group(2);  // one group of 2 replicas
     nn::SyncBatchNorm<> prototype(3);                      // eps 1e-5, momentum 0.1, affine, NCHW
     std::vector<nn::SyncBatchNorm<>> bn(2, prototype);     // one copy per replica

@@ -2,7 +2,7 @@
 //! lockstep's host CUDA device: the cuDNN entry points of NCHW convolutions in fp32 or bfloat16
 //! (forward, backward data, backward filter), their descriptors and heuristics. A call checks its
 //! descriptors against each other and its operands and workspace against the handle's device,
-//! then enqueues im2col + OpenBLAS on the handle's stream (README.md, "cuDNN").
+//! then enqueues im2col + OpenBLAS on the handle's stream (docs/gpus.md, "Convolutions on cuDNN").
 #include <cuda_bf16.h>
 #include <cudnn.h>
 

@@ -63,7 +63,7 @@ struct Allocator;
 // On Linux, blocks of 2 MiB or more start on a 2 MiB boundary and their whole 2 MiB pages are
 // advised MADV_HUGEPAGE (the tail stays in 4 KiB pages, so at most the advice is wasted, never
 // memory). A layer streams its tensors front to back; with 4 KiB pages every 4 KiB of every
-// stream costs a TLB miss, which under a hypervisor is a two-level page walk (README, Benchmarks,
+// stream costs a TLB miss, which under a hypervisor is a two-level page walk (docs/reference.md, Benchmarks,
 // has what it buys). The kernel grants huge pages
 // only where transparent huge pages are "always" or "madvise"; elsewhere nothing changes.
 // `lockstep::set_host_huge_pages(false)` turns the advice off for blocks allocated afterwards.

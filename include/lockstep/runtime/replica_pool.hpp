@@ -31,8 +31,8 @@ namespace lockstep {
 // Replicas meet at every collective, so a step runs at the pace of the slowest one; two replica
 // threads that the OS puts on the same CPU halve the step's speed until it moves one of them (the
 // wake-up that ends a collective tends to place the woken thread beside its waker). Binding each
-// replica thread to a CPU of its own removes that (README, Benchmarks). It is the default only where it cannot crowd other work:
-// when the process may run on exactly as many CPUs as there are replicas (a 2-core machine, or a job restricted with
+// replica thread to a CPU of its own removes that (docs/reference.md, Benchmarks). It is the default only where it cannot crowd
+// other work: when the process may run on exactly as many CPUs as there are replicas (a 2-core machine, or a job restricted with
 // taskset/cpusets to one CPU per replica). `spread` asks for it whenever there are enough CPUs (replica r on the r-th allowed
 // CPU; several such processes on one machine would share the same CPUs, which is why it is not the default); `none` never binds.
 
