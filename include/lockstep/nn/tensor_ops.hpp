@@ -98,7 +98,6 @@ void check_same(const Tensor<T, B>& a, const Tensor<U, B>& b, const char* op, co
 
 //! The shape left when `reduced` dimensions are summed away (kept as 1 with keepdim).
 inline Shape reduced_shape(const Shape& s, const std::vector<bool>& reduced, bool keepdim) {
-    Shape out;
     int rank = 0;
     std::int64_t dims[Shape::max_rank] = {};
     for (int d = 0; d < s.rank(); ++d) {
