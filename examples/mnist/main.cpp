@@ -23,6 +23,10 @@
 #include <lockstep/mpi.hpp>
 #endif
 
+// host_train.cpp, shared with the example's build on the host CUDA device.
+int mnist_train_host(const mnist_example::Options& opt, const std::vector<lockstep::Device>& devices,
+                     std::shared_ptr<lockstep::comm::ProcessGroup> procs);
+
 #if defined(LOCKSTEP_EXAMPLE_CUDA)
 // cuda_train.cu, compiled by nvcc.
 int mnist_train_cuda(const mnist_example::Options& opt, const std::vector<lockstep::Device>& devices,
@@ -150,7 +154,7 @@ int run(const Options& opt) {
     }
     mnist_example::agree_on_setup(procs, failure);
     const auto& [backend, devices] = chosen;
-    if (backend == "host") return mnist_example::train<lockstep::Host>(opt, devices, procs);
+    if (backend == "host") return mnist_train_host(opt, devices, procs);
 #if defined(LOCKSTEP_EXAMPLE_CUDA)
     return mnist_train_cuda(opt, devices, procs);
 #else

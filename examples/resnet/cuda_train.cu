@@ -7,10 +7,10 @@
 
 #include "train.hpp"
 
-int resnet_train_cuda(const resnet::Options& o, const std::vector<lockstep::Device>& devices) {
-    resnet::Options on_gpu = o;
+int resnet::train_cuda(const Options& o, const std::vector<lockstep::Device>& devices) {
+    Options on_gpu = o;
     on_gpu.batch_memory = lockstep::cuda::pinned_batch_memory();  // batches copied to the GPU from page-locked memory
-    return resnet::train<lockstep::Cuda>(on_gpu, devices);
+    return train<lockstep::Cuda>(on_gpu, devices);
 }
 
-int resnet_cuda_device_count() { return lockstep::cuda::device_count(); }
+int resnet::cuda_device_count() { return lockstep::cuda::device_count(); }

@@ -14,13 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "train.hpp"
-
-#if defined(LOCKSTEP_EXAMPLE_CUDA)
-// cuda_train.cu, compiled by nvcc.
-int resnet_train_cuda(const resnet::Options& o, const std::vector<lockstep::Device>& devices);
-int resnet_cuda_device_count();
-#endif
+#include "options.hpp"
 
 namespace {
 
@@ -41,7 +35,7 @@ std::vector<Device> plan(const resnet::Options& o) {
         "--backend cuda: this build has no CUDA backend (nvcc and NCCL were not found when it was "
         "configured); use --backend host");
 #else
-    const int gpus = resnet_cuda_device_count();
+    const int gpus = resnet::cuda_device_count();
     if (gpus == 0) throw lockstep::DeviceMismatch("--backend cuda: no GPU is visible here; use --backend host");
     std::vector<Device> devices;
     if (o.devices.empty()) {
@@ -103,9 +97,9 @@ int main(int argc, char** argv) {
     try {
         const auto devices = plan(o);
 #if defined(LOCKSTEP_EXAMPLE_CUDA)
-        if (o.backend == "cuda") return resnet_train_cuda(o, devices);
+        if (o.backend == "cuda") return resnet::train_cuda(o, devices);
 #endif
-        return resnet::train<lockstep::Host>(o, devices);
+        return resnet::train_host(o, devices);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "resnet: %s\n", e.what());
         return 2;
