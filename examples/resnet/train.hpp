@@ -40,11 +40,12 @@ inline void progress(int epoch, std::int64_t done, std::int64_t total, double lo
     if (done == total) std::fputc('\n', stderr);
 }
 
-//! A host batch on the replicas' first device (no copy on the host backend).
+//! A host batch on the replicas' first device: the batch itself on the host backend (a
+//! reference, no copy), a copy on the device otherwise.
 template <class B>
-lockstep::Tensor<float, B> on_device(const lockstep::Tensor<float>& x, const lockstep::Device& d) {
+decltype(auto) on_device(const lockstep::Tensor<float>& x, const lockstep::Device& d) {
     if constexpr (std::is_same_v<B, lockstep::Host>)
-        return x;
+        return (x);
     else
         return x.template to<B>(d);
 }
