@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 //! One training step of the example network in libtorch (examples/torch_mnist/net.hpp: the seed's
-//! conv-net with SyncBatchNorm, SGD with momentum), on the CPU, four ways, each benchmark reporting
+//! conv-net with SyncBatchNorm, SGD with momentum), on the CPU, five ways, each benchmark reporting
 //! images/s and its ratio to the others measured in the same process:
 //!   single     (c) one libtorch module on the whole batch, every CPU for its intra-op threads;
 //!   lockstep1  lockstep::torch::DataParallel with 1 replica (every CPU): what its hooks, buckets
@@ -9,8 +9,11 @@
 //!   clone_each (a) the nearest libtorch equivalent of torch::nn::parallel::data_parallel on 2
 //!              CPU "devices" (which needs CUDA): the module replicated per call, the replicas run
 //!              on 2 threads, their gradients summed into the module, one optimizer step.
-//! BM_TorchSteps/<batch> runs the four alternately, and its counters are the ratios
-//! vs_clone_each (lockstep2 / clone_each) and vs_single (lockstep2 / single), and `overhead`.
+//!   unsynced   the ceiling of 2 replicas in one process: two modules on 2 threads, each on its
+//!              half with its own optimizer, nothing exchanged.
+//! BM_TorchSteps/<batch> runs the five alternately, and its counters are the ratios
+//! vs_clone_each (lockstep2 / clone_each), vs_single (lockstep2 / single), vs_unsynced
+//! (lockstep2 / unsynced), and `overhead`.
 //! PyTorch DDP in Python is (b): scripts/bench-torch.sh alternates this program with
 //! bench/torch_ddp_reference.py.
 #include <benchmark/benchmark.h>
@@ -83,6 +86,22 @@ void BM_TorchSteps(benchmark::State& state) {
             params[i].mutable_grad() = replicas[0]->parameters()[i].grad() + replicas[1]->parameters()[i].grad();
         master_opt->step();
     };
+    // The ceiling of 2 replicas: two modules on 2 threads, each on its half with its own optimizer,
+    // nothing exchanged (each SyncBatchNorm alone normalizes its own half).
+    Net halves[2] = {Net(), Net()};
+    std::unique_ptr<torch::optim::Optimizer> half_opts[2] = {sgd(*halves[0]), sgd(*halves[1])};
+    const auto run_unsynced = [&] {
+        at::set_num_threads(std::max(1, cpus() / 2));
+        const auto xs = data.x.chunk(2), ys = data.y.chunk(2);
+        std::vector<std::thread> threads;
+        for (int r = 0; r < 2; ++r)
+            threads.emplace_back([&, r] {
+                half_opts[r]->zero_grad();
+                cross_entropy(halves[r]->forward(xs[r]), ys[r]).backward();
+                half_opts[r]->step();
+            });
+        for (auto& t : threads) t.join();
+    };
     lockstep::torch::Options one_cpu_each;
     one_cpu_each.intra_op_threads = -1;  // set per run below
     Net proto;
@@ -96,18 +115,21 @@ void BM_TorchSteps(benchmark::State& state) {
         at::set_num_threads(std::max(1, cpus() / 2));
         two.train_step(data.x, data.y, cross_entropy);
     };
-    double t_single = 0, t_one = 0, t_two = 0, t_clone = 0;
+    double t_single = 0, t_one = 0, t_two = 0, t_clone = 0, t_unsynced = 0;
     for (auto _ : state) {
         t_single = seconds_per_step(run_single, steps);
         t_one = seconds_per_step(run_one, steps);
         t_two = seconds_per_step(run_two, steps);
         t_clone = seconds_per_step(run_clone_each, steps);
+        t_unsynced = seconds_per_step(run_unsynced, steps);
     }
     const double b = static_cast<double>(batch);
     state.counters["images_per_s_single"] = b / t_single;
     state.counters["images_per_s_lockstep1"] = b / t_one;
     state.counters["images_per_s_lockstep2"] = b / t_two;
     state.counters["images_per_s_clone_each"] = b / t_clone;
+    state.counters["images_per_s_unsynced"] = b / t_unsynced;
+    state.counters["vs_unsynced"] = t_unsynced / t_two;
     state.counters["vs_clone_each"] = t_clone / t_two;
     state.counters["vs_single"] = t_single / t_two;
     state.counters["overhead"] = 1.0 - t_single / t_one;

@@ -89,9 +89,10 @@ int main(int argc, char** argv) {
         const auto loss = [](const torch::Tensor& out, const torch::Tensor& y) {
             return torch::nn::functional::cross_entropy(out, y);
         };
-        std::printf("lockstep::torch: %d replicas (%s), libtorch %s, %d intra-op threads, %lld training and %lld test images\n",
-                    dp.size(), where.front().str().c_str(), TORCH_VERSION, at::get_num_threads(),
-                    static_cast<long long>(train.count()), static_cast<long long>(test.count()));
+        std::printf(
+            "lockstep::torch: %d replicas (%s), libtorch %s, %d intra-op threads each, %lld training and %lld test images\n",
+            dp.size(), where.front().str().c_str(), TORCH_VERSION, dp.intra_op_threads(), static_cast<long long>(train.count()),
+            static_cast<long long>(test.count()));
 
         std::vector<std::int64_t> order(static_cast<std::size_t>(train.count()));
         std::mt19937_64 rng(seed);

@@ -13,6 +13,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "torch_models.hpp"
 
@@ -564,4 +566,46 @@ TEST_CASE("torch DataParallel: misuse gets a typed error that says what to do", 
         CHECK_THAT(text, Catch::Contains("'norm' is a torch::nn::BatchNorm2d") && Catch::Contains("convert_sync_batchnorm"));
         CHECK(text.find("warning") == text.rfind("warning"));  // once
     }
+}
+
+TEST_CASE("torch DataParallel: every call runs its replicas with the intra-op threads it resolves, whatever they ran before",
+          "[torch]") {
+    const int before = at::get_num_threads();
+    const auto replica_threads = [](auto& dp) {
+        std::vector<int> seen(static_cast<std::size_t>(dp.size()), 0);
+        dp.parallel_apply([&](models::ResNetImpl&, int r) { seen[static_cast<std::size_t>(r)] = at::get_num_threads(); });
+        return seen;
+    };
+    SECTION("libtorch's setting (-1) follows at::set_num_threads made after construction") {
+        at::set_num_threads(3);
+        lt::Options options;
+        options.intra_op_threads = -1;
+        auto dp = lt::DataParallel(fresh_model(), 2, models::sgd, options);
+        CHECK(replica_threads(dp) == std::vector<int>{3, 3});
+        at::set_num_threads(1);  // a replica thread keeps its first count unless the call sets it
+        CHECK(dp.intra_op_threads() == 1);
+        CHECK(replica_threads(dp) == std::vector<int>{1, 1});
+        dp.train_step(images(6, 1), labels(6, 1), models::cross_entropy);
+        at::set_num_threads(2);
+        CHECK(replica_threads(dp) == std::vector<int>{2, 2});
+    }
+    SECTION("an explicit count holds whatever the caller's setting") {
+        lt::Options options;
+        options.intra_op_threads = 2;
+        at::set_num_threads(1);
+        auto dp = lt::DataParallel(fresh_model(), 2, models::sgd, options);
+        at::set_num_threads(4);
+        CHECK(replica_threads(dp) == std::vector<int>{2, 2});
+        CHECK(at::get_num_threads() == 4);  // the caller's own count is left alone
+    }
+    SECTION("by default the machine's CPUs are shared among the replicas") {
+        const int cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+        at::set_num_threads(cpus);
+        auto dp = lt::DataParallel(fresh_model(), 2, models::sgd);
+        const int share = std::max(1, cpus / 2);
+        CHECK(replica_threads(dp) == std::vector<int>{share, share});
+        at::set_num_threads(1);  // fewer than the share: the caller's count
+        CHECK(replica_threads(dp) == std::vector<int>{1, 1});
+    }
+    at::set_num_threads(before);
 }

@@ -78,9 +78,10 @@ struct Options {
     //! Where the replica threads run. libtorch's own intra-op threads start from them and inherit
     //! a binding, so the default leaves them unbound.
     CpuBinding cpu_binding = CpuBinding::none;
-    //! libtorch's intra-op threads (at::set_num_threads, process-wide), set at construction:
-    //! 0 makes it the machine's CPUs divided by the replicas (at least 1) when that is fewer than
-    //! libtorch's setting; a negative value leaves libtorch's setting alone.
+    //! libtorch's intra-op threads per replica, set on each replica thread at every call (Note
+    //! [intra-op threads]): a positive value is that count; 0 the machine's CPUs divided by the
+    //! replicas (at least 1) when that is fewer than the calling thread's at::get_num_threads();
+    //! a negative value the calling thread's at::get_num_threads().
     int intra_op_threads = 0;
     //! Clip the all-reduced gradients to this global L2 norm before the optimizer steps.
     std::optional<double> clip_grad_norm = std::nullopt;
@@ -128,10 +129,9 @@ public:
           pool_(core_->world, {}, options.cpu_binding, options.timeout) {
         pool_.attach(core_->layer_group->abortable());
         pool_.attach(core_->grad_group->abortable());
-        set_threads(options.intra_op_threads, core_->world);
-        pool_.run([core = core_, proto = module](int r) { core->make_replica(r, *proto); });
+        run_job([core = core_, proto = module](int r) { core->make_replica(r, *proto); });
         check_same_structure();
-        pool_.run([core = core_](int r) { core->replica(r).broadcast_from(0, 0); });
+        run_job([core = core_](int r) { core->replica(r).broadcast_from(0, 0); });
     }
     DataParallel(::torch::nn::ModuleHolder<Impl> module, std::vector<::torch::Device> devices,
                  OptimizerFactory<Impl> optimizer, Options options = {})
@@ -157,6 +157,8 @@ public:
     //! Collectives replica `rank` has made on its layer group (SyncBatchNorm) and gradient group.
     std::uint64_t layer_collectives(int rank) const { return core_->layer_group->communicator(rank).collective_count(); }
     std::uint64_t gradient_collectives(int rank) const { return core_->grad_group->communicator(rank).collective_count(); }
+    //! The intra-op threads each replica runs a call from this thread with (Options::intra_op_threads).
+    int intra_op_threads() const { return call_threads(); }
     std::int64_t steps() const noexcept { return steps_; }
     std::int64_t accumulated_samples() const noexcept { return pending_.count; }
     bool diverged() const noexcept { return diverged_.has_value(); }
@@ -267,7 +269,7 @@ public:
     //! and optimizer state to every replica.
     void resync() {
         pool_.check_usable("DataParallel::resync");
-        pool_.run([core = core_](int r) {
+        run_job([core = core_](int r) {
             auto& rep = core->replica(r);
             rep.link.held.clear();
             rep.broadcast_from(0, 0);
@@ -681,14 +683,20 @@ private:
         }
     }
 
-    static void set_threads(int requested, int world) {
-        if (requested < 0) return;
-        if (requested == 0) {
-            const int cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world);
-            if (cpus < at::get_num_threads()) at::set_num_threads(cpus);
-            return;
-        }
-        at::set_num_threads(requested);
+    // Note [intra-op threads]
+    // libtorch keeps its intra-op thread count per thread: a thread takes the process's setting
+    // (at::set_num_threads) at its first parallel operation and keeps it. A replica thread would
+    // keep whatever the setting was when it first ran one, deaf to every later at::set_num_threads
+    // of the user's; 2 replicas that took all the machine's CPUs each oversubscribe it (seen: 25 %
+    // of a step at batch 64 on 2 CPUs). So every job starts by setting the replica thread's count
+    // to the one its call resolves, on the calling thread, from Options::intra_op_threads. The set
+    // happens only on a change: libtorch's set_num_threads also drops oneDNN's primitive cache.
+    int call_threads() const {
+        const int caller = at::get_num_threads();
+        const int requested = core_->options.intra_op_threads;
+        if (requested > 0) return requested;
+        if (requested < 0) return caller;
+        return std::min(caller, std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / core_->world));
     }
 
     // Every replica, in every process, must hold the same tensors: a hash of their names, shapes
@@ -754,7 +762,12 @@ private:
                            "optimizer state to all, or load() a checkpoint");
     }
 
-    void run_job(ReplicaPool::Job job) { pool_.run(std::move(job)); }
+    void run_job(ReplicaPool::Job job) {
+        pool_.run([threads = call_threads(), job = std::move(job)](int r) {
+            if (at::get_num_threads() != threads) at::set_num_threads(threads);
+            job(r);
+        });
+    }
 
     std::shared_ptr<Core> core_;
     ReplicaPool pool_;
