@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -23,20 +24,25 @@ namespace lockstep::torch {
 
 // Note [libtorch SyncBatchNorm]
 // A forward in training mode computes each channel's mean and biased variance of the replica's
-// shard (at::var_mean, in fp32), turns them into the shard's sums in fp64 (S = n*m,
+// shard (libtorch's batch-norm statistics, at::batch_norm_update_stats: two passes, the second
+// over x - mean, in x's type), turns them into the shard's sums in fp64 (S = n*m,
 // Q = n*(v + m^2), n) and all-reduces [S | Q | n], 2C+1 doubles, once on the replica's layer
 // group: mean = S/N, var = Q/N - mean^2. The fp64 sums keep the variance's digits unless
-// |mean|/std approaches 1e6; the shard's own statistics are Welford's, so they do not depend on
-// where the data sits. y = (x - mean) * invstd * weight + bias. The running statistics are updated
+// |mean|/std approaches 1e6; the shard's own variance is taken about its mean, so it does not
+// depend on where the data sits. y = (x - mean) * invstd * weight + bias. (at::var_mean gives the
+// same statistics at 4x the time on a CPU: 34 against 8 ms for 128x64x28x28 on one thread.) The running statistics are updated
 // once per forward, from the global statistics, identically on every replica (unbiased variance
 // N/(N-1), PyTorch's momentum or cumulative average). The normalization is libtorch's fused
-// eval-mode batch norm given the global statistics. The backward runs libtorch's fused eval-mode
-// backward with them (dy*weight*invstd, and the shard's sums of dy and dy*xhat, which are the
-// weight's and bias's gradients of this replica: DataParallel's gradient all-reduce sums them),
-// all-reduces those sums (2C doubles) once and computes
-//   dx = weight*invstd * (dy - sum_dy/N - xhat * sum_dy_xhat/N). Outside a DataParallel (no replica group) the layer is a BatchNorm of
-// its own batch, and computes the same numbers, so a model keeps its SyncBatchNorm layers when it
-// runs alone. In eval mode it normalizes by the running statistics and makes no collective.
+// eval-mode batch norm given the global statistics. The backward takes the shard's sums of dy and
+// dy*xhat from libtorch's eval-mode backward with them (its reductions only; they are the weight's
+// and bias's gradients of this replica: DataParallel's gradient all-reduce sums them), all-reduces
+// those sums (2C doubles) once and computes
+//   dx = weight*invstd * (dy - sum_dy/N - xhat * sum_dy_xhat/N) = a*dy + b*x + d,
+// with a, b, d per channel (in fp64, then x's type): one pass over dy and x on a CPU for the
+// layouts batch norm meets (contiguous, channels-last), two libtorch ops otherwise. Outside a
+// DataParallel (no replica group) the layer is a BatchNorm of its own batch, and computes the same
+// numbers, so a model keeps its SyncBatchNorm layers when it runs alone. In eval mode it
+// normalizes by the running statistics and makes no collective.
 
 namespace detail {
 
@@ -83,17 +89,60 @@ inline void all_reduce(ReplicaLink* link, at::Tensor& t, comm::CollectiveSite si
                          site);
 }
 
-inline std::vector<std::int64_t> reduced_dims(const at::Tensor& x) {
-    std::vector<std::int64_t> dims{0};
-    for (std::int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
-    return dims;
-}
-
 // A per-channel vector shaped to broadcast against `x` (channel dimension 1).
 inline at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x) {
     std::vector<std::int64_t> shape(static_cast<std::size_t>(x.dim()), 1);
     shape[1] = v.numel();
     return v.view(shape);
+}
+
+template <class T>
+void affine_rows(const T* dy, const T* x, T* dx, const T* a, const T* b, const T* d, std::int64_t channels, std::int64_t inner,
+                 std::int64_t numel) {
+    if (inner == 1) {  // the channel is the innermost dimension (channels-last, or rank 2)
+        const std::int64_t positions = numel / channels;
+        at::parallel_for(0, positions, std::max<std::int64_t>(1, 32768 / channels), [&](std::int64_t begin, std::int64_t end) {
+            for (std::int64_t p = begin; p < end; ++p) {
+                const std::int64_t o = p * channels;
+                for (std::int64_t c = 0; c < channels; ++c) dx[o + c] = a[c] * dy[o + c] + b[c] * x[o + c] + d[c];
+            }
+        });
+        return;
+    }
+    const std::int64_t rows = numel / inner;  // (sample, channel) rows of the spatial positions
+    at::parallel_for(0, rows, std::max<std::int64_t>(1, 32768 / inner), [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t row = begin; row < end; ++row) {
+            const std::int64_t c = row % channels;
+            const T ac = a[c], bc = b[c], dc = d[c];
+            const std::int64_t o = row * inner;
+            for (std::int64_t i = 0; i < inner; ++i) dx[o + i] = ac * dy[o + i] + bc * x[o + i] + dc;
+        }
+    });
+}
+
+// a*dy + b*x + d with a, b, d per channel (dim 1), in x's type and memory format.
+inline at::Tensor per_channel_affine(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                                     const at::Tensor& d) {
+    const std::int64_t C = x.size(1);
+    const bool fits = x.device().is_cpu() && dy.device().is_cpu() && dy.scalar_type() == x.scalar_type() &&
+                      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) && x.numel() > 0;
+    const bool first = fits && x.is_contiguous() && dy.is_contiguous();
+    const auto last_format = x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
+    const bool last =
+        fits && !first && (x.dim() == 4 || x.dim() == 5) && x.is_contiguous(last_format) && dy.is_contiguous(last_format);
+    if (!first && !last) return at::addcmul(per_channel(d, x), dy, per_channel(a, x)).addcmul_(x, per_channel(b, x));
+    auto dx = at::empty_like(x, first ? at::MemoryFormat::Contiguous : last_format);
+    const std::int64_t inner = last ? 1 : x.numel() / (x.size(0) * C);
+    const auto run = [&]<class T>(T*) {
+        const auto ac = a.contiguous(), bc = b.contiguous(), dc = d.contiguous();
+        affine_rows<T>(dy.data_ptr<T>(), x.data_ptr<T>(), dx.data_ptr<T>(), ac.data_ptr<T>(), bc.data_ptr<T>(), dc.data_ptr<T>(),
+                       C, inner, x.numel());
+    };
+    if (x.scalar_type() == at::kFloat)
+        run(static_cast<float*>(nullptr));
+    else
+        run(static_cast<double*>(nullptr));
+    return dx;
 }
 
 struct SyncBnArgs {
@@ -113,10 +162,9 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
                               const at::Tensor& bias, const SyncBnArgs* args) {
         const std::int64_t C = x.size(1);
         const std::int64_t n = C > 0 ? x.numel() / C : 0;
-        const auto dims = reduced_dims(x);
         auto payload = at::zeros({2 * C + 1}, x.options().dtype(at::kDouble).device(at::kCPU));
         if (n > 0) {
-            const auto [var, mean] = at::var_mean(x, dims, /*correction=*/0, /*keepdim=*/false);
+            const auto [mean, var] = at::batch_norm_update_stats(x, std::nullopt, std::nullopt, 0.0);
             const auto m = mean.to(at::kDouble).cpu();
             const auto v = var.to(at::kDouble).cpu();
             payload.narrow(0, 0, C).copy_(m * static_cast<double>(n));
@@ -163,22 +211,22 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         const double eps = ctx->saved_data["eps"].toDouble();
         const std::int64_t C = x.size(1);
         const auto dy = grads[0].defined() ? grads[0].contiguous(x.suggest_memory_format()) : at::zeros_like(x);
-        // libtorch's fused eval-mode backward with the global statistics gives, in one pass over
-        // the shard: gi = dy * weight * invstd, and the shard's own sums sum(dy * xhat) and sum(dy),
-        // which are the weight's and the bias's gradients of this replica.
-        const auto [gi, sum_dy_xhat, sum_dy] = at::native_batch_norm_backward(
+        // libtorch's eval-mode backward with the global statistics, its reductions only: the
+        // shard's sums of dy * xhat and of dy, the weight's and the bias's gradients of this replica.
+        const auto [unused, sum_dy_xhat, sum_dy] = at::native_batch_norm_backward(
             dy, x, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, mean, var, std::nullopt, std::nullopt,
-            /*train=*/false, eps, {true, true, true});
+            /*train=*/false, eps, {false, true, true});
         auto sums = at::cat({sum_dy.to(at::kDouble).cpu(), sum_dy_xhat.to(at::kDouble).cpu()}).contiguous();
         all_reduce(link, sums, comm::CollectiveSite::layer(layer, 1));
-        // dx = weight * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), the means over the global batch
-        //    = gi - k * (x - mean) - weight * invstd * mean(dy),  k = weight * invstd^2 * mean(dy * xhat).
-        const auto invstd = (var.to(at::kDouble) + eps).rsqrt().to(x.device());
-        const auto scale = weight.defined() ? invstd * weight.to(at::kDouble) : invstd;
-        const auto k = (scale * invstd * sums.narrow(0, C, C).to(x.device()) / N).to(x.scalar_type());
-        const auto shift = (scale * sums.narrow(0, 0, C).to(x.device()) / N).to(x.scalar_type());
-        auto dx = at::addcmul(gi, x - per_channel(mean, x), per_channel(k, x), -1.0);
-        dx.sub_(per_channel(shift, x));
+        // dx = a * (dy - mean(dy) - xhat * mean(dy * xhat)), a = weight * invstd, the means over the
+        //    global batch; = a*dy + b*x + d with b = -k, k = a * invstd * mean(dy * xhat), and
+        //    d = k * mean - a * mean(dy). Per channel in fp64, then x's type.
+        const auto invstd = (var.to(at::kDouble).cpu() + eps).rsqrt();
+        const auto a = weight.defined() ? invstd * weight.to(at::kDouble).cpu() : invstd;
+        const auto k = a * invstd * sums.narrow(0, C, C) / N;
+        const auto d = k * mean.to(at::kDouble).cpu() - a * sums.narrow(0, 0, C) / N;
+        const auto as_x = [&](const at::Tensor& v) { return v.to(x.scalar_type()).to(x.device()); };
+        auto dx = per_channel_affine(dy, x, as_x(a), as_x(-k), as_x(d));
         at::Tensor dweight, dbias;
         if (weight.defined()) {
             dweight = sum_dy_xhat;
