@@ -375,13 +375,26 @@ struct UnevenImpl : ::torch::nn::Cloneable<UnevenImpl> {
 
 // Replicas in one process are clones and cannot differ; processes that build different models
 // are refused by tests/torch/test_torch_mpi.cpp.
-TEST_CASE("torch DataParallel refuses a module it cannot clone, and CUDA devices for now", "[torch]") {
+TEST_CASE("torch DataParallel refuses a module it cannot clone, and devices it cannot run replicas on", "[torch]") {
     resets = 0;
     auto proto = std::make_shared<UnevenImpl>();
     CHECK_THROWS_WITH(lt::DataParallel(proto, 2, [](UnevenImpl& m) { return models::sgd(m); }),
                       Catch::Contains("cloning it failed (derive the module from torch::nn::Cloneable<Impl>"));
-    CHECK_THROWS_AS(lt::DataParallel(fresh_model(), std::vector<::torch::Device>{::torch::Device("cuda:0")}, models::sgd),
-                    lockstep::NotImplemented);
+    using Devices = std::vector<::torch::Device>;
+    const auto make = [](Devices devices) { lt::DataParallel dp(fresh_model(), std::move(devices), models::sgd); };
+    CHECK_THROWS_WITH(make(Devices{::torch::Device("cpu"), ::torch::Device("cuda:0")}),
+                      Catch::Contains("put every replica on a CPU or every one on a GPU"));
+    CHECK_THROWS_WITH(make(Devices{::torch::Device("meta")}), Catch::Contains("runs replicas on CPU or CUDA devices; got meta"));
+    CHECK_THROWS_WITH(make(Devices{::torch::Device("cuda")}), Catch::Contains("give each CUDA replica its device index"));
+    CHECK_THROWS_WITH(make(Devices{::torch::Device("cuda:0"), ::torch::Device("cuda:0")}),
+                      Catch::Contains("two replicas on cuda:0; one replica per GPU"));
+    if (::torch::cuda::device_count() == 0) {
+        CHECK_THROWS_AS(make(Devices{::torch::Device("cuda:0")}), lockstep::DeviceError);
+        CHECK_THROWS_WITH(make(Devices{::torch::Device("cuda:0")}), Catch::Contains("libtorch sees no CUDA device"));
+    } else {  // a CPU module given GPUs
+        CHECK_THROWS_AS(make(Devices{::torch::Device("cuda:0")}), lockstep::DeviceMismatch);
+        CHECK_THROWS_WITH(make(Devices{::torch::Device(::torch::kCUDA, 99)}), Catch::Contains("does not exist"));
+    }
 }
 
 TEST_CASE("convert_sync_batchnorm swaps BatchNorm in Sequential and ModuleList, keeping values, and names what it cannot swap",

@@ -64,6 +64,19 @@ namespace lockstep::torch {
 // restores the buffers it had when the step began (running statistics), the gradients are
 // dropped, and the next call runs on reset groups. Replicas of one process sum on the host in rank
 // order, so they stay bit-identical.
+//
+// Note [libtorch CUDA replicas]
+// One replica per CUDA device (two on one device would deadlock: libtorch runs every backward of
+// a device on that device's one autograd thread, and SyncBatchNorm's backward waits there for its
+// peers). Jobs run under a DeviceGuard of the replica's device. On CUDA, autograd calls the
+// gradient hooks, and SyncBatchNorm's backward, on its device thread, not the replica's: the
+// hooks touch only the replica's bucket counters (backward() orders them with the replica
+// thread), and the rendezvous works from any thread. The collectives go through the host: each
+// bucket is copied into a page-locked host buffer (which waits for the device), summed in rank
+// order as on CPUs, and copied back; SyncBatchNorm's sums are host tensors already; broadcasts
+// stage each tensor through the host. Every copy runs on the device's default stream, which
+// orders it with the replica's kernels. So CUDA replicas are bit-identical to each other too.
+// NCCL would move the buckets faster; the host path runs on any machine libtorch's CUDA does.
 
 //! How a lockstep::torch::DataParallel runs.
 struct Options {
@@ -105,7 +118,7 @@ template <class Impl>
 using OptimizerFactory = std::function<std::unique_ptr<::torch::optim::Optimizer>(Impl& replica)>;
 
 //! Data parallelism over persistent replicas of a libtorch module `Impl` (a
-//! torch::nn::Cloneable<Impl>), on CPU replicas (Note [libtorch replicas]).
+//! torch::nn::Cloneable<Impl>), on CPU replicas or one per CUDA device (Note [libtorch replicas]).
 template <class Impl>
 class DataParallel {
 public:
@@ -122,7 +135,8 @@ public:
     DataParallel(::torch::nn::ModuleHolder<Impl> module, int replicas, OptimizerFactory<Impl> optimizer, Options options = {})
         : DataParallel(module.ptr(), replicas, std::move(optimizer), std::move(options)) {}
 
-    //! One replica per entry of `devices` (CPU devices; CUDA devices are refused for now).
+    //! One replica per entry of `devices`: CPU devices, or distinct CUDA devices (Note [libtorch
+    //! CUDA replicas]). A CUDA module's parameters must be on a CUDA device, a CPU module's on the CPU.
     DataParallel(std::shared_ptr<Impl> module, std::vector<::torch::Device> devices, OptimizerFactory<Impl> optimizer,
                  Options options = {})
         : core_(make_core(module, devices, std::move(optimizer), options)),
@@ -302,6 +316,7 @@ private:
         std::vector<std::size_t> params;  // indices into Replica::params
         std::vector<std::int64_t> offsets;
         at::Tensor flat;
+        at::Tensor host;  // CUDA replicas: the page-locked host copy the all-reduce sums
         std::size_t ready = 0;
         bool launched = false;
     };
@@ -346,6 +361,8 @@ private:
             const auto close = [&] {
                 if (current.params.empty()) return;
                 current.flat = at::zeros({used}, params.front().options().dtype(at::kFloat).requires_grad(false));
+                if (!current.flat.device().is_cpu())
+                    current.host = at::empty({used}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
                 buckets.push_back(std::move(current));
                 current = Bucket{};
                 used = 0;
@@ -404,9 +421,13 @@ private:
             }
             auto job = [this, index] {
                 auto& bb = buckets[index];
-                grad->all_reduce_sum(
-                    DeviceSpan<float>(static_cast<float*>(bb.flat.data_ptr()), static_cast<std::size_t>(bb.flat.numel()), Device::host()),
-                    comm::CollectiveSite::bucket(index));
+                const bool staged = bb.host.defined();  // Note [libtorch CUDA replicas]
+                if (staged) bb.host.copy_(bb.flat);
+                auto& summed = staged ? bb.host : bb.flat;
+                grad->all_reduce_sum(DeviceSpan<float>(static_cast<float*>(summed.data_ptr()),
+                                                       static_cast<std::size_t>(summed.numel()), Device::host()),
+                                     comm::CollectiveSite::bucket(index));
+                if (staged) bb.flat.copy_(bb.host);
             };
             if (core->options.overlap)
                 worker->submit(job);
@@ -465,7 +486,7 @@ private:
             std::uint64_t i = first;
             for (auto& t : state()) {
                 const auto site = comm::CollectiveSite::broadcast(i++);
-                auto c = t.contiguous();
+                auto c = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
                 const auto n = static_cast<std::size_t>(c.numel());
                 switch (c.scalar_type()) {
                     case at::kFloat: link.layer->broadcast(DeviceSpan<float>(static_cast<float*>(c.data_ptr()), n, Device::host()), root, site); break;
@@ -502,7 +523,7 @@ private:
             optimizer->state().clear();  // load() keeps states the root lacks: none may remain
             std::istringstream in(std::string(reinterpret_cast<const char*>(words.data()), static_cast<std::size_t>(size)));
             ::torch::serialize::InputArchive archive;
-            archive.load_from(in);
+            archive.load_from(in, device);
             optimizer->load(archive);
         }
     };
@@ -638,9 +659,7 @@ private:
         LOCKSTEP_CHECK(!options.clip_grad_norm || *options.clip_grad_norm > 0, "Options::clip_grad_norm must be positive");
         LOCKSTEP_CHECK_AS(UsageError, !module->parameters(true).empty(), "lockstep::torch::DataParallel: the module (",
                           module->name(), ") has no parameters, so there is nothing to train; run it as it is");
-        for (const auto& d : devices)
-            LOCKSTEP_CHECK_AS(NotImplemented, d.is_cpu(), "lockstep::torch::DataParallel runs CPU replicas; device ", d.str(),
-                              " is not supported yet (CUDA replicas are planned: see the README)");
+        check_devices(devices);
         for (const auto& t : module->parameters(true))
             LOCKSTEP_CHECK_AS(DeviceMismatch, t.device().type() == devices.front().type(),
                               "lockstep::torch::DataParallel: the module's parameters are on ", t.device().str(),
@@ -662,6 +681,37 @@ private:
         core->global_world = core->layer_group->communicator(0).size();
         core->replicas.resize(devices.size());
         return core;
+    }
+
+    // CPU replicas, or CUDA replicas one per device (Note [libtorch CUDA replicas]).
+    static void check_devices(const std::vector<::torch::Device>& devices) {
+        for (const auto& d : devices) {
+            LOCKSTEP_CHECK_AS(UsageError, d.is_cpu() || d.is_cuda(),
+                              "lockstep::torch::DataParallel runs replicas on CPU or CUDA "
+                              "devices; got ",
+                              d.str());
+            LOCKSTEP_CHECK_AS(UsageError, d.type() == devices.front().type(), "lockstep::torch::DataParallel: replicas on ",
+                              devices.front().str(), " and on ", d.str(), "; put every replica on a CPU or every one on a GPU");
+        }
+        if (!devices.front().is_cuda()) return;
+        std::vector<std::int64_t> used;
+        for (const auto& d : devices) {
+            LOCKSTEP_CHECK_AS(UsageError, d.has_index(),
+                              "lockstep::torch::DataParallel: give each CUDA replica its device "
+                              "index (torch::Device(torch::kCUDA, i)), got ",
+                              d.str());
+            LOCKSTEP_CHECK_AS(UsageError, std::find(used.begin(), used.end(), d.index()) == used.end(),
+                              "lockstep::torch::DataParallel: two replicas on ", d.str(),
+                              "; one replica per GPU (libtorch runs "
+                              "a device's backward on one thread, where SyncBatchNorm's would wait for each other)");
+            used.push_back(d.index());
+        }
+        const auto gpus = static_cast<std::int64_t>(::torch::cuda::device_count());
+        LOCKSTEP_CHECK_AS(DeviceError, gpus > 0, "lockstep::torch::DataParallel: replicas on ", devices.front().str(),
+                          ", but libtorch sees no CUDA device (no GPU, no driver, or a CPU-only libtorch); pass CPU devices");
+        for (const auto& d : devices)
+            LOCKSTEP_CHECK_AS(DeviceError, d.index() < gpus, "lockstep::torch::DataParallel: ", d.str(),
+                              " does not exist; libtorch sees ", gpus, " CUDA device(s)");
     }
 
     // A torch::nn::BatchNorm normalizes each replica's shard alone: its running statistics drift
@@ -763,8 +813,10 @@ private:
     }
 
     void run_job(ReplicaPool::Job job) {
-        pool_.run([threads = call_threads(), job = std::move(job)](int r) {
+        pool_.run([threads = call_threads(), core = core_, job = std::move(job)](int r) {
             if (at::get_num_threads() != threads) at::set_num_threads(threads);
+            std::optional<c10::DeviceGuard> on_device;  // Note [libtorch CUDA replicas]
+            if (const auto& d = core->devices[static_cast<std::size_t>(r)]; d.is_cuda()) on_device.emplace(d);
             job(r);
         });
     }

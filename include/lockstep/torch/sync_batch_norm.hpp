@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -83,10 +84,16 @@ inline void all_reduce(ReplicaLink* link, at::Tensor& t, comm::CollectiveSite si
     if (link == nullptr || link->layer == nullptr) return;
     link->held.push_back(t);
     auto* comm = link->layer;
-    LOCKSTEP_CHECK_AS(NotImplemented, t.device().is_cpu(),
-                      "lockstep::torch::SyncBatchNorm on CUDA tensors is not available yet; use it on CPU replicas");
+    LOCKSTEP_CHECK(t.device().is_cpu(), "SyncBatchNorm's sums are all-reduced on the host");
     comm->all_reduce_sum(DeviceSpan<double>(t.data_ptr<double>(), static_cast<std::size_t>(t.numel()), Device::host()),
                          site);
+}
+
+// Every dimension but the channels (1).
+inline std::vector<std::int64_t> reduced_dims(const at::Tensor& x) {
+    std::vector<std::int64_t> dims{0};
+    for (std::int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+    return dims;
 }
 
 // A per-channel vector shaped to broadcast against `x` (channel dimension 1).
@@ -164,7 +171,13 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         const std::int64_t n = C > 0 ? x.numel() / C : 0;
         auto payload = at::zeros({2 * C + 1}, x.options().dtype(at::kDouble).device(at::kCPU));
         if (n > 0) {
-            const auto [mean, var] = at::batch_norm_update_stats(x, std::nullopt, std::nullopt, 0.0);
+            // libtorch's batch-norm statistics on a CPU; elsewhere at::var_mean, whose variance is
+            // the biased one by its contract (correction 0).
+            at::Tensor mean, var;
+            if (x.device().is_cpu())
+                std::tie(mean, var) = at::batch_norm_update_stats(x, std::nullopt, std::nullopt, 0.0);
+            else
+                std::tie(var, mean) = at::var_mean(x, reduced_dims(x), /*correction=*/0, /*keepdim=*/false);
             const auto m = mean.to(at::kDouble).cpu();
             const auto v = var.to(at::kDouble).cpu();
             payload.narrow(0, 0, C).copy_(m * static_cast<double>(n));
