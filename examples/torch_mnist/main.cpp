@@ -83,6 +83,7 @@ int main(int argc, char** argv) {
         std::vector<torch::Device> where;
         for (const int d : devices) where.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(d));
         if (where.empty()) where.assign(static_cast<std::size_t>(replicas), torch::kCPU);
+        net->to(where.front());  // a CUDA module for GPU replicas (each replica is cloned to its own)
         lockstep::torch::DataParallel dp(net, where, [&](NetImpl& m) -> std::unique_ptr<torch::optim::Optimizer> {
             return std::make_unique<torch::optim::SGD>(m.parameters(), torch::optim::SGDOptions(lr).momentum(momentum));
         });
