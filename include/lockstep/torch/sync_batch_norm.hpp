@@ -35,12 +35,14 @@ namespace lockstep::torch {
 // once per forward, from the global statistics, identically on every replica (unbiased variance
 // N/(N-1), PyTorch's momentum or cumulative average). The normalization is libtorch's fused
 // eval-mode batch norm given the global statistics. The backward takes the shard's sums of dy and
-// dy*xhat from libtorch's eval-mode backward with them (its reductions only; they are the weight's
-// and bias's gradients of this replica: DataParallel's gradient all-reduce sums them), all-reduces
-// those sums (2C doubles) once and computes
+// dy*xhat (the weight's and bias's gradients of this replica: DataParallel's gradient all-reduce
+// sums them), all-reduces those sums (2C doubles) once and computes
 //   dx = weight*invstd * (dy - sum_dy/N - xhat * sum_dy_xhat/N) = a*dy + b*x + d,
-// with a, b, d per channel (in fp64, then x's type): one pass over dy and x on a CPU for the
-// layouts batch norm meets (contiguous, channels-last), two libtorch ops otherwise. Outside a
+// with a, b, d per channel (in fp64, then x's type; fp32 for fp16 and bf16 inputs, whose
+// statistics are fp32 too, as in libtorch's batch norm). On a CPU, for the layouts batch norm meets
+// (contiguous, channels-last, fp32 or fp64), the sums come from libtorch's eval-mode backward with
+// the global statistics (its reductions only) and dx from one pass over dy and x; elsewhere (other
+// strides, CUDA) from libtorch's generic ops, which the strided CPU inputs of the tests run. Outside a
 // DataParallel (no replica group) the layer is a BatchNorm of its own batch, and computes the same
 // numbers, so a model keeps its SyncBatchNorm layers when it runs alone. In eval mode it
 // normalizes by the running statistics and makes no collective.
@@ -127,18 +129,29 @@ void affine_rows(const T* dy, const T* x, T* dx, const T* a, const T* b, const T
     });
 }
 
+// The CPU layouts the backward's one-pass paths serve (Note [libtorch SyncBatchNorm]): x and dy
+// fp32 or fp64 CPU tensors, both contiguous or both channels-last. `none`: libtorch's generic ops.
+enum class OnePass { none, contiguous, channels_last };
+inline OnePass one_pass_layout(const at::Tensor& dy, const at::Tensor& x) {
+    const bool fits = x.device().is_cpu() && dy.device().is_cpu() && dy.scalar_type() == x.scalar_type() &&
+                      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) && x.numel() > 0;
+    if (!fits) return OnePass::none;
+    if (x.is_contiguous() && dy.is_contiguous()) return OnePass::contiguous;
+    const auto last = x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
+    if ((x.dim() == 4 || x.dim() == 5) && x.is_contiguous(last) && dy.is_contiguous(last)) return OnePass::channels_last;
+    return OnePass::none;
+}
+
 // a*dy + b*x + d with a, b, d per channel (dim 1), in x's type and memory format.
 inline at::Tensor per_channel_affine(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                                      const at::Tensor& d) {
     const std::int64_t C = x.size(1);
-    const bool fits = x.device().is_cpu() && dy.device().is_cpu() && dy.scalar_type() == x.scalar_type() &&
-                      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) && x.numel() > 0;
-    const bool first = fits && x.is_contiguous() && dy.is_contiguous();
+    const auto layout = one_pass_layout(dy, x);
+    if (layout == OnePass::none)  // in a, b and d's type (fp32 for an fp16 or bf16 x), then x's
+        return at::addcmul(per_channel(d, x), dy, per_channel(a, x)).addcmul_(x, per_channel(b, x)).to(x.scalar_type());
+    const bool last = layout == OnePass::channels_last;
     const auto last_format = x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
-    const bool last =
-        fits && !first && (x.dim() == 4 || x.dim() == 5) && x.is_contiguous(last_format) && dy.is_contiguous(last_format);
-    if (!first && !last) return at::addcmul(per_channel(d, x), dy, per_channel(a, x)).addcmul_(x, per_channel(b, x));
-    auto dx = at::empty_like(x, first ? at::MemoryFormat::Contiguous : last_format);
+    auto dx = at::empty_like(x, last ? last_format : at::MemoryFormat::Contiguous);
     const std::int64_t inner = last ? 1 : x.numel() / (x.size(0) * C);
     const auto run = [&]<class T>(T*) {
         const auto ac = a.contiguous(), bc = b.contiguous(), dc = d.contiguous();
@@ -150,6 +163,13 @@ inline at::Tensor per_channel_affine(const at::Tensor& dy, const at::Tensor& x, 
     else
         run(static_cast<double*>(nullptr));
     return dx;
+}
+
+// The type of the statistics and of dx's coefficients: fp32 for an fp16 or bf16 input whose weight
+// is fp32 (or absent), as libtorch's batch norm keeps them; x's type otherwise.
+inline at::ScalarType stat_type(const at::Tensor& x, const at::Tensor& weight) {
+    const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+    return reduced && (!weight.defined() || weight.scalar_type() == at::kFloat) ? at::kFloat : x.scalar_type();
 }
 
 struct SyncBnArgs {
@@ -172,12 +192,16 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         auto payload = at::zeros({2 * C + 1}, x.options().dtype(at::kDouble).device(at::kCPU));
         if (n > 0) {
             // libtorch's batch-norm statistics on a CPU; elsewhere at::var_mean, whose variance is
-            // the biased one by its contract (correction 0).
+            // the biased one by its contract (correction 0). Both give an fp16 or bf16 input's
+            // statistics in its own type (a mean of 40 to the nearest 0.25 in bf16): they read an
+            // fp32 copy of it.
+            const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+            const auto xs = reduced ? x.to(at::kFloat) : x;
             at::Tensor mean, var;
             if (x.device().is_cpu())
-                std::tie(mean, var) = at::batch_norm_update_stats(x, std::nullopt, std::nullopt, 0.0);
+                std::tie(mean, var) = at::batch_norm_update_stats(xs, std::nullopt, std::nullopt, 0.0);
             else
-                std::tie(var, mean) = at::var_mean(x, reduced_dims(x), /*correction=*/0, /*keepdim=*/false);
+                std::tie(var, mean) = at::var_mean(xs, reduced_dims(x), /*correction=*/0, /*keepdim=*/false);
             const auto m = mean.to(at::kDouble).cpu();
             const auto v = var.to(at::kDouble).cpu();
             payload.narrow(0, 0, C).copy_(m * static_cast<double>(n));
@@ -190,8 +214,8 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
                           static_cast<std::int64_t>(N), " over the global batch (input of shape ", x.sizes(), ")");
         const auto mean64 = payload.narrow(0, 0, C) / N;
         const auto var64 = (payload.narrow(0, C, C) / N - mean64 * mean64).clamp_min(0.0);
-        const auto mean = mean64.to(x.scalar_type()).to(x.device());
-        const auto var = var64.to(x.scalar_type()).to(x.device());
+        const auto mean = mean64.to(stat_type(x, weight)).to(x.device());
+        const auto var = var64.to(stat_type(x, weight)).to(x.device());
         if (args->running_mean.defined()) {
             ::torch::NoGradGuard no_grad;
             args->num_batches_tracked.add_(1);
@@ -224,11 +248,21 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         const double eps = ctx->saved_data["eps"].toDouble();
         const std::int64_t C = x.size(1);
         const auto dy = grads[0].defined() ? grads[0].contiguous(x.suggest_memory_format()) : at::zeros_like(x);
-        // libtorch's eval-mode backward with the global statistics, its reductions only: the
-        // shard's sums of dy * xhat and of dy, the weight's and the bias's gradients of this replica.
-        const auto [unused, sum_dy_xhat, sum_dy] = at::native_batch_norm_backward(
-            dy, x, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, mean, var, std::nullopt, std::nullopt,
-            /*train=*/false, eps, {false, true, true});
+        // The shard's sums of dy * xhat and of dy, the weight's and the bias's gradients of this
+        // replica. On the CPU's one-pass layouts: libtorch's eval-mode backward with the global
+        // statistics, its reductions only (CUDA's asserts on that call without saved statistics).
+        // Elsewhere libtorch's generic ops, which run on any device.
+        at::Tensor sum_dy_xhat, sum_dy;
+        if (one_pass_layout(dy, x) != OnePass::none) {
+            std::tie(std::ignore, sum_dy_xhat, sum_dy) = at::native_batch_norm_backward(
+                dy, x, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, mean, var, std::nullopt, std::nullopt,
+                /*train=*/false, eps, {false, true, true});
+        } else {
+            const auto dims = reduced_dims(x);
+            const auto type = mean.scalar_type();
+            sum_dy = dy.sum(dims, /*keepdim=*/false, type);
+            sum_dy_xhat = (dy.to(type) * (x.to(type) - per_channel(mean, x))).sum(dims) * (var + eps).rsqrt();
+        }
         auto sums = at::cat({sum_dy.to(at::kDouble).cpu(), sum_dy_xhat.to(at::kDouble).cpu()}).contiguous();
         all_reduce(link, sums, comm::CollectiveSite::layer(layer, 1));
         // dx = a * (dy - mean(dy) - xhat * mean(dy * xhat)), a = weight * invstd, the means over the
@@ -238,12 +272,12 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         const auto a = weight.defined() ? invstd * weight.to(at::kDouble).cpu() : invstd;
         const auto k = a * invstd * sums.narrow(0, C, C) / N;
         const auto d = k * mean.to(at::kDouble).cpu() - a * sums.narrow(0, 0, C) / N;
-        const auto as_x = [&](const at::Tensor& v) { return v.to(x.scalar_type()).to(x.device()); };
-        auto dx = per_channel_affine(dy, x, as_x(a), as_x(-k), as_x(d));
+        const auto as_stat = [&](const at::Tensor& v) { return v.to(mean.scalar_type()).to(x.device()); };
+        auto dx = per_channel_affine(dy, x, as_stat(a), as_stat(-k), as_stat(d));
         at::Tensor dweight, dbias;
         if (weight.defined()) {
-            dweight = sum_dy_xhat;
-            dbias = sum_dy;
+            dweight = sum_dy_xhat.to(weight.scalar_type());
+            dbias = sum_dy.to(weight.scalar_type());
         }
         return {dx, dweight, dbias, at::Tensor()};
     }
