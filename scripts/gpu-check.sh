@@ -49,7 +49,7 @@
 # log; refreshed after every step and at exit). Logs also stay in build/gpu-check/logs.
 #
 # NCCL and cuDNN come from python3's nvidia-nccl-cu13 and nvidia-cudnn-cu13 wheels (PyTorch's).
-# GPU_CHECK_BUDGET (seconds, default 420) bounds the whole run, the build included: a step starts
+# GPU_CHECK_BUDGET (seconds, default 480) bounds the whole run, the build included: a step starts
 # only if what it needs is left, and every timeout is capped by what is left.
 set -uo pipefail
 
@@ -83,7 +83,7 @@ fi
 [[ -d $carry/debs ]] || die "no .gpu-check/debs: run scripts/gpu-check.sh --prepare on the development machine first"
 
 SECONDS=0
-budget=${GPU_CHECK_BUDGET:-420}
+budget=${GPU_CHECK_BUDGET:-480}
 [[ $budget =~ ^[0-9]+$ ]] || die "GPU_CHECK_BUDGET must be a number of seconds, got '$budget'"
 san_jobs=${GPU_CHECK_SANITIZER_JOBS:-8}
 [[ $san_jobs =~ ^[1-9][0-9]*$ ]] || die "GPU_CHECK_SANITIZER_JOBS must be a positive number, got '$san_jobs'"
@@ -188,7 +188,7 @@ for tool in "${sanitizer_tools[@]}"; do for t in "${gpu_tests[@]}"; do sanitizer
 plan=()
 for t in "${gpu_tests[@]}"; do plan+=("$t|10|step_test|$t"); done
 plan+=("example|25|step_example|example 10 steps, 1 vs 4 replicas;example accuracy vs host")
-plan+=("torch|90|step_torch|lockstep::torch CUDA replicas")
+plan+=("torch|150|step_torch|lockstep::torch CUDA replicas")
 plan+=("parity|30|step_parity|PyTorch parity, 3 steps")
 plan+=("train|45|step_train|training img/s, batch 64;training img/s, batch 256;training img/s, batch 1024;training img/s, batch 64, graphs")
 plan+=("bf16|60|step_bf16|training img/s, batch 256, bf16;bf16 accuracy, 2 epochs")
@@ -387,18 +387,26 @@ step_torch() {
   if ((!have_torch)); then row "$r" "not run (no torch)" "$torch_why"; return; fi
   tcmake=$(env -u CUDA_MODULE_LOADING python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' \
     2>"$logs/torch-cuda-prefix.log")
+  if [[ -z $tcmake || ! -d $tcmake ]]; then
+    row "$r" FAIL "python3's torch names no CMake folder (torch.utils.cmake_prefix_path): $(tail -1 "$logs/torch-cuda-prefix.log")"
+    return
+  fi
+  # budget_cut RC WHAT: a row saying the budget stopped WHAT, when it did (the last `capped` was cut).
+  budget_cut() { ((($1 == 124 || $1 == 137) && cut)) && row "$r" "not run (budget)" "the budget ran out during the $2"; }
   capped 90 "$logs/torch-cuda-configure.log" cmake -S "$root" -B "$tb" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DLOCKSTEP_TORCH=ON -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_DNNL=OFF -DLOCKSTEP_MPI=OFF -DLOCKSTEP_TEST_LABELS=torch \
-    -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF -DCMAKE_PREFIX_PATH="$tcmake;$prefix/usr;$lib/cmake" \
-    -DCMAKE_LIBRARY_PATH="$blas_dir;$lib" -DCMAKE_CXX_FLAGS="-isystem $blas_inc" \
-    -DZLIB_INCLUDE_DIR="$prefix/usr/include" -DZLIB_LIBRARY="$zlib"
+    -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF -DCMAKE_CUDA_COMPILER="$nvcc" \
+    -DCMAKE_PREFIX_PATH="$tcmake;$prefix/usr;$lib/cmake" -DCMAKE_LIBRARY_PATH="$blas_dir;$lib" \
+    -DCMAKE_CXX_FLAGS="-isystem $blas_inc" -DZLIB_INCLUDE_DIR="$prefix/usr/include" -DZLIB_LIBRARY="$zlib"
   if ((rc != 0)); then
+    budget_cut "$rc" configuration && return
     row "$r" FAIL "configure against PyTorch's libtorch ($tcmake) failed, exit $rc: $(grep -m1 -A2 'Error' "$logs/torch-cuda-configure.log" || tail -2 "$logs/torch-cuda-configure.log")"
     return
   fi
-  capped 180 "$logs/torch-cuda-build.log" cmake --build "$tb" -j "$(nproc)" --target torch_cuda_check
+  capped 240 "$logs/torch-cuda-build.log" cmake --build "$tb" -j "$(nproc)" --target torch_cuda_check
   if ((rc != 0)); then
-    row "$r" FAIL "build exit $rc$( ((cut)) && echo ' (the budget ran out)'): $(grep -m2 -E 'error' "$logs/torch-cuda-build.log" || tail -2 "$logs/torch-cuda-build.log")"
+    budget_cut "$rc" build && return
+    row "$r" FAIL "build exit $rc: $(grep -m2 -E 'error' "$logs/torch-cuda-build.log" || tail -2 "$logs/torch-cuda-build.log")"
     return
   fi
   capped 120 "$logs/torch-cuda-check.log" env -u CUDA_MODULE_LOADING "$tb/tests/torch_cuda_check"
@@ -406,7 +414,8 @@ step_torch() {
   case $rc in
     0) row "$r" ok "$checks checks hold: $(tail -1 "$logs/torch-cuda-check.log")" ;;
     77) row "$r" FAIL "the check's libtorch saw no GPU" ;;
-    *) row "$r" FAIL "exit $rc, $checks checks held: $(grep -m3 'FAIL' "$logs/torch-cuda-check.log" || tail -2 "$logs/torch-cuda-check.log")" ;;
+    *) budget_cut "$rc" "check ($checks checks held)" ||
+         row "$r" FAIL "exit $rc, $checks checks held: $(grep -m3 'FAIL' "$logs/torch-cuda-check.log" || tail -2 "$logs/torch-cuda-check.log")" ;;
   esac
 }
 

@@ -5,7 +5,8 @@
 //      and parameter gradients, running statistics;
 //   2. three training steps of DataParallel with one replica per GPU (up to 2) against the plain
 //      module on the CPU on the whole batch, replicas identical, evaluation output;
-//   3. a replica that throws in its loss fails the step, nothing is applied, and the next step runs.
+//   3. a replica that throws in its loss, or in backward (on libtorch's thread for the device),
+//      fails the step, nothing is applied, and the next step runs.
 // Strict fp32 (no TF32) so that a GPU and a CPU agree within 1e-4. Exits 0 when every check holds,
 // 1 when one fails, 77 when libtorch sees no CUDA device (ctest reports the test skipped).
 #include <cstdio>
@@ -101,21 +102,36 @@ void training_steps(int replicas) {
     check(out.is_cpu() && relative(out, reference->forward(x)) <= 1e-4, "evaluation output gathered on the CPU" + how);
 }
 
+// The identity, whose backward throws: it runs on autograd's thread for the device.
+struct ThrowInBackward : ::torch::autograd::Function<ThrowInBackward> {
+    static at::Tensor forward(::torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+    static ::torch::autograd::variable_list backward(::torch::autograd::AutogradContext*, ::torch::autograd::variable_list) {
+        throw std::runtime_error("a backward that fails");
+    }
+};
+
 void failing_replica() {
     ::torch::manual_seed(7);
     models::ResNet model(6);
     model->to(::torch::Device("cuda:0"));
     lt::DataParallel dp(model, std::vector<::torch::Device>{::torch::Device("cuda:0")}, models::sgd);
     const auto before = on_cpu(*dp.module());
-    bool threw = false;
-    try {
-        dp.train_step(models::images(8, 1), models::labels(8, 1), [](const at::Tensor&, const at::Tensor&) -> at::Tensor {
-            throw std::runtime_error("a loss that fails");
-        });
-    } catch (const std::exception& e) {
-        threw = std::string(e.what()).find("a loss that fails") != std::string::npos;
-    }
-    check(threw && models::identical(*on_cpu(*dp.module()), *before), "a failing loss fails the step and nothing is applied");
+    const auto fails = [&](const lt::DataParallel<models::ResNetImpl>::Loss& loss, const std::string& message) {
+        try {
+            dp.train_step(models::images(8, 1), models::labels(8, 1), loss);
+        } catch (const std::exception& e) {
+            return std::string(e.what()).find(message) != std::string::npos;
+        }
+        return false;
+    };
+    check(fails([](const at::Tensor&, const at::Tensor&) -> at::Tensor { throw std::runtime_error("a loss that fails"); },
+                "a loss that fails") &&
+              models::identical(*on_cpu(*dp.module()), *before),
+          "a failing loss fails the step and nothing is applied");
+    check(fails([](const at::Tensor& out, const at::Tensor& y) { return ThrowInBackward::apply(models::cross_entropy(out, y)); },
+                "a backward that fails") &&
+              models::identical(*on_cpu(*dp.module()), *before),
+          "a backward that throws on autograd's device thread fails the step and nothing is applied");
     dp.train_step(models::images(8, 2), models::labels(8, 2), models::cross_entropy);
     check(!models::identical(*on_cpu(*dp.module()), *before), "the next step trains");
 }

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <torch/torch.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
@@ -69,13 +71,17 @@ namespace lockstep::torch {
 // One replica per CUDA device (two on one device would deadlock: libtorch runs every backward of
 // a device on that device's one autograd thread, and SyncBatchNorm's backward waits there for its
 // peers). Jobs run under a DeviceGuard of the replica's device. On CUDA, autograd calls the
-// gradient hooks, and SyncBatchNorm's backward, on its device thread, not the replica's: the
-// hooks touch only the replica's bucket counters (backward() orders them with the replica
-// thread), and the rendezvous works from any thread. The collectives go through the host: each
+// gradient hooks, and SyncBatchNorm's backward, on its device thread, not the replica's. The
+// hooks count the replica's buckets and launch the full ones (copies into the flat buffer, a job
+// for the communication thread, or with overlap off the all-reduce itself), which no other thread
+// touches during backward (backward() orders them with the replica thread); the rendezvous works
+// from any thread, and an exception there reaches backward()'s caller. The collectives go through the host: each
 // bucket is copied into a page-locked host buffer (which waits for the device), summed in rank
 // order as on CPUs, and copied back; SyncBatchNorm's sums are host tensors already; broadcasts
-// stage each tensor through the host. Every copy runs on the device's default stream, which
-// orders it with the replica's kernels. So CUDA replicas are bit-identical to each other too.
+// and the optimizer state go through (pageable) host tensors. Every job makes the device's default
+// stream the replica thread's current one, and the communication thread's copies use it too, so
+// they are ordered with the replica's kernels (a model that moves its work to a stream of its own
+// must join it back before returning). So CUDA replicas are bit-identical to each other too.
 // NCCL would move the buckets faster; the host path runs on any machine libtorch's CUDA does.
 
 //! How a lockstep::torch::DataParallel runs.
@@ -91,10 +97,11 @@ struct Options {
     //! Where the replica threads run. libtorch's own intra-op threads start from them and inherit
     //! a binding, so the default leaves them unbound.
     CpuBinding cpu_binding = CpuBinding::none;
-    //! libtorch's intra-op threads per replica, set on each replica thread at every call (Note
-    //! [intra-op threads]): a positive value is that count; 0 the machine's CPUs divided by the
-    //! replicas (at least 1) when that is fewer than the calling thread's at::get_num_threads();
-    //! a negative value the calling thread's at::get_num_threads().
+    //! libtorch's intra-op threads per replica, set on each replica thread at a call when it
+    //! changed (Note [intra-op threads]; at::set_num_threads, which also sets the process's
+    //! default): a positive value is that count; 0 the machine's CPUs divided by the replicas (at
+    //! least 1) when that is fewer than the calling thread's at::get_num_threads(); a negative
+    //! value the calling thread's at::get_num_threads().
     int intra_op_threads = 0;
     //! Clip the all-reduced gradients to this global L2 norm before the optimizer steps.
     std::optional<double> clip_grad_norm = std::nullopt;
@@ -740,7 +747,12 @@ private:
     // of the user's; 2 replicas that took all the machine's CPUs each oversubscribe it (seen: 25 %
     // of a step at batch 64 on 2 CPUs). So every job starts by setting the replica thread's count
     // to the one its call resolves, on the calling thread, from Options::intra_op_threads. The set
-    // happens only on a change: libtorch's set_num_threads also drops oneDNN's primitive cache.
+    // happens only on a change, since libtorch's set_num_threads is not only the thread's: it also
+    // stores the process's setting (which threads that have not yet run a parallel operation will
+    // take, the user's too), resizes its shared pthreadpool and drops oneDNN's primitive cache.
+    // Threads that already ran one, the caller among them, keep their count. All this is libtorch's
+    // OpenMP build (PyPI's, Debian's); its native thread pool takes one count per process, fixed by
+    // the first parallel operation, and ignores a later set with a warning.
     int call_threads() const {
         const int caller = at::get_num_threads();
         const int requested = core_->options.intra_op_threads;
@@ -815,8 +827,9 @@ private:
     void run_job(ReplicaPool::Job job) {
         pool_.run([threads = call_threads(), core = core_, job = std::move(job)](int r) {
             if (at::get_num_threads() != threads) at::set_num_threads(threads);
-            std::optional<c10::DeviceGuard> on_device;  // Note [libtorch CUDA replicas]
-            if (const auto& d = core->devices[static_cast<std::size_t>(r)]; d.is_cuda()) on_device.emplace(d);
+            std::optional<c10::StreamGuard> on_device;  // Note [libtorch CUDA replicas]
+            if (const auto& d = core->devices[static_cast<std::size_t>(r)]; d.is_cuda())
+                on_device.emplace(c10::impl::VirtualGuardImpl(d.type()).getDefaultStream(d));
             job(r);
         });
     }
