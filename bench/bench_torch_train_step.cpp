@@ -50,13 +50,14 @@ void use_threads(int n) {
     if (at::get_num_threads() != n) at::set_num_threads(n);
 }
 
-// Two persistent threads (as lockstep's replica threads are) for the baselines that run halves.
-class Pair {
+// Persistent threads (as lockstep's replica threads are) that run the baselines, each thread with
+// `intra_op` intra-op threads: the main thread only times, for every variant alike.
+class Team {
 public:
-    Pair() {
-        for (int r = 0; r < 2; ++r) threads_[r] = std::thread([this, r] { loop(r); });
+    Team(int size, int intra_op) : size_(size), intra_op_(intra_op) {
+        for (int r = 0; r < size; ++r) threads_.emplace_back([this, r] { loop(r); });
     }
-    ~Pair() {
+    ~Team() {
         {
             std::lock_guard<std::mutex> lock(m_);
             stop_ = true;
@@ -70,7 +71,7 @@ public:
         done_ = 0;
         ++generation_;
         cv_.notify_all();
-        cv_.wait(lock, [&] { return done_ == 2; });
+        cv_.wait(lock, [&] { return done_ == size_; });
     }
 
 private:
@@ -83,13 +84,15 @@ private:
             seen = generation_;
             const auto* job = job_;
             lock.unlock();
-            use_threads(half_cpus());
+            use_threads(intra_op_);
             (*job)(r);
             lock.lock();
-            if (++done_ == 2) cv_.notify_all();
+            if (++done_ == size_) cv_.notify_all();
         }
     }
-    std::thread threads_[2];
+    const int size_;
+    const int intra_op_;
+    std::vector<std::thread> threads_;
     std::mutex m_;
     std::condition_variable cv_;
     const std::function<void(int)>* job_ = nullptr;
@@ -119,16 +122,18 @@ void BM_TorchSteps(benchmark::State& state) {
     const Batch data(batch);
     const auto xs = data.x.chunk(2), ys = data.y.chunk(2);
     torch::manual_seed(1);
-    // (c): the whole batch, every CPU.
+    // (c): the whole batch, every CPU, on one persistent thread.
+    Team solo(1, cpus());
     Net single;
     auto single_opt = sgd(*single);
-    const auto run_single = [&] {
+    const std::function<void(int)> single_step = [&](int) {
         single_opt->zero_grad();
         cross_entropy(single->forward(data.x), data.y).backward();
         single_opt->step();
     };
+    const auto run_single = [&] { solo.run(single_step); };
     // (a): replicate per call, run the replicas on two threads, sum their gradients, step once.
-    Pair pair;
+    Team pair(2, half_cpus());
     Net master;
     auto master_opt = sgd(*master);
     std::vector<std::shared_ptr<NetImpl>> replicas(2);
