@@ -392,7 +392,11 @@ step_torch() {
     return
   fi
   # budget_cut RC WHAT: a row saying the budget stopped WHAT, when it did (the last `capped` was cut).
-  budget_cut() { ((($1 == 124 || $1 == 137) && cut)) && row "$r" "not run (budget)" "the budget ran out during the $2"; }
+  budget_cut() {
+    ((($1 == 124 || $1 == 137) && cut)) || return 1
+    row "$r" "not run (budget)" "the budget ran out during the $2"
+    return 0
+  }
   capped 90 "$logs/torch-cuda-configure.log" cmake -S "$root" -B "$tb" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DLOCKSTEP_TORCH=ON -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_DNNL=OFF -DLOCKSTEP_MPI=OFF -DLOCKSTEP_TEST_LABELS=torch \
     -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF -DCMAKE_CUDA_COMPILER="$nvcc" \

@@ -52,75 +52,80 @@ void reference_steps(ResNet& model, ::torch::optim::Optimizer& opt, int steps, s
 TEST_CASE("torch SyncBatchNorm alone equals PyTorch's BatchNorm in fp64: output, gradients, running statistics", "[torch]") {
     // Every path of the backward: one pass for contiguous and channels-last inputs (rows of
     // positions, or the channel innermost as at rank 2), libtorch's generic ops for a strided view
-    // (CUDA's path) and for bf16, whose statistics and coefficients are fp32 (its parameters stay fp32).
+    // (CUDA's path) and for bf16, whose statistics and coefficients are fp32, with fp32 parameters
+    // (mixed precision) or bf16 ones (a model converted whole).
     enum class Layout { contiguous, channels_last, strided };
     for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16})
-        for (const int rank : {2, 3, 4, 5})
-            for (const auto layout : {Layout::contiguous, Layout::channels_last, Layout::strided}) {
-                if (layout == Layout::channels_last && rank < 4) continue;
-                std::vector<std::int64_t> shape{6, 3};
-                for (int d = 2; d < rank; ++d) shape.push_back(7 - d);
-                ::torch::manual_seed(rank);
-                // A mean far from zero: the statistics must not lose it (Note [libtorch SyncBatchNorm]).
-                auto x = (::torch::randn(shape) * 3.0 + 40.0).to(dtype);
-                auto dy = ::torch::randn(shape).to(dtype);
-                if (layout == Layout::channels_last) {
-                    const auto format = rank == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
-                    x = x.contiguous(format);
-                    dy = dy.contiguous(format);
+        for (const bool bf16_parameters : {false, true})
+            for (const int rank : {2, 3, 4, 5})
+                for (const auto layout : {Layout::contiguous, Layout::channels_last, Layout::strided}) {
+                    if (layout == Layout::channels_last && rank < 4) continue;
+                    if (bf16_parameters && dtype != at::kBFloat16) continue;
+                    std::vector<std::int64_t> shape{6, 3};
+                    for (int d = 2; d < rank; ++d) shape.push_back(7 - d);
+                    ::torch::manual_seed(rank);
+                    // A mean far from zero: the statistics must not lose it (Note [libtorch SyncBatchNorm]).
+                    auto x = (::torch::randn(shape) * 3.0 + 40.0).to(dtype);
+                    auto dy = ::torch::randn(shape).to(dtype);
+                    if (layout == Layout::channels_last) {
+                        const auto format = rank == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
+                        x = x.contiguous(format);
+                        dy = dy.contiguous(format);
+                    }
+                    if (layout == Layout::strided) {  // every other sample of a batch twice as big
+                        x = at::repeat_interleave(x, 2, 0).slice(0, 0, 12, 2);
+                        dy = at::repeat_interleave(dy, 2, 0).slice(0, 0, 12, 2);
+                        REQUIRE(!x.is_contiguous());
+                    }
+                    lt::SyncBatchNorm sync(::torch::nn::BatchNormOptions(3).momentum(0.3));
+                    ::torch::nn::BatchNorm2d ref(::torch::nn::BatchNormOptions(3).momentum(0.3));
+                    {
+                        ::torch::NoGradGuard g;
+                        sync->weight.copy_(::torch::tensor({0.5f, 1.5f, -2.0f}));
+                        sync->bias.copy_(::torch::tensor({0.1f, -0.2f, 0.3f}));
+                    }
+                    if (dtype != at::kBFloat16 || bf16_parameters) sync->to(dtype);
+                    ref->to(at::kDouble);
+                    {
+                        ::torch::NoGradGuard g;
+                        ref->weight.copy_(sync->weight);
+                        ref->bias.copy_(sync->bias);
+                    }
+                    auto xs = x.detach().requires_grad_(true);
+                    auto xr = x.to(at::kDouble).contiguous().requires_grad_(true);
+                    auto ys = sync(xs);
+                    // BatchNorm2d's implementation takes any rank: at::batch_norm through the functional API.
+                    auto yr = ::torch::nn::functional::batch_norm(xr, ref->running_mean, ref->running_var,
+                                                                  ::torch::nn::functional::BatchNormFuncOptions()
+                                                                      .weight(ref->weight)
+                                                                      .bias(ref->bias)
+                                                                      .training(true)
+                                                                      .momentum(0.3));
+                    (ys * dy).sum().backward();
+                    (yr * dy.to(at::kDouble)).sum().backward();
+                    // bf16: its own rounding of y and dx (2^-9 of their largest values) and a little more.
+                    const double tolerance = dtype == at::kBFloat16 ? 8e-3 : 1e-5;
+                    const auto close = [&](const at::Tensor& a, const at::Tensor& b) {
+                        return (a.to(at::kDouble) - b).abs().max().item<double>() <=
+                               tolerance * std::max(1.0, b.abs().max().item<double>());
+                    };
+                    INFO("dtype " << dtype << (bf16_parameters ? " (bf16 parameters)" : "") << ", rank " << rank << ", layout "
+                                  << static_cast<int>(layout));
+                    CHECK(close(ys, yr));
+                    CHECK(close(xs.grad(), xr.grad()));
+                    CHECK(close(sync->weight.grad(), ref->weight.grad()));
+                    CHECK(close(sync->bias.grad(), ref->bias.grad()));
+                    CHECK(close(sync->running_mean, ref->running_mean));
+                    CHECK(close(sync->running_var, ref->running_var));
+                    CHECK(sync->num_batches_tracked.item<std::int64_t>() == 1);
+                    sync->eval();
+                    CHECK(
+                        close(sync(x), ::torch::nn::functional::batch_norm(x.to(at::kDouble), ref->running_mean, ref->running_var,
+                                                                           ::torch::nn::functional::BatchNormFuncOptions()
+                                                                               .weight(ref->weight)
+                                                                               .bias(ref->bias)
+                                                                               .training(false))));
                 }
-                if (layout == Layout::strided) {  // every other sample of a batch twice as big
-                    x = at::repeat_interleave(x, 2, 0).slice(0, 0, 12, 2);
-                    dy = at::repeat_interleave(dy, 2, 0).slice(0, 0, 12, 2);
-                    REQUIRE(!x.is_contiguous());
-                }
-                lt::SyncBatchNorm sync(::torch::nn::BatchNormOptions(3).momentum(0.3));
-                ::torch::nn::BatchNorm2d ref(::torch::nn::BatchNormOptions(3).momentum(0.3));
-                {
-                    ::torch::NoGradGuard g;
-                    sync->weight.copy_(::torch::tensor({0.5f, 1.5f, -2.0f}));
-                    sync->bias.copy_(::torch::tensor({0.1f, -0.2f, 0.3f}));
-                }
-                if (dtype != at::kBFloat16) sync->to(dtype);
-                ref->to(at::kDouble);
-                {
-                    ::torch::NoGradGuard g;
-                    ref->weight.copy_(sync->weight);
-                    ref->bias.copy_(sync->bias);
-                }
-                auto xs = x.detach().requires_grad_(true);
-                auto xr = x.to(at::kDouble).contiguous().requires_grad_(true);
-                auto ys = sync(xs);
-                // BatchNorm2d's implementation takes any rank: at::batch_norm through the functional API.
-                auto yr = ::torch::nn::functional::batch_norm(xr, ref->running_mean, ref->running_var,
-                                                              ::torch::nn::functional::BatchNormFuncOptions()
-                                                                  .weight(ref->weight)
-                                                                  .bias(ref->bias)
-                                                                  .training(true)
-                                                                  .momentum(0.3));
-                (ys * dy).sum().backward();
-                (yr * dy.to(at::kDouble)).sum().backward();
-                // bf16: its own rounding of y and dx (2^-9 of their largest values) and a little more.
-                const double tolerance = dtype == at::kBFloat16 ? 8e-3 : 1e-5;
-                const auto close = [&](const at::Tensor& a, const at::Tensor& b) {
-                    return (a.to(at::kDouble) - b).abs().max().item<double>() <=
-                           tolerance * std::max(1.0, b.abs().max().item<double>());
-                };
-                INFO("dtype " << dtype << ", rank " << rank << ", layout " << static_cast<int>(layout));
-                CHECK(close(ys, yr));
-                CHECK(close(xs.grad(), xr.grad()));
-                CHECK(close(sync->weight.grad(), ref->weight.grad()));
-                CHECK(close(sync->bias.grad(), ref->bias.grad()));
-                CHECK(close(sync->running_mean, ref->running_mean));
-                CHECK(close(sync->running_var, ref->running_var));
-                CHECK(sync->num_batches_tracked.item<std::int64_t>() == 1);
-                sync->eval();
-                CHECK(close(
-                    sync(x),
-                    ::torch::nn::functional::batch_norm(
-                        x.to(at::kDouble), ref->running_mean, ref->running_var,
-                        ::torch::nn::functional::BatchNormFuncOptions().weight(ref->weight).bias(ref->bias).training(false))));
-            }
 }
 
 TEST_CASE("torch SyncBatchNorm refuses a batch with one value per channel, as PyTorch does", "[torch]") {

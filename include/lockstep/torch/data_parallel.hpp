@@ -70,7 +70,8 @@ namespace lockstep::torch {
 // Note [libtorch CUDA replicas]
 // One replica per CUDA device (two on one device would deadlock: libtorch runs every backward of
 // a device on that device's one autograd thread, and SyncBatchNorm's backward waits there for its
-// peers). Jobs run under a DeviceGuard of the replica's device. On CUDA, autograd calls the
+// peers). Jobs run under a StreamGuard of the device's default stream (which also makes the
+// device current). On CUDA, autograd calls the
 // gradient hooks, and SyncBatchNorm's backward, on its device thread, not the replica's. The
 // hooks count the replica's buckets and launch the full ones (copies into the flat buffer, a job
 // for the communication thread, or with overlap off the all-reduce itself), which no other thread
@@ -826,7 +827,11 @@ private:
 
     void run_job(ReplicaPool::Job job) {
         pool_.run([threads = call_threads(), core = core_, job = std::move(job)](int r) {
+#if AT_PARALLEL_OPENMP  // (libtorch's native pool ignores, with a warning, a set after its first use)
             if (at::get_num_threads() != threads) at::set_num_threads(threads);
+#else
+            (void)threads;
+#endif
             std::optional<c10::StreamGuard> on_device;  // Note [libtorch CUDA replicas]
             if (const auto& d = core->devices[static_cast<std::size_t>(r)]; d.is_cuda())
                 on_device.emplace(c10::impl::VirtualGuardImpl(d.type()).getDefaultStream(d));

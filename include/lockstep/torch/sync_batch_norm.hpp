@@ -26,7 +26,7 @@ namespace lockstep::torch {
 // Note [libtorch SyncBatchNorm]
 // A forward in training mode computes each channel's mean and biased variance of the replica's
 // shard (libtorch's batch-norm statistics, at::batch_norm_update_stats: two passes, the second
-// over x - mean, in x's type), turns them into the shard's sums in fp64 (S = n*m,
+// over x - mean, in x's type, or in fp32 for fp16 and bf16), turns them into the shard's sums in fp64 (S = n*m,
 // Q = n*(v + m^2), n) and all-reduces [S | Q | n], 2C+1 doubles, once on the replica's layer
 // group: mean = S/N, var = Q/N - mean^2. The fp64 sums keep the variance's digits unless
 // |mean|/std approaches 1e6; the shard's own variance is taken about its mean, so it does not
@@ -39,13 +39,17 @@ namespace lockstep::torch {
 // sums them), all-reduces those sums (2C doubles) once and computes
 //   dx = weight*invstd * (dy - sum_dy/N - xhat * sum_dy_xhat/N) = a*dy + b*x + d,
 // with a, b, d per channel (in fp64, then x's type; fp32 for fp16 and bf16 inputs, whose
-// statistics are fp32 too, as in libtorch's batch norm). On a CPU, for the layouts batch norm meets
+// statistics are fp32 too, as in libtorch's batch norm: their cost is an fp32 copy of x forward
+// and fp32 temporaries of its size backward; in eval mode such an input is normalized with fp32
+// parameters and running statistics, whatever their own type). On a CPU, for the layouts batch norm meets
 // (contiguous, channels-last, fp32 or fp64), the sums come from libtorch's eval-mode backward with
 // the global statistics (its reductions only) and dx from one pass over dy and x; elsewhere (other
 // strides, CUDA) from libtorch's generic ops, which the strided CPU inputs of the tests run. Outside a
 // DataParallel (no replica group) the layer is a BatchNorm of its own batch, and computes the same
 // numbers, so a model keeps its SyncBatchNorm layers when it runs alone. In eval mode it
-// normalizes by the running statistics and makes no collective.
+// normalizes by the running statistics and makes no collective; a layer without running
+// statistics normalizes by the global batch's in eval mode too (PyTorch's SyncBatchNorm by each
+// replica's own there), so DataParallel::forward gives the same rows whatever the replicas.
 
 namespace detail {
 
@@ -165,11 +169,15 @@ inline at::Tensor per_channel_affine(const at::Tensor& dy, const at::Tensor& x, 
     return dx;
 }
 
-// The type of the statistics and of dx's coefficients: fp32 for an fp16 or bf16 input whose weight
-// is fp32 (or absent), as libtorch's batch norm keeps them; x's type otherwise.
-inline at::ScalarType stat_type(const at::Tensor& x, const at::Tensor& weight) {
+// The type of the statistics and of dx's coefficients: fp32 for an fp16 or bf16 input (whatever
+// its parameters' type: libtorch's mixed-type batch norm then gets fp32 parameters), x's type
+// otherwise.
+inline at::ScalarType stat_type(const at::Tensor& x) {
     const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-    return reduced && (!weight.defined() || weight.scalar_type() == at::kFloat) ? at::kFloat : x.scalar_type();
+    return reduced ? at::kFloat : x.scalar_type();
+}
+inline at::Tensor in_stat_type(const at::Tensor& parameter, const at::Tensor& x) {
+    return parameter.defined() ? parameter.to(stat_type(x)) : parameter;
 }
 
 struct SyncBnArgs {
@@ -214,8 +222,8 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
                           static_cast<std::int64_t>(N), " over the global batch (input of shape ", x.sizes(), ")");
         const auto mean64 = payload.narrow(0, 0, C) / N;
         const auto var64 = (payload.narrow(0, C, C) / N - mean64 * mean64).clamp_min(0.0);
-        const auto mean = mean64.to(stat_type(x, weight)).to(x.device());
-        const auto var = var64.to(stat_type(x, weight)).to(x.device());
+        const auto mean = mean64.to(stat_type(x)).to(x.device());
+        const auto var = var64.to(stat_type(x)).to(x.device());
         if (args->running_mean.defined()) {
             ::torch::NoGradGuard no_grad;
             args->num_batches_tracked.add_(1);
@@ -226,7 +234,8 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
             args->running_var.mul_(1.0 - f).add_(unbiased.to(args->running_var.scalar_type()).to(x.device()), f);
         }
         // The normalization with the global statistics: libtorch's fused eval-mode batch norm.
-        auto y = at::batch_norm(x, weight, bias, mean, var, /*training=*/false, 0.0, args->eps, /*cudnn_enabled=*/false);
+        auto y = at::batch_norm(x, in_stat_type(weight, x), in_stat_type(bias, x), mean, var, /*training=*/false, 0.0, args->eps,
+                                /*cudnn_enabled=*/false);
         ctx->save_for_backward({x, weight, mean, var});
         ctx->saved_data["link"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(args->link));
         ctx->saved_data["layer"] = static_cast<std::int64_t>(args->layer_id);
@@ -321,7 +330,9 @@ public:
         LOCKSTEP_CHECK_AS(ShapeError, x.size(1) == options.num_features(), "SyncBatchNorm(", options.num_features(),
                           ") got an input of ", x.size(1), " channels (shape ", x.sizes(), ")");
         if (!is_training() && options.track_running_stats())
-            return at::batch_norm(x, weight, bias, running_mean, running_var, false, 0.0, options.eps(), false);
+            return at::batch_norm(x, detail::in_stat_type(weight, x), detail::in_stat_type(bias, x),
+                                  detail::in_stat_type(running_mean, x), detail::in_stat_type(running_var, x), false, 0.0,
+                                  options.eps(), false);
         detail::SyncBnArgs args;
         args.link = detail::current_link();
         args.layer_id = layer_id;
