@@ -305,12 +305,16 @@ if [[ -z $blocked ]]; then
   targets=(test_gpu_core test_gpu_bn_math test_gpu_layers test_gpu_data_parallel mnist bench_cuda_batch_norm
            bench_cuda_train_step bench_cuda_allreduce bench_cuda_conv bench_cuda_graph)
   blas_inc="$prefix/usr/include/x86_64-linux-gnu/openblas-pthread"
+  # Where the unpacked packages are, for this build and step 2b's (which puts PyTorch's CMake
+  # folder before these).
+  package_prefixes="$prefix/usr;$lib/cmake"
+  package_flags=(-DCMAKE_LIBRARY_PATH="$blas_dir;$lib" -DCMAKE_CXX_FLAGS="-isystem $blas_inc"
+                 -DZLIB_INCLUDE_DIR="$prefix/usr/include" -DZLIB_LIBRARY="$zlib")
   # -lineinfo: compute-sanitizer and the profilers name the file and line of a kernel's fault.
   capped 60 "$logs/configure.log" cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_CUDA_COMPILER="$nvcc" -DLOCKSTEP_CUDA=ON -DLOCKSTEP_DNNL=OFF \
-    -DLOCKSTEP_MPI=OFF -DCMAKE_PREFIX_PATH="$prefix/usr;$lib/cmake" -DCMAKE_LIBRARY_PATH="$blas_dir;$lib" \
-    -DCMAKE_CXX_FLAGS="-isystem $blas_inc" -DCMAKE_CUDA_FLAGS="-isystem $blas_inc -lineinfo" \
-    -DZLIB_INCLUDE_DIR="$prefix/usr/include" -DZLIB_LIBRARY="$zlib" "${nccl_flags[@]}" "${cuda_flags[@]}"
+    -DLOCKSTEP_MPI=OFF -DCMAKE_PREFIX_PATH="$package_prefixes" "${package_flags[@]}" \
+    -DCMAKE_CUDA_FLAGS="-isystem $blas_inc -lineinfo" "${nccl_flags[@]}" "${cuda_flags[@]}"
   if ((rc != 0)); then
     row build FAIL "configure failed (exit $rc): $(tail -3 "$logs/configure.log")"
     blocked="build failed"; blocked_why="see the build row"
@@ -400,8 +404,7 @@ step_torch() {
   capped 90 "$logs/torch-cuda-configure.log" cmake -S "$root" -B "$tb" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DLOCKSTEP_TORCH=ON -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_DNNL=OFF -DLOCKSTEP_MPI=OFF -DLOCKSTEP_TEST_LABELS=torch \
     -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF -DCMAKE_CUDA_COMPILER="$nvcc" \
-    -DCMAKE_PREFIX_PATH="$tcmake;$prefix/usr;$lib/cmake" -DCMAKE_LIBRARY_PATH="$blas_dir;$lib" \
-    -DCMAKE_CXX_FLAGS="-isystem $blas_inc" -DZLIB_INCLUDE_DIR="$prefix/usr/include" -DZLIB_LIBRARY="$zlib"
+    -DCMAKE_PREFIX_PATH="$tcmake;$package_prefixes" "${package_flags[@]}"
   if ((rc != 0)); then
     budget_cut "$rc" configuration && return
     row "$r" FAIL "configure against PyTorch's libtorch ($tcmake) failed, exit $rc: $(grep -m1 -A2 'Error' "$logs/torch-cuda-configure.log" || tail -2 "$logs/torch-cuda-configure.log")"

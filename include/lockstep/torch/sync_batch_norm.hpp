@@ -136,26 +136,28 @@ void affine_rows(const T* dy, const T* x, T* dx, const T* a, const T* b, const T
 // The CPU layouts the backward's one-pass paths serve (Note [libtorch SyncBatchNorm]): x and dy
 // fp32 or fp64 CPU tensors, both contiguous or both channels-last. `none`: libtorch's generic ops.
 enum class OnePass { none, contiguous, channels_last };
+inline at::MemoryFormat channels_last_format(const at::Tensor& x) {
+    return x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
+}
 inline OnePass one_pass_layout(const at::Tensor& dy, const at::Tensor& x) {
     const bool fits = x.device().is_cpu() && dy.device().is_cpu() && dy.scalar_type() == x.scalar_type() &&
                       (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) && x.numel() > 0;
     if (!fits) return OnePass::none;
     if (x.is_contiguous() && dy.is_contiguous()) return OnePass::contiguous;
-    const auto last = x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
+    const auto last = channels_last_format(x);
     if ((x.dim() == 4 || x.dim() == 5) && x.is_contiguous(last) && dy.is_contiguous(last)) return OnePass::channels_last;
     return OnePass::none;
 }
 
-// a*dy + b*x + d with a, b, d per channel (dim 1), in x's type and memory format.
-inline at::Tensor per_channel_affine(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                                     const at::Tensor& d) {
+// a*dy + b*x + d with a, b, d per channel (dim 1), in x's type and memory format; `layout` is
+// one_pass_layout(dy, x).
+inline at::Tensor per_channel_affine(OnePass layout, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& a,
+                                     const at::Tensor& b, const at::Tensor& d) {
     const std::int64_t C = x.size(1);
-    const auto layout = one_pass_layout(dy, x);
     if (layout == OnePass::none)  // in a, b and d's type (fp32 for an fp16 or bf16 x), then x's
         return at::addcmul(per_channel(d, x), dy, per_channel(a, x)).addcmul_(x, per_channel(b, x)).to(x.scalar_type());
     const bool last = layout == OnePass::channels_last;
-    const auto last_format = x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
-    auto dx = at::empty_like(x, last ? last_format : at::MemoryFormat::Contiguous);
+    auto dx = at::empty_like(x, last ? channels_last_format(x) : at::MemoryFormat::Contiguous);
     const std::int64_t inner = last ? 1 : x.numel() / (x.size(0) * C);
     const auto run = [&]<class T>(T*) {
         const auto ac = a.contiguous(), bc = b.contiguous(), dc = d.contiguous();
@@ -203,8 +205,7 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
             // the biased one by its contract (correction 0). Both give an fp16 or bf16 input's
             // statistics in its own type (a mean of 40 to the nearest 0.25 in bf16): they read an
             // fp32 copy of it.
-            const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-            const auto xs = reduced ? x.to(at::kFloat) : x;
+            const auto xs = x.to(stat_type(x));  // x itself unless fp16 or bf16
             at::Tensor mean, var;
             if (x.device().is_cpu())
                 std::tie(mean, var) = at::batch_norm_update_stats(xs, std::nullopt, std::nullopt, 0.0);
@@ -261,8 +262,9 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         // replica. On the CPU's one-pass layouts: libtorch's eval-mode backward with the global
         // statistics, its reductions only (CUDA's asserts on that call without saved statistics).
         // Elsewhere libtorch's generic ops, which run on any device.
+        const auto layout = one_pass_layout(dy, x);
         at::Tensor sum_dy_xhat, sum_dy;
-        if (one_pass_layout(dy, x) != OnePass::none) {
+        if (layout != OnePass::none) {
             std::tie(std::ignore, sum_dy_xhat, sum_dy) = at::native_batch_norm_backward(
                 dy, x, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, mean, var, std::nullopt, std::nullopt,
                 /*train=*/false, eps, {false, true, true});
@@ -276,13 +278,13 @@ struct SyncBnFunction : ::torch::autograd::Function<SyncBnFunction> {
         all_reduce(link, sums, comm::CollectiveSite::layer(layer, 1));
         // dx = a * (dy - mean(dy) - xhat * mean(dy * xhat)), a = weight * invstd, the means over the
         //    global batch; = a*dy + b*x + d with b = -k, k = a * invstd * mean(dy * xhat), and
-        //    d = k * mean - a * mean(dy). Per channel in fp64, then x's type.
+        //    d = k * mean - a * mean(dy). Per channel in fp64, then the statistics' type.
         const auto invstd = (var.to(at::kDouble).cpu() + eps).rsqrt();
         const auto a = weight.defined() ? invstd * weight.to(at::kDouble).cpu() : invstd;
         const auto k = a * invstd * sums.narrow(0, C, C) / N;
         const auto d = k * mean.to(at::kDouble).cpu() - a * sums.narrow(0, 0, C) / N;
         const auto as_stat = [&](const at::Tensor& v) { return v.to(mean.scalar_type()).to(x.device()); };
-        auto dx = per_channel_affine(dy, x, as_stat(a), as_stat(-k), as_stat(d));
+        auto dx = per_channel_affine(layout, dy, x, as_stat(a), as_stat(-k), as_stat(d));
         at::Tensor dweight, dbias;
         if (weight.defined()) {
             dweight = sum_dy_xhat.to(weight.scalar_type());
