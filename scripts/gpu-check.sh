@@ -419,7 +419,12 @@ step_torch() {
   capped 120 "$logs/torch-cuda-check.log" env -u CUDA_MODULE_LOADING "$tb/tests/torch_cuda_check"
   checks=$(grep -c '^ok:' "$logs/torch-cuda-check.log")
   case $rc in
-    0) row "$r" ok "$checks checks hold: $(tail -1 "$logs/torch-cuda-check.log")" ;;
+    0) local buckets="host buckets only (configured without NCCL)"
+       if grep -q 'through nccl (2 CUDA replicas' "$logs/torch-cuda-check.log"; then buckets="NCCL (2 GPUs) and host buckets"
+       elif grep -q 'through nccl' "$logs/torch-cuda-check.log"; then
+         buckets="host buckets, and NCCL's stream-ordered path on one GPU, which makes no NCCL call"
+       fi
+       row "$r" ok "$checks checks hold, $buckets: $(tail -1 "$logs/torch-cuda-check.log")" ;;
     77) row "$r" FAIL "the check's libtorch saw no GPU" ;;
     *) budget_cut "$rc" "check ($checks checks held)" ||
          row "$r" FAIL "exit $rc, $checks checks held: $(grep -m3 'FAIL' "$logs/torch-cuda-check.log" || tail -2 "$logs/torch-cuda-check.log")" ;;

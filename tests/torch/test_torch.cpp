@@ -10,12 +10,15 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <limits>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../stream_group_double.hpp"
 #include "torch_models.hpp"
 
 // libtorch's headers define a glog-style CHECK (c10/util/logging_is_not_google_glog.h) that logs
@@ -327,6 +330,207 @@ TEST_CASE("torch DataParallel: a replica that throws in forward, in a hook or un
     }
     // Usable again: the next step runs and keeps the replicas identical.
     dp.train_step(images(9, 3), labels(9, 3), models::cross_entropy);
+    CHECK_FALSE(same(snapshot(*dp.module()), before));
+    for (int r = 1; r < dp.size(); ++r) CHECK(models::identical(*dp.replica(r), *dp.module()));
+}
+
+namespace {
+
+// The NCCL buckets' logic (Note [libtorch NCCL buckets]) on CPU replicas: the stream group over
+// the recording double, whose "NCCL" sums in rank order when every rank has enqueued, and whose
+// streams run nothing, so that the log shows what each stream was told to wait for. As a GPU's,
+// an all-reduce's sums are seen on the compute stream only once it waited for the communication
+// stream behind them: until then the double leaves NaN in the buffer, and the wait puts them there.
+struct TorchRecordingApi : lockstep_test::stream_double::RecordingApi {
+    using Base = lockstep_test::stream_double::RecordingApi;
+    static constexpr const char* name = "recording";
+    static lockstep::Execution<lockstep::Host> execution(const ::torch::Device&) { return {}; }
+    static void release(lockstep::Execution<lockstep::Host>&) noexcept {}
+    static void wait_for_work(lockstep::Execution<lockstep::Host>& ex, const char*) {
+        const long compute = compute_stream(ex, 0);  // the calling replica thread's
+        lockstep_test::stream_double::log_of_calls().add({.op = "wait_for_work", .stream = compute});
+    }
+
+    static void all_reduce(Comm c, void* buf, std::size_t count, lockstep::comm::DType t, Stream s, tp deadline,
+                           const std::atomic<bool>& stop) {
+        Base::all_reduce(c, buf, count, t, s, deadline, stop);
+        if (t != lockstep::comm::DType::f32) throw std::logic_error("a bucket that is not float32");
+        auto* data = static_cast<float*>(buf);
+        Held h{data, std::vector<float>(data, data + count)};
+        std::fill(data, data + count, std::numeric_limits<float>::quiet_NaN());
+        std::lock_guard lock(held().m);
+        held().by_stream[s].push_back(std::move(h));
+    }
+    static void record(Event e, Stream s) {
+        Base::record(e, s);
+        std::lock_guard lock(held().m);
+        if (auto it = held().by_stream.find(s); it != held().by_stream.end()) held().by_event[e] = {s, it->second.size()};
+    }
+    static void wait(Stream s, Event e) {
+        Base::wait(s, e);
+        std::lock_guard lock(held().m);
+        const auto it = held().by_event.find(e);
+        if (it == held().by_event.end()) return;
+        auto& sums = held().by_stream[it->second.first];
+        const std::size_t n = std::min(it->second.second, sums.size());  // everything before the event
+        for (std::size_t i = 0; i < n; ++i) std::copy(sums[i].sums.begin(), sums[i].sums.end(), sums[i].buffer);
+        sums.erase(sums.begin(), sums.begin() + static_cast<std::ptrdiff_t>(n));
+        for (auto& [event, mark] : held().by_event)
+            if (mark.first == it->second.first) mark.second -= std::min(mark.second, n);
+    }
+
+private:
+    struct Held {
+        float* buffer;
+        std::vector<float> sums;
+    };
+    struct Pending {
+        std::mutex m;
+        std::map<long, std::vector<Held>> by_stream;            // communication stream -> sums not yet seen
+        std::map<long, std::pair<long, std::size_t>> by_event;  // event -> its stream, sums before it
+    };
+    static Pending& held() {
+        static Pending p;
+        return p;
+    }
+};
+
+lt::detail::ExchangeMaker recording_exchange() {
+    return [](const std::vector<::torch::Device>& devices, std::chrono::milliseconds timeout,
+              std::shared_ptr<lockstep::comm::ProcessGroup> processes) -> std::unique_ptr<lt::detail::GradientExchange> {
+        std::vector<lockstep::Device> hosts;
+        for (std::size_t r = 0; r < devices.size(); ++r) hosts.push_back(lockstep::Device::host(static_cast<int>(r)));
+        return std::make_unique<lt::detail::StreamExchange<TorchRecordingApi>>(hosts, timeout, std::move(processes));
+    };
+}
+
+// What each rank's streams were told during one step: every all-reduce of a bucket waits (on the
+// communication stream) for an event recorded on the rank's compute stream; after the last event
+// recorded on the communication stream (behind its last all-reduce), the compute stream waits for
+// it (join), and, in a step that reached its commit point, only then does the replica's host wait
+// for its device (wait_for_work). Returns the all-reduces seen per communication stream.
+std::map<long, int> check_bucket_ordering(const std::vector<lockstep_test::stream_double::Call>& calls, bool committed = true) {
+    std::map<long, int> reduces;
+    std::map<long, long> compute_of;  // communication stream -> the compute stream its rank records on
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+        const auto& c = calls[i];
+        if (c.op != "all_reduce") continue;
+        ++reduces[c.stream];
+        // The last wait of this communication stream before it, and the record of that event.
+        long event = 0;
+        std::size_t at = 0;
+        for (std::size_t j = i; j-- > 0;)
+            if (calls[j].op == "wait" && calls[j].stream == c.stream) {
+                event = calls[j].event;
+                at = j;
+                break;
+            }
+        INFO("all_reduce #" << i << " on stream " << c.stream);
+        REQUIRE(event != 0);
+        long recorded_on = 0;
+        for (std::size_t j = at; j-- > 0;)
+            if (calls[j].op == "record" && calls[j].event == event) {
+                recorded_on = calls[j].stream;
+                break;
+            }
+        REQUIRE(recorded_on != 0);
+        CHECK(recorded_on != c.stream);
+        if (compute_of.count(c.stream)) CHECK(compute_of[c.stream] == recorded_on);
+        compute_of[c.stream] = recorded_on;
+    }
+    for (const auto& [comm, compute] : compute_of) {
+        INFO("communication stream " << comm << ", compute stream " << compute);
+        std::size_t done_at = 0, join_at = 0, host_at = 0;
+        long done = 0;
+        for (std::size_t j = 0; j < calls.size(); ++j)
+            if (calls[j].op == "record" && calls[j].stream == comm) {
+                done = calls[j].event;
+                done_at = j;
+            }
+        REQUIRE(done != 0);
+        for (std::size_t j = done_at + 1; j < calls.size() && join_at == 0; ++j)
+            if (calls[j].op == "wait" && calls[j].stream == compute && calls[j].event == done) join_at = j;
+        CHECK(join_at != 0);  // the buckets are written again only behind the all-reduces
+        if (!committed) continue;
+        for (std::size_t j = join_at + 1; j < calls.size() && host_at == 0; ++j)
+            if (calls[j].op == "wait_for_work" && calls[j].stream == compute) host_at = j;
+        CHECK(host_at != 0);  // the host waits for them before the commit point
+    }
+    return reduces;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "torch DataParallel over a stream-ordered gradient group (NCCL's path, with a recording double) equals the host "
+    "group bit for bit, starts each bucket behind the compute stream and joins it before the sums are read",
+    "[torch]") {
+    namespace sd = lockstep_test::stream_double;
+    constexpr std::int64_t batch = 11;
+    for (const auto& [replicas, overlap] : {std::pair{2, true}, std::pair{3, true}, std::pair{2, false}}) {
+        INFO(replicas << " replicas, overlap " << overlap);
+        lt::Options options;
+        options.bucket_bytes = 2048;
+        options.overlap = overlap;
+        auto host_model = fresh_model();
+        lt::DataParallel host(host_model, replicas, models::sgd, options);
+        auto stream_model = fresh_model();
+        lt::DataParallel<models::ResNetImpl> stream(
+            stream_model.ptr(), std::vector<::torch::Device>(static_cast<std::size_t>(replicas), ::torch::kCPU), models::sgd,
+            options, recording_exchange());
+        CHECK(std::string(host.gradient_transport()) == "host");
+        CHECK(std::string(stream.gradient_transport()) == "recording");
+        for (int k = 0; k < 3; ++k) {
+            sd::log_of_calls().clear();
+            const auto a = host.train_step(images(batch, 100 + k), labels(batch, 100 + k), models::cross_entropy);
+            const auto b = stream.train_step(images(batch, 100 + k), labels(batch, 100 + k), models::cross_entropy);
+            CHECK(a.loss == b.loss);
+            const auto reduces = check_bucket_ordering(sd::log_of_calls().snapshot());
+            CHECK(reduces.size() == static_cast<std::size_t>(replicas));
+            for (const auto& [comm, n] : reduces) CHECK(n == static_cast<int>(stream.bucket_count()));
+        }
+        CHECK(stream.overlapped_buckets(0) > 0);  // from the hooks, in line without overlap
+        for (int r = 0; r < replicas; ++r) CHECK(models::identical(*stream.replica(r), *host.module()));
+    }
+}
+
+TEST_CASE(
+    "torch DataParallel over a stream-ordered gradient group: a replica that throws in a hook while its peers' "
+    "buckets are started fails the step everywhere, nothing is applied, and the next step runs on new communicators",
+    "[torch]") {
+    namespace sd = lockstep_test::stream_double;
+    ::torch::manual_seed(5);
+    auto proto = std::make_shared<FlakyImpl>();
+    lt::Options options;
+    options.bucket_bytes = 1024;
+    options.timeout = std::chrono::seconds(20);
+    lt::DataParallel<FlakyImpl> dp(
+        proto, std::vector<::torch::Device>(3, ::torch::kCPU), [](FlakyImpl& m) { return models::sgd(m); }, options,
+        recording_exchange());
+    dp.train_step(images(9, 1), labels(9, 1), models::cross_entropy);
+    const auto before = snapshot(*dp.module());
+    dp.parallel_apply([](FlakyImpl& m, int r) {
+        if (r == 2)  // the first layer's: its peers have started every other bucket by then
+            m.net->stem->weight.register_hook(
+                [](at::Tensor) -> at::Tensor { throw std::runtime_error("hook failed on purpose"); });
+    });
+    sd::log_of_calls().clear();
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(dp.train_step(images(9, 2), labels(9, 2), models::cross_entropy),
+                      Catch::Contains("hook failed on purpose"));
+    CHECK(std::chrono::steady_clock::now() - t0 < options.timeout);  // released by the abort, not timed out
+    const auto failed = sd::log_of_calls().snapshot();
+    CHECK(std::count_if(failed.begin(), failed.end(), [](const sd::Call& c) { return c.op == "abort"; }) == 3);
+    CHECK(check_bucket_ordering(failed, /*committed=*/false).size() == 3);  // every rank had started buckets
+    for (int r = 0; r < dp.size(); ++r) CHECK(same(snapshot(*dp.replica(r)), before));
+    dp.parallel_apply([](FlakyImpl& m, int r) {
+        if (r == 2) m.net->stem->weight.remove_hook(0);
+    });
+    sd::log_of_calls().clear();
+    dp.train_step(images(9, 3), labels(9, 3), models::cross_entropy);
+    const auto next = sd::log_of_calls().snapshot();
+    CHECK(std::count_if(next.begin(), next.end(), [](const sd::Call& c) { return c.op == "init"; }) == 3);
+    check_bucket_ordering(next);
     CHECK_FALSE(same(snapshot(*dp.module()), before));
     for (int r = 1; r < dp.size(); ++r) CHECK(models::identical(*dp.replica(r), *dp.module()));
 }

@@ -7,6 +7,8 @@
 //      module on the CPU on the whole batch, replicas identical, evaluation output;
 //   3. a replica that throws in its loss, or in backward (on libtorch's thread for the device),
 //      fails the step, nothing is applied, and the next step runs.
+// 2 and 3 run with the buckets all-reduced by NCCL (where the component has it: Note [libtorch
+// NCCL buckets]) and through the host.
 // Strict fp32 (no TF32) so that a GPU and a CPU agree within 1e-4. Exits 0 when every check holds,
 // 1 when one fails, 77 when libtorch sees no CUDA device (ctest reports the test skipped).
 #include <cstdio>
@@ -64,10 +66,21 @@ void sync_batch_norm_alone(bool channels_last) {
           "SyncBatchNorm running statistics on cuda:0 equal the CPU's" + how);
 }
 
-void training_steps(int replicas) {
+// The transports a step runs with: NCCL where the component has it, and the host.
+std::vector<bool> transports() { return lt::nccl_available() ? std::vector<bool>{true, false} : std::vector<bool>{false}; }
+
+// One CUDA replica alone makes no NCCL call (the stream group's single mode: its events and
+// waits only); the report says so.
+void check_transport(const char* got, bool nccl, int replicas, const std::string& how) {
+    check(std::string(got) == (nccl ? "nccl" : "host"), std::string("buckets all-reduced through ") + got +
+                                                            (nccl && replicas == 1 ? " (one replica: no NCCL call)" : "") + how);
+}
+
+void training_steps(int replicas, bool nccl) {
     constexpr int steps = 3;
     constexpr std::int64_t batch = 11;
-    const std::string how = " (" + std::to_string(replicas) + " CUDA replica" + (replicas > 1 ? "s)" : ")");
+    const std::string how = " (" + std::to_string(replicas) + " CUDA replica" + (replicas > 1 ? "s, " : ", ") +
+                            (nccl ? "NCCL" : "host") + " buckets)";
     ::torch::manual_seed(7);
     models::ResNet reference(6);
     auto reference_opt = models::sgd(*reference);
@@ -83,7 +96,9 @@ void training_steps(int replicas) {
     for (int r = 0; r < replicas; ++r) devices.emplace_back(::torch::kCUDA, static_cast<c10::DeviceIndex>(r));
     lt::Options options;
     options.bucket_bytes = 2048;  // several buckets, launched from autograd's device thread
+    options.nccl = nccl;
     lt::DataParallel dp(model, devices, models::sgd, options);
+    check_transport(dp.gradient_transport(), nccl, replicas, how);
     for (int k = 0; k < steps; ++k)
         dp.train_step(models::images(batch, 100 + k), models::labels(batch, 100 + k), models::cross_entropy);
     const auto trained = on_cpu(*dp.module());
@@ -110,11 +125,15 @@ struct ThrowInBackward : ::torch::autograd::Function<ThrowInBackward> {
     }
 };
 
-void failing_replica() {
+void failing_replica(bool nccl) {
+    const std::string how = nccl ? " (NCCL buckets)" : " (host buckets)";
     ::torch::manual_seed(7);
     models::ResNet model(6);
     model->to(::torch::Device("cuda:0"));
-    lt::DataParallel dp(model, std::vector<::torch::Device>{::torch::Device("cuda:0")}, models::sgd);
+    lt::Options options;
+    options.nccl = nccl;
+    lt::DataParallel dp(model, std::vector<::torch::Device>{::torch::Device("cuda:0")}, models::sgd, options);
+    check_transport(dp.gradient_transport(), nccl, 1, how);
     const auto before = on_cpu(*dp.module());
     const auto fails = [&](const lt::DataParallel<models::ResNetImpl>::Loss& loss, const std::string& message) {
         try {
@@ -127,13 +146,13 @@ void failing_replica() {
     check(fails([](const at::Tensor&, const at::Tensor&) -> at::Tensor { throw std::runtime_error("a loss that fails"); },
                 "a loss that fails") &&
               models::identical(*on_cpu(*dp.module()), *before),
-          "a failing loss fails the step and nothing is applied");
+          "a failing loss fails the step and nothing is applied" + how);
     check(fails([](const at::Tensor& out, const at::Tensor& y) { return ThrowInBackward::apply(models::cross_entropy(out, y)); },
                 "a backward that fails") &&
               models::identical(*on_cpu(*dp.module()), *before),
-          "a backward that throws on autograd's device thread fails the step and nothing is applied");
+          "a backward that throws on autograd's device thread fails the step and nothing is applied" + how);
     dp.train_step(models::images(8, 2), models::labels(8, 2), models::cross_entropy);
-    check(!models::identical(*on_cpu(*dp.module()), *before), "the next step trains");
+    check(!models::identical(*on_cpu(*dp.module()), *before), "the next step trains" + how);
 }
 
 }  // namespace
@@ -149,8 +168,10 @@ int main() {
     try {
         sync_batch_norm_alone(false);
         sync_batch_norm_alone(true);
-        for (int replicas = 1; replicas <= std::min(gpus, 2); ++replicas) training_steps(replicas);
-        failing_replica();
+        for (const bool nccl : transports()) {
+            for (int replicas = 1; replicas <= std::min(gpus, 2); ++replicas) training_steps(replicas, nccl);
+            failing_replica(nccl);
+        }
     } catch (const std::exception& e) {
         std::printf("FAIL: threw %s\n", e.what());
         return 1;

@@ -39,6 +39,7 @@
 #include "lockstep/runtime/replica_pool.hpp"
 #include "lockstep/runtime/serial_worker.hpp"
 #include "lockstep/torch/checkpoint.hpp"
+#include "lockstep/torch/gradient_exchange.hpp"
 #include "lockstep/torch/sync_batch_norm.hpp"
 
 namespace lockstep::torch {
@@ -71,19 +72,20 @@ namespace lockstep::torch {
 // One replica per CUDA device (two on one device would deadlock: libtorch runs every backward of
 // a device on that device's one autograd thread, and SyncBatchNorm's backward waits there for its
 // peers). Jobs run under a StreamGuard of the device's default stream (which also makes the
-// device current). On CUDA, autograd calls the
-// gradient hooks, and SyncBatchNorm's backward, on its device thread, not the replica's. The
-// hooks count the replica's buckets and launch the full ones (copies into the flat buffer, a job
-// for the communication thread, or with overlap off the all-reduce itself), which no other thread
-// touches during backward (backward() orders them with the replica thread); the rendezvous works
-// from any thread, and an exception there reaches backward()'s caller. The collectives go through the host: each
-// bucket is copied into a page-locked host buffer (which waits for the device), summed in rank
-// order as on CPUs, and copied back; SyncBatchNorm's sums are host tensors already; broadcasts
-// and the optimizer state go through (pageable) host tensors. Every job makes the device's default
-// stream the replica thread's current one, and the communication thread's copies use it too, so
-// they are ordered with the replica's kernels (a model that moves its work to a stream of its own
-// must join it back before returning). So CUDA replicas are bit-identical to each other too.
-// NCCL would move the buckets faster; the host path runs on any machine libtorch's CUDA does.
+// device current). On CUDA, autograd calls the gradient hooks, and SyncBatchNorm's backward, on
+// its device thread, not the replica's. The hooks count the replica's buckets and launch the full
+// ones (copies into the flat buffer, a job for the communication thread, or with overlap off the
+// all-reduce itself), which no other thread touches during backward (backward() orders them with
+// the replica thread); the rendezvous works from any thread, and an exception there reaches
+// backward()'s caller. Buckets are all-reduced by NCCL where the component was built with it
+// (Note [libtorch NCCL buckets] in torch/nccl_group.hpp). Otherwise, or with Options::nccl off,
+// through the host: each bucket is copied into a page-locked host buffer (which waits for the
+// device), summed in rank order as on CPUs (bit-identical replicas), and copied back.
+// SyncBatchNorm's sums are host tensors already; broadcasts and the optimizer state go through
+// (pageable) host tensors. Every job makes the device's default stream the replica thread's
+// current one, and the communication thread's copies use it too, so they are ordered with the
+// replica's kernels (a model that moves its work to a stream of its own must join it back before
+// returning).
 
 //! How a lockstep::torch::DataParallel runs.
 struct Options {
@@ -92,6 +94,10 @@ struct Options {
     //! All-reduce each bucket on the replica's communication thread while backward goes on
     //! (false: after backward, in line).
     bool overlap = true;
+    //! CUDA replicas all-reduce their buckets with NCCL where the component was built with it
+    //! (nccl_available(); Note [libtorch NCCL buckets]); false, or without NCCL: through
+    //! page-locked host memory (Note [libtorch CUDA replicas]).
+    bool nccl = true;
     //! No collective waits longer than this for a peer, and no call longer than this for a replica
     //! once another has failed or finished (then it throws ReplicaStuck).
     std::chrono::milliseconds timeout = AbortableBarrier::default_timeout;
@@ -147,10 +153,16 @@ public:
     //! CUDA replicas]). A CUDA module's parameters must be on a CUDA device, a CPU module's on the CPU.
     DataParallel(std::shared_ptr<Impl> module, std::vector<::torch::Device> devices, OptimizerFactory<Impl> optimizer,
                  Options options = {})
-        : core_(make_core(module, devices, std::move(optimizer), options)),
+        : DataParallel(std::move(module), std::move(devices), std::move(optimizer), std::move(options), detail::ExchangeMaker{}) {
+    }
+    //! As above, all-reducing gradients through the exchange `make_exchange` makes (tests run
+    //! stream-ordered buckets on CPU replicas with it).
+    DataParallel(std::shared_ptr<Impl> module, std::vector<::torch::Device> devices, OptimizerFactory<Impl> optimizer,
+                 Options options, const detail::ExchangeMaker& make_exchange)
+        : core_(make_core(module, devices, std::move(optimizer), options, make_exchange)),
           pool_(core_->world, {}, options.cpu_binding, options.timeout) {
         pool_.attach(core_->layer_group->abortable());
-        pool_.attach(core_->grad_group->abortable());
+        pool_.attach(core_->grads->abortable());
         run_job([core = core_, proto = module](int r) { core->make_replica(r, *proto); });
         check_same_structure();
         run_job([core = core_](int r) { core->replica(r).broadcast_from(0, 0); });
@@ -178,7 +190,10 @@ public:
     }
     //! Collectives replica `rank` has made on its layer group (SyncBatchNorm) and gradient group.
     std::uint64_t layer_collectives(int rank) const { return core_->layer_group->communicator(rank).collective_count(); }
-    std::uint64_t gradient_collectives(int rank) const { return core_->grad_group->communicator(rank).collective_count(); }
+    //! How buckets are all-reduced: "host" (CPU replicas; CUDA replicas staged through page-locked
+    //! memory) or "nccl" (Note [libtorch NCCL buckets]).
+    const char* gradient_transport() const noexcept { return core_->grads->transport(); }
+    std::uint64_t gradient_collectives(int rank) const { return core_->grads->communicator(rank).collective_count(); }
     //! The intra-op threads each replica runs a call from this thread with (Options::intra_op_threads).
     int intra_op_threads() const { return call_threads(); }
     std::int64_t steps() const noexcept { return steps_; }
@@ -351,6 +366,7 @@ private:
         std::vector<std::int64_t> words;  // broadcast_optimizer_from's bytes
         detail::ReplicaLink link;
         comm::Collectives* grad = nullptr;
+        Device span_device;  // its buffers' device as the gradient group names it
         std::unique_ptr<SerialWorker> worker;
 
         void build_buckets(std::size_t bucket_bytes) {
@@ -369,7 +385,7 @@ private:
             const auto close = [&] {
                 if (current.params.empty()) return;
                 current.flat = at::zeros({used}, params.front().options().dtype(at::kFloat).requires_grad(false));
-                if (!current.flat.device().is_cpu())
+                if (!current.flat.device().is_cpu() && !core->grads->on_device())
                     current.host = at::empty({used}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
                 buckets.push_back(std::move(current));
                 current = Bucket{};
@@ -429,6 +445,13 @@ private:
             }
             auto job = [this, index] {
                 auto& bb = buckets[index];
+                if (core->grads->on_device()) {  // Note [libtorch NCCL buckets]
+                    const c10::DeviceGuard on_device(device);
+                    grad->start_all_reduce_sum(DeviceSpan<float>(static_cast<float*>(bb.flat.data_ptr()),
+                                                                 static_cast<std::size_t>(bb.flat.numel()), span_device),
+                                               comm::CollectiveSite::bucket(index));
+                    return;
+                }
                 const bool staged = bb.host.defined();  // Note [libtorch CUDA replicas]
                 if (staged) bb.host.copy_(bb.flat);
                 auto& summed = staged ? bb.host : bb.flat;
@@ -448,11 +471,16 @@ private:
             for (std::size_t i = 0; i < buckets.size(); ++i)
                 if (!buckets[i].launched) launch(i);
             worker->wait();
+            // On the replica's device, whatever the model left current: the compute stream (a null
+            // handle, the current device's) waits for a stream group's all-reduces.
+            const c10::DeviceGuard on_device(device);
+            grad->join();
             for (auto& b : buckets)
                 for (std::size_t i = 0; i < b.params.size(); ++i) {
                     auto& p = params[b.params[i]];
                     p.mutable_grad().copy_(b.flat.narrow(0, b.offsets[i], p.numel()).view(p.sizes()));
                 }
+            core->grads->wait_for_work(rank);  // Note [libtorch NCCL buckets]
         }
 
         void start_backward() {
@@ -545,7 +573,7 @@ private:
         comm::ProcessGroup* procs = nullptr;
         OptimizerFactory<Impl> make_optimizer;
         std::unique_ptr<comm::HostGroup> layer_group;
-        std::unique_ptr<comm::HostGroup> grad_group;
+        std::unique_ptr<detail::GradientExchange> grads;
         std::vector<std::unique_ptr<Replica>> replicas;  // destroyed first: they use the groups
 
         Replica& replica(int r) { return *replicas[static_cast<std::size_t>(r)]; }
@@ -570,7 +598,9 @@ private:
             for (const auto& m : rep->module->modules(/*include_self=*/true))
                 if (auto* bn = dynamic_cast<SyncBatchNormImpl*>(m.get())) bn->layer_id = comm::CollectiveSite::placed_layers + layer++;
             rep->link.layer = &layer_group->communicator(r);
-            rep->grad = &grad_group->communicator(r);
+            grads->bind(r, rep->device);
+            rep->grad = &grads->communicator(r);
+            rep->span_device = grads->device(r);
             rep->worker = std::make_unique<SerialWorker>();
             rep->build_buckets(options.bucket_bytes);
             rep->optimizer = make_optimizer(*rep->module);
@@ -649,6 +679,11 @@ private:
                 ReplicaPool::report_failure(r, std::current_exception());
                 rep.collecting = false;
                 rep.worker->wait_quietly();
+                try {  // the next step's copies into the buckets come after what was started
+                    const c10::DeviceGuard on_device(rep.device);
+                    rep.grad->join();
+                } catch (...) {
+                }
                 rep.restore_buffers();
                 throw;
             }
@@ -659,7 +694,8 @@ private:
     };
 
     static std::shared_ptr<Core> make_core(const std::shared_ptr<Impl>& module, const std::vector<::torch::Device>& devices,
-                                           OptimizerFactory<Impl> optimizer, const Options& options) {
+                                           OptimizerFactory<Impl> optimizer, const Options& options,
+                                           const detail::ExchangeMaker& make_exchange) {
         LOCKSTEP_CHECK(module != nullptr, "lockstep::torch::DataParallel got a null module");
         LOCKSTEP_CHECK(!devices.empty(), "lockstep::torch::DataParallel needs at least one device");
         LOCKSTEP_CHECK(static_cast<bool>(optimizer), "lockstep::torch::DataParallel needs an optimizer factory");
@@ -683,12 +719,25 @@ private:
         std::vector<Device> hosts;
         for (int r = 0; r < core->world; ++r) hosts.push_back(Device::host(r));
         core->layer_group = std::make_unique<comm::HostGroup>(hosts, options.timeout, options.process_group, comm::ProcessGroup::layer);
-        core->grad_group =
-            std::make_unique<comm::HostGroup>(hosts, options.timeout, options.process_group, comm::ProcessGroup::gradients);
+        core->grads =
+            make_exchange ? make_exchange(devices, options.timeout, options.process_group) : default_exchange(devices, options);
         core->first_rank = core->layer_group->communicator(0).rank();
         core->global_world = core->layer_group->communicator(0).size();
         core->replicas.resize(devices.size());
         return core;
+    }
+
+    // The host group, or NCCL for CUDA replicas where the component has it (Note [libtorch NCCL buckets]).
+    static std::unique_ptr<detail::GradientExchange> default_exchange(const std::vector<::torch::Device>& devices,
+                                                                      const Options& options) {
+#if LOCKSTEP_TORCH_NCCL
+        if (devices.front().is_cuda() && options.nccl) {
+            std::vector<Device> gpus;
+            for (const auto& d : devices) gpus.push_back(Device::cuda(d.index()));
+            return std::make_unique<detail::StreamExchange<detail::TorchNcclApi>>(gpus, options.timeout, options.process_group);
+        }
+#endif
+        return std::make_unique<detail::HostExchange>(static_cast<int>(devices.size()), options.timeout, options.process_group);
     }
 
     // CPU replicas, or CUDA replicas one per device (Note [libtorch CUDA replicas]).
@@ -825,7 +874,21 @@ private:
                            "optimizer state to all, or load() a checkpoint");
     }
 
+    // A failed job aborted the groups; a stream group's communicators are aborted by helper
+    // threads (Note [aborting communicators] in comm/stream_group.hpp), waited for here, at most
+    // the groups' timeout (a day at most), so that the call returns with them gone.
     void run_job(ReplicaPool::Job job) {
+        try {
+            run_job_once(std::move(job));
+        } catch (...) {
+            const auto deadline = std::chrono::steady_clock::now() +
+                                  std::min<std::chrono::milliseconds>(core_->options.timeout, std::chrono::hours(24));
+            (void)core_->grads->abortable()->settle(deadline);
+            (void)core_->layer_group->abortable()->settle(deadline);
+            throw;
+        }
+    }
+    void run_job_once(ReplicaPool::Job job) {
         pool_.run([threads = call_threads(), core = core_, job = std::move(job)](int r) {
 #if AT_PARALLEL_OPENMP  // (libtorch's native pool ignores, with a warning, a set after its first use)
             if (at::get_num_threads() != threads) at::set_num_threads(threads);
