@@ -12,6 +12,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -360,6 +361,16 @@ struct TorchRecordingApi : lockstep_test::stream_double::RecordingApi {
         std::fill(data, data + count, std::numeric_limits<float>::quiet_NaN());
         std::lock_guard lock(held().m);
         held().by_stream[s].push_back(std::move(h));
+        held().reduced.insert(s);
+    }
+    // How many communication streams completed an all-reduce since forget_reduced().
+    static std::size_t streams_reduced() {
+        std::lock_guard lock(held().m);
+        return held().reduced.size();
+    }
+    static void forget_reduced() {
+        std::lock_guard lock(held().m);
+        held().reduced.clear();
     }
     static void record(Event e, Stream s) {
         Base::record(e, s);
@@ -388,6 +399,7 @@ private:
         std::mutex m;
         std::map<long, std::vector<Held>> by_stream;            // communication stream -> sums not yet seen
         std::map<long, std::pair<long, std::size_t>> by_event;  // event -> its stream, sums before it
+        std::set<long> reduced;
     };
     static Pending& held() {
         static Pending p;
@@ -510,10 +522,15 @@ TEST_CASE(
     dp.train_step(images(9, 1), labels(9, 1), models::cross_entropy);
     const auto before = snapshot(*dp.module());
     dp.parallel_apply([](FlakyImpl& m, int r) {
-        if (r == 2)  // the first layer's: its peers have started every other bucket by then
-            m.net->stem->weight.register_hook(
-                [](at::Tensor) -> at::Tensor { throw std::runtime_error("hook failed on purpose"); });
+        if (r == 2)  // the first layer's, once every rank has completed an all-reduce (at most 5 s)
+            m.net->stem->weight.register_hook([](at::Tensor) -> at::Tensor {
+                const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+                while (TorchRecordingApi::streams_reduced() < 3 && std::chrono::steady_clock::now() < until)
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                throw std::runtime_error("hook failed on purpose");
+            });
     });
+    TorchRecordingApi::forget_reduced();
     sd::log_of_calls().clear();
     const auto t0 = std::chrono::steady_clock::now();
     CHECK_THROWS_WITH(dp.train_step(images(9, 2), labels(9, 2), models::cross_entropy),
