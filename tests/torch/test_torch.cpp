@@ -410,9 +410,8 @@ private:
 lt::detail::ExchangeMaker recording_exchange() {
     return [](const std::vector<::torch::Device>& devices, std::chrono::milliseconds timeout,
               std::shared_ptr<lockstep::comm::ProcessGroup> processes) -> std::unique_ptr<lt::detail::GradientExchange> {
-        std::vector<lockstep::Device> hosts;
-        for (std::size_t r = 0; r < devices.size(); ++r) hosts.push_back(lockstep::Device::host(static_cast<int>(r)));
-        return std::make_unique<lt::detail::StreamExchange<TorchRecordingApi>>(hosts, timeout, std::move(processes));
+        return std::make_unique<lt::detail::StreamExchange<TorchRecordingApi>>(
+            lt::detail::host_devices(static_cast<int>(devices.size())), timeout, std::move(processes));
     };
 }
 

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "lockstep/core/backend.hpp"
+#include "lockstep/core/device_watch.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/tensor.hpp"
 
@@ -270,6 +271,22 @@ inline void wait_event(cudaEvent_t event, const char* what, std::chrono::millise
         [&] {
             throw Timeout(std::string(what) + " did not finish on the device within " + std::to_string(timeout.count()) +
                           " ms (the device is stuck or busy with other work)");
+        });
+}
+
+//! A replica's host wait for `event` on `device` (`poll_event`), bounded by `waits.timeout()` and
+//! consulting the replica's groups meanwhile (an aborted group or an NCCL error ends it). Past the
+//! deadline the groups are aborted and `Timeout` is thrown, naming `what` and the option
+//! (`timeout_option`) that sets the bound.
+inline void wait_watched(cudaEvent_t event, int device, const DeviceWaits& waits, const char* what, const char* timeout_option) {
+    poll_event(
+        event, waits.timeout(), [&] { waits.poll(); },
+        [&] {
+            const std::string message = std::string(what) + " on cuda:" + std::to_string(device) + " took longer than " +
+                                        std::to_string(waits.timeout().count()) + " ms; a peer replica may be stuck (raise " +
+                                        timeout_option + " if the step is legitimately that slow)";
+            waits.timed_out(message);
+            throw Timeout(message);
         });
 }
 

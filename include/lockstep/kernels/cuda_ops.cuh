@@ -320,16 +320,7 @@ struct Ops<Cuda> : cuda_ops::LayerOps, cuda_ops::BatchNormOps {
 private:
     // Polls `event` until `ex.waits.timeout()` passes, consulting the replica's groups meanwhile.
     static void wait_for(const Ex& ex, cudaEvent_t event, const char* what) {
-        cuda::poll_event(
-            event, ex.waits.timeout(), [&] { ex.waits.poll(); },
-            [&] {
-                const std::string message = std::string(what) + " on cuda:" + std::to_string(ex.device) + " took longer than " +
-                                            std::to_string(ex.waits.timeout().count()) +
-                                            " ms; a peer replica may be stuck (raise DataParallelOptions::timeout if "
-                                            "the step is legitimately that slow)";
-                ex.waits.timed_out(message);
-                throw Timeout(message);
-            });
+        cuda::wait_watched(event, ex.device, ex.waits, what, "DataParallelOptions::timeout");
     }
 };
 

@@ -471,16 +471,20 @@ private:
             for (std::size_t i = 0; i < buckets.size(); ++i)
                 if (!buckets[i].launched) launch(i);
             worker->wait();
-            // On the replica's device, whatever the model left current: the compute stream (a null
-            // handle, the current device's) waits for a stream group's all-reduces.
-            const c10::DeviceGuard on_device(device);
-            grad->join();
+            join_buckets();
             for (auto& b : buckets)
                 for (std::size_t i = 0; i < b.params.size(); ++i) {
                     auto& p = params[b.params[i]];
                     p.mutable_grad().copy_(b.flat.narrow(0, b.offsets[i], p.numel()).view(p.sizes()));
                 }
             core->grads->wait_for_work(rank);  // Note [libtorch NCCL buckets]
+        }
+
+        // The compute stream waits for the all-reduces a stream group started (a null handle, the
+        // current device's stream: so on the replica's device, whatever the model left current).
+        void join_buckets() {
+            const c10::DeviceGuard on_device(device);
+            grad->join();
         }
 
         void start_backward() {
@@ -680,8 +684,7 @@ private:
                 rep.collecting = false;
                 rep.worker->wait_quietly();
                 try {  // the next step's copies into the buckets come after what was started
-                    const c10::DeviceGuard on_device(rep.device);
-                    rep.grad->join();
+                    rep.join_buckets();
                 } catch (...) {
                 }
                 rep.restore_buffers();
@@ -716,9 +719,8 @@ private:
         core->world = static_cast<int>(devices.size());
         core->procs = options.process_group.get();
         core->make_optimizer = std::move(optimizer);
-        std::vector<Device> hosts;
-        for (int r = 0; r < core->world; ++r) hosts.push_back(Device::host(r));
-        core->layer_group = std::make_unique<comm::HostGroup>(hosts, options.timeout, options.process_group, comm::ProcessGroup::layer);
+        core->layer_group = std::make_unique<comm::HostGroup>(detail::host_devices(core->world), options.timeout,
+                                                              options.process_group, comm::ProcessGroup::layer);
         core->grads =
             make_exchange ? make_exchange(devices, options.timeout, options.process_group) : default_exchange(devices, options);
         core->first_rank = core->layer_group->communicator(0).rank();

@@ -38,6 +38,13 @@ inline constexpr bool nccl_available() noexcept {
 
 namespace detail {
 
+//! Devices host:0 .. host:n-1, a host group's replicas.
+inline std::vector<Device> host_devices(int n) {
+    std::vector<Device> d;
+    for (int r = 0; r < n; ++r) d.push_back(Device::host(r));
+    return d;
+}
+
 //! A DataParallel's gradient group, as its replicas use it. Built on the caller's thread with the
 //! object; `bind` runs on each replica's thread, in a job (its device and stream current), before
 //! its first collective.
@@ -63,7 +70,7 @@ public:
 class HostExchange final : public GradientExchange {
 public:
     HostExchange(int replicas, std::chrono::milliseconds timeout, std::shared_ptr<comm::ProcessGroup> processes)
-        : group_(hosts(replicas), timeout, std::move(processes), comm::ProcessGroup::gradients) {}
+        : group_(host_devices(replicas), timeout, std::move(processes), comm::ProcessGroup::gradients) {}
     comm::Collectives& communicator(int rank) override { return group_.communicator(rank); }
     std::shared_ptr<Abortable> abortable() const override { return group_.abortable(); }
     bool on_device() const noexcept override { return false; }
@@ -73,11 +80,6 @@ public:
     const char* transport() const noexcept override { return "host"; }
 
 private:
-    static std::vector<Device> hosts(int n) {
-        std::vector<Device> d;
-        for (int r = 0; r < n; ++r) d.push_back(Device::host(r));
-        return d;
-    }
     comm::HostGroup group_;
 };
 

@@ -73,16 +73,7 @@ struct TorchNcclApi : comm::NcclCalls<TorchNcclApi> {
     static void wait_for_work(Execution<Cuda>& ex, const char* what) {
         cuda::DeviceGuard guard(ex.device);
         LOCKSTEP_CUDA_CHECK(cudaEventRecord(ex.done_event, ex.stream));
-        cuda::poll_event(
-            ex.done_event, ex.waits.timeout(), [&] { ex.waits.poll(); },
-            [&] {
-                const std::string message = std::string(what) + " on cuda:" + std::to_string(ex.device) + " took longer than " +
-                                            std::to_string(ex.waits.timeout().count()) +
-                                            " ms; a peer replica may be stuck (raise Options::timeout if the step is "
-                                            "legitimately that slow)";
-                ex.waits.timed_out(message);
-                throw Timeout(message);
-            });
+        cuda::wait_watched(ex.done_event, ex.device, ex.waits, what, "lockstep::torch::Options::timeout");
     }
     [[noreturn]] static void rank_sum(int, Stream, std::span<void* const>, std::size_t, comm::DType) { refuse(); }
     [[noreturn]] static void copy(int, Stream, void*, const void*, std::size_t) { refuse(); }
