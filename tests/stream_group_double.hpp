@@ -181,9 +181,16 @@ struct RecordingApi {
         return comms;
     }
 
+    // A test makes this rank's all-reduces fail after they were accepted onto the stream, as a
+    // non-blocking communicator's settle may throw once NCCL took the call.
+    static std::atomic<int>& fail_accepted_rank() {
+        static std::atomic<int> rank{-1};
+        return rank;
+    }
     static void all_reduce(Comm c, void* buf, std::size_t count, comm::DType t, Stream s, tp deadline,
                            const std::atomic<bool>& stop) {
         log_of_calls().add({.op = "all_reduce", .group = c.round->group, .rank = c.rank, .stream = s, .count = count});
+        if (c.rank == fail_accepted_rank().load()) throw DeviceError("test communicator: the accepted all-reduce failed");
         exchange(c, buf, count, t, -1, deadline, stop);
     }
     static void broadcast(Comm c, void* buf, std::size_t count, comm::DType t, int root, Stream s, tp deadline,

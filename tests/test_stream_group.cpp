@@ -265,6 +265,52 @@ TEST_CASE("stream group: a started all-reduce runs on the communication stream b
         for (float v : d) CHECK(v == 4.0f);
 }
 
+// A started all-reduce that fails after its call was accepted onto the communication stream (a
+// non-blocking communicator's settle throwing) still leaves its done event, so the join of the
+// failed step orders the compute stream behind whatever the call left there.
+TEST_CASE("stream group: a started all-reduce that fails once accepted is still joined", "[comm]") {
+    log_of_calls().clear();
+    RecordingApi::fail_accepted_rank() = 0;
+    Group g(hosts({0, 1}), 5s);
+    std::vector<std::vector<float>> data(2, std::vector<float>(5, 2.0f));
+    std::map<int, std::thread::id> thread_of;
+    std::mutex m;
+    const auto errors = on_threads(
+        g,
+        [&](int r, comm::Collectives& c) {
+            {
+                std::lock_guard lock(m);
+                thread_of[r] = std::this_thread::get_id();
+            }
+            try {
+                c.start_all_reduce_sum(DeviceSpan<float>(data[static_cast<std::size_t>(r)].data(), 5, Device::host(r)),
+                                       comm::CollectiveSite::bucket(0));
+            } catch (...) {
+                c.join();  // as a failed step's replica joins its started buckets
+                throw;
+            }
+            c.join();
+        },
+        /*abort_on_error=*/true);
+    RecordingApi::fail_accepted_rank() = -1;
+    REQUIRE(errors[0]);
+    CHECK_THROWS_AS(std::rethrow_exception(errors[0]), DeviceError);
+    const auto calls = log_of_calls().snapshot();
+    std::vector<Call> mine;
+    long compute = 0;
+    for (const auto& c : calls)
+        if (c.thread == thread_of[0]) {
+            if (c.op == "compute_stream") compute = c.stream;
+            if (c.op == "record" || c.op == "wait" || c.op == "all_reduce") mine.push_back(c);
+        }
+    REQUIRE(compute != 0);
+    REQUIRE(mine.size() == 5);
+    CHECK(mine[2].op == "all_reduce");
+    const long side = mine[2].stream;
+    CHECK((mine[3].op == "record" && mine[3].stream == side));                                     // done, despite the throw
+    CHECK((mine[4].op == "wait" && mine[4].stream == compute && mine[4].event == mine[3].event));  // the join
+}
+
 // A negative root once read as "all-reduce": a broadcast from -1 summed the buffers instead of
 // failing. Both ends of the range are refused before anything is enqueued.
 TEST_CASE("stream group: a broadcast root outside the group is refused, naming the ranks it takes", "[comm]") {

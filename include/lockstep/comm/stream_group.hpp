@@ -209,16 +209,39 @@ private:
         Base::check_buffer(data, name, device_kind_of<typename Api::backend>(), st.devices[ur], "this group",
                            "pass the replica's own tensors", rank_);
         if (broadcast) Base::check_root(what.root, st.span.global());
-        const int root = what.root;
-        const bool started = what.started;
         st.check_usable();
         st.rendezvous.count_collective(rank_);
         Stream s = me.compute;
-        if (started) {  // behind the replica's work so far, on the communication stream
+        if (what.started) {  // behind the replica's work so far, on the communication stream
             st.api.record(me.ready, me.compute);
             st.api.wait(me.comm, me.ready);
             s = me.comm;
+            // From here the communication stream may hold this collective's work (an NCCL call
+            // accepted before its settle threw, a kernel of rank 0): join() covers it, thrown or not.
+            try {
+                enqueue(data, what, site, dtype, s);
+            } catch (...) {
+                try {
+                    st.api.record(me.done, s);
+                    started_ = true;
+                } catch (...) {  // the device failed too: the abort that follows covers its stream
+                }
+                throw;
+            }
+            st.api.record(me.done, s);
+            started_ = true;
+            return;
         }
+        enqueue(data, what, site, dtype, s);
+    }
+
+    // run()'s collective on stream `s`, from the rendezvous on.
+    template <class T>
+    void enqueue(DeviceSpan<T> data, Request what, CollectiveSite site, DType dtype, Stream s) {
+        State& st = *st_;
+        const auto ur = static_cast<std::size_t>(rank_);
+        auto& me = st.ranks[ur];
+        const int root = what.root;
         const bool local = st.mode == StreamGroupMode::local;
         if (local && rank_ != 0) st.api.record(me.ready_local, s);  // this rank's buffer is final here
         const CollectiveTag tag{site, what.kind, dtype, data.size, root};
@@ -247,10 +270,6 @@ private:
                     if (rank_ != 0) st.api.wait(s, st.local_done);
                 }
             }
-        }
-        if (started) {
-            st.api.record(me.done, s);
-            started_ = true;
         }
     }
 
