@@ -237,7 +237,16 @@ TEST_CASE("torch DataParallel: forward in eval mode gathers every replica's rows
     copy->eval();
     const auto x = images(7, 9);
     ::torch::NoGradGuard g;
-    CHECK(dp.forward(x).equal(copy->forward(x)));
+    const auto out = dp.forward(x);
+    // Each replica's rows, in order, exactly as the module computes its shard: a convolution's
+    // result may depend on the batch it runs in (oneDNN picks its kernel by shape: on an AMD EPYC
+    // the whole batch differs from the shards in the last bits), so the whole batch is compared
+    // within rounding.
+    std::vector<at::Tensor> shards;
+    for (const auto& s : lockstep::parallel::shard_ranges(7, 3)) shards.push_back(copy->forward(x.narrow(0, s.begin, s.count)));
+    CHECK(out.equal(::torch::cat(shards)));
+    const auto whole = copy->forward(x);
+    CHECK(((out - whole).norm() / whole.norm()).item<double>() <= 1e-6);
 }
 
 namespace {
