@@ -391,6 +391,26 @@ TEST_CASE("NCCL older than 2.26 is refused with its version, and the launch-orde
     ::unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
 }
 
+// A loaded NCCL of an older release than the headers lockstep was compiled against may lack a
+// function they declare, which the loader would report only at its first call, ending the
+// process: it is refused before NCCL's first call, naming both versions. A newer patch passes.
+TEST_CASE("NCCL older than the headers lockstep was compiled against is refused, naming both", "[hostcuda]") {
+    Clean clean;
+    REQUIRE(host_cuda::set_device_count(2));
+    const std::vector<Device> two{Device::cuda(0), Device::cuda(1)};
+    const int older = (NCCL_VERSION_CODE / 100 - 1) * 100 + 9;  // the release before the headers', patch 9
+    REQUIRE(older >= 22600);                                    // past the launch-order refusal
+    host_cuda::set_nccl_version(older);
+    const std::string headers = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR);
+    CHECK_THROWS_AS(DataParallel<Small<Cuda>>(make_small<Cuda>(), two), UsageError);
+    CHECK_THROWS_WITH(DataParallel<Small<Cuda>>(make_small<Cuda>(), two),
+                      Catch::Contains("NCCL 2." + std::to_string((older / 100) % 100) + ".9 is loaded") &&
+                          Catch::Contains("compiled against the headers of NCCL " + headers));
+    host_cuda::set_nccl_version(NCCL_VERSION_CODE / 100 * 100);  // the headers' release, patch 0
+    { DataParallel<Small<Cuda>> dp(make_small<Cuda>(), two); }
+    host_cuda::set_nccl_version(22805);
+}
+
 // Issue 23, item 7: finalize is a collective of the ranks; one thread finalizing its ranks one
 // by one waits on itself until the deadline. Mutation-checked (release build): NcclApi::finalize
 // finalizing and polling one communicator after the other (as before) fails this case.

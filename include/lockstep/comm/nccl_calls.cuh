@@ -208,23 +208,44 @@ struct NcclCalls {
     // thread then reads the environment: so it is set before either (after ncclGetVersion alone,
     // which initializes nothing), unless the user set it; an older NCCL is refused with its
     // version, as is one a test pins below 2.26. (The torch component's replicas have one
-    // communicator per GPU and take any NCCL: Note [libtorch NCCL buckets].)
+    // communicator per GPU and take any NCCL release as recent as its headers: Note [libtorch NCCL buckets].)
 
     //! The NCCL version that supports NCCL_LAUNCH_ORDER_IMPLICIT (2.26.0, as ncclGetVersion counts).
     static constexpr int launch_order_version = 22600;
 
-    //! Before NCCL initializes: require_launch_order(), then set_environment().
+    //! Before NCCL initializes: require_launch_order(), require_headers_release(), then set_environment().
     static void prepare_nccl() {
         require_launch_order();
+        require_headers_release();
         set_environment();
+    }
+
+    //! NCCL's version as ncclGetVersion counts it (major * 10000 + minor * 100 + patch, from 2.9).
+    static int loaded_version() {
+        int version = 0;
+        LOCKSTEP_NCCL_CHECK(ncclGetVersion(&version));
+        return version;
+    }
+    static std::string version_text(int version) {
+        return std::to_string(version / 10000) + "." + std::to_string((version / 100) % 100) + "." +
+               std::to_string(version % 100);
+    }
+
+    //! Refuses an NCCL library of an older release (major.minor) than the headers lockstep was
+    //! compiled against: a function those headers declare may be missing from it, and the loader
+    //! reports a missing function only at its first call, by ending the process.
+    static void require_headers_release() {
+        const int version = loaded_version();
+        LOCKSTEP_CHECK_AS(UsageError, version / 100 >= NCCL_VERSION_CODE / 100, "NCCL ", version_text(version),
+                          " is loaded, but lockstep was compiled against the headers of NCCL ", NCCL_MAJOR, ".", NCCL_MINOR,
+                          "; point the loader at the libnccl.so.2 of NCCL ", NCCL_MAJOR, ".", NCCL_MINOR,
+                          " or newer (LD_LIBRARY_PATH), or build against the headers of the NCCL that is loaded");
     }
 
     //! Refuses an NCCL too old for two communicators per device (Note [two communicators on one device]).
     static void require_launch_order() {
-        int version = 0;
-        LOCKSTEP_NCCL_CHECK(ncclGetVersion(&version));
-        LOCKSTEP_CHECK_AS(NotImplemented, version >= launch_order_version, "NCCL ", version / 10000, ".", (version / 100) % 100,
-                          ".", version % 100,
+        const int version = loaded_version();
+        LOCKSTEP_CHECK_AS(NotImplemented, version >= launch_order_version, "NCCL ", version_text(version),
                           " is loaded, but lockstep runs two NCCL communicators per GPU (layer and "
                           "gradient collectives), which needs NCCL 2.26 or newer (NCCL_LAUNCH_ORDER_IMPLICIT); point "
                           "the loader at a newer libnccl.so.2 (LD_LIBRARY_PATH)");

@@ -44,8 +44,12 @@ namespace lockstep::torch::detail {
 struct TorchNcclApi : comm::NcclCalls<TorchNcclApi> {
     static constexpr const char* name = "nccl";
 
-    //! One communicator per GPU: any NCCL will do (Note [two communicators on one device]).
-    static void prepare_nccl() { set_environment(); }
+    //! One communicator per GPU: any NCCL release as recent as the headers will do (Note [two
+    //! communicators on one device]).
+    static void prepare_nccl() {
+        require_headers_release();
+        set_environment();
+    }
 
     //! The replica's device, and libtorch's current stream there (called on the replica's thread
     //! in a job, so its device's default stream).
